@@ -1,0 +1,151 @@
+"""`lmserve memory`: how much memory a model's weights and KV cache need, and how many requests
+fit in a budget. Pure arithmetic on the model config; needs no GPU and no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from lmserve.memory import (
+    DTYPE_BYTES,
+    ModelShape,
+    dtype_bytes,
+    load_model_shape,
+    memory_report,
+    parse_bytes,
+)
+from lmserve.memory_presets import PRESETS, get_preset, preset_names
+
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
+
+
+def add_memory_parser(subparsers: Any) -> None:
+    """Add the ``memory`` subcommand to an argparse subparsers object (``func=run_memory``)."""
+    p = subparsers.add_parser(
+        "memory",
+        help="KV-cache and weight memory ledger for a model",
+        description=(
+            "Weights, KV cache per token/request/batch, and how many requests fit in a memory "
+            "budget. Sizes accept KiB/MiB/GiB (binary), KB/MB/GB (decimal); a bare K/M/G means "
+            "KiB/MiB/GiB. --memory is per device; with --tp the model is split across devices."
+        ),
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="DIR", help="model directory containing config.json")
+    src.add_argument("--config", metavar="FILE", help="path to an HF config.json")
+    src.add_argument("--preset", metavar="NAME", help=f"built-in model: {', '.join(preset_names())}")
+    p.add_argument("--list-presets", action="store_true", help="list the built-in presets and exit")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per request (default 4096)")
+    p.add_argument("--batch", type=int, default=1, help="concurrent requests (default 1)")
+    p.add_argument(
+        "--kv-dtype", default="bf16", help=f"KV cache dtype: {', '.join(KV_DTYPES)} (default bf16)"
+    )
+    p.add_argument("--weight-dtype", default="bf16", help="weight dtype (default bf16)")
+    p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 80GB")
+    p.add_argument("--reserve", default="0", help="memory kept aside per device (default 0)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_memory)
+
+
+def _error(message: str) -> int:
+    print(f"lmserve memory: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _resolve_shape(args: argparse.Namespace) -> tuple[ModelShape, str]:
+    chosen = [
+        (flag, value)
+        for flag, value in (
+            ("--model", getattr(args, "model", None)),
+            ("--config", getattr(args, "config", None)),
+            ("--preset", getattr(args, "preset", None)),
+        )
+        if value
+    ]
+    if not chosen:
+        raise ValueError("give one of --model DIR, --config FILE or --preset NAME")
+    if len(chosen) > 1:
+        raise ValueError(
+            f"give only one of --model, --config, --preset (got {', '.join(f for f, _ in chosen)})"
+        )
+    flag, value = chosen[0]
+    if flag == "--preset":
+        preset = get_preset(value)
+        return preset.shape(), preset.name
+    return load_model_shape(value), str(value)
+
+
+def _list_presets() -> str:
+    lines = []
+    for name in preset_names():
+        s = PRESETS[name].shape()
+        lines.append(
+            f"{name:<15} {PRESETS[name].hf_id:<38} {s.num_layers} layers, hidden {s.hidden_size}, "
+            f"{s.num_attention_heads}/{s.num_kv_heads} heads/KV heads"
+        )
+    return "\n".join(lines)
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    """Print the memory report for ``args``; 0 on success, 2 (with a message) on bad input."""
+    if getattr(args, "list_presets", False):
+        print(_list_presets())
+        return 0
+    try:
+        shape, name = _resolve_shape(args)
+        kv_dtype = str(getattr(args, "kv_dtype", "bf16"))
+        if kv_dtype.strip().lower() not in DTYPE_BYTES:
+            raise ValueError(f"--kv-dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        weight_dtype = str(getattr(args, "weight_dtype", "bf16"))
+        try:
+            dtype_bytes(weight_dtype)
+        except ValueError as e:
+            raise ValueError(f"--weight-dtype: {e}") from None
+        memory = getattr(args, "memory", None)
+        memory_bytes = None
+        if memory is not None:
+            memory_bytes = _bytes_arg("--memory", memory)
+            if memory_bytes <= 0:
+                raise ValueError(f"--memory must be positive, got {memory!r}")
+        reserve_bytes = _bytes_arg("--reserve", getattr(args, "reserve", 0) or 0)
+        ints = {}
+        for flag, attr, default in (
+            ("--seq-len", "seq_len", 4096),
+            ("--batch", "batch", 1),
+            ("--block-size", "block_size", 16),
+            ("--tp", "tp", 1),
+        ):
+            value = getattr(args, attr, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+            ints[attr] = value
+        if memory_bytes is not None and reserve_bytes > memory_bytes:
+            raise ValueError(f"--reserve ({reserve_bytes:,} B) is larger than --memory ({memory_bytes:,} B)")
+        report = memory_report(
+            shape,
+            kv_dtype=kv_dtype,
+            weight_dtype=weight_dtype,
+            memory_bytes=memory_bytes,
+            reserve_bytes=reserve_bytes,
+            name=name,
+            **ints,
+        )
+    except (ValueError, OSError) as e:
+        return _error(str(e))
+
+    if getattr(args, "json", False):
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.format_table())
+    return 0
+
+
+def _bytes_arg(flag: str, value: str | int) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
