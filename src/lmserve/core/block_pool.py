@@ -1,0 +1,126 @@
+"""The pool of KV-cache blocks: reference counts, an LRU free list, and the prefix-cache index.
+
+A block is free when no request references it (ref_cnt == 0). A free block that holds a full,
+hashed block of tokens stays findable in the index until it is handed out again, so a later request
+with the same prefix can take it back (a prefix-cache hit). Eviction order is least recently freed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+# (parent block's hash or None, token ids of the block): equal keys mean equal prefixes.
+BlockKey = tuple[int | None, tuple[int, ...]]
+
+
+def block_key(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> BlockKey:
+    return (parent_hash, tuple(token_ids))
+
+
+def hash_blocks(token_ids: list[int], block_size: int, known: list[int]) -> list[int]:
+    """Extend `known` (chained hashes of the first full blocks) to every full block of token_ids."""
+    hashes = list(known)
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash(block_key(parent, token_ids[i * block_size : (i + 1) * block_size])))
+    return hashes
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    key: BlockKey | None = None  # set while the block is registered in the prefix index
+
+    @property
+    def block_hash(self) -> int | None:
+        return None if self.key is None else hash(self.key)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        assert num_blocks > 0, "the pool needs at least one block"
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._index: dict[BlockKey, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def lookup(self, key: BlockKey) -> KVCacheBlock | None:
+        return self._index.get(key) if self.enable_caching else None
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take n blocks off the head of the free list (evicting their cached contents)."""
+        assert n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks found by lookup (pulling free ones off the free list)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching zero go to the tail of the free list, in the given order
+        (callers pass a request's blocks tail-first so its last blocks are evicted first)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"block {block.block_id} freed more often than referenced"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_block(self, block: KVCacheBlock, key: BlockKey) -> None:
+        """Register a full block under its key. If an identical block is already indexed, keep that one."""
+        if not self.enable_caching or block.key is not None:
+            return
+        if key in self._index:
+            return
+        block.key = key
+        self._index[key] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._index.values()):
+            block.key = None
+        self._index.clear()
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.key is not None:
+            del self._index[block.key]
+            block.key = None
+
+    def check_invariants(self, block_tables: list[list[KVCacheBlock]] | None = None) -> None:
+        """For tests: free ⇔ ref_cnt == 0; the index points at blocks carrying that key; and, given every
+        request's block table, ref counts equal the number of tables holding each block."""
+        for block in self.blocks:
+            in_free = block.block_id in self._free
+            assert in_free == (block.ref_cnt == 0), f"block {block.block_id}: ref_cnt={block.ref_cnt}, free={in_free}"
+            assert block.ref_cnt >= 0, f"block {block.block_id} has negative ref_cnt"
+            if block.key is not None:
+                assert self._index.get(block.key) is block, f"block {block.block_id} keyed but not indexed"
+        for key, block in self._index.items():
+            assert block.key == key, f"index key of block {block.block_id} does not match its contents"
+        if block_tables is not None:
+            counts = [0] * self.num_blocks
+            for table in block_tables:
+                for block in table:
+                    counts[block.block_id] += 1
+            for block in self.blocks:
+                assert counts[block.block_id] == block.ref_cnt, (
+                    f"block {block.block_id}: ref_cnt={block.ref_cnt} but {counts[block.block_id]} tables hold it"
+                )

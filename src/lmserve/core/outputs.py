@@ -1,0 +1,78 @@
+"""Dataclasses that cross the boundaries between scheduler, model runner and engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmserve.request import FinishReason, Request, RequestMetrics
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [start, start + num_new_tokens)."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table after allocation
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled token per request id, only for requests whose step reached the end of their tokens."""
+
+    sampled_token_ids: dict[str, int]
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_batched_tokens: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # tokens looked up
+    prefix_cache_hits_total: int  # tokens found
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics

@@ -1,0 +1,182 @@
+"""Iteration-level scheduling with a token budget. Imports no torch.
+
+Each step: running requests first (one token for a decode, a chunk for an unfinished prefill), then
+waiting requests FCFS while the budget, max_num_seqs and free blocks allow. When blocks run out, the
+most recently admitted running request is preempted by recompute. `static` policy admits a whole
+batch at once and lets nothing join until every request in it has finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from lmserve.config import SchedulerConfig
+from lmserve.core.kv_cache_manager import KVCacheManager
+from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
+from lmserve.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock=None) -> None:
+        import time
+
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.clock = clock or time.time
+        self.num_preemptions_total = 0
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
+        self._last_num_batched_tokens = 0
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish_reason = FinishReason.ABORT
+            self._finish(request)
+            aborted.append(request)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        now = self.clock()
+        for s in scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        assert num_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
+        self._last_num_batched_tokens = num_tokens
+        return SchedulerOutput(scheduled, num_tokens, preempted)
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+                break  # whole prompt must fit one step: wait for a step with budget
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            table = self.kv.allocate_slots(request, num_new)
+            while table is None:
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                table = self.kv.allocate_slots(request, num_new)
+            if table is None:
+                break
+            scheduled.append(ScheduledRequest(request, num_new, [b.block_id for b in table]))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        static = self.config.scheduling_policy == "static"
+        if static and self.running:
+            return  # a static batch admits no newcomers until it has drained
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_hit_tokens:
+                break
+            table = self.kv.allocate_slots(request, num_new, hits)
+            if table is None:
+                break
+            self.waiting.popleft()
+            self.prefix_cache_queries_total += request.num_tokens
+            self.prefix_cache_hits_total += num_hit_tokens
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new, [b.block_id for b in table]))
+            budget -= num_new
+        if static:
+            # The rest of the batch joins now, without computing yet: admitted together, finished together.
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                if self.kv.num_blocks_for(request.num_tokens + 1) > self.kv.pool.num_free_blocks:
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    # ---- after the model ran ----------------------------------------------------------------
+
+    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput, max_model_len: int) -> list[Request]:
+        """Advance counters, append sampled tokens, finish what is done. Returns the requests that
+        got a new token (finished ones included)."""
+        updated: list[Request] = []
+        now = self.clock()
+        for s in sched.scheduled:
+            request = s.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(request)
+            token = output.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_output_token(token)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            if request.check_stop(max_model_len):
+                self.running.remove(request)
+                self._finish(request)
+            updated.append(request)
+        return updated
+
+    def _finish(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        request.metrics.finished_time = self.clock()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_batched_tokens=self._last_num_batched_tokens,
+            kv_cache_usage=self.kv.usage,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries_total=self.prefix_cache_queries_total,
+            prefix_cache_hits_total=self.prefix_cache_hits_total,
+        )

@@ -1,0 +1,240 @@
+"""The synchronous engine: add_request / abort_request / step, one model execution per step."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmserve.config import EngineArgs, EngineConfig
+from lmserve.core.kv_cache_manager import KVCacheManager
+from lmserve.core.outputs import CompletionOutput, RequestOutput, SchedulerStats
+from lmserve.core.scheduler import Scheduler
+from lmserve.request import FinishReason, Request, RequestMetrics
+from lmserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _ParentRequest:
+    """A user request; n > 1 fans out to n sequences that share its prompt (and its cached blocks)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    metrics: RequestMetrics
+    texts: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCounters:
+    num_requests_total: int = 0
+    num_finished_by_reason: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_steps_total: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from lmserve.worker.model_runner import ModelRunner
+
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.eos_token_ids = self._resolve_eos()
+        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(config)
+        self.counters = EngineCounters()
+        self._parents: dict[str, _ParentRequest] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def _resolve_eos(self) -> tuple[int, ...]:
+        eos = set(self.config.model.eos_token_ids)
+        gen_cfg = Path(self.config.model.path) / "generation_config.json"
+        if gen_cfg.is_file():
+            gen_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(eos))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids (ints)")
+        return None, list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request can ever run; returns its resolved max_tokens. Raises ValueError with numbers."""
+        sc, cc = self.config.scheduler, self.config.cache
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if n >= sc.max_model_len:
+            raise ValueError(
+                f"prompt is {n} tokens, but max_model_len is {sc.max_model_len} "
+                f"(the prompt plus at least one generated token must fit)"
+            )
+        room = sc.max_model_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        num_blocks = self.kv.num_blocks_for(n + max_tokens)
+        if num_blocks > cc.num_blocks:
+            raise ValueError(
+                f"request needs up to {n + max_tokens} tokens ({n} prompt + {max_tokens} max_tokens) = "
+                f"{num_blocks} KV blocks of {cc.block_size}, but the KV pool holds only {cc.num_blocks} blocks "
+                f"({cc.num_tokens} tokens); lower max_tokens or raise num_kv_blocks / kv_cache_memory_gib"
+            )
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = self.new_request_id() if request_id is None else request_id
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, prompt_ids = self.tokenize(prompt)
+        max_tokens = self.validate(prompt_ids, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                prompt=text,
+                arrival_time=arrival,
+            )
+            if params.seed is not None:
+                child.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + i)
+            children.append(child)
+        self._parents[request_id] = _ParentRequest(request_id, text, prompt_ids, children, RequestMetrics(arrival))
+        for child in children:
+            self._child_to_parent[child.request_id] = request_id
+            self.scheduler.add_request(child)
+        self.counters.num_requests_total += 1
+        self.counters.prompt_tokens_total += len(prompt_ids)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for rid in ids:
+            parent = self._parents.get(rid)
+            if parent is None:
+                continue
+            for req in self.scheduler.abort_requests([c.request_id for c in parent.children]):
+                self.counters.num_finished_by_reason[FinishReason.ABORT.value] += 1
+                self._child_to_parent.pop(req.request_id, None)
+            del self._parents[rid]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        runner_out = self.runner.execute(sched)
+        updated = self.scheduler.update_from_output(sched, runner_out, self.config.scheduler.max_model_len)
+        self.counters.num_steps_total += 1
+        self.counters.generation_tokens_total += len(updated)
+        parents: dict[str, _ParentRequest] = {}
+        for req in updated:
+            parent = self._parents[self._child_to_parent[req.request_id]]
+            parents[parent.request_id] = parent
+            if req.is_finished:
+                self.counters.num_finished_by_reason[req.finish_reason.value] += 1
+        return [self._make_output(p) for p in parents.values()]
+
+    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
+        outputs = []
+        for i, child in enumerate(parent.children):
+            text = ""
+            if child.is_finished:
+                text = self.tokenizer.decode(child.output_token_ids, skip_special_tokens=True)
+            outputs.append(
+                CompletionOutput(i, text, list(child.output_token_ids), child.finish_reason, child.stop_reason)
+            )
+        finished = all(c.is_finished for c in parent.children)
+        first = parent.children[0]
+        m = parent.metrics
+        m.first_scheduled_time = _min_time(c.metrics.first_scheduled_time for c in parent.children)
+        m.first_token_time = _min_time(c.metrics.first_token_time for c in parent.children)
+        m.last_token_time = max((c.metrics.last_token_time or 0.0) for c in parent.children) or None
+        if finished:
+            m.finished_time = max(c.metrics.finished_time or 0.0 for c in parent.children)
+            del self._parents[parent.request_id]
+            for c in parent.children:
+                self._child_to_parent.pop(c.request_id, None)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=m,
+        )
+
+    # ---- observability ----------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def get_metrics(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        c = self.counters
+        return {
+            "num_requests_total": c.num_requests_total,
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "num_steps_total": c.num_steps_total,
+            "prompt_tokens_total": c.prompt_tokens_total,
+            "generation_tokens_total": c.generation_tokens_total,
+            "num_preemptions_total": s.num_preemptions_total,
+            "prefix_cache_queries_total": s.prefix_cache_queries_total,
+            "prefix_cache_hits_total": s.prefix_cache_hits_total,
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_kv_blocks": self.config.cache.num_blocks,
+            "finished_requests_by_reason": dict(c.num_finished_by_reason),
+        }
+
+
+def _min_time(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None

@@ -1,0 +1,70 @@
+"""Offline inference: LLM(model).generate(prompts, sampling_params) -> list[RequestOutput]."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmserve.config import EngineArgs
+from lmserve.core.outputs import RequestOutput
+from lmserve.engine.llm_engine import LLMEngine, Prompt
+from lmserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is None:
+            from lmserve.default_model import default_model_path
+
+            model = default_model_path()
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. All prompts are validated before
+        any is queued, so one bad prompt raises ValueError and nothing is half-run."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (text or token ids)
+        prompts_list: list[Prompt] = list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts_list):
+                raise ValueError(
+                    f"sampling_params: got {len(sampling_params)} for {len(prompts_list)} prompts (lengths must match)"
+                )
+            params_list = sampling_params
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts_list)
+        engine = self.engine
+        for i, (prompt, params) in enumerate(zip(prompts_list, params_list, strict=True)):
+            try:
+                engine.validate(engine.tokenize(prompt)[1], params)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts_list, params_list, strict=True)]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self.engine.get_metrics()

@@ -1,0 +1,97 @@
+"""Paged attention: K/V of new tokens are written into the block-structured cache by slot mapping,
+and queries read their history back through block tables.
+
+Cache layout per layer (one tensor for K, one for V):
+
+    (num_blocks, block_size, num_kv_heads, head_dim)
+    slot = block_id * block_size + offset_in_block   →   flat row of view(-1, num_kv_heads, head_dim)
+
+A step's tokens are flat (no batch dimension): first the decode tokens (one query per request),
+then each prefill chunk as a contiguous segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # first token index of the chunk in the flat batch
+    end: int
+    num_context_tokens: int  # tokens of this request already in the cache before the chunk
+    block_table: torch.Tensor  # (num_blocks,) long: blocks covering context + chunk
+    mask: torch.Tensor | None  # (chunk_len, context + chunk_len) bool; None: plain causal, no context
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (num_tokens,) long
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_num_blocks) long
+    decode_mask: torch.Tensor | None = None  # (num_decodes, 1, 1, max_num_blocks * block_size) bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    k_cache, v_cache = kv_cache
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+) -> torch.Tensor:
+    """q: (T, H, D); k, v: (T, KVH, D) for the step's new tokens. Returns (T, H, D)."""
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.num_decode_tokens:
+        nd = meta.num_decode_tokens
+        out[:nd] = _decode_attention(q[:nd], kv_cache, meta)
+    for seg in meta.prefills:
+        out[seg.start : seg.end] = _prefill_attention(q, k, v, kv_cache, seg)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    # (..., num_blocks) -> (..., num_blocks * block_size, KVH, D)
+    gathered = cache[block_tables]
+    return gathered.flatten(-4, -3)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    assert meta.decode_block_tables is not None and meta.decode_mask is not None, "decode metadata missing"
+    k = _gather(kv_cache[0], meta.decode_block_tables).transpose(1, 2)  # (B, KVH, L, D)
+    v = _gather(kv_cache[1], meta.decode_block_tables).transpose(1, 2)
+    qb = q.unsqueeze(2)  # (B, H, 1, D)
+    o = F.scaled_dot_product_attention(qb, k, v, attn_mask=meta.decode_mask, enable_gqa=True)
+    return o.squeeze(2)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, seg: PrefillSegment
+) -> torch.Tensor:
+    qs = q[seg.start : seg.end].transpose(0, 1)  # (H, n, D)
+    if seg.num_context_tokens == 0:
+        ks = k[seg.start : seg.end].transpose(0, 1)
+        vs = v[seg.start : seg.end].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+    else:
+        total = seg.num_context_tokens + (seg.end - seg.start)
+        ks = _gather(kv_cache[0], seg.block_table)[:total].transpose(0, 1)  # (KVH, total, D)
+        vs = _gather(kv_cache[1], seg.block_table)[:total].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def causal_mask_with_context(num_context: int, num_new: int, device: torch.device) -> torch.Tensor:
+    """(num_new, num_context + num_new) bool: query i (position num_context + i) sees keys <= its position."""
+    q_pos = torch.arange(num_new, device=device)[:, None] + num_context
+    k_pos = torch.arange(num_context + num_new, device=device)[None, :]
+    return k_pos <= q_pos

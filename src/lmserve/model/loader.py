@@ -1,0 +1,110 @@
+"""config.json + *.safetensors (single or sharded) → a CausalLM with its parameters filled."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lmserve.config import ModelConfig
+from lmserve.model.llama import CausalLM
+
+# HF checkpoint name fragment → (our fused parameter fragment, shard index within the fused output)
+STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {str(path)!r}")
+    return files
+
+
+def load_model(cfg: ModelConfig, max_positions: int, device: str) -> CausalLM:
+    dtype = TORCH_DTYPES[cfg.dtype]
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    model = model.to_empty(device=device)
+    # The rotary tables are buffers computed, not loaded: rebuild them on the real device.
+    from lmserve.model.layers import RotaryEmbedding
+
+    model.model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions).to(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(dtype)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in checkpoint_files(Path(cfg.path)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                target, shard = _map_name(name)
+                if target not in params:
+                    if cfg.tie_word_embeddings and target == "lm_head.weight":
+                        continue  # some tied checkpoints still save the head
+                    raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in {cfg.architecture}")
+                _copy_into(params[target], f.get_tensor(name), shard, cfg)
+                loaded.add(target if shard is None else f"{target}#{shard}")
+    _check_complete(params, loaded, cfg)
+    return model.eval()
+
+
+def _map_name(name: str) -> tuple[str, int | None]:
+    for fused, part, shard in STACKED_PARAMS:
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig) -> None:
+    with torch.no_grad():
+        if shard is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(tensor.shape)}")
+            param.copy_(tensor)
+            return
+        sizes = _shard_sizes(param, cfg)
+        start = sum(sizes[:shard])
+        dst = param.narrow(0, start, sizes[shard])
+        if dst.shape != tensor.shape:
+            raise ValueError(f"shape mismatch: fused shard {tuple(dst.shape)} vs checkpoint {tuple(tensor.shape)}")
+        dst.copy_(tensor)
+
+
+def _shard_sizes(param: torch.Tensor, cfg: ModelConfig) -> list[int]:
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    if param.shape[0] == q + 2 * kv:
+        return [q, kv, kv]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], cfg: ModelConfig) -> None:
+    missing = []
+    for name in params:
+        fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in name), None)
+        if fused is None:
+            ok = name in loaded or (cfg.tie_word_embeddings and name == "lm_head.weight")
+        else:
+            n = 3 if fused == "qkv_proj" else 2
+            ok = all(f"{name}#{i}" in loaded for i in range(n))
+        if not ok:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"checkpoint in {cfg.path!r} lacks parameters: {missing[:8]}{'...' if len(missing) > 8 else ''}")

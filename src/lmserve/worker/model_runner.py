@@ -1,0 +1,114 @@
+"""SchedulerOutput → flat input tensors + attention metadata → model → logits → sampled tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from lmserve.config import EngineConfig
+from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lmserve.model.attention import AttentionMetadata, KVCache, PrefillSegment, causal_mask_with_context
+from lmserve.model.loader import TORCH_DTYPES, load_model
+from lmserve.worker.sampler import Sampler, SamplingMetadata
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        mc = config.model
+        self.model = load_model(mc, config.scheduler.max_model_len, config.device)
+        self.kv_caches: list[KVCache] = self._allocate_kv_caches()
+        self.sampler = Sampler()
+
+    def _allocate_kv_caches(self) -> list[KVCache]:
+        mc, cc = self.config.model, self.config.cache
+        shape = (cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
+        dtype = TORCH_DTYPES[mc.dtype]
+        return [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(mc.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Decodes (one query token) first, then prefill chunks: the attention backend batches the former.
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, slots = [], [], []
+        for s in ordered:
+            ids, pos, sl = self._token_inputs(s)
+            input_ids += ids
+            positions += pos
+            slots += sl
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        if decodes:
+            self._decode_metadata(decodes, meta)
+        offset = len(decodes)
+        for s in prefills:
+            n = s.num_new_tokens
+            ctx = s.start
+            num_blocks = -(-(ctx + n) // self.block_size)
+            meta.prefills.append(
+                PrefillSegment(
+                    start=offset,
+                    end=offset + n,
+                    num_context_tokens=ctx,
+                    block_table=torch.tensor(s.block_ids[:num_blocks], dtype=torch.long, device=dev),
+                    mask=causal_mask_with_context(ctx, n, dev) if ctx else None,
+                )
+            )
+            offset += n
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        # Only the last token of each request that reaches the end of its known tokens is sampled.
+        sample_rows, sampling = [], []
+        offset = 0
+        for s in ordered:
+            offset += s.num_new_tokens
+            if s.samples:
+                sample_rows.append(offset - 1)
+                sampling.append(s)
+        if not sampling:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        out = self.sampler(logits, self._sampling_metadata(sampling))
+        return ModelRunnerOutput(
+            {s.request.request_id: t for s, t in zip(sampling, out.sampled_token_ids, strict=True)}
+        )
+
+    def _token_inputs(self, s: ScheduledRequest) -> tuple[list[int], list[int], list[int]]:
+        start, end = s.start, s.start + s.num_new_tokens
+        bs = self.block_size
+        ids = s.request.all_token_ids[start:end]
+        pos = list(range(start, end))
+        slots = [s.block_ids[p // bs] * bs + p % bs for p in pos]
+        return ids, pos, slots
+
+    def _decode_metadata(self, decodes: list[ScheduledRequest], meta: AttentionMetadata) -> None:
+        bs = self.block_size
+        context_lens = [s.start + 1 for s in decodes]
+        max_blocks = -(-max(context_lens) // bs)
+        tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes]
+        dev = self.device
+        meta.num_decode_tokens = len(decodes)
+        meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+        lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
+        key_pos = torch.arange(max_blocks * bs, device=dev)
+        meta.decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+
+    def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
+        reqs = [s.request for s in sampling]
+        return SamplingMetadata(
+            params=[r.sampling_params for r in reqs],
+            generators=[r.generator for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            eos_token_ids=list(reqs[0].eos_token_ids),
+        )

@@ -1,0 +1,81 @@
+"""Tiny random HF models and a locally trained byte-level BPE tokenizer, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+CORPUS_FILES = ("collections/__init__.py", "argparse.py", "textwrap.py", "json/decoder.py")
+
+EXTRA_TEXT = [
+    "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
+    "床前明月光，疑是地上霜。举头望明月，低头思故乡。",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "emoji 🙂🚀 and accents: café, naïve, Zürich.",
+]
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
+    """Byte-level BPE trained on Python's own stdlib sources, saved so AutoTokenizer loads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sys.modules["os"].__file__).parent
+    texts = [(stdlib / f).read_text(encoding="utf-8") for f in CORPUS_FILES] + EXTRA_TEXT * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(out_dir)
+
+
+def build_model(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny randomly initialised HF model of the given family, saved with its tokenizer."""
+    import shutil
+
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    kwargs = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out_dir / f.name)
+    return out_dir
