@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmserve.request import FinishReason, Request, RequestMetrics
 
@@ -41,6 +42,7 @@ class ModelRunnerOutput:
     """Sampled token per request id, only for requests whose step reached the end of their tokens."""
 
     sampled_token_ids: dict[str, int]
+    logits: Any = None  # (num_sampled, vocab) float32 rows behind the samples, in scheduled order (tests, logprobs)
 
 
 @dataclass

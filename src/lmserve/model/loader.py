@@ -59,7 +59,7 @@ def load_model(cfg: ModelConfig, max_positions: int, device: str) -> CausalLM:
                     if cfg.tie_word_embeddings and target == "lm_head.weight":
                         continue  # some tied checkpoints still save the head
                     raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in {cfg.architecture}")
-                _copy_into(params[target], f.get_tensor(name), shard, cfg)
+                _copy_into(params[target], target, f.get_tensor(name), shard, cfg)
                 loaded.add(target if shard is None else f"{target}#{shard}")
     _check_complete(params, loaded, cfg)
     return model.eval()
@@ -72,14 +72,14 @@ def _map_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def _copy_into(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig) -> None:
+def _copy_into(param: torch.Tensor, target: str, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig) -> None:
     with torch.no_grad():
         if shard is None:
             if param.shape != tensor.shape:
                 raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(tensor.shape)}")
             param.copy_(tensor)
             return
-        sizes = _shard_sizes(param, cfg)
+        sizes = _shard_sizes(target, cfg)
         start = sum(sizes[:shard])
         dst = param.narrow(0, start, sizes[shard])
         if dst.shape != tensor.shape:
@@ -87,11 +87,11 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, cfg
         dst.copy_(tensor)
 
 
-def _shard_sizes(param: torch.Tensor, cfg: ModelConfig) -> list[int]:
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    if param.shape[0] == q + 2 * kv:
+def _shard_sizes(fused_name: str, cfg: ModelConfig) -> list[int]:
+    if ".qkv_proj." in fused_name:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         return [q, kv, kv]
+    assert ".gate_up_proj." in fused_name, f"no shard layout for {fused_name}"
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 

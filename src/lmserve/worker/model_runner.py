@@ -68,19 +68,18 @@ class ModelRunner:
             meta,
         )
         # Only the last token of each request that reaches the end of its known tokens is sampled.
-        sample_rows, sampling = [], []
-        offset = 0
+        last_row, offset = {}, 0
         for s in ordered:
             offset += s.num_new_tokens
-            if s.samples:
-                sample_rows.append(offset - 1)
-                sampling.append(s)
+            last_row[s.request.request_id] = offset - 1
+        sampling = [s for s in sched.scheduled if s.samples]  # rows in scheduled order
+        sample_rows = [last_row[s.request.request_id] for s in sampling]
         if not sampling:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         out = self.sampler(logits, self._sampling_metadata(sampling))
         return ModelRunnerOutput(
-            {s.request.request_id: t for s, t in zip(sampling, out.sampled_token_ids, strict=True)}
+            {s.request.request_id: t for s, t in zip(sampling, out.sampled_token_ids, strict=True)}, logits
         )
 
     def _token_inputs(self, s: ScheduledRequest) -> tuple[list[int], list[int], list[int]]:
