@@ -1,0 +1,232 @@
+"""Incremental detokenization and stop-string matching for one streamed sequence.
+
+Why not decode the whole output each step: that is O(n) per token, O(n^2) per request. Instead (vLLM's
+prefix_offset / read_offset technique) each step decodes only a short window of the newest tokens and
+takes the text beyond what the window's already-read part decodes to:
+
+    ids:   ... | prefix_offset ... read_offset | new tokens
+    delta = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
+
+The already-read context makes decoders that treat the first token specially (Metaspace/SentencePiece strip
+its leading space) behave as in a full decode. A window whose text ends in U+FFFD is an unfinished UTF-8
+character (byte-level BPE splits Chinese and emoji across tokens): nothing is emitted and the window grows
+until the character completes, so no replacement character or duplicate leaks into the stream.
+
+The text then goes through two streaming stages, each holding back only the trailing characters whose
+final form is still open:
+  * tokenization-space cleanup (" ." -> "." ...) when the tokenizer's decode applies it;
+  * stop strings: a suffix that is a proper prefix of some stop string is held back (at most
+    max(len(stop)) - 1 characters; none with include_stop_str_in_output), and on a match the text is cut
+    before the stop string (or after it with include_stop_str_in_output).
+
+Without a stop match, the deltas of update() plus flush() concatenate to exactly
+`tokenizer.decode(all_output_ids, skip_special_tokens=params.skip_special_tokens)`. Output text is decoded
+from the output ids alone (the prompt is not decode context), which is what makes that equality hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lmserve.sampling_params import SamplingParams
+
+# transformers' PreTrainedTokenizerBase.clean_up_tokenization, in order (str.replace chain).
+_CLEANUP_REPLACEMENTS: tuple[tuple[str, str], ...] = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+@dataclass
+class DetokenizerUpdate:
+    """New text of one step; `stop_str` is the stop string that ended the sequence, else None."""
+
+    delta_text: str
+    stop_str: str | None = None
+
+
+def _longest_suffix_prefix(text: str, patterns: list[str], limit: int) -> int:
+    """Length (<= limit) of the longest suffix of `text` that is a proper prefix of one of `patterns`."""
+    for k in range(min(limit, len(text)), 0, -1):
+        suffix = text[-k:]
+        if any(len(p) > k and p.startswith(suffix) for p in patterns):
+            return k
+    return 0
+
+
+class _StreamingReplace:
+    """str.replace(old, new) applied to a text that arrives in pieces, with the same result.
+
+    str.replace scans left to right for non-overlapping matches, so everything before the last
+    len(old) - 1 characters that could still begin a match is final and can be released.
+    """
+
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
+        self._buf = ""
+
+    def feed(self, text: str) -> str:
+        buf = self._buf + text
+        out: list[str] = []
+        while (i := buf.find(self.old)) != -1:
+            out.append(buf[:i])
+            out.append(self.new)
+            buf = buf[i + len(self.old) :]
+        hold = _longest_suffix_prefix(buf, [self.old], len(self.old) - 1)
+        out.append(buf[: len(buf) - hold])
+        self._buf = buf[len(buf) - hold :]
+        return "".join(out)
+
+    def finish(self) -> str:
+        rest, self._buf = self._buf, ""
+        return rest
+
+
+def _decode_kwargs(tokenizer: Any, params: SamplingParams) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"skip_special_tokens": params.skip_special_tokens}
+    if not getattr(tokenizer, "is_fast", False):
+        # Only slow (Python) tokenizers implement it; fast ones would silently ignore it.
+        kwargs["spaces_between_special_tokens"] = params.spaces_between_special_tokens
+    return kwargs
+
+
+def _tokenizer_cleans_up(tokenizer: Any) -> bool:
+    """Whether tokenizer.decode applies clean_up_tokenization (transformers skips it for BPE in v5).
+
+    Probed on real text rather than read from attributes, since the rules differ between versions.
+    """
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    try:
+        ids = tokenizer.encode("a . b , c", add_special_tokens=False)
+        raw = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        if " ." in raw or " ," in raw:
+            return tokenizer.decode(ids) != raw
+    except Exception:  # an exotic tokenizer that cannot encode the probe: trust its flag
+        pass
+    return True
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output token ids into streamed text deltas, stopping on stop strings.
+
+    `tokenizer` is an HF tokenizer (PreTrainedTokenizerFast in practice). `prompt_token_ids` is kept for
+    callers' reference only: the output text is decoded from the output ids alone.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self._decode_kwargs = _decode_kwargs(tokenizer, params)
+        self._cleanup = (
+            [_StreamingReplace(old, new) for old, new in _CLEANUP_REPLACEMENTS]
+            if _tokenizer_cleans_up(tokenizer)
+            else []
+        )
+        if self._cleanup:
+            self._decode_kwargs["clean_up_tokenization_spaces"] = False  # done here, in streaming form
+        self._stops: list[str] = list(params.stop or [])
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._text = ""  # cleaned text that passed the UTF-8 and cleanup stages (emitted + held for stops)
+        self._emitted = 0  # chars of _text returned to the caller
+        self.stop_str: str | None = None
+        self.finished = False
+
+    @property
+    def output_text(self) -> str:
+        """Concatenation of every delta returned so far (update() and flush())."""
+        return self._text[: self._emitted]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._token_ids
+
+    def update(self, new_token_ids: list[int]) -> DetokenizerUpdate:
+        """Add the step's new tokens; return only the text that became final."""
+        if self.finished:
+            return DetokenizerUpdate("")
+        self._token_ids.extend(new_token_ids)
+        return self._advance(self._read_new_text(final=False), final=False)
+
+    def flush(self) -> str:
+        """Release all held-back text (the request ended for another reason: length, EOS, abort)."""
+        if self.finished:
+            return ""
+        return self._advance(self._read_new_text(final=True), final=True).delta_text
+
+    # ------------------------------------------------------------------ stages
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self._decode_kwargs)
+
+    def _read_new_text(self, final: bool) -> str:
+        """UTF-8 stage: text of the tokens past read_offset, unless it ends inside a character."""
+        ids = self._token_ids
+        if self._read_offset == len(ids):
+            return ""
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text):
+            return ""  # only tokens that decode to nothing so far (skipped special tokens)
+        if new_text.endswith("\ufffd") and not final:
+            return ""  # an incomplete UTF-8 sequence: wait for the rest of the character
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return new_text[len(prefix_text) :]
+
+    def _advance(self, text: str, final: bool) -> DetokenizerUpdate:
+        for stage in self._cleanup:
+            text = stage.feed(text)
+            if final:
+                text += stage.finish()
+        search_from = len(self._text)
+        self._text += text
+
+        if self._stops and text:
+            match = self._find_stop(search_from)
+            if match is not None:
+                start, stop = match
+                end = start + len(stop) if self.params.include_stop_str_in_output else start
+                self._text = self._text[:end]
+                self.stop_str = stop
+                self.finished = True
+                return DetokenizerUpdate(self._release(len(self._text)), stop)
+
+        hold = 0
+        if not final and self._stops and not self.params.include_stop_str_in_output:
+            hold = _longest_suffix_prefix(
+                self._text, self._stops, min(self._max_stop_len - 1, len(self._text) - self._emitted)
+            )
+        if final:
+            self.finished = True
+        return DetokenizerUpdate(self._release(len(self._text) - hold))
+
+    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
+        """Earliest-completing stop string among those ending in the newly added text."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stops:
+            start = self._text.find(stop, max(0, search_from - len(stop) + 1))
+            if start != -1:
+                cand = (start + len(stop), start, stop)
+                if best is None or cand < best:
+                    best = cand
+        return None if best is None else (best[1], best[2])
+
+    def _release(self, upto: int) -> str:
+        upto = max(upto, self._emitted)
+        delta = self._text[self._emitted : upto]
+        self._emitted = upto
+        return delta
