@@ -88,6 +88,10 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
+                    assert self.running, (
+                        f"request {request.request_id} alone needs more KV blocks than the pool has "
+                        "(the engine's validation should have refused it)"
+                    )
                     break
                 table = self.kv.allocate_slots(request, num_new)
             if table is None:
