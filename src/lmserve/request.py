@@ -67,6 +67,10 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     generator: Any = None  # torch.Generator for seeded sampling, set by the engine
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
+    logprobs: list[Any] | None = None  # TokenLogprobs per output token, when asked for
+    delta_text: str = ""  # text added by the last step (after stop-string hold-back)
+    num_delta_tokens: int = 0  # tokens added since the last output was made
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -43,6 +43,7 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]
     logits: Any = None  # (num_sampled, vocab) float32 rows behind the samples, in scheduled order (tests, logprobs)
+    logprobs: dict[str, Any] = field(default_factory=dict)  # request id → TokenLogprobs, where asked for
 
 
 @dataclass
@@ -58,11 +59,17 @@ class SchedulerStats:
 
 @dataclass
 class CompletionOutput:
+    """One sequence of a request. text / token_ids / logprobs are cumulative; the delta_* fields hold
+    what this step added (what a stream sends)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    logprobs: list[Any] | None = None  # TokenLogprobs per generated token, when params.logprobs is set
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -38,8 +38,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_requests(self, request_ids: list[str]) -> list[Request]:
-        aborted = []
+    def finish_requests(
+        self, request_ids: list[str], reason: FinishReason, stop_reason: int | str | None = None
+    ) -> list[Request]:
+        """Finish requests from outside the step (abort, a stop string): free their blocks now."""
+        finished = []
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
@@ -48,10 +51,13 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            request.finish_reason = FinishReason.ABORT
+            request.finish_reason, request.stop_reason = reason, stop_reason
             self._finish(request)
-            aborted.append(request)
-        return aborted
+            finished.append(request)
+        return finished
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        return self.finish_requests(request_ids, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

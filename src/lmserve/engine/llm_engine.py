@@ -15,6 +15,7 @@ from lmserve.config import EngineArgs, EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.outputs import CompletionOutput, RequestOutput, SchedulerStats
 from lmserve.core.scheduler import Scheduler
+from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.request import FinishReason, Request, RequestMetrics
 from lmserve.sampling_params import SamplingParams
 
@@ -138,6 +139,9 @@ class LLMEngine:
                 prompt=text,
                 arrival_time=arrival,
             )
+            child.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            if params.logprobs is not None:
+                child.logprobs = []
             if params.seed is not None:
                 child.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + i)
             children.append(child)
@@ -175,21 +179,47 @@ class LLMEngine:
         self.counters.generation_tokens_total += len(updated)
         parents: dict[str, _ParentRequest] = {}
         for req in updated:
+            self._process_new_token(req, runner_out.logprobs.get(req.request_id))
             parent = self._parents[self._child_to_parent[req.request_id]]
             parents[parent.request_id] = parent
             if req.is_finished:
                 self.counters.num_finished_by_reason[req.finish_reason.value] += 1
         return [self._make_output(p) for p in parents.values()]
 
+    def _process_new_token(self, req: Request, logprobs: Any) -> None:
+        """Detokenize the new token; a stop string finishes the request here (its blocks freed now)."""
+        req.num_delta_tokens += 1
+        if req.logprobs is not None:
+            req.logprobs.append(logprobs)
+        update = req.detokenizer.update(req.output_token_ids[-1:])
+        req.delta_text += update.delta_text
+        if update.stop_str is not None:
+            if req.is_finished:
+                req.finish_reason, req.stop_reason = FinishReason.STOP, update.stop_str
+            else:
+                self.scheduler.finish_requests([req.request_id], FinishReason.STOP, update.stop_str)
+        elif req.is_finished:
+            req.delta_text += req.detokenizer.flush()
+            if req.detokenizer.stop_str is not None:  # the held-back tail completed a stop string
+                req.finish_reason, req.stop_reason = FinishReason.STOP, req.detokenizer.stop_str
+
     def _make_output(self, parent: _ParentRequest) -> RequestOutput:
         outputs = []
         for i, child in enumerate(parent.children):
-            text = ""
-            if child.is_finished:
-                text = self.tokenizer.decode(child.output_token_ids, skip_special_tokens=True)
+            n_delta = child.num_delta_tokens
             outputs.append(
-                CompletionOutput(i, text, list(child.output_token_ids), child.finish_reason, child.stop_reason)
+                CompletionOutput(
+                    index=i,
+                    text=child.detokenizer.output_text,
+                    token_ids=list(child.output_token_ids),
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                    logprobs=None if child.logprobs is None else list(child.logprobs),
+                    delta_text=child.delta_text,
+                    delta_token_ids=child.output_token_ids[len(child.output_token_ids) - n_delta :],
+                )
             )
+            child.delta_text, child.num_delta_tokens = "", 0
         finished = all(c.is_finished for c in parent.children)
         first = parent.children[0]
         m = parent.metrics

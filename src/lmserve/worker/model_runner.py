@@ -78,9 +78,11 @@ class ModelRunner:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         out = self.sampler(logits, self._sampling_metadata(sampling))
-        return ModelRunnerOutput(
-            {s.request.request_id: t for s, t in zip(sampling, out.sampled_token_ids, strict=True)}, logits
-        )
+        ids = [s.request.request_id for s in sampling]
+        logprobs = {}
+        if out.logprobs is not None:
+            logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None}
+        return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids, strict=True)), logits, logprobs)
 
     def _token_inputs(self, s: ScheduledRequest) -> tuple[list[int], list[int], list[int]]:
         start, end = s.start, s.start + s.num_new_tokens

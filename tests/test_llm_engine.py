@@ -1,0 +1,178 @@
+"""Engine-level behaviour: validation with numbers, stop conditions, stop strings, seeds, n, streaming
+deltas, metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmserve import LLM, SamplingParams
+from lmserve.config import EngineArgs
+from tests.hf_reference import hf_greedy, hf_model
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    return LLM(str(llama_dir), num_kv_blocks=32, block_size=16, max_model_len=128)
+
+
+def test_prompt_longer_than_max_model_len_names_numbers(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"prompt is 200 tokens, but max_model_len is 128"):
+        llm.generate([[5] * 200], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_request_that_can_never_fit_the_pool(llama_dir: Path) -> None:
+    small = LLM(str(llama_dir), num_kv_blocks=4, block_size=16, max_model_len=256)
+    with pytest.raises(ValueError, match=r"needs up to 110 tokens .* 7 KV blocks .* only 4 blocks"):
+        small.generate([[5] * 100], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+def test_bad_prompt_in_batch_loses_nothing(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        llm.generate(["good", [7] * 500, "also good"], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests(), "nothing half-queued"
+    # requests already in the engine survive a rejected newcomer
+    engine = llm.engine
+    engine.add_request("keep", "hello there", params)
+    with pytest.raises(ValueError):
+        engine.add_request("bad", [], params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("keep", "again", params)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["keep"] and len(done[0].outputs[0].token_ids) == 5
+
+
+def test_unknown_engine_argument_and_bad_values(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown engine arguments"):
+        LLM(str(llama_dir), num_kv_block=3)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        LLM(str(llama_dir), scheduling_policy="fifo")
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):
+        LLM(str(llama_dir), max_model_len=4096)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(llama_dir), dtype="int4")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(str(llama_dir), enable_chunked_prefill=False, max_num_batched_tokens=64)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path: Path, llama_dir: Path) -> None:
+    import json
+
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        EngineArgs(model=str(tmp_path)).create_engine_config()
+
+
+def test_sliding_window_model_refused_unless_within_window(tmp_path: Path, tokenizer_dir: Path) -> None:
+    from tests.helpers import build_model
+
+    d = build_model(tmp_path / "m", "mistral", tokenizer_dir, sliding_window=64)
+    with pytest.raises(ValueError, match="sliding-window.*max_model_len <= 64"):
+        LLM(str(d))
+    llm = LLM(str(d), max_model_len=64, num_kv_blocks=16)
+    out = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(d, out[0].prompt_token_ids, 8)
+
+
+def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM, llama_dir: Path) -> None:
+    prompt = "def fib(n):"
+    ids = llm.get_tokenizer().encode(prompt)
+    ref = hf_greedy(llama_dir, ids, 12)
+    stop_tok = ref[3]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok]), use_tqdm=False)
+    c = out[0].outputs[0]
+    first = ref.index(stop_tok)
+    assert c.token_ids == ref[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
+    # the same token as EOS: finish_reason stop, no stop_reason; ignore_eos runs to max_tokens
+    llm.engine.eos_token_ids = (stop_tok,)
+    try:
+        eos = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0]
+        assert eos.token_ids == ref[: first + 1] and eos.finish_reason == "stop" and eos.stop_reason is None
+        ign = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert ign[0].outputs[0].token_ids == ref
+        low = SamplingParams(max_tokens=12, temperature=0, min_tokens=first + 2)
+        assert len(llm.generate([prompt], low, use_tqdm=False)[0].outputs[0].token_ids) >= first + 2
+    finally:
+        llm.engine.eos_token_ids = llm.engine._resolve_eos()
+
+
+def test_stop_string_cuts_text_and_frees_blocks(llm: LLM) -> None:
+    prompt = "import json"
+    full = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    text = full[0].outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.text == text[: text.index(stop)]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert len(c.token_ids) < 20
+    assert llm.engine.kv.pool.num_free_blocks == 32
+
+
+def test_streamed_deltas_concatenate_to_final_text(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("s", "The capital of France is", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    deltas, tokens = [], []
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].delta_text)
+            tokens += out.outputs[0].delta_token_ids
+            final = out
+    assert final is not None and final.finished
+    assert "".join(deltas) == final.outputs[0].text
+    assert tokens == final.outputs[0].token_ids
+    assert final.metrics.first_token_time >= final.metrics.first_scheduled_time >= final.metrics.arrival_time
+    assert final.metrics.finished_time >= final.metrics.first_token_time
+
+
+def test_seeded_sampling_reproducible_across_batches(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate(["hello world"], p, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(
+        ["something else", "hello world", "def f():"],
+        [SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True), p, SamplingParams(max_tokens=3)],
+        use_tqdm=False,
+    )
+    assert mixed[1].outputs[0].token_ids == alone
+    other = llm.generate(["hello world"], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True), use_tqdm=False)
+    assert other[0].outputs[0].token_ids != alone
+
+
+def test_n_sequences_share_prompt(llm: LLM) -> None:
+    out = llm.generate(["hello"], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True), use_tqdm=False)
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out[0].outputs)
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1, "different seeds per sequence"
+
+
+def test_logprobs_are_log_softmax_of_model_logits(llm: LLM, llama_dir: Path) -> None:
+    prompt = "def fib(n):"
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True), use_tqdm=False)
+    c = out[0].outputs[0]
+    ids = out[0].prompt_token_ids + c.token_ids
+    with torch.inference_mode():
+        logits = hf_model(llama_dir)(torch.tensor([ids])).logits[0].float()
+    for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+        ref = torch.log_softmax(logits[len(out[0].prompt_token_ids) - 1 + i], -1)
+        assert lp.token_id == tok and lp.rank == 1
+        assert abs(lp.logprob - float(ref[tok])) < 1e-4
+        assert [t for t, _ in lp.top_logprobs] == ref.topk(3).indices.tolist()
+
+
+def test_metrics_counters(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), num_kv_blocks=32)
+    llm.generate(["a b c", "d e"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    m = llm.get_metrics()
+    assert m["num_requests_total"] == 2 and m["generation_tokens_total"] == 6
+    assert m["finished_requests_by_reason"]["length"] == 2
+    assert m["num_requests_running"] == 0 and m["kv_cache_usage"] == 0.0
+    assert {"num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total"} <= set(m)
