@@ -1,0 +1,53 @@
+"""Engine arguments as command-line flags, shared by `generate`, `serve` and `bench offline`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model directory (default: the bundled model)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--seed", type=int, default=0)
+
+
+ENGINE_ARG_NAMES = (
+    "tokenizer",
+    "dtype",
+    "device",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory_gib",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "scheduling_policy",
+    "seed",
+)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+
+
+def model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from lmserve.default_model import default_model_path
+
+    return default_model_path()
