@@ -1,0 +1,360 @@
+"""AsyncEngine: the synchronous LLMEngine on its own thread, streaming outputs to asyncio consumers.
+
+    event-loop thread(s)                         engine thread (owns the LLMEngine; nothing else touches it)
+    ───────────────────                          ──────────────────────────────────────────────────────────
+    add_request() ── ("add", ...) ──▶ commands ─▶ applied between steps: engine.add_request / abort_request
+    stream.abort() ─ ("abort", id) ─▶    (deque)   engine.step() → RequestOutputs
+    RequestStream ◀── loop.call_soon_threadsafe(deliver, batch) ◀── one callback per step per event loop
+
+The engine thread sleeps on an Event while it has no work. Everything the HTTP side may read about the
+engine (counters, queue lengths, KV usage) is an immutable EngineSnapshot published after each step.
+If the engine thread dies, every pending stream fails with EngineDeadError and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lmserve.config import EngineArgs
+from lmserve.core.outputs import RequestOutput
+from lmserve.engine.llm_engine import LLMEngine, Prompt
+from lmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (crashed or shut down); requests can no longer be served."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_queued_requests` sequences already; retry after `retry_after_s`."""
+
+    def __init__(self, num_waiting: int, limit: int, retry_after_s: int = 1) -> None:
+        super().__init__(
+            f"server is overloaded: {num_waiting} sequences are waiting (max_queued_requests={limit}); "
+            f"retry after {retry_after_s} s"
+        )
+        self.num_waiting = num_waiting
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+
+class StatLogger(Protocol):
+    """Receives per-request events on the engine thread (must be cheap and thread-safe)."""
+
+    def on_request_output(self, output: RequestOutput, prev_token_time: float | None, now: float) -> None: ...
+
+    def on_request_aborted(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine looked like after its latest step (or after applying commands while idle)."""
+
+    metrics: dict[str, Any]  # LLMEngine.get_metrics()
+    num_batched_tokens: int  # tokens in the latest step
+    num_aborted_requests_total: int
+    time: float
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator. Create with AsyncEngine.add_request.
+
+    Iteration ends after the output with `finished=True`; an engine failure is raised from `__anext__`.
+    `abort()` (idempotent, non-blocking) tells the engine to drop the request and free its KV blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False  # the final output (or an error) was received, or the request was aborted
+        self.last_token_time: float | None = None  # engine-thread bookkeeping for inter-token latency
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # event-loop thread
+        self._queue.put_nowait(item)
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt: Prompt
+    params: SamplingParams
+    arrival_time: float
+    num_seqs: int
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Delivery:
+    """Items to hand to streams living on one event loop, sent in one call_soon_threadsafe."""
+
+    items: list[tuple[RequestStream, RequestOutput | BaseException]] = field(default_factory=list)
+
+
+class AsyncEngine:
+    """Runs LLMEngine.step() in a dedicated thread; add/abort are queued and applied between steps.
+
+    add_request / generate must be called from a running event loop; abort / snapshot from any thread.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_queued_requests: int | None = None,
+        retry_after_s: int = 1,
+        tokenizer: Any = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self.engine = engine
+        self.config = engine.config
+        self.max_queued_requests = max_queued_requests
+        self.retry_after_s = retry_after_s
+        # The engine thread detokenizes with engine.tokenizer; callers tokenize with their own copy so the
+        # two threads never share a (not thread-safe) Rust tokenizer object.
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(engine.config.tokenizer)
+        self.stat_loggers: list[StatLogger] = []
+        self._commands: deque[_Add | _Abort] = deque()
+        self._wakeup = threading.Event()
+        self._lock = threading.Lock()  # guards _num_pending_seqs, _num_waiting_seqs, _dead
+        self._num_pending_seqs = 0  # sequences in queued _Add commands, not yet in the scheduler
+        self._num_waiting_seqs = 0  # scheduler's waiting queue as of the latest snapshot
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._num_aborted = 0  # engine thread only
+        self._ids = itertools.count()
+        self._snapshot = self._take_snapshot()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncEngine:
+        return cls(LLMEngine.from_engine_args(args), **kwargs)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    # ---- requests (event-loop side) ---------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, as LLMEngine.tokenize does it, with this side's tokenizer."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return self.engine.tokenize(prompt)[1]  # only type-checks a list of ids
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """LLMEngine.validate (reads only frozen config): resolved max_tokens, or ValueError."""
+        return self.engine.validate(prompt_token_ids, params)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request; returns its stream at once.
+
+        Raises ValueError (bad input), QueueFullError (waiting queue at its bound) or EngineDeadError.
+        """
+        loop = asyncio.get_running_loop()
+        if self._thread is None:
+            self.start()
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        stream = RequestStream(self, request_id, loop)
+        cmd = _Add(
+            stream, prompt_ids, params, time.time() if arrival_time is None else arrival_time, params.n
+        )
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine is not running: {self._dead!r}")
+            num_waiting = self._num_waiting_seqs + self._num_pending_seqs
+            if self.max_queued_requests is not None and num_waiting >= self.max_queued_requests:
+                raise QueueFullError(num_waiting, self.max_queued_requests, self.retry_after_s)
+            self._num_pending_seqs += cmd.num_seqs
+            self._commands.append(cmd)
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (idempotent; unknown or finished ids are ignored). Callable from any thread."""
+        self._commands.append(_Abort(request_id))
+        self._wakeup.set()
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; if the consumer stops iterating early, the request is aborted."""
+        stream = self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wakeup.clear()  # before draining, so a command queued after the drain wakes us
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._publish_snapshot()
+                    self._wakeup.wait()
+                    continue
+                outputs = self.engine.step()
+                self._publish_snapshot()
+                self._dispatch(outputs)
+            self._fail_all(EngineDeadError("engine was shut down"))
+        except BaseException as e:  # the loop's death must reach every waiting client
+            logger.exception("engine loop died")
+            self._fail_all(EngineDeadError(f"engine loop died: {e!r}"), cause=e)
+
+    def _apply_commands(self) -> None:
+        delivery: dict[asyncio.AbstractEventLoop, _Delivery] = {}
+        num_applied_seqs = 0
+        while self._commands:
+            cmd = self._commands.popleft()
+            if isinstance(cmd, _Abort):
+                self._apply_abort(cmd.request_id)
+                continue
+            num_applied_seqs += cmd.num_seqs
+            rid = cmd.stream.request_id
+            try:
+                self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.arrival_time)
+            except Exception as e:  # one bad request fails alone, not the engine
+                delivery.setdefault(cmd.stream._loop, _Delivery()).items.append((cmd.stream, e))
+                continue
+            self._streams[rid] = cmd.stream
+        if num_applied_seqs:
+            with self._lock:
+                self._num_pending_seqs -= num_applied_seqs
+                self._num_waiting_seqs = self.engine.stats().num_waiting
+        self._send(delivery)
+
+    def _apply_abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return  # finished already, or never added
+        self.engine.abort_request(request_id)
+        self._num_aborted += 1
+        for stat in self.stat_loggers:
+            stat.on_request_aborted()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        delivery: dict[asyncio.AbstractEventLoop, _Delivery] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while this step ran
+            for stat in self.stat_loggers:
+                stat.on_request_output(out, stream.last_token_time, now)
+            stream.last_token_time = out.metrics.last_token_time
+            if out.finished:
+                del self._streams[out.request_id]
+            delivery.setdefault(stream._loop, _Delivery()).items.append((stream, out))
+        self._send(delivery)
+
+    @staticmethod
+    def _send(delivery: dict[asyncio.AbstractEventLoop, _Delivery]) -> None:
+        for loop, d in delivery.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, d.items)
+            except RuntimeError:  # that event loop is closed; its consumers are gone
+                pass
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(
+            metrics=self.engine.get_metrics(),
+            num_batched_tokens=self.engine.stats().num_batched_tokens,
+            num_aborted_requests_total=self._num_aborted,
+            time=time.time(),
+        )
+
+    def _publish_snapshot(self) -> None:
+        snap = self._take_snapshot()
+        with self._lock:
+            self._num_waiting_seqs = snap.metrics["num_requests_waiting"]
+        self._snapshot = snap
+
+    def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
+        if cause is not None:
+            error.__cause__ = cause
+        with self._lock:
+            self._dead = error
+            pending = list(self._commands)
+            self._commands.clear()
+        streams = list(self._streams.values()) + [c.stream for c in pending if isinstance(c, _Add)]
+        self._streams.clear()
+        delivery: dict[asyncio.AbstractEventLoop, _Delivery] = {}
+        for stream in streams:
+            delivery.setdefault(stream._loop, _Delivery()).items.append((stream, error))
+        self._send(delivery)
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream._put(item)
