@@ -1,0 +1,54 @@
+"""The benchmark model of docs/performance.md: SmolLM-135M-shaped Llama, random fp32 weights, with a
+byte-level BPE tokenizer trained locally on Python's stdlib sources. Built once, cached on disk."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+DEFAULT_DIR = Path(__file__).resolve().parent / ".cache" / "smollm-135m-shaped"
+
+CONFIG = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    bos_token_id=None,
+    eos_token_id=None,  # random weights: never stop early; output length is forced anyway
+)
+
+
+def build_benchmark_model(out_dir: Path = DEFAULT_DIR) -> Path:
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sys.modules["os"].__file__).parent
+    files = sorted(stdlib.glob("*.py"))[:200]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=8192, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(out_dir)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Unique prompts of exactly `length` token ids (different prompts: no accidental prefix hits)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab_size, (length,), generator=g).tolist() for _ in range(num)]
