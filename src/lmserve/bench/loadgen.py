@@ -276,6 +276,7 @@ def _progress(total: int, show: bool) -> Any:
 class _Chunk:
     t_s: float
     text: str
+    role_only: bool  # a chat chunk announcing the role, carrying no token
     num_token_ids: int | None  # len(choices[0].token_ids) when the server sends ids
     cum_completion_tokens: int | None  # usage.completion_tokens on a chunk with choices (continuous stats)
 
@@ -297,14 +298,16 @@ def _parse_events(raw: RawResponse, is_chat: bool) -> tuple[list[_Chunk], dict[s
         choices = obj.get("choices") or []
         if choices and isinstance(choices[0], dict):
             c = choices[0]
+            role_only = False
             if is_chat:
                 delta = c.get("delta") or {}
                 text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+                role_only = bool(delta.get("role")) and not text
             else:
                 text = c.get("text") or ""
             ids = c.get("token_ids")
             cum = u.get("completion_tokens") if isinstance(u, dict) else None
-            chunks.append(_Chunk(t_s, text, len(ids) if isinstance(ids, list) else None, cum))
+            chunks.append(_Chunk(t_s, text, role_only, len(ids) if isinstance(ids, list) else None, cum))
         if isinstance(u, dict):
             usage = u
     return chunks, usage, None
@@ -327,8 +330,9 @@ def finalize(raw: RawResponse, req: BenchRequest, is_chat: bool, tokenizer: Any 
 
     Output token count: usage.completion_tokens when present, else the tokenizer on the whole text, else
     the number of non-empty chunks. Per-chunk counts, most exact first: cumulative usage on every chunk
-    (vLLM's continuous_usage_stats), token_ids on the chunks, one per chunk when the chunk count equals the
-    output token count, else the total spread over the chunks in proportion to their tokenized text.
+    (vLLM's continuous_usage_stats), token_ids on the chunks, one per chunk when the number of chunks with
+    text (or of all chunks but a chat role chunk) equals the output token count, else the total spread
+    over the chunks in proportion to their tokenized text.
     """
     rec = RequestRecord(
         index=raw.index,
@@ -369,9 +373,13 @@ def finalize(raw: RawResponse, req: BenchRequest, is_chat: bool, tokenizer: Any 
         total, rec.output_tokens_source = sum(1 for c in chunks if c.text), "chunks"
 
     if counts is None or sum(counts) != total:
-        bearing = [c for c in chunks if c.text]
-        if len(bearing) == total:
+        with_text = sum(1 for c in chunks if c.text)
+        candidates = sum(1 for c in chunks if not c.role_only)
+        if with_text == total:
             counts = [1 if c.text else 0 for c in chunks]
+            rec.chunk_tokens_source = "one_per_chunk"
+        elif candidates == total:  # some tokens produced no text yet (e.g. half a UTF-8 character)
+            counts = [0 if c.role_only else 1 for c in chunks]
             rec.chunk_tokens_source = "one_per_chunk"
         else:
             if tokenizer is not None:

@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS: list[tuple[str, str]] = [
     ("lmserve.entrypoints.generate_cli", "add_parser"),
     ("lmserve.entrypoints.memory_cli", "add_memory_parser"),
+    ("lmserve.entrypoints.bench_cli", "add_parser"),
 ]
 
 

@@ -1,0 +1,757 @@
+"""`lmserve bench experiments`: the classic serving experiments, written up as Markdown with PNG plots.
+
+    1. fixed output length, prompt length swept        → TTFT
+    2. fixed prompt, output length swept               → E2E, and the check E2E ≈ TTFT + (N−1)·TPOT
+    3. concurrency swept                               → output throughput vs P99 TPOT (the trade-off curve)
+    4. HF transformers one-request loop vs lmserve     → throughput and latency on the same workload
+    5. static vs continuous batching, same engine      → TTFT, TPOT, throughput with mixed output lengths
+    6. prefix cache on vs off, shared system prompt    → TTFT
+
+The harness starts `lmserve serve` itself (a subprocess on a free loopback port; experiments 5 and 6
+restart it with other engine flags), or targets `--base-url` (then 5 and 6, which need server flags,
+are skipped; 4 needs `--model` to be a local HF directory for the HF side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmserve.bench.datasets import BenchRequest, DatasetConfig, build_requests
+from lmserve.bench.metrics import BenchSummary, Distribution, RequestRecord, summarize
+
+EXPERIMENT_TITLES = {
+    1: "Prompt length sweep → TTFT",
+    2: "Output length sweep → E2E (and E2E ≈ TTFT + (N−1)·TPOT)",
+    3: "Concurrency sweep → throughput vs P99 TPOT",
+    4: "HF transformers one-request loop vs lmserve continuous batching",
+    5: "Static vs continuous batching on the same engine",
+    6: "Prefix cache on vs off with a shared system prompt → TTFT",
+}
+
+
+@dataclass(frozen=True)
+class Workloads:
+    """Sizes of every experiment; `quick` fits the bundled model on 2 cores in a few minutes."""
+
+    prompt_sweep: tuple[int, ...]
+    prompt_sweep_output_len: int
+    output_sweep: tuple[int, ...]
+    output_sweep_input_len: int
+    concurrency_sweep: tuple[int, ...]
+    concurrency_input_len: int
+    concurrency_output_len: int
+    requests_per_point: int
+    hf_num_requests: int
+    hf_input_len: int
+    hf_output_len: int
+    static_max_num_seqs: int
+    static_num_requests: int
+    static_output_len: int
+    prefix_len: int
+    prefix_suffix_len: int
+    prefix_num_requests: int
+
+    @staticmethod
+    def quick() -> Workloads:
+        return Workloads(
+            prompt_sweep=(16, 64, 256),
+            prompt_sweep_output_len=8,
+            output_sweep=(8, 32, 64),
+            output_sweep_input_len=32,
+            concurrency_sweep=(1, 2, 4, 8),
+            concurrency_input_len=32,
+            concurrency_output_len=32,
+            requests_per_point=4,
+            hf_num_requests=8,
+            hf_input_len=32,
+            hf_output_len=32,
+            static_max_num_seqs=4,
+            static_num_requests=16,
+            static_output_len=32,
+            prefix_len=384,
+            prefix_suffix_len=16,
+            prefix_num_requests=6,
+        )
+
+    @staticmethod
+    def full() -> Workloads:
+        return Workloads(
+            prompt_sweep=(32, 128, 256, 512, 768),
+            prompt_sweep_output_len=16,
+            output_sweep=(16, 64, 128, 256),
+            output_sweep_input_len=128,
+            concurrency_sweep=(1, 2, 4, 8, 16, 32),
+            concurrency_input_len=128,
+            concurrency_output_len=128,
+            requests_per_point=16,
+            hf_num_requests=32,
+            hf_input_len=128,
+            hf_output_len=128,
+            static_max_num_seqs=8,
+            static_num_requests=48,
+            static_output_len=128,
+            prefix_len=768,
+            prefix_suffix_len=32,
+            prefix_num_requests=24,
+        )
+
+
+@dataclass
+class Point:
+    label: str
+    summary: BenchSummary
+    records: list[RequestRecord]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Section:
+    number: int
+    markdown: list[str] = field(default_factory=list)
+    points: list[Point] = field(default_factory=list)
+    error: str | None = None
+    skipped: str | None = None
+
+
+class ServerError(Exception):
+    pass
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def lmserve_server(
+    model_dir: str, flags: list[str], log_path: Path, startup_timeout_s: float = 300.0
+) -> Iterator[tuple[str, list[str]]]:
+    """`lmserve serve` on a free 127.0.0.1 port; yields (base_url, command). Stopped on exit."""
+    port = free_loopback_port()
+    cmd = [sys.executable, "-m", "lmserve.entrypoints.cli", "serve", "--model", model_dir]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning", *flags]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(base_url, proc, log_path, startup_timeout_s)
+            yield base_url, cmd
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+
+
+def _wait_healthy(base_url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-1500:]
+            raise ServerError(f"lmserve serve exited with code {proc.returncode} during start-up:\n{tail}")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    raise ServerError(f"lmserve serve did not become healthy within {timeout_s:g} s (log: {log_path})")
+
+
+class Harness:
+    def __init__(self, args: argparse.Namespace, model_dir: str, tokenizer: Any, out_dir: Path) -> None:
+        self.args = args
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.out_dir = out_dir
+        self.work = Workloads.quick() if args.quick else Workloads.full()
+        self.server_flags = shlex.split(args.server_args or "")
+        self.server_commands: list[str] = []
+        self.seed = args.seed
+        self._dataset_seed = 0
+
+    # -- building blocks
+
+    def requests(self, n: int, input_len: int, output_len: int, **kw: Any) -> list[BenchRequest]:
+        """A fresh set of unique prompts (a new seed each call, so no two points share prompts)."""
+        self._dataset_seed += 1
+        cfg = DatasetConfig(
+            num_requests=n,
+            input_len=input_len,
+            output_len=output_len,
+            seed=self.seed * 1000 + self._dataset_seed,
+            **kw,
+        )
+        return build_requests(cfg, self.tokenizer)
+
+    @contextlib.contextmanager
+    def server(self, name: str, flags: list[str] | None = None) -> Iterator[str]:
+        if self.args.base_url:
+            yield self.args.base_url
+            return
+        log = self.out_dir / f"server-{name}.log"
+        with lmserve_server(self.model_dir, [*self.server_flags, *(flags or [])], log) as (url, cmd):
+            self.server_commands.append(f"{name}: `{' '.join(shlex.quote(c) for c in cmd[1:])}`")
+            self.load(url, self.requests(2, 16, 4))  # warm-up, untimed
+            yield url
+
+    def load(
+        self, base_url: str, requests: list[BenchRequest], max_concurrency: int | None = None
+    ) -> tuple[list[RequestRecord], BenchSummary]:
+        from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
+
+        cfg = LoadConfig(
+            base_url=base_url,
+            model=self.args.served_model_name,
+            max_concurrency=max_concurrency,
+            seed=self.seed,
+            timeout_s=self.args.request_timeout,
+        )
+        result = asyncio.run(run_load(requests, cfg))
+        records = finalize_all(result, requests, cfg, self.tokenizer)
+        summary = summarize(records, result.duration_s or None, math.inf, max_concurrency)
+        if result.fatal_error:
+            raise ServerError(result.fatal_error)
+        if summary.num_failed:
+            raise ServerError(
+                f"{summary.num_failed}/{summary.num_requests} requests failed: {summary.errors[:3]}"
+            )
+        return records, summary
+
+
+# ---- Markdown helpers ----------------------------------------------------------------------------------
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pcts(d: Distribution) -> str:
+    return f"{_f(d.p50)} / {_f(d.p95)} / {_f(d.p99)}"
+
+
+def _lens(d: Distribution) -> str:
+    return f"{_f(d.min, 0)} / {_f(d.mean)} / {_f(d.max, 0)}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+
+
+def _plot(out: Path, name: str, draw: Callable[[Any], None]) -> str | None:
+    try:
+        from lmserve.bench.report import load_pyplot
+
+        plt = load_pyplot()
+    except ValueError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    draw(ax)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=100)
+    plt.close(fig)
+    return name
+
+
+def _image(name: str | None) -> list[str]:
+    return [f"![]({name})", ""] if name else ["(plot skipped: matplotlib is not installed)", ""]
+
+
+# ---- the experiments -----------------------------------------------------------------------------------
+
+
+def exp1_prompt_sweep(h: Harness, sec: Section) -> None:
+    w = h.work
+    with h.server("default") as url:
+        for n in w.prompt_sweep:
+            reqs = h.requests(w.requests_per_point, n, w.prompt_sweep_output_len)
+            records, s = h.load(url, reqs, max_concurrency=1)
+            sec.points.append(Point(f"prompt {n}", s, records, {"input_len": n}))
+    sec.markdown += [
+        f"Output fixed at {w.prompt_sweep_output_len} tokens, {w.requests_per_point} requests per prompt "
+        "length, sent one at a time (max concurrency 1), so TTFT is prefill plus HTTP, without queueing.",
+        "",
+        *_table(
+            [
+                "prompt len",
+                "actual min / mean / max",
+                "TTFT P50 / P95 / P99 (ms)",
+                "TPOT P50 (ms)",
+                "E2E P50 (ms)",
+            ],
+            [
+                [
+                    str(p.params["input_len"]),
+                    _lens(p.summary.prompt_len),
+                    _pcts(p.summary.ttft_ms),
+                    _f(p.summary.tpot_ms.p50),
+                    _f(p.summary.e2e_ms.p50),
+                ]
+                for p in sec.points
+            ],
+        ),
+        "",
+    ]
+
+    def draw(ax: Any) -> None:
+        xs = [p.summary.prompt_len.mean for p in sec.points]
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ax.plot(xs, [getattr(p.summary.ttft_ms, q) for p in sec.points], style, label=f"TTFT {q.upper()}")
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title("1. TTFT vs prompt length")
+        ax.legend()
+
+    sec.markdown += _image(_plot(h.out_dir, "exp1_ttft_vs_prompt.png", draw))
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares y = a + b·x → (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def exp2_output_sweep(h: Harness, sec: Section) -> None:
+    w = h.work
+    with h.server("default") as url:
+        for n in w.output_sweep:
+            reqs = h.requests(w.requests_per_point, w.output_sweep_input_len, n)
+            records, s = h.load(url, reqs, max_concurrency=1)
+            sec.points.append(Point(f"output {n}", s, records, {"output_len": n}))
+    rows = []
+    for p in sec.points:
+        s = p.summary
+        n = p.params["output_len"]
+        predicted = (s.ttft_ms.mean or 0) + (n - 1) * (s.tpot_ms.mean or 0)
+        err = 100 * (predicted - (s.e2e_ms.mean or 0)) / (s.e2e_ms.mean or 1)
+        rows.append(
+            [str(n), _pcts(s.ttft_ms), _pcts(s.tpot_ms), _pcts(s.e2e_ms), f"{_f(predicted)} ({err:+.1f}%)"]
+        )
+    xs = [float(p.params["output_len"] - 1) for p in sec.points]
+    ys = [p.summary.e2e_ms.mean or 0.0 for p in sec.points]
+    a, b = _fit_line(xs, ys)
+    ttft_mean = sum(p.summary.ttft_ms.mean or 0 for p in sec.points) / len(sec.points)
+    tpot_mean = sum(p.summary.tpot_ms.mean or 0 for p in sec.points) / len(sec.points)
+    sec.markdown += [
+        f"Prompt fixed at {w.output_sweep_input_len} tokens, {w.requests_per_point} requests per output "
+        "length, one at a time; `ignore_eos` makes every output exactly N tokens.",
+        "",
+        *_table(
+            [
+                "N (output)",
+                "TTFT P50/P95/P99 (ms)",
+                "TPOT P50/P95/P99 (ms)",
+                "E2E P50/P95/P99 (ms)",
+                "TTFT+(N−1)·TPOT",
+            ],
+            rows,
+        ),
+        "",
+        f"Check: a least-squares line through mean E2E vs (N−1) gives intercept {a:.1f} ms (mean TTFT "
+        f"{ttft_mean:.1f} ms) and slope {b:.2f} ms/token (mean TPOT {tpot_mean:.2f} ms): "
+        "E2E ≈ TTFT + (N−1)·TPOT holds when the slope matches TPOT and the intercept matches TTFT.",
+        "",
+    ]
+
+    def draw(ax: Any) -> None:
+        ax.plot([x + 1 for x in xs], ys, "o", label="mean E2E")
+        grid = [0.0, max(xs)]
+        ax.plot(
+            [x + 1 for x in grid], [a + b * x for x in grid], "-", label=f"fit: {a:.0f} ms + {b:.1f} ms·(N−1)"
+        )
+        ax.set_xlabel("output tokens N")
+        ax.set_ylabel("E2E (ms)")
+        ax.set_title("2. E2E vs output length")
+        ax.legend()
+
+    sec.markdown += _image(_plot(h.out_dir, "exp2_e2e_vs_output.png", draw))
+
+
+def exp3_concurrency_sweep(h: Harness, sec: Section) -> None:
+    w = h.work
+    with h.server("default") as url:
+        for c in w.concurrency_sweep:
+            n = max(w.requests_per_point, 2 * c)
+            reqs = h.requests(n, w.concurrency_input_len, w.concurrency_output_len)
+            records, s = h.load(url, reqs, max_concurrency=c)
+            sec.points.append(Point(f"concurrency {c}", s, records, {"concurrency": c, "num_requests": n}))
+    rows = [
+        [
+            str(p.params["concurrency"]),
+            str(p.params["num_requests"]),
+            _f(p.summary.output_throughput_tok_s),
+            _f(p.summary.request_throughput_rps, 2),
+            _pcts(p.summary.tpot_ms),
+            _pcts(p.summary.ttft_from_send_ms),
+        ]
+        for p in sec.points
+    ]
+    sec.markdown += [
+        f"Prompt {w.concurrency_input_len}, output {w.concurrency_output_len} tokens; a closed loop keeps "
+        "`concurrency` requests in flight. TTFT is measured from send (the client-side wait for a free slot "
+        "is the closed loop's own doing).",
+        "",
+        *_table(
+            [
+                "concurrency",
+                "requests",
+                "output tok/s",
+                "req/s",
+                "TPOT P50/P95/P99 (ms)",
+                "TTFT from send P50/P95/P99",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+    def draw(ax: Any) -> None:
+        xs = [p.summary.tpot_ms.p99 or 0 for p in sec.points]
+        ys = [p.summary.output_throughput_tok_s for p in sec.points]
+        ax.plot(xs, ys, "o-")
+        for p, x, y in zip(sec.points, xs, ys, strict=True):
+            ax.annotate(f"c={p.params['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4))
+        ax.set_xlabel("P99 TPOT (ms)")
+        ax.set_ylabel("output throughput (tok/s)")
+        ax.set_title("3. latency / throughput trade-off")
+
+    sec.markdown += _image(_plot(h.out_dir, "exp3_throughput_vs_tpot.png", draw))
+
+
+def exp4_hf_vs_lmserve(h: Harness, sec: Section) -> None:
+    from lmserve.bench.offline import load_hf_model, run_hf
+
+    w = h.work
+    if not Path(h.model_dir).is_dir():
+        sec.skipped = (
+            f"--model {h.model_dir!r} is not a local HF directory, so HF transformers cannot load it"
+        )
+        return
+    reqs = h.requests(w.hf_num_requests, w.hf_input_len, w.hf_output_len)
+    model, tok = load_hf_model(h.model_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    run_hf(model, h.requests(1, 16, 4), 1, pad)  # warm-up
+    hf_records = run_hf(model, reqs, 1, pad)
+    del model
+    sec.points.append(Point("HF transformers, one request at a time", summarize(hf_records), hf_records))
+    with h.server("default") as url:
+        records, s = h.load(url, reqs)
+    sec.points.append(Point("lmserve serve, continuous batching", s, records))
+    hf, lm = sec.points[0].summary, sec.points[1].summary
+    ratio = (
+        lm.output_throughput_tok_s / hf.output_throughput_tok_s
+        if hf.output_throughput_tok_s
+        else float("nan")
+    )
+    sec.markdown += [
+        f"The same {w.hf_num_requests} prompts ({w.hf_input_len} tokens, output {w.hf_output_len}), all "
+        "submitted at time 0. HF: in-process `generate` (greedy, fp32), one request after another. lmserve: "
+        "every request sent at once to the server, which batches them continuously (its numbers include "
+        "HTTP).",
+        "",
+        *_table(
+            [
+                "backend",
+                "output tok/s",
+                "TTFT P50/P95/P99 (ms)",
+                "TPOT P50 (ms)",
+                "E2E P50/P95/P99 (ms)",
+                "wall (s)",
+            ],
+            [
+                [
+                    p.label,
+                    _f(p.summary.output_throughput_tok_s),
+                    _pcts(p.summary.ttft_ms),
+                    _f(p.summary.tpot_ms.p50),
+                    _pcts(p.summary.e2e_ms),
+                    _f(p.summary.duration_s, 2),
+                ]
+                for p in sec.points
+            ],
+        ),
+        "",
+        f"lmserve output throughput is **{ratio:.2f}×** the one-request HF loop.",
+        "",
+    ]
+    sec.markdown += _image(
+        _cdf_plot(h, sec, "exp4_hf_vs_lmserve.png", "e2e_s", "E2E", "4. HF loop vs lmserve")
+    )
+
+
+def exp5_static_vs_continuous(h: Harness, sec: Section) -> None:
+    w = h.work
+    if h.args.base_url:
+        sec.skipped = (
+            "needs servers started by the harness with different --scheduling-policy (no --base-url)"
+        )
+        return
+    reqs = h.requests(w.static_num_requests, 32, w.static_output_len, range_ratio=0.9)
+    for policy in ("static", "continuous"):
+        flags = ["--scheduling-policy", policy, "--max-num-seqs", str(w.static_max_num_seqs)]
+        with h.server(policy, flags) as url:
+            records, s = h.load(url, reqs)
+        sec.points.append(Point(policy, s, records))
+    sec.markdown += [
+        f"{w.static_num_requests} requests sent at once, prompt ~32 tokens, output lengths mixed "
+        f"({_lens(sec.points[0].summary.output_len)} min / mean / max); both servers run with "
+        f"`--max-num-seqs {w.static_max_num_seqs}`, only `--scheduling-policy` differs. Static batching "
+        "admits a new batch only when the whole running batch has finished; continuous batching refills a "
+        "slot as soon as any request finishes.",
+        "",
+        *_table(
+            [
+                "policy",
+                "output tok/s",
+                "req/s",
+                "TTFT P50/P95/P99 (ms)",
+                "TPOT P50/P95/P99 (ms)",
+                "E2E P99 (ms)",
+            ],
+            [
+                [
+                    p.label,
+                    _f(p.summary.output_throughput_tok_s),
+                    _f(p.summary.request_throughput_rps, 2),
+                    _pcts(p.summary.ttft_ms),
+                    _pcts(p.summary.tpot_ms),
+                    _f(p.summary.e2e_ms.p99),
+                ]
+                for p in sec.points
+            ],
+        ),
+        "",
+    ]
+    sec.markdown += _image(
+        _cdf_plot(h, sec, "exp5_static_vs_continuous.png", "ttft_s", "TTFT", "5. TTFT CDF")
+    )
+
+
+def exp6_prefix_cache(h: Harness, sec: Section) -> None:
+    w = h.work
+    if h.args.base_url:
+        sec.skipped = (
+            "needs servers started by the harness with and without --no-prefix-caching (no --base-url)"
+        )
+        return
+    reqs = h.requests(
+        w.prefix_num_requests,
+        w.prefix_suffix_len,
+        8,
+        name="prefix",
+        prefix_len=w.prefix_len,
+        num_prefix_groups=1,
+    )
+    for label, flags in (("prefix cache on", []), ("prefix cache off", ["--no-prefix-caching"])):
+        with h.server(label.replace(" ", "-"), flags) as url:
+            records, s = h.load(url, reqs, max_concurrency=1)
+        sec.points.append(Point(label, s, records))
+    on, off = sec.points[0].summary, sec.points[1].summary
+    speedup = (off.ttft_ms.p50 or 0) / (on.ttft_ms.p50 or 1)
+    sec.markdown += [
+        f"{w.prefix_num_requests} requests sharing a {w.prefix_len}-token system prompt, each with its own "
+        f"{w.prefix_suffix_len}-token question, output 8 tokens, sent one at a time. With the cache on, only "
+        "the first request prefills the shared prefix.",
+        "",
+        *_table(
+            ["server", "prompt len min / mean / max", "TTFT P50/P95/P99 (ms)", "E2E P50 (ms)"],
+            [
+                [p.label, _lens(p.summary.prompt_len), _pcts(p.summary.ttft_ms), _f(p.summary.e2e_ms.p50)]
+                for p in sec.points
+            ],
+        ),
+        "",
+        f"Median TTFT is **{speedup:.2f}×** lower with the prefix cache on.",
+        "",
+    ]
+    sec.markdown += _image(_cdf_plot(h, sec, "exp6_prefix_cache.png", "ttft_s", "TTFT", "6. TTFT CDF"))
+
+
+def _cdf_plot(h: Harness, sec: Section, name: str, attr: str, metric: str, title: str) -> str | None:
+    from lmserve.bench.metrics import request_latency
+
+    def draw(ax: Any) -> None:
+        for p in sec.points:
+            xs = sorted(getattr(request_latency(r), attr) * 1e3 for r in p.records if r.success)
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post", label=p.label)
+        ax.set_xlabel(f"{metric} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+
+    return _plot(h.out_dir, name, draw)
+
+
+EXPERIMENTS: dict[int, Callable[[Harness, Section], None]] = {
+    1: exp1_prompt_sweep,
+    2: exp2_output_sweep,
+    3: exp3_concurrency_sweep,
+    4: exp4_hf_vs_lmserve,
+    5: exp5_static_vs_continuous,
+    6: exp6_prefix_cache,
+}
+
+
+# ---- the command ---------------------------------------------------------------------------------------
+
+
+def parse_only(text: str | None) -> list[int]:
+    if not text:
+        return sorted(EXPERIMENTS)
+    try:
+        chosen = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--only: expected experiment numbers like 1,3,6, got {text!r}") from None
+    bad = [x for x in chosen if x not in EXPERIMENTS]
+    if bad or not chosen:
+        raise ValueError(f"--only: experiments are numbered 1-6, got {text!r}")
+    return chosen
+
+
+def run_experiments(h: Harness, numbers: list[int]) -> list[Section]:
+    sections = []
+    for n in numbers:
+        sec = Section(n)
+        t0 = time.perf_counter()
+        print(f"[{n}] {EXPERIMENT_TITLES[n]} ...", flush=True)
+        try:
+            EXPERIMENTS[n](h, sec)
+        except (ServerError, ValueError, OSError) as e:
+            sec.error = str(e)
+        status = (
+            "skipped" if sec.skipped else ("FAILED: " + sec.error.splitlines()[0] if sec.error else "done")
+        )
+        print(f"[{n}] {status} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        sections.append(sec)
+    return sections
+
+
+def write_report(h: Harness, sections: list[Section], wall_s: float) -> Path:
+    import platform
+
+    import torch
+
+    lines = [
+        "# lmserve serving experiments",
+        "",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M:%S')}; wall time {wall_s:.0f} s; mode: "
+        f"{'quick' if h.args.quick else 'full'}",
+        f"- model: `{h.model_dir}`" + (f"; endpoint: {h.args.base_url}" if h.args.base_url else ""),
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads in the client process)",
+        "- latencies are measured by the client from each request's scheduled arrival (TTFT = first token, "
+        "E2E = last token, TPOT = (E2E − TTFT)/(N − 1)); P50 / P95 / P99 in every table.",
+        *(f"- server {c}" for c in dict.fromkeys(h.server_commands)),
+        "",
+    ]
+    for sec in sections:
+        lines += [f"## {sec.number}. {EXPERIMENT_TITLES[sec.number]}", ""]
+        if sec.skipped:
+            lines += [f"Skipped: {sec.skipped}.", ""]
+        elif sec.error:
+            lines += ["**Failed:**", "", "```", sec.error.strip()[:3000], "```", ""]
+        else:
+            lines += sec.markdown
+    path = h.out_dir / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def write_results_json(h: Harness, sections: list[Section]) -> Path:
+    from lmserve.bench.report import json_safe
+
+    doc = {
+        "args": {k: v for k, v in vars(h.args).items() if k != "func"},
+        "workloads": h.work,
+        "experiments": {
+            str(sec.number): {
+                "title": EXPERIMENT_TITLES[sec.number],
+                "skipped": sec.skipped,
+                "error": sec.error,
+                "points": [
+                    {"label": p.label, "params": p.params, "summary": p.summary, "requests": p.records}
+                    for p in sec.points
+                ],
+            }
+            for sec in sections
+        },
+    }
+    path = h.out_dir / "results.json"
+    path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False))
+    return path
+
+
+def run_bench_experiments(args: argparse.Namespace) -> int:
+    from lmserve.bench.datasets import load_tokenizer
+    from lmserve.entrypoints.bench_cli import resolve_tokenizer_path
+
+    try:
+        numbers = parse_only(args.only)
+        if args.base_url and not args.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+        if args.model:
+            model_dir = args.model
+        else:
+            from lmserve.default_model import default_model_path
+
+            model_dir = default_model_path()
+        if not args.base_url and not Path(model_dir).is_dir():
+            raise ValueError(f"--model: {model_dir!r} is not a directory (the harness serves it itself)")
+        tokenizer = load_tokenizer(resolve_tokenizer_path(args.tokenizer, model_dir))
+    except ValueError as e:
+        print(f"lmserve bench experiments: error: {e}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    h = Harness(args, model_dir, tokenizer, out_dir)
+    t0 = time.perf_counter()
+    sections = run_experiments(h, numbers)
+    report = write_report(h, sections, time.perf_counter() - t0)
+    results = write_results_json(h, sections)
+    print(f"wrote {report} and {results} ({time.perf_counter() - t0:.0f} s)")
+    return 1 if any(sec.error for sec in sections) else 0
+
+
+def add_experiment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="bench_results/experiments", help="directory for report.md, PNGs, JSON")
+    p.add_argument("--quick", action="store_true", help="small sweeps: a few minutes on the bundled model")
+    p.add_argument("--only", default=None, help="comma-separated experiment numbers, e.g. 1,3 (default: all)")
+    p.add_argument("--model", default=None, help="HF model dir to serve (default: the bundled model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model's)")
+    p.add_argument("--base-url", default=None, help="benchmark this server instead of starting lmserve")
+    p.add_argument(
+        "--served-model-name", default=None, help="model name to send (default: the server's first)"
+    )
+    p.add_argument("--server-args", default=None, help="extra flags for every `lmserve serve` started")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--seed", type=int, default=0)
