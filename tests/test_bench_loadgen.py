@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import socket
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -239,3 +242,75 @@ def test_bad_config_names_the_flag(kwargs: dict[str, Any], flag: str):
     cfg = LoadConfig(**{"base_url": "http://127.0.0.1:1", **kwargs})
     with pytest.raises(ValueError, match=flag):
         cfg.validate()
+
+
+# ---- `lmserve bench serve` end to end against the fake server ------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_server_in_thread() -> Iterator[str]:
+    """The fake server on its own event loop in a thread, so the CLI can run its own asyncio.run."""
+    loop = asyncio.new_event_loop()
+    started: list[Any] = []
+    ready = threading.Event()
+
+    async def start() -> None:
+        runner = web.AppRunner(FakeServer().app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        started.append((runner, site._server.sockets[0].getsockname()[1]))
+        ready.set()
+
+    thread = threading.Thread(
+        target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True
+    )
+    thread.start()
+    assert ready.wait(10)
+    runner, port = started[0]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_cli_bench_serve_writes_report(tokenizer_dir, tmp_path, capsys):
+    from lmserve.entrypoints.cli import main
+
+    out = tmp_path / "serve.json"
+    with fake_server_in_thread() as url:
+        argv = ["bench", "serve", "--base-url", url, "--tokenizer", str(tokenizer_dir), "--num-requests", "4"]
+        argv += ["--input-len", "8", "--output-len", "3", "--request-rate", "50", "--max-concurrency", "2"]
+        argv += ["--goodput", "ttft:1000", "tpot:1000", "--warmup-requests", "1", "--no-progress"]
+        argv += ["--output-json", str(out), "--plot"]
+        assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "requests succeeded / failed" in text and "4 / 0" in text and "TPOT (ms)" in text
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["num_succeeded"] == 4 and s["slo_attainment_pct"] == 100.0 and s["target_rate_rps"] == 50.0
+    assert s["max_concurrency"] == 2 and s["output_len_matched_pct"] == 100.0
+    assert doc["args"]["request_rate"] == 50.0 and "api_key" not in doc["args"]
+    assert len(doc["requests"]) == 4 and doc["requests"][0]["chunk_num_tokens"] == [1, 1, 1]
+    assert doc["run"]["model"] == "fake-model"
+    assert (tmp_path / "serve_latency_cdf.png").exists() and (tmp_path / "serve_throughput.png").exists()
+
+
+def test_cli_bench_serve_unreachable_is_reported(tokenizer_dir, tmp_path, capsys):
+    from lmserve.entrypoints.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "down.json"
+    argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(tokenizer_dir)]
+    argv += ["--num-requests", "2", "--input-len", "4", "--output-len", "2", "--output-json", str(out)]
+    assert main(argv + ["--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "cannot connect" in captured.err and "Traceback" not in captured.err + captured.out
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["num_failed"] == 2 and "cannot connect" in doc["summary"]["errors"][0]
+    assert main(argv[:-2] + ["--goodput", "ttft"]) == 2
+    assert "--goodput" in capsys.readouterr().err

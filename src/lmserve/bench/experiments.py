@@ -187,7 +187,9 @@ class Harness:
         self.tokenizer = tokenizer
         self.out_dir = out_dir
         self.work = Workloads.quick() if args.quick else Workloads.full()
-        self.server_flags = shlex.split(args.server_args or "")
+        # the bundled model needs little KV memory; don't let every quick server reserve the default pool
+        quick_flags = ["--kv-cache-memory-gib", "0.25"] if args.quick and not args.model else []
+        self.server_flags = quick_flags + shlex.split(args.server_args or "")
         self.server_commands: list[str] = []
         self.seed = args.seed
         self._dataset_seed = 0
