@@ -15,6 +15,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("lmserve.entrypoints.generate_cli", "add_parser"),
     ("lmserve.entrypoints.memory_cli", "add_memory_parser"),
     ("lmserve.entrypoints.bench_cli", "add_parser"),
+    ("lmserve.entrypoints.openai.serve_cli", "add_parser"),
 ]
 
 

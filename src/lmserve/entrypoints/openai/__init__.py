@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP API: protocol (pydantic bodies), server (FastAPI + SSE), errors, `serve` CLI."""

@@ -1,0 +1,116 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answer; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _ERROR_TYPES.get(status_code, "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+_LEADING_FIELD = re.compile(r"^([a-z_]+)(?:\[|\s)")
+
+
+def from_value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError:
+    """A ValueError from SamplingParams / the engine (whose messages start with the field) → 400."""
+    message = str(e)
+    m = _LEADING_FIELD.match(message)
+    param = m.group(1) if m else None
+    if param in ("request", "prompt") or message.startswith("request needs"):
+        param = "max_tokens" if message.startswith("request needs") else "prompt"
+    if rename and param in rename:
+        param = rename[param]
+    return bad_request(message, param)
+
+
+# pydantic's union member tags inside an error location ("str", "list[int]", "function-after[...]", ...)
+_TAG = re.compile(
+    r"^(str|int|float|bool|none|list|dict|tuple|.*\[.*\].*|function-.*|literal.*|lax-.*|strict-.*)$"
+)
+
+
+def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
+    """FastAPI/pydantic request-validation errors → one 400 naming the first bad field."""
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
+        return bad_request(f"request body is not valid JSON: {detail}", None, "invalid_json")
+    if not loc:
+        if kind == "missing":
+            return bad_request("request body is missing: send a JSON object")
+        return bad_request("request body must be a JSON object")
+    param = _format_loc(loc)
+    same_field = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
+    if len(same_field) > 1 and any(isinstance(p, str) and _TAG.match(p) for p in loc[1:]):
+        top = str(loc[0])
+        return bad_request(f"{top}: invalid value or type ({first.get('msg', 'invalid')})", top)
+    return bad_request(f"{param}: {first.get('msg', 'invalid value')}", param)
+
+
+def _format_loc(loc: list[Any]) -> str:
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and _TAG.match(p):
+            continue
+        else:
+            out += ("." if out else "") + str(p)
+    return out

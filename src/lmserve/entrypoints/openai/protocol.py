@@ -1,0 +1,357 @@
+"""Request and response bodies of the OpenAI-compatible API (OpenAI names, plus vLLM's extra fields).
+
+Requests are strict (no "5" for 5, no 1.5 for an int, no 1 for true) so a wrong type is a 400 naming the
+field, not a silent coercion; unknown fields are ignored as OpenAI does. Value ranges are checked once,
+by SamplingParams (see `to_sampling_params`), plus the server's own caps below.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from lmserve.sampling_params import SamplingParams
+
+MAX_N = 128
+"""Most sequences per prompt (`n`); OpenAI's limit."""
+MAX_PROMPTS = 128
+"""Most prompts in one /v1/completions request."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    # refused when set: a per-request template runs arbitrary Jinja; tools need a tool-call parser
+    chat_template: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    response_format: Any = None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:  # OpenAI sends {"content": "..."} without role
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "lmserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---- request → SamplingParams -------------------------------------------------------------------
+
+
+class RequestError(ValueError):
+    """A request value the server refuses, with the API field it belongs to."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """Build SamplingParams (which validates ranges, raising ValueError naming the field) after the
+    server's own caps; RequestError for those."""
+    _check_caps(req)
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens, logprobs = req.max_tokens, req.logprobs
+    kwargs: dict[str, Any] = dict(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        logprobs=logprobs,
+        logit_bias=req.logit_bias,
+    )
+    optional = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return SamplingParams(**kwargs)
+
+
+def _check_caps(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.n > MAX_N:
+        raise RequestError(f"n must be at most {MAX_N}, got {req.n}", "n")
+    if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
+        raise RequestError(
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", "temperature"
+        )
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
+        raise RequestError(f"seed must be a signed 64-bit integer, got {req.seed}", "seed")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise RequestError(
+            f"stop: each stop string may be at most {MAX_STOP_STRING_CHARS} characters", "stop"
+        )
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+    if req.logit_bias is not None and len(req.logit_bias) > MAX_LOGIT_BIAS:
+        raise RequestError(
+            f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}", "logit_bias"
+        )
+    if isinstance(req, ChatCompletionRequest):
+        _check_chat_caps(req)
+    else:
+        _check_completion_caps(req)
+
+
+def _check_chat_caps(req: ChatCompletionRequest) -> None:
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise RequestError("top_logprobs requires logprobs=true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
+                "top_logprobs",
+            )
+    if req.chat_template is not None:
+        raise RequestError("chat_template: a per-request chat template is not accepted", "chat_template")
+    for name in ("tools", "tool_choice", "functions"):
+        if getattr(req, name) not in (None, [], "none"):
+            raise RequestError(f"{name}: tool calling is not supported by this server", name)
+    rf = req.response_format
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise RequestError("response_format: only {'type': 'text'} is supported", "response_format")
+
+
+def _check_completion_caps(req: CompletionRequest) -> None:
+    if req.echo:
+        raise RequestError("echo is not supported", "echo")
+    if req.suffix:
+        raise RequestError("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise RequestError(
+            f"best_of must equal n ({req.n}) or be omitted: best-of sampling is not supported", "best_of"
+        )
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs"
+        )

@@ -1,0 +1,107 @@
+"""`lmserve serve [--model DIR] [--host] [--port] [--api-key] ...`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs, model_path
+
+logger = logging.getLogger("lmserve.serve")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LMSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $LMSERVE_API_KEY; unset = open)",
+    )
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="waiting sequences beyond which requests get 429 with Retry-After (default: unbounded)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (default 4 MiB)"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log each request")
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from lmserve.config import EngineArgs
+    from lmserve.engine.async_engine import AsyncEngine
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.entrypoints.openai.server import DEFAULT_MAX_REQUEST_BODY_BYTES, build_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        print("lmserve serve: error: --max-queued-requests must be >= 0", file=sys.stderr)
+        return 2
+    try:  # cheap checks (config files, argument ranges) before binding the port
+        config = EngineArgs.from_kwargs(model_path(args), **engine_kwargs(args)).create_engine_config()
+    except (ValueError, OSError) as e:
+        print(f"lmserve serve: error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model or "lmserve-default"
+    url = f"http://{_host_for_url(args.host)}:{args.port}"
+    server: uvicorn.Server | None = None
+
+    def load() -> AsyncEngine:
+        try:
+            return AsyncEngine(LLMEngine(config), max_queued_requests=args.max_queued_requests)
+        except BaseException:
+            if server is not None:
+                server.should_exit = True  # a server that can never serve should not linger
+            raise
+
+    def ready(engine: AsyncEngine) -> None:
+        c = engine.config
+        kv_gib = c.cache.num_tokens * c.cache.kv_bytes_per_token / 2**30
+        logger.info(
+            "serving %r (%s) dtype=%s device=%s KV pool %d blocks × %d = %d tokens (%.3f GiB) "
+            "max_model_len=%d at %s",
+            name, c.model.path, c.model.dtype, c.device, c.cache.num_blocks, c.cache.block_size,
+            c.cache.num_tokens, kv_gib, c.scheduler.max_model_len, url,
+        )  # fmt: skip
+
+    app = build_app(
+        load,
+        served_model_name=name,
+        api_key=args.api_key or None,
+        max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        on_ready=ready,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            timeout_graceful_shutdown=5,
+        )
+    )
+    server.run()
+    if app.state.lmserve.load_error is not None:
+        return 1
+    return 0
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,172 @@
+"""Prometheus metrics for the server (the only module that imports prometheus_client).
+
+Two sources, one registry per server:
+- per-request histograms, observed on the engine thread from each RequestOutput (StatLogger protocol of
+  lmserve.engine.async_engine), and counters the HTTP layer bumps (rejected requests);
+- engine counters and gauges, read at scrape time from the latest EngineSnapshot (the engine keeps the
+  running totals; we never double-count them here).
+
+Every name is prefixed `lmserve:`; counters carry the `_total` suffix on the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from lmserve.core.outputs import RequestOutput
+
+PREFIX = "lmserve:"
+
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+SnapshotFn = Callable[[], Any]  # () -> EngineSnapshot | None (None while the model loads)
+
+
+class _EngineCollector(Collector):
+    """Engine counters/gauges from the latest snapshot, produced at scrape time."""
+
+    def __init__(self, snapshot_fn: SnapshotFn, model_name: str) -> None:
+        self._snapshot_fn = snapshot_fn
+        self._model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic; skip registry-time collection
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot_fn()
+        if snap is None:
+            return
+        m = snap.metrics
+        labels, values = ["model_name"], [self._model_name]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        yield counter("prompt_tokens", "Prompt tokens of all accepted requests.", m["prompt_tokens_total"])
+        yield counter("generation_tokens", "Generated tokens.", m["generation_tokens_total"])
+        yield counter(
+            "num_preemptions", "Sequences preempted (KV blocks reclaimed).", m["num_preemptions_total"]
+        )
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            m["prefix_cache_queries_total"],
+        )
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", m["prefix_cache_hits_total"]
+        )
+        yield counter(
+            "num_aborted_requests",
+            "Requests aborted (client gone or cancelled).",
+            snap.num_aborted_requests_total,
+        )
+        yield counter("num_steps", "Engine steps (model executions).", m["num_steps_total"])
+        by_reason = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Finished sequences by finish reason (stop, length, abort).",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in sorted(m["finished_requests_by_reason"].items()):
+            by_reason.add_metric([self._model_name, reason], count)
+        yield by_reason
+        yield gauge("num_requests_running", "Sequences in the running batch.", m["num_requests_running"])
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", m["num_requests_waiting"])
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", m["kv_cache_usage"])
+        yield gauge(
+            "num_batched_tokens", "Tokens computed in the latest engine step.", snap.num_batched_tokens
+        )
+
+
+class Metrics:
+    """The server's metrics. Implements the engine's StatLogger (on_request_output / on_request_aborted)."""
+
+    def __init__(self, model_name: str, snapshot_fn: SnapshotFn) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(snapshot_fn, model_name))
+        lbl = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(PREFIX + name, doc, lbl, buckets=buckets, registry=self.registry).labels(
+                model_name
+            )
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS_S)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between tokens of a sequence.", LATENCY_BUCKETS_S
+        )
+        self.tpot = hist(
+            "request_time_per_output_token_seconds", "Decode time / (output tokens - 1).", LATENCY_BUCKETS_S
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS_S)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS_S)
+        self.prefill = hist(
+            "request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS_S
+        )
+        self.decode = hist("request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS_S)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS)
+        self.gen_len = hist(
+            "request_generation_tokens", "Tokens generated per finished request.", TOKEN_BUCKETS
+        )
+        self._rejected = Counter(
+            PREFIX + "num_rejected_requests",
+            "Requests refused before reaching the engine, by reason.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+
+    # ---- StatLogger (engine thread) ---------------------------------------------------------
+
+    def on_request_output(self, output: RequestOutput, prev_token_time: float | None, now: float) -> None:
+        m = output.metrics
+        num_new = max((len(c.delta_token_ids) for c in output.outputs), default=0)
+        if prev_token_time is None:
+            if m.first_token_time is not None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+        elif num_new and m.last_token_time is not None:
+            gap = (m.last_token_time - prev_token_time) / num_new
+            for _ in range(num_new):
+                self.itl.observe(gap)
+        if not output.finished or any(c.finish_reason == "abort" for c in output.outputs):
+            return
+        finished = m.finished_time or now
+        num_out = max((len(c.token_ids) for c in output.outputs), default=0)
+        self.e2e.observe(finished - m.arrival_time)
+        self.prompt_len.observe(len(output.prompt_token_ids))
+        self.gen_len.observe(sum(len(c.token_ids) for c in output.outputs))
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None:
+            self.decode.observe(finished - m.first_token_time)
+            if num_out > 1:
+                self.tpot.observe((finished - m.first_token_time) / (num_out - 1))
+
+    def on_request_aborted(self) -> None:
+        pass  # counted by the engine side (snapshot.num_aborted_requests_total)
+
+    # ---- HTTP side --------------------------------------------------------------------------
+
+    def on_request_rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text exposition."""
+        return generate_latest(self.registry), "text/plain; version=0.0.4; charset=utf-8"
