@@ -96,11 +96,11 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
         if kind == "missing":
             return bad_request("request body is missing: send a JSON object")
         return bad_request("request body must be a JSON object")
+    tags = [i for i, p in enumerate(loc) if isinstance(p, str) and _TAG.match(p)]
+    if tags:  # a union (e.g. prompt: str | list[str] | list[int] | ...): name the field, not the member
+        param = _format_loc(loc[: tags[0]])
+        return bad_request(f"{param}: invalid value or type ({first.get('msg', 'invalid')})", param)
     param = _format_loc(loc)
-    same_field = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
-    if len(same_field) > 1 and any(isinstance(p, str) and _TAG.match(p) for p in loc[1:]):
-        top = str(loc[0])
-        return bad_request(f"{top}: invalid value or type ({first.get('msg', 'invalid')})", top)
     return bad_request(f"{param}: {first.get('msg', 'invalid value')}", param)
 
 

@@ -79,7 +79,8 @@ def build_app(
 ) -> FastAPI:
     """The server for `engine`: a started-or-not AsyncEngine, or a loader called in a background thread at
     start-up (then /health is 503 until it returns; `served_model_name` is required). The engine thread
-    is started here (or after loading) and shut down with the app's lifespan."""
+    is started here (or after loading); a loaded engine is shut down when the app's lifespan ends, one
+    passed in is left to its owner."""
     loader = None if isinstance(engine, AsyncEngine) else engine
     if loader is not None and not served_model_name:
         raise ValueError("served_model_name is required when the engine is loaded in the background")
@@ -106,7 +107,7 @@ def build_app(
         if loader is not None and state.engine is None and state.load_error is None:
             threading.Thread(target=load, name="lmserve-load", daemon=True).start()
         yield
-        if state.engine is not None:
+        if loader is not None and state.engine is not None:  # an engine passed in belongs to the caller
             await asyncio.to_thread(state.engine.shutdown)
 
     app = FastAPI(title="lmserve", version="0.1.0", lifespan=lifespan)
