@@ -163,6 +163,7 @@ def test_completion_stream_concatenates_to_non_streamed(client: openai.OpenAI) -
     chunks = 0
     for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
         chunks += 1
+        assert len(chunk.choices) <= 1, "one event per choice"
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
@@ -259,7 +260,7 @@ def test_chat_and_stream_agree(client: openai.OpenAI) -> None:
     texts: dict[int, str] = {0: "", 1: ""}
     roles: dict[int, list[str]] = {0: [], 1: []}
     for chunk in client.chat.completions.create(stream=True, **kwargs):
-        assert chunk.object == "chat.completion.chunk"
+        assert chunk.object == "chat.completion.chunk" and len(chunk.choices) == 1
         for c in chunk.choices:
             if c.delta.role:
                 assert texts[c.index] == "", "role comes first"

@@ -601,24 +601,27 @@ class _Generation:
         finished: set[int] = set()
         offsets: dict[int, int] = {}
         try:
-            if self.chat:
-                role = [
-                    p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
+            if self.chat:  # the role goes out at once, before any token
+                yield "".join(
+                    _sse(
+                        self._chunk(
+                            [p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))]
+                        )
+                    )
                     for i in range(len(self.streams) * n)
-                ]
-                yield _sse(self._chunk(role))
+                )
             async for i, out in self._outputs():
                 latest[i] = out
-                choices = []
+                events = []  # one event per choice that changed this step; one write for all of them
                 for c in out.outputs:
                     idx = i * n + c.index
                     if not (c.delta_text or c.delta_token_ids) and (not c.finished or idx in finished):
                         continue
                     if c.finished:
                         finished.add(idx)
-                    choices.append(self._chunk_choice(idx, c, offsets))
-                if choices:
-                    yield _sse(self._chunk(choices))
+                    events.append(_sse(self._chunk([self._chunk_choice(idx, c, offsets)])))
+                if events:
+                    yield "".join(events)
             opts = self.body.stream_options
             if opts is not None and opts.include_usage:
                 yield _sse(self._chunk([], usage=self._usage(latest)))
