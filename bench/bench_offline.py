@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 
 
@@ -68,19 +67,33 @@ def main() -> None:
         prompts = random_prompts(n, args.prompt_len, CONFIG["vocab_size"], seed=n)
         ours = run_lmserve(model_dir, prompts, args.output_len)
         hf = run_hf(model_dir, prompts, args.output_len)
-        rows.append({"requests": n, "lmserve": ours, "hf": hf, "ratio_tok_s": ours["output_tok_s"] / hf["output_tok_s"]})
+        rows.append(
+            {
+                "requests": n,
+                "lmserve": ours,
+                "hf": hf,
+                "ratio_tok_s": ours["output_tok_s"] / hf["output_tok_s"],
+            }
+        )
     print(f"\nprompt {args.prompt_len}, output {args.output_len}, fp32, {args.threads} threads")
-    print(f"{'requests':>8} | {'lmserve tok/s':>13} | {'HF tok/s':>9} | {'ratio':>6} | {'lmserve TTFT ms':>15} | {'HF TTFT ms':>10}")
+    print(
+        f"{'requests':>8} | {'lmserve tok/s':>13} | {'HF tok/s':>9} | {'ratio':>6} | {'lmserve TTFT ms':>15} | {'HF TTFT ms':>10}"
+    )
     for r in rows:
         print(
             f"{r['requests']:>8} | {r['lmserve']['output_tok_s']:>13.1f} | {r['hf']['output_tok_s']:>9.1f} | "
-            f"{r['ratio_tok_s']:>5.2f}x | {1000 * r['lmserve']['ttft_mean_s']:>15.0f} | {1000 * r['hf']['ttft_mean_s']:>10.0f}"
+            f"{r['ratio_tok_s']:>5.2f}x | {1000 * r['lmserve']['ttft_mean_s']:>15.0f} | "
+            f"{1000 * r['hf']['ttft_mean_s']:>10.0f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "offline",
         "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rows": rows,
     }

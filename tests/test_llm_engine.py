@@ -23,10 +23,28 @@ def test_prompt_longer_than_max_model_len_names_numbers(llm: LLM) -> None:
         llm.generate([[5] * 200], SamplingParams(max_tokens=4), use_tqdm=False)
 
 
-def test_request_that_can_never_fit_the_pool(llama_dir: Path) -> None:
-    small = LLM(str(llama_dir), num_kv_blocks=4, block_size=16, max_model_len=256)
-    with pytest.raises(ValueError, match=r"needs up to 110 tokens .* 7 KV blocks .* only 4 blocks"):
+def test_max_model_len_that_cannot_fit_the_pool(llama_dir: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"max_model_len=256 does not fit the KV pool: 4 blocks x 16 tokens = 64"
+    ):
+        LLM(str(llama_dir), num_kv_blocks=4, block_size=16, max_model_len=256)
+    # left on auto, max_model_len shrinks to what the pool holds, and prompts are checked against that
+    small = LLM(str(llama_dir), num_kv_blocks=4, block_size=16)
+    assert small.engine.config.scheduler.max_model_len == 64
+    with pytest.raises(ValueError, match=r"prompt is 100 tokens, but max_model_len is 64"):
         small.generate([[5] * 100], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+def test_kv_pool_sized_by_the_memory_ledger(llama_dir: Path) -> None:
+    from lmserve import memory
+
+    llm = LLM(str(llama_dir), kv_cache_memory_gib=0.001, block_size=8)
+    cache = llm.engine.config.cache
+    # tiny llama: 2 layers x 2 KV heads x head_dim 16 x fp32 → 2*2*2*16*4 = 512 B per token
+    assert cache.kv_bytes_per_token == memory.kv_bytes_per_token(2, 2, 16, 4) == 512
+    assert cache.num_blocks == memory.max_num_kv_blocks(int(0.001 * 2**30), 8, 512) == 262
+    k_cache = llm.engine.runner.kv_caches[0][0]
+    assert tuple(k_cache.shape) == (262, 8, 2, 16)
 
 
 def test_bad_prompt_in_batch_loses_nothing(llm: LLM) -> None:
@@ -77,7 +95,9 @@ def test_sliding_window_model_refused_unless_within_window(tmp_path: Path, token
     with pytest.raises(ValueError, match="sliding-window.*max_model_len <= 64"):
         LLM(str(d))
     llm = LLM(str(d), max_model_len=64, num_kv_blocks=16)
-    out = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        ["hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     assert out[0].outputs[0].token_ids == hf_greedy(d, out[0].prompt_token_ids, 8)
 
 
@@ -86,16 +106,22 @@ def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM, llama_dir: Path) -> N
     ids = llm.get_tokenizer().encode(prompt)
     ref = hf_greedy(llama_dir, ids, 12)
     stop_tok = ref[3]
-    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok]), use_tqdm=False)
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok]), use_tqdm=False
+    )
     c = out[0].outputs[0]
     first = ref.index(stop_tok)
     assert c.token_ids == ref[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
     # the same token as EOS: finish_reason stop, no stop_reason; ignore_eos runs to max_tokens
     llm.engine.eos_token_ids = (stop_tok,)
     try:
-        eos = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0]
+        eos = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[
+            0
+        ]
         assert eos.token_ids == ref[: first + 1] and eos.finish_reason == "stop" and eos.stop_reason is None
-        ign = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+        ign = llm.generate(
+            [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False
+        )
         assert ign[0].outputs[0].token_ids == ref
         low = SamplingParams(max_tokens=12, temperature=0, min_tokens=first + 2)
         assert len(llm.generate([prompt], low, use_tqdm=False)[0].outputs[0].token_ids) >= first + 2
@@ -105,11 +131,15 @@ def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM, llama_dir: Path) -> N
 
 def test_stop_string_cuts_text_and_frees_blocks(llm: LLM) -> None:
     prompt = "import json"
-    full = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    full = llm.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     text = full[0].outputs[0].text
     assert len(text) > 6
     stop = text[3:6]
-    out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]), use_tqdm=False)
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )
     c = out[0].outputs[0]
     assert c.text == text[: text.index(stop)]
     assert c.finish_reason == "stop" and c.stop_reason == stop
@@ -119,7 +149,9 @@ def test_stop_string_cuts_text_and_frees_blocks(llm: LLM) -> None:
 
 def test_streamed_deltas_concatenate_to_final_text(llm: LLM) -> None:
     engine = llm.engine
-    engine.add_request("s", "The capital of France is", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "s", "The capital of France is", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    )
     deltas, tokens = [], []
     final = None
     while engine.has_unfinished_requests():
@@ -143,12 +175,18 @@ def test_seeded_sampling_reproducible_across_batches(llm: LLM) -> None:
         use_tqdm=False,
     )
     assert mixed[1].outputs[0].token_ids == alone
-    other = llm.generate(["hello world"], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True), use_tqdm=False)
+    other = llm.generate(
+        ["hello world"],
+        SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert other[0].outputs[0].token_ids != alone
 
 
 def test_n_sequences_share_prompt(llm: LLM) -> None:
-    out = llm.generate(["hello"], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        ["hello"], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True), use_tqdm=False
+    )
     assert [c.index for c in out[0].outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 8 for c in out[0].outputs)
     assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1, "different seeds per sequence"
@@ -156,7 +194,9 @@ def test_n_sequences_share_prompt(llm: LLM) -> None:
 
 def test_logprobs_are_log_softmax_of_model_logits(llm: LLM, llama_dir: Path) -> None:
     prompt = "def fib(n):"
-    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True), use_tqdm=False
+    )
     c = out[0].outputs[0]
     ids = out[0].prompt_token_ids + c.token_ids
     with torch.inference_mode():

@@ -32,7 +32,9 @@ class RopeConfig:
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
+            )
         kwargs: dict[str, Any] = {"theta": theta, "rope_type": rope_type}
         if rope_type in ("linear", "llama3"):
             if "factor" not in params:
@@ -81,7 +83,13 @@ class ModelConfig:
         family = resolve_architecture(cfg.get("architectures"))
         missing = [
             k
-            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
             if k not in cfg
         ]
         if missing:
@@ -89,7 +97,9 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
         sliding_window = cfg.get("sliding_window")
         if family.name == "qwen" and not cfg.get("use_sliding_window", False):
             sliding_window = None
@@ -222,6 +232,15 @@ class EngineArgs:
         )
         num_blocks = self._num_kv_blocks(kv_bytes_per_token)
         cache = CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token)
+        if cache.num_tokens < max_model_len:
+            if self.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={max_model_len} does not fit the KV pool: {num_blocks} blocks x "
+                    f"{self.block_size} tokens = {cache.num_tokens} tokens "
+                    f"({memory.format_bytes(cache.num_tokens * kv_bytes_per_token)} at {kv_bytes_per_token} B/token); "
+                    f"lower max_model_len or raise num_kv_blocks / kv_cache_memory_gib"
+                )
+            max_model_len = cache.num_tokens  # auto: the longest request the pool can hold
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,
@@ -281,4 +300,3 @@ def _available_ram_bytes() -> int:
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-

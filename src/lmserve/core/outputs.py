@@ -42,7 +42,9 @@ class ModelRunnerOutput:
     """Sampled token per request id, only for requests whose step reached the end of their tokens."""
 
     sampled_token_ids: dict[str, int]
-    logits: Any = None  # (num_sampled, vocab) float32 rows behind the samples, in scheduled order (tests, logprobs)
+    logits: Any = (
+        None  # (num_sampled, vocab) float32 rows behind the samples, in scheduled order (tests, logprobs)
+    )
     logprobs: dict[str, Any] = field(default_factory=dict)  # request id → TokenLogprobs, where asked for
 
 

@@ -85,7 +85,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+            if (
+                not self.config.enable_chunked_prefill
+                and num_new < request.num_tokens - request.num_computed_tokens
+            ):
                 break  # whole prompt must fit one step: wait for a step with budget
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             table = self.kv.allocate_slots(request, num_new)
@@ -150,7 +153,9 @@ class Scheduler:
 
     # ---- after the model ran ----------------------------------------------------------------
 
-    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput, max_model_len: int) -> list[Request]:
+    def update_from_output(
+        self, sched: SchedulerOutput, output: ModelRunnerOutput, max_model_len: int
+    ) -> list[Request]:
         """Advance counters, append sampled tokens, finish what is done. Returns the requests that
         got a new token (finished ones included)."""
         updated: list[Request] = []

@@ -53,7 +53,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.eos_token_ids = self._resolve_eos()
-        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(config)
         self.counters = EngineCounters()
@@ -83,7 +85,9 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             raise ValueError("prompt must be a string or a list of token ids (ints)")
         return None, list(prompt)
 
@@ -145,7 +149,9 @@ class LLMEngine:
             if params.seed is not None:
                 child.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + i)
             children.append(child)
-        self._parents[request_id] = _ParentRequest(request_id, text, prompt_ids, children, RequestMetrics(arrival))
+        self._parents[request_id] = _ParentRequest(
+            request_id, text, prompt_ids, children, RequestMetrics(arrival)
+        )
         for child in children:
             self._child_to_parent[child.request_id] = request_id
             self.scheduler.add_request(child)

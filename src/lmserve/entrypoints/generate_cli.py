@@ -49,7 +49,12 @@ def run_generate(args: argparse.Namespace) -> int:
     for out in outputs:
         for c in out.outputs:
             if args.json:
-                record = {"prompt": out.prompt, "index": c.index, "text": c.text, "finish_reason": str(c.finish_reason)}
+                record = {
+                    "prompt": out.prompt,
+                    "index": c.index,
+                    "text": c.text,
+                    "finish_reason": str(c.finish_reason),
+                }
                 print(json.dumps(record, ensure_ascii=False))
             else:
                 print(f"--- {out.prompt!r} [{c.index}] ({c.finish_reason}, {len(c.token_ids)} tokens)")

@@ -29,7 +29,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. All prompts are validated before
         any is queued, so one bad prompt raises ValueError and nothing is half-run."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # one prompt (text or token ids)
         prompts_list: list[Prompt] = list(prompts)
         if isinstance(sampling_params, list):

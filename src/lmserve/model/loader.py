@@ -58,7 +58,9 @@ def load_model(cfg: ModelConfig, max_positions: int, device: str) -> CausalLM:
                 if target not in params:
                     if cfg.tie_word_embeddings and target == "lm_head.weight":
                         continue  # some tied checkpoints still save the head
-                    raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in {cfg.architecture}")
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} in {file.name} has no place in {cfg.architecture}"
+                    )
                 _copy_into(params[target], target, f.get_tensor(name), shard, cfg)
                 loaded.add(target if shard is None else f"{target}#{shard}")
     _check_complete(params, loaded, cfg)
@@ -72,18 +74,24 @@ def _map_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def _copy_into(param: torch.Tensor, target: str, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig) -> None:
+def _copy_into(
+    param: torch.Tensor, target: str, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig
+) -> None:
     with torch.no_grad():
         if shard is None:
             if param.shape != tensor.shape:
-                raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(tensor.shape)}"
+                )
             param.copy_(tensor)
             return
         sizes = _shard_sizes(target, cfg)
         start = sum(sizes[:shard])
         dst = param.narrow(0, start, sizes[shard])
         if dst.shape != tensor.shape:
-            raise ValueError(f"shape mismatch: fused shard {tuple(dst.shape)} vs checkpoint {tuple(tensor.shape)}")
+            raise ValueError(
+                f"shape mismatch: fused shard {tuple(dst.shape)} vs checkpoint {tuple(tensor.shape)}"
+            )
         dst.copy_(tensor)
 
 
@@ -107,4 +115,6 @@ def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], cfg: Mode
         if not ok:
             missing.append(name)
     if missing:
-        raise ValueError(f"checkpoint in {cfg.path!r} lacks parameters: {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint in {cfg.path!r} lacks parameters: {missing[:8]}{'...' if len(missing) > 8 else ''}"
+        )

@@ -26,7 +26,10 @@ class ModelRunner:
         shape = (cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
         dtype = TORCH_DTYPES[mc.dtype]
         return [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
             for _ in range(mc.num_layers)
         ]
 
@@ -96,7 +99,9 @@ class ModelRunner:
         bs = self.block_size
         context_lens = [s.start + 1 for s in decodes]
         max_blocks = -(-max(context_lens) // bs)
-        tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes]
+        tables = [
+            s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes
+        ]
         dev = self.device
         meta.num_decode_tokens = len(decodes)
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
