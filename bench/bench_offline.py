@@ -76,9 +76,8 @@ def main() -> None:
             }
         )
     print(f"\nprompt {args.prompt_len}, output {args.output_len}, fp32, {args.threads} threads")
-    print(
-        f"{'requests':>8} | {'lmserve tok/s':>13} | {'HF tok/s':>9} | {'ratio':>6} | {'lmserve TTFT ms':>15} | {'HF TTFT ms':>10}"
-    )
+    header = ("requests", "lmserve tok/s", "HF tok/s", "ratio", "lmserve TTFT ms", "HF TTFT ms")
+    print(" | ".join(f"{h:>{w}}" for h, w in zip(header, (8, 13, 9, 6, 15, 10), strict=True)))
     for r in rows:
         print(
             f"{r['requests']:>8} | {r['lmserve']['output_tok_s']:>13.1f} | {r['hf']['output_tok_s']:>9.1f} | "
