@@ -120,7 +120,9 @@ class _TimingStreamer:
 def load_hf_model(model_dir: str, device: str = "cpu") -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # keep the benchmark's output a table
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     return model, tok
