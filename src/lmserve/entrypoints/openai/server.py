@@ -717,7 +717,7 @@ class _SSEResponse(StreamingResponse):
 
                 tg.start_soon(run_then_cancel, partial(self.stream_response, send))
                 await run_then_cancel(partial(self.listen_for_disconnect, receive))
-        except OSError:
+        except* OSError:
             pass  # the client went away while we were writing
         finally:
             self._on_close()
