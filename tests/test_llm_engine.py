@@ -24,9 +24,7 @@ def test_prompt_longer_than_max_model_len_names_numbers(llm: LLM) -> None:
 
 
 def test_max_model_len_that_cannot_fit_the_pool(llama_dir: Path) -> None:
-    with pytest.raises(
-        ValueError, match=r"max_model_len=256 does not fit the KV pool: 4 blocks x 16 tokens = 64"
-    ):
+    with pytest.raises(ValueError, match=r"max_model_len=256 does not fit the KV pool: 4 blocks x 16 tokens = 64"):
         LLM(str(llama_dir), num_kv_blocks=4, block_size=16, max_model_len=256)
     # left on auto, max_model_len shrinks to what the pool holds, and prompts are checked against that
     small = LLM(str(llama_dir), num_kv_blocks=4, block_size=16)
@@ -95,9 +93,7 @@ def test_sliding_window_model_refused_unless_within_window(tmp_path: Path, token
     with pytest.raises(ValueError, match="sliding-window.*max_model_len <= 64"):
         LLM(str(d))
     llm = LLM(str(d), max_model_len=64, num_kv_blocks=16)
-    out = llm.generate(
-        ["hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
-    )
+    out = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(d, out[0].prompt_token_ids, 8)
 
 
@@ -115,13 +111,9 @@ def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM, llama_dir: Path) -> N
     # the same token as EOS: finish_reason stop, no stop_reason; ignore_eos runs to max_tokens
     llm.engine.eos_token_ids = (stop_tok,)
     try:
-        eos = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[
-            0
-        ]
+        eos = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0]
         assert eos.token_ids == ref[: first + 1] and eos.finish_reason == "stop" and eos.stop_reason is None
-        ign = llm.generate(
-            [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False
-        )
+        ign = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
         assert ign[0].outputs[0].token_ids == ref
         low = SamplingParams(max_tokens=12, temperature=0, min_tokens=first + 2)
         assert len(llm.generate([prompt], low, use_tqdm=False)[0].outputs[0].token_ids) >= first + 2
@@ -131,9 +123,7 @@ def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM, llama_dir: Path) -> N
 
 def test_stop_string_cuts_text_and_frees_blocks(llm: LLM) -> None:
     prompt = "import json"
-    full = llm.generate(
-        [prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False
-    )
+    full = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
     text = full[0].outputs[0].text
     assert len(text) > 6
     stop = text[3:6]
@@ -149,9 +139,7 @@ def test_stop_string_cuts_text_and_frees_blocks(llm: LLM) -> None:
 
 def test_streamed_deltas_concatenate_to_final_text(llm: LLM) -> None:
     engine = llm.engine
-    engine.add_request(
-        "s", "The capital of France is", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    )
+    engine.add_request("s", "The capital of France is", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     deltas, tokens = [], []
     final = None
     while engine.has_unfinished_requests():
@@ -216,3 +204,42 @@ def test_metrics_counters(llama_dir: Path) -> None:
     assert m["finished_requests_by_reason"]["length"] == 2
     assert m["num_requests_running"] == 0 and m["kv_cache_usage"] == 0.0
     assert {"num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total"} <= set(m)
+
+
+def test_prompt_logprobs_match_hf(llm: LLM, llama_dir: Path) -> None:
+    prompt = "import json\nimport os\n"
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    # run twice: the second time the prompt's blocks are cached, yet every position must still be scored
+    for _ in range(2):
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        ids = out.prompt_token_ids
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(llama_dir)(torch.tensor([ids])).logits[0].float(), -1)
+        for pos in range(1, len(ids)):
+            lp = out.prompt_logprobs[pos]
+            assert lp.token_id == ids[pos]
+            assert abs(lp.logprob - float(ref[pos - 1, ids[pos]])) < 1e-4
+            assert [t for t, _ in lp.top_logprobs] == ref[pos - 1].topk(2).indices.tolist()
+
+
+def test_prompt_logprobs_with_chunked_prefill(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), num_kv_blocks=32, max_num_batched_tokens=5)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    out = llm.generate(["import json\nimport os\nimport sys\n"], params, use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert [lp.token_id for lp in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
+
+
+def test_best_of_returns_the_most_likely_sequences(llm: LLM) -> None:
+    params = SamplingParams(n=2, best_of=5, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    out = llm.generate(["hello"], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert out.outputs[0].logprobs is None, "logprobs were not asked for"
+    all5 = llm.generate(
+        ["hello"],
+        SamplingParams(n=5, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
+    )[0]
+    best = sorted(all5.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best]

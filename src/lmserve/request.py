@@ -66,6 +66,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
     logprobs: list[Any] | None = None  # TokenLogprobs per output token, when asked for
+    cumulative_logprob: float | None = None  # summed while logprobs are computed (best_of ranks by it)
+    prompt_logprobs: list[Any] | None = None  # [None, TokenLogprobs for prompt token 1, ...] when asked for
     delta_text: str = ""  # text added by the last step (after stop-string hold-back)
     num_delta_tokens: int = 0  # tokens added since the last output was made
 

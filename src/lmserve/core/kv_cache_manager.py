@@ -24,8 +24,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks that prefixes the request's tokens, and how many tokens it
         covers. Never the whole sequence: at least one token must be computed to produce logits."""
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -46,6 +46,8 @@ class ModelRunnerOutput:
         None  # (num_sampled, vocab) float32 rows behind the samples, in scheduled order (tests, logprobs)
     )
     logprobs: dict[str, Any] = field(default_factory=dict)  # request id → TokenLogprobs, where asked for
+    # request id → (first prompt position scored, TokenLogprobs per position) for prompt_logprobs requests
+    prompt_logprobs: dict[str, tuple[int, list[Any]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[Any] | None = None  # TokenLogprobs per generated token, when params.logprobs is set
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when computed
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
 
@@ -87,3 +90,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    prompt_logprobs: list[Any] | None = None  # None for the first prompt token, then TokenLogprobs per token

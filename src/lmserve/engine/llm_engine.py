@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -13,7 +14,7 @@ import torch
 
 from lmserve.config import EngineArgs, EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
-from lmserve.core.outputs import CompletionOutput, RequestOutput, SchedulerStats
+from lmserve.core.outputs import CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from lmserve.core.scheduler import Scheduler
 from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.request import FinishReason, Request, RequestMetrics
@@ -31,6 +32,7 @@ class _ParentRequest:
     prompt_token_ids: list[int]
     children: list[Request]
     metrics: RequestMetrics
+    params: SamplingParams
     texts: dict[str, str] = field(default_factory=dict)
 
 
@@ -53,9 +55,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.eos_token_ids = self._resolve_eos()
-        self.kv = KVCacheManager(
-            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
+        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(config)
         self.counters = EngineCounters()
@@ -85,9 +85,7 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be a string or a list of token ids (ints)")
         return None, list(prompt)
 
@@ -131,26 +129,33 @@ class LLMEngine:
         text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.validate(prompt_ids, params)
         arrival = time.time() if arrival_time is None else arrival_time
+        num_seqs = params.actual_best_of
+        # best_of > n ranks sequences by cumulative logprob: have the sampler report the chosen token's.
+        child_params = params
+        if num_seqs > params.n and params.logprobs is None:
+            child_params = dataclasses.replace(params, logprobs=0)
         children = []
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i in range(num_seqs):
+            child_id = request_id if num_seqs == 1 else f"{request_id}#{i}"
             child = Request(
                 request_id=child_id,
                 prompt_token_ids=prompt_ids,
-                sampling_params=params,
+                sampling_params=child_params,
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 prompt=text,
                 arrival_time=arrival,
             )
             child.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
-            if params.logprobs is not None:
-                child.logprobs = []
+            if child_params.logprobs is not None:
+                child.logprobs, child.cumulative_logprob = [], 0.0
+            if params.prompt_logprobs is not None:
+                child.prompt_logprobs = [None]  # the first prompt token has no logprob
             if params.seed is not None:
                 child.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + i)
             children.append(child)
         self._parents[request_id] = _ParentRequest(
-            request_id, text, prompt_ids, children, RequestMetrics(arrival)
+            request_id, text, prompt_ids, children, RequestMetrics(arrival), params
         )
         for child in children:
             self._child_to_parent[child.request_id] = request_id
@@ -165,9 +170,10 @@ class LLMEngine:
             parent = self._parents.get(rid)
             if parent is None:
                 continue
-            for req in self.scheduler.abort_requests([c.request_id for c in parent.children]):
-                self.counters.num_finished_by_reason[FinishReason.ABORT.value] += 1
-                self._child_to_parent.pop(req.request_id, None)
+            aborted = self.scheduler.abort_requests([c.request_id for c in parent.children])
+            self.counters.num_finished_by_reason[FinishReason.ABORT.value] += len(aborted)
+            for child in parent.children:
+                self._child_to_parent.pop(child.request_id, None)
             del self._parents[rid]
 
     def has_unfinished_requests(self) -> bool:
@@ -183,6 +189,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, runner_out, self.config.scheduler.max_model_len)
         self.counters.num_steps_total += 1
         self.counters.generation_tokens_total += len(updated)
+        self._record_prompt_logprobs(sched, runner_out.prompt_logprobs)
         parents: dict[str, _ParentRequest] = {}
         for req in updated:
             self._process_new_token(req, runner_out.logprobs.get(req.request_id))
@@ -190,13 +197,24 @@ class LLMEngine:
             parents[parent.request_id] = parent
             if req.is_finished:
                 self.counters.num_finished_by_reason[req.finish_reason.value] += 1
-        return [self._make_output(p) for p in parents.values()]
+        outputs = [self._make_output(p) for p in parents.values()]
+        return [o for o in outputs if o is not None]
+
+    @staticmethod
+    def _record_prompt_logprobs(sched: SchedulerOutput, found: dict[str, tuple[int, list[Any]]]) -> None:
+        for s in sched.scheduled:
+            req = s.request
+            if req.request_id in found:
+                first, entries = found[req.request_id]
+                # positions already recorded (a recompute after preemption) are not added twice
+                req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first :])
 
     def _process_new_token(self, req: Request, logprobs: Any) -> None:
         """Detokenize the new token; a stop string finishes the request here (its blocks freed now)."""
         req.num_delta_tokens += 1
         if req.logprobs is not None:
             req.logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs.logprob
         update = req.detokenizer.update(req.output_token_ids[-1:])
         req.delta_text += update.delta_text
         if update.stop_str is not None:
@@ -209,10 +227,20 @@ class LLMEngine:
             if req.detokenizer.stop_str is not None:  # the held-back tail completed a stop string
                 req.finish_reason, req.stop_reason = FinishReason.STOP, req.detokenizer.stop_str
 
-    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
+    def _make_output(self, parent: _ParentRequest) -> RequestOutput | None:
+        """The parent's output for this step; with best_of > n, only once all sequences finished (the n
+        with the highest cumulative logprob are returned)."""
+        finished = all(c.is_finished for c in parent.children)
+        params = parent.params
+        children = parent.children
+        if len(children) > params.n:
+            if not finished:
+                return None
+            children = sorted(children, key=lambda c: c.cumulative_logprob, reverse=True)[: params.n]
         outputs = []
-        for i, child in enumerate(parent.children):
+        for i, child in enumerate(children):
             n_delta = child.num_delta_tokens
+            keep_logprobs = child.logprobs is not None and params.logprobs is not None
             outputs.append(
                 CompletionOutput(
                     index=i,
@@ -220,13 +248,13 @@ class LLMEngine:
                     token_ids=list(child.output_token_ids),
                     finish_reason=child.finish_reason,
                     stop_reason=child.stop_reason,
-                    logprobs=None if child.logprobs is None else list(child.logprobs),
+                    logprobs=list(child.logprobs) if keep_logprobs else None,
+                    cumulative_logprob=child.cumulative_logprob,
                     delta_text=child.delta_text,
                     delta_token_ids=child.output_token_ids[len(child.output_token_ids) - n_delta :],
                 )
             )
             child.delta_text, child.num_delta_tokens = "", 0
-        finished = all(c.is_finished for c in parent.children)
         first = parent.children[0]
         m = parent.metrics
         m.first_scheduled_time = _min_time(c.metrics.first_scheduled_time for c in parent.children)
@@ -245,6 +273,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
             metrics=m,
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
         )
 
     # ---- observability ----------------------------------------------------------------------

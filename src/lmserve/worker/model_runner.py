@@ -8,7 +8,7 @@ from lmserve.config import EngineConfig
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.model.attention import AttentionMetadata, KVCache, PrefillSegment, causal_mask_with_context
 from lmserve.model.loader import TORCH_DTYPES, load_model
-from lmserve.worker.sampler import Sampler, SamplingMetadata
+from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 
 class ModelRunner:
@@ -71,21 +71,42 @@ class ModelRunner:
             meta,
         )
         # Only the last token of each request that reaches the end of its known tokens is sampled.
-        last_row, offset = {}, 0
+        first_row, offset = {}, 0
         for s in ordered:
+            first_row[s.request.request_id] = offset
             offset += s.num_new_tokens
-            last_row[s.request.request_id] = offset - 1
+        prompt_logprobs = self._prompt_logprobs(ordered, first_row, hidden)
         sampling = [s for s in sched.scheduled if s.samples]  # rows in scheduled order
-        sample_rows = [last_row[s.request.request_id] for s in sampling]
+        sample_rows = [first_row[s.request.request_id] + s.num_new_tokens - 1 for s in sampling]
         if not sampling:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         out = self.sampler(logits, self._sampling_metadata(sampling))
         ids = [s.request.request_id for s in sampling]
         logprobs = {}
         if out.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None}
-        return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids, strict=True)), logits, logprobs)
+        return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids, strict=True)), logits, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, ordered: list[ScheduledRequest], first_row: dict[str, int], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list]]:
+        """For requests asking for prompt_logprobs: position p of this chunk scores prompt token p + 1.
+        Returns request id → (first scored prompt position, TokenLogprobs per position)."""
+        out = {}
+        for s in ordered:
+            req = s.request
+            k = req.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            first, last = s.start, min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if last <= first:
+                continue
+            row0 = first_row[req.request_id]
+            logits = self.model.compute_logits(hidden[row0 : row0 + last - first])
+            targets = torch.tensor(req.all_token_ids[first + 1 : last + 1], device=self.device)
+            out[req.request_id] = (first + 1, token_logprobs(logits, targets, [k] * (last - first)))
+        return out
 
     def _token_inputs(self, s: ScheduledRequest) -> tuple[list[int], list[int], list[int]]:
         start, end = s.start, s.start + s.num_new_tokens
@@ -99,9 +120,7 @@ class ModelRunner:
         bs = self.block_size
         context_lens = [s.start + 1 for s in decodes]
         max_blocks = -(-max(context_lens) // bs)
-        tables = [
-            s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes
-        ]
+        tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes]
         dev = self.device
         meta.num_decode_tokens = len(decodes)
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)

@@ -273,19 +273,27 @@ class Sampler:
         """Logprobs from the model's raw distribution (vLLM's default), not the processed one."""
         rows = [i for i, p in enumerate(metadata.params) if p.logprobs is not None]
         idx = _rows_tensor(rows, raw.device)
-        lp = torch.log_softmax(raw[idx], dim=-1)
-        chosen = sampled[idx]
-        chosen_lp = lp.gather(1, chosen.unsqueeze(1))
-        ranks = (lp > chosen_lp).sum(dim=-1) + 1
-        max_n = min(max(metadata.params[i].logprobs or 0 for i in rows), lp.shape[1])
-        top_vals, top_ids = lp.topk(max_n, dim=-1) if max_n else (None, None)
-
-        chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
-        top_vals_l = top_vals.tolist() if top_vals is not None else None
-        top_ids_l = top_ids.tolist() if top_ids is not None else None
+        found = token_logprobs(raw[idx], sampled[idx], [metadata.params[i].logprobs or 0 for i in rows])
         out: list[TokenLogprobs | None] = [None] * len(metadata.params)
         for j, i in enumerate(rows):
-            n = metadata.params[i].logprobs or 0
-            top = list(zip(top_ids_l[j][:n], top_vals_l[j][:n], strict=True)) if n else []  # type: ignore[index]
-            out[i] = TokenLogprobs(chosen_l[j], chosen_lp_l[j], ranks_l[j], top)
+            out[i] = found[j]
         return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Row r: logprob and rank of token_ids[r] under log_softmax(logits[r]), plus its num_top[r] most likely
+    (token_id, logprob). Shared by sampled-token and prompt logprobs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen_lp = lp.gather(1, token_ids.unsqueeze(1))
+    ranks = (lp > chosen_lp).sum(dim=-1) + 1
+    max_n = min(max(num_top, default=0), lp.shape[1])
+    top_vals_l = top_ids_l = None
+    if max_n:
+        top_vals, top_ids = lp.topk(max_n, dim=-1)
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    chosen_l, chosen_lp_l, ranks_l = token_ids.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
+    out = []
+    for r, n in enumerate(num_top):
+        top = list(zip(top_ids_l[r][:n], top_vals_l[r][:n], strict=True)) if n else []  # type: ignore[index]
+        out.append(TokenLogprobs(chosen_l[r], chosen_lp_l[r], ranks_l[r], top))
+    return out
