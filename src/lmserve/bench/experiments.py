@@ -86,7 +86,7 @@ class Workloads:
             static_output_len=24,
             prefix_len=384,
             prefix_suffix_len=16,
-            prefix_num_requests=5,
+            prefix_num_requests=8,
         )
 
     @staticmethod
@@ -194,6 +194,7 @@ class Harness:
         self.seed = args.seed
         self._dataset_seed = 0
         self._server: tuple[list[str], str, contextlib.ExitStack] | None = None
+        self.load_avg_start = os.getloadavg()[0]
 
     # -- building blocks
 
@@ -254,9 +255,7 @@ class Harness:
         if result.fatal_error:
             raise ServerError(result.fatal_error)
         if summary.num_failed:
-            raise ServerError(
-                f"{summary.num_failed}/{summary.num_requests} requests failed: {summary.errors[:3]}"
-            )
+            raise ServerError(f"{summary.num_failed}/{summary.num_requests} requests failed: {summary.errors[:3]}")
         return records, summary
 
 
@@ -417,9 +416,7 @@ def exp2_output_sweep(h: Harness, sec: Section) -> None:
     def draw(ax: Any) -> None:
         ax.plot([x + 1 for x in xs], ys, "o", label="mean E2E")
         grid = [0.0, max(xs)]
-        ax.plot(
-            [x + 1 for x in grid], [a + b * x for x in grid], "-", label=f"fit: {a:.0f} ms + {b:.1f} ms·(N−1)"
-        )
+        ax.plot([x + 1 for x in grid], [a + b * x for x in grid], "-", label=f"fit: {a:.0f} ms + {b:.1f} ms·(N−1)")
         ax.set_xlabel("output tokens N")
         ax.set_ylabel("E2E (ms)")
         ax.set_title("2. E2E vs output length")
@@ -484,9 +481,7 @@ def exp4_hf_vs_lmserve(h: Harness, sec: Section) -> None:
 
     w = h.work
     if not Path(h.model_dir).is_dir():
-        sec.skipped = (
-            f"--model {h.model_dir!r} is not a local HF directory, so HF transformers cannot load it"
-        )
+        sec.skipped = f"--model {h.model_dir!r} is not a local HF directory, so HF transformers cannot load it"
         return
     reqs = h.requests(w.hf_num_requests, w.hf_input_len, w.hf_output_len)
     model, tok = load_hf_model(h.model_dir)
@@ -499,11 +494,7 @@ def exp4_hf_vs_lmserve(h: Harness, sec: Section) -> None:
         records, s = h.load(url, reqs)
     sec.points.append(Point("lmserve serve, continuous batching", s, records))
     hf, lm = sec.points[0].summary, sec.points[1].summary
-    ratio = (
-        lm.output_throughput_tok_s / hf.output_throughput_tok_s
-        if hf.output_throughput_tok_s
-        else float("nan")
-    )
+    ratio = lm.output_throughput_tok_s / hf.output_throughput_tok_s if hf.output_throughput_tok_s else float("nan")
     sec.markdown += [
         f"The same {w.hf_num_requests} prompts ({w.hf_input_len} tokens, output {w.hf_output_len}), all "
         "submitted at time 0. HF: in-process `generate` (greedy, fp32), one request after another. lmserve: "
@@ -535,17 +526,13 @@ def exp4_hf_vs_lmserve(h: Harness, sec: Section) -> None:
         f"lmserve output throughput is **{ratio:.2f}×** the one-request HF loop.",
         "",
     ]
-    sec.markdown += _image(
-        _cdf_plot(h, sec, "exp4_hf_vs_lmserve.png", "e2e_s", "E2E", "4. HF loop vs lmserve")
-    )
+    sec.markdown += _image(_cdf_plot(h, sec, "exp4_hf_vs_lmserve.png", "e2e_s", "E2E", "4. HF loop vs lmserve"))
 
 
 def exp5_static_vs_continuous(h: Harness, sec: Section) -> None:
     w = h.work
     if h.args.base_url:
-        sec.skipped = (
-            "needs servers started by the harness with different --scheduling-policy (no --base-url)"
-        )
+        sec.skipped = "needs servers started by the harness with different --scheduling-policy (no --base-url)"
         return
     reqs = h.requests(w.static_num_requests, 32, w.static_output_len, range_ratio=0.9)
     for policy in ("static", "continuous"):
@@ -583,17 +570,13 @@ def exp5_static_vs_continuous(h: Harness, sec: Section) -> None:
         ),
         "",
     ]
-    sec.markdown += _image(
-        _cdf_plot(h, sec, "exp5_static_vs_continuous.png", "ttft_s", "TTFT", "5. TTFT CDF")
-    )
+    sec.markdown += _image(_cdf_plot(h, sec, "exp5_static_vs_continuous.png", "ttft_s", "TTFT", "5. TTFT CDF"))
 
 
 def exp6_prefix_cache(h: Harness, sec: Section) -> None:
     w = h.work
     if h.args.base_url:
-        sec.skipped = (
-            "needs servers started by the harness with and without --no-prefix-caching (no --base-url)"
-        )
+        sec.skipped = "needs servers started by the harness with and without --no-prefix-caching (no --base-url)"
         return
     reqs = h.requests(
         w.prefix_num_requests,
@@ -633,9 +616,7 @@ def exp6_prefix_cache(h: Harness, sec: Section) -> None:
         f"Median TTFT is **{speedup:.2f}×** lower with the prefix cache on.",
         "",
     ]
-    sec.markdown += _image(
-        _cdf_plot(h, sec, "exp6_prefix_cache.png", "ttft_from_send_s", "TTFT", "6. TTFT CDF")
-    )
+    sec.markdown += _image(_cdf_plot(h, sec, "exp6_prefix_cache.png", "ttft_from_send_s", "TTFT", "6. TTFT CDF"))
 
 
 def _cdf_plot(h: Harness, sec: Section, name: str, attr: str, metric: str, title: str) -> str | None:
@@ -693,9 +674,7 @@ def run_experiments(h: Harness, numbers: list[int]) -> list[Section]:
             EXPERIMENTS[n](h, sec)
         except (ServerError, ValueError, OSError) as e:
             sec.error = str(e)
-        status = (
-            "skipped" if sec.skipped else ("FAILED: " + sec.error.splitlines()[0] if sec.error else "done")
-        )
+        status = "skipped" if sec.skipped else ("FAILED: " + sec.error.splitlines()[0] if sec.error else "done")
         print(f"[{n}] {status} ({time.perf_counter() - t0:.1f} s)", flush=True)
         sections.append(sec)
     return sorted(sections, key=lambda sec: sec.number)
@@ -713,7 +692,9 @@ def write_report(h: Harness, sections: list[Section], wall_s: float) -> Path:
         f"{'quick' if h.args.quick else 'full'}",
         f"- model: `{h.model_dir}`" + (f"; endpoint: {h.args.base_url}" if h.args.base_url else ""),
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads in the client process)",
+        f"({torch.get_num_threads()} threads in the client process); load average (1 min) at start / end: "
+        f"{h.load_avg_start:.2f} / {os.getloadavg()[0]:.2f} (above the CPU count, other work shared the "
+        "machine and the numbers are noisy)",
         "- latencies are measured by the client (TTFT = first token, E2E = last token, "
         "TPOT = (E2E − TTFT)/(N − 1)); P50 / P95 / P99 in every table. Experiments 1, 2, 3 and 6 send one "
         "request at a time or keep a fixed number in flight, so they measure from each request's send; "
@@ -799,9 +780,7 @@ def add_experiment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model dir to serve (default: the bundled model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model's)")
     p.add_argument("--base-url", default=None, help="benchmark this server instead of starting lmserve")
-    p.add_argument(
-        "--served-model-name", default=None, help="model name to send (default: the server's first)"
-    )
+    p.add_argument("--served-model-name", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--server-args", default=None, help="extra flags for every `lmserve serve` started")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--seed", type=int, default=0)
