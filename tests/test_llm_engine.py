@@ -43,6 +43,10 @@ def test_kv_pool_sized_by_the_memory_ledger(llama_dir: Path) -> None:
     assert cache.num_blocks == memory.max_num_kv_blocks(int(0.001 * 2**30), 8, 512) == 262
     k_cache = llm.engine.runner.kv_caches[0][0]
     assert tuple(k_cache.shape) == (262, 8, 2, 16)
+    m = llm.get_metrics()
+    assert m["kv_cache_capacity_tokens"] == 262 * 8 and m["kv_cache_bytes_per_token"] == 512
+    actual = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in llm.engine.runner.kv_caches)
+    assert m["kv_cache_capacity_bytes"] == actual, "the ledger's figure is what the engine allocated"
 
 
 def test_bad_prompt_in_batch_loses_nothing(llm: LLM) -> None:

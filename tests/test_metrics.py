@@ -23,6 +23,9 @@ def _snapshot(**overrides) -> EngineSnapshot:
         "prefix_cache_hits_total": 32,
         "kv_cache_usage": 0.25,
         "num_kv_blocks": 64,
+        "kv_cache_capacity_tokens": 1024,
+        "kv_cache_bytes_per_token": 512,
+        "kv_cache_capacity_bytes": 524288,
         "finished_requests_by_reason": {"stop": 1, "length": 2, "abort": 4},
     }
     metrics.update(overrides)
@@ -52,6 +55,8 @@ def test_engine_counters_and_gauges_come_from_the_snapshot() -> None:
     assert s["lmserve:request_success_total{finished_reason=abort}"] == 4
     assert s["lmserve:num_requests_running"] == 2 and s["lmserve:num_requests_waiting"] == 5
     assert s["lmserve:kv_cache_usage_perc"] == 0.25 and s["lmserve:num_batched_tokens"] == 17
+    assert s["lmserve:kv_cache_capacity_tokens"] == 1024 and s["lmserve:kv_cache_bytes_per_token"] == 512
+    assert s["lmserve:kv_cache_capacity_bytes"] == 524288
 
 
 def test_nothing_from_the_engine_while_loading() -> None:

@@ -131,7 +131,8 @@ def idle(server: LiveServer) -> bool:
 def test_startup_log_line_and_models(server: LiveServer, client: openai.OpenAI) -> None:
     line = next((ln for ln in server.log().splitlines() if "serving" in ln and "KV pool" in ln), None)
     assert line is not None, server.log()
-    for part in ("dtype=float32", "device=cpu", "512 blocks", "8192 tokens", "GiB", server.url):
+    # tiny llama: 2 layers x 2 KV heads x head_dim 16 x 2 (K, V) x 4 B = 512 B/token; 8192 tokens = 4 MiB
+    for part in ("dtype=float32", "device=cpu", "512 blocks", "8192 tokens", "(4.00 MiB, 512 B/token)", server.url):
         assert part in line, (part, line)
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]

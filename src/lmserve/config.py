@@ -149,6 +149,11 @@ class CacheConfig:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of K and V tensors over all layers (the ledger's bytes per token × pool tokens)."""
+        return self.num_tokens * self.kv_bytes_per_token
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -91,6 +91,11 @@ class _EngineCollector(Collector):
         yield gauge(
             "num_batched_tokens", "Tokens computed in the latest engine step.", snap.num_batched_tokens
         )
+        yield gauge("kv_cache_capacity_tokens", "Tokens the KV pool holds.", m["kv_cache_capacity_tokens"])
+        yield gauge(
+            "kv_cache_bytes_per_token", "KV bytes per token over all layers.", m["kv_cache_bytes_per_token"]
+        )
+        yield gauge("kv_cache_capacity_bytes", "Bytes of the KV pool.", m["kv_cache_capacity_bytes"])
 
 
 class Metrics:

@@ -296,6 +296,9 @@ class LLMEngine:
             "prefix_cache_hits_total": s.prefix_cache_hits_total,
             "kv_cache_usage": s.kv_cache_usage,
             "num_kv_blocks": self.config.cache.num_blocks,
+            "kv_cache_capacity_tokens": self.config.cache.num_tokens,
+            "kv_cache_bytes_per_token": self.config.cache.kv_bytes_per_token,
+            "kv_cache_capacity_bytes": self.config.cache.pool_bytes,
             "finished_requests_by_reason": dict(c.num_finished_by_reason),
         }
 

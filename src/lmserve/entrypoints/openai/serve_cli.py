@@ -8,6 +8,7 @@ import os
 import sys
 
 from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs, model_path
+from lmserve.memory import format_bytes
 
 logger = logging.getLogger("lmserve.serve")
 
@@ -72,12 +73,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def ready(engine: AsyncEngine) -> None:
         c = engine.config
-        kv_gib = c.cache.num_tokens * c.cache.kv_bytes_per_token / 2**30
         logger.info(
-            "serving %r (%s) dtype=%s device=%s KV pool %d blocks × %d = %d tokens (%.3f GiB) "
+            "serving %r (%s) dtype=%s device=%s KV pool %d blocks × %d = %d tokens (%s, %s/token) "
             "max_model_len=%d at %s",
             name, c.model.path, c.model.dtype, c.device, c.cache.num_blocks, c.cache.block_size,
-            c.cache.num_tokens, kv_gib, c.scheduler.max_model_len, url,
+            c.cache.num_tokens, format_bytes(c.cache.pool_bytes), format_bytes(c.cache.kv_bytes_per_token),
+            c.scheduler.max_model_len, url,
         )  # fmt: skip
 
     app = build_app(
