@@ -26,6 +26,7 @@ from the output ids alone (the prompt is not decode context), which is what make
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,11 +100,28 @@ def _decode_kwargs(tokenizer: Any, params: SamplingParams) -> dict[str, Any]:
     return kwargs
 
 
+_CLEANS_UP: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def _tokenizer_cleans_up(tokenizer: Any) -> bool:
     """Whether tokenizer.decode applies clean_up_tokenization (transformers skips it for BPE in v5).
 
-    Probed on real text rather than read from attributes, since the rules differ between versions.
+    Probed once per tokenizer (not per request) on real text rather than read from attributes, since
+    the rules differ between versions.
     """
+    try:
+        return _CLEANS_UP[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    result = _probe_cleanup(tokenizer)
+    try:
+        _CLEANS_UP[tokenizer] = result
+    except TypeError:  # not weak-referenceable: probe every time
+        pass
+    return result
+
+
+def _probe_cleanup(tokenizer: Any) -> bool:
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
     try:
