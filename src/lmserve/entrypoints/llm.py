@@ -7,6 +7,7 @@ from typing import Any
 from lmserve.config import EngineArgs
 from lmserve.core.outputs import RequestOutput
 from lmserve.engine.llm_engine import LLMEngine, Prompt
+from lmserve.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from lmserve.sampling_params import SamplingParams
 
 
@@ -67,6 +68,10 @@ class LLM:
         if bar is not None:
             bar.close()
         return [finished[i] for i in ids]
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (HF generate(num_beams=...) semantics) for every prompt; outputs in input order."""
+        return beam_search(self.engine, prompts, params)
 
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()
