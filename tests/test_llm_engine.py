@@ -59,6 +59,8 @@ def test_bad_prompt_in_batch_loses_nothing(llm: LLM) -> None:
     engine.add_request("keep", "hello there", params)
     with pytest.raises(ValueError):
         engine.add_request("bad", [], params)
+    with pytest.raises(ValueError, match="use_beam_search: beam search runs through LLM.beam_search"):
+        engine.add_request("beam", "x", SamplingParams(use_beam_search=True))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("keep", "again", params)
     done = []

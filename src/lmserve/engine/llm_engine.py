@@ -92,6 +92,11 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request can ever run; returns its resolved max_tokens. Raises ValueError with numbers."""
         sc, cc = self.config.scheduler, self.config.cache
+        if params.use_beam_search:
+            raise ValueError(
+                "use_beam_search: beam search runs through LLM.beam_search(prompts, BeamSearchParams(...)), "
+                "not through generate / add_request"
+            )
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty: at least one token is needed")
