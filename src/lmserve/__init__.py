@@ -1,8 +1,9 @@
 """lmserve: an LLM inference and serving engine."""
 
 from lmserve.core.outputs import CompletionOutput, RequestOutput
+from lmserve.entrypoints.beam_search import BeamSearchParams
 from lmserve.entrypoints.llm import LLM
 from lmserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
