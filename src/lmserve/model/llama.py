@@ -12,6 +12,9 @@ from lmserve.config import ModelConfig
 from lmserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from lmserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
+LOGITS_SLICE = 2048  # vocabulary rows per LM-head product
+LOGITS_SLICE_MIN_ROWS = 8  # below this the product is bandwidth-bound and one call is fastest
+
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -108,4 +111,13 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """(rows, hidden) → (rows, vocab) float32. For several rows the vocabulary is covered in slices:
+        on CPU BLAS, one (32 × 576) @ (576 × 49152) product runs at half the speed of 2048-wide slices."""
+        weight = self.lm_head.weight
+        if hidden.shape[0] < LOGITS_SLICE_MIN_ROWS or weight.shape[0] <= LOGITS_SLICE:
+            return self.lm_head(hidden).float()
+        out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+        for start in range(0, weight.shape[0], LOGITS_SLICE):
+            w = weight[start : start + LOGITS_SLICE]
+            torch.mm(hidden, w.t(), out=out[:, start : start + w.shape[0]])
+        return out.float()

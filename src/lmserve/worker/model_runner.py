@@ -8,6 +8,7 @@ from lmserve.config import EngineConfig
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.model.attention import AttentionMetadata, KVCache, PrefillSegment, causal_mask_with_context
 from lmserve.model.loader import TORCH_DTYPES, load_model
+from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 
@@ -15,6 +16,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            tune_malloc_for_tensors()
         self.block_size = config.cache.block_size
         mc = config.model
         self.model = load_model(mc, config.scheduler.max_model_len, config.device)
