@@ -117,7 +117,8 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None, str]] = [
         "min_tokens",
         "<= max",
     ),
-    ("best-of", C, {"prompt": "x", "best_of": 3}, 400, "best_of", "not supported"),
+    ("best-of-below-n", C, {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of", "[n=3, 128]"),
+    ("best-of-stream", C, {"prompt": "x", "best_of": 3, "stream": True}, 400, "best_of", "cannot stream"),
     ("echo", C, {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
     ("empty-prompt", C, {"prompt": ""}, 400, "prompt", "empty"),
     ("empty-prompt-list", C, {"prompt": []}, 400, "prompt", "empty"),
@@ -223,6 +224,11 @@ def test_routes_and_methods_that_do_not_exist(app: FastAPI) -> None:
 def test_valid_requests_in_process(app: FastAPI) -> None:
     r = call(app, "POST", C, json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = call(
+        app, "POST", C, json={"prompt": "hi", "max_tokens": 3, "n": 2, "best_of": 4, "seed": 1, "ignore_eos": True}
+    )
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert r.json()["usage"]["completion_tokens"] == 6, "usage counts the returned sequences"
     r = call(app, "POST", CHAT, json={"messages": MSG, "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
     # no max_tokens on chat: fills what is left of max_model_len
@@ -282,11 +288,7 @@ def test_health_503_while_loading_then_200(chat_model: Path) -> None:
                 r = await c.get("/health")
                 assert r.status_code == 503 and r.json()["status"] == "loading"
                 r = await c.post(C, json={"prompt": "x"})
-                assert (
-                    r.status_code == 503
-                    and r.headers["retry-after"]
-                    and r.json()["error"]["code"] == "loading"
-                )
+                assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "loading"
                 go.set()
                 deadline = time.monotonic() + 60
                 while (await c.get("/health")).status_code != 200:
@@ -339,13 +341,10 @@ def test_overload_429_with_retry_after_and_accepted_complete(chat_model: Path) -
         assert all(r.json()["usage"]["completion_tokens"] == 12 for r in ok)
         for r in refused:
             assert r.headers["retry-after"] == "1"
-            assert (
-                r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
-            )
+            assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
         text = call(app, "GET", "/metrics").text
         assert (
-            f'lmserve:num_rejected_requests_total{{model_name="{NAME}",reason="queue_full"}} {len(refused)}.0'
-            in text
+            f'lmserve:num_rejected_requests_total{{model_name="{NAME}",reason="queue_full"}} {len(refused)}.0' in text
         )
     finally:
         engine.shutdown()
@@ -376,8 +375,7 @@ def test_engine_death_fails_pending_with_500_and_health_503(chat_model: Path) ->
     assert streamed.status_code == 200, streamed.text
     assert plain.status_code == 500
     assert (
-        plain.json()["error"]["code"] == "engine_dead"
-        and "simulated device fault" in plain.json()["error"]["message"]
+        plain.json()["error"]["code"] == "engine_dead" and "simulated device fault" in plain.json()["error"]["message"]
     )
     events = [ln[6:] for ln in streamed.text.splitlines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]" and "engine_dead" in events[-2]

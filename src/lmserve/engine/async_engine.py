@@ -224,7 +224,7 @@ class AsyncEngine:
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         stream = RequestStream(self, request_id, loop)
         cmd = _Add(
-            stream, prompt_ids, params, time.time() if arrival_time is None else arrival_time, params.n
+            stream, prompt_ids, params, time.time() if arrival_time is None else arrival_time, params.actual_best_of
         )
         with self._lock:
             if self._dead is not None:

@@ -271,6 +271,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
         max_tokens, logprobs = req.max_tokens, req.logprobs
     kwargs: dict[str, Any] = dict(
         n=req.n,
+        best_of=getattr(req, "best_of", None),
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         seed=req.seed,
@@ -299,24 +300,18 @@ def _check_caps(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.n > MAX_N:
         raise RequestError(f"n must be at most {MAX_N}, got {req.n}", "n")
     if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
-        raise RequestError(
-            f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", "temperature"
-        )
+        raise RequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", "temperature")
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise RequestError(f"seed must be a signed 64-bit integer, got {req.seed}", "seed")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS:
         raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
     if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
-        raise RequestError(
-            f"stop: each stop string may be at most {MAX_STOP_STRING_CHARS} characters", "stop"
-        )
+        raise RequestError(f"stop: each stop string may be at most {MAX_STOP_STRING_CHARS} characters", "stop")
     if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     if req.logit_bias is not None and len(req.logit_bias) > MAX_LOGIT_BIAS:
-        raise RequestError(
-            f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}", "logit_bias"
-        )
+        raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
         _check_chat_caps(req)
     else:
@@ -347,11 +342,10 @@ def _check_completion_caps(req: CompletionRequest) -> None:
         raise RequestError("echo is not supported", "echo")
     if req.suffix:
         raise RequestError("suffix is not supported", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise RequestError(
-            f"best_of must equal n ({req.n}) or be omitted: best-of sampling is not supported", "best_of"
-        )
+    if req.best_of is not None:
+        if not req.n <= req.best_of <= MAX_N:
+            raise RequestError(f"best_of must be in [n={req.n}, {MAX_N}], got {req.best_of}", "best_of")
+        if req.best_of > req.n and req.stream:
+            raise RequestError("best_of > n cannot stream: the best sequences are known only at the end", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-        raise RequestError(
-            f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs"
-        )
+        raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")

@@ -270,7 +270,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         _check_model(state, body.model)
         params = _sampling_params(engine, body, {})
         prompts = _completion_prompts(engine, body.prompt)
-        if len(prompts) * params.n > MAX_SEQS_PER_REQUEST:
+        if len(prompts) * params.actual_best_of > MAX_SEQS_PER_REQUEST:
             raise bad_request(f"n × number of prompts must be at most {MAX_SEQS_PER_REQUEST}", "n")
         _check_lengths(engine, prompts, params, "max_tokens")
         gen = _Generation(state, engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body)
