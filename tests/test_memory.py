@@ -157,14 +157,17 @@ def test_shape_from_hf_config_missing_fields_named() -> None:
     assert "intermediate_size" in msg and "vocab_size" in msg and "hidden_size" not in msg
 
 
+TINY_CONFIG = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+}
+
+
 def test_shape_from_hf_config_bad_values() -> None:
-    base = {
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "intermediate_size": 128,
-        "vocab_size": 100,
-    }
+    base = dict(TINY_CONFIG)
     with pytest.raises(ValueError, match="num_kv_heads"):
         model_shape_from_hf_config({**base, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="hidden_size"):
@@ -178,13 +181,7 @@ def test_shape_from_hf_config_bad_values() -> None:
 
 
 def test_shape_from_hf_config_model_specific_flags() -> None:
-    base = {
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "intermediate_size": 128,
-        "vocab_size": 100,
-    }
+    base = dict(TINY_CONFIG)
     qwen2 = model_shape_from_hf_config({**base, "model_type": "qwen2"})
     assert qwen2.qkv_bias and not qwen2.o_bias
     qwen3 = model_shape_from_hf_config({**base, "model_type": "qwen3"})
