@@ -249,3 +249,17 @@ def test_best_of_returns_the_most_likely_sequences(llm: LLM) -> None:
     )[0]
     best = sorted(all5.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best]
+
+
+def test_config_shape_errors_name_the_field(tmp_path: Path, llama_dir: Path) -> None:
+    import json
+
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    for change, pattern in (
+        ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
+        ({"intermediate_size": None}, "intermediate_size"),
+        ({"mlp_bias": True}, "mlp_bias"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=pattern):
+            EngineArgs(model=str(tmp_path)).create_engine_config()

@@ -73,6 +73,7 @@ class ModelConfig:
 
     @staticmethod
     def from_hf(path: str | os.PathLike, dtype: str = "auto", device: str = "cpu") -> ModelConfig:
+        from lmserve.memory import model_shape_from_hf_config
         from lmserve.model.registry import resolve_architecture
 
         path = Path(path)
@@ -81,24 +82,13 @@ class ModelConfig:
             raise ValueError(f"model: {str(path)!r} has no config.json (expected an HF model directory)")
         cfg = json.loads(cfg_file.read_text())
         family = resolve_architecture(cfg.get("architectures"))
-        missing = [
-            k
-            for k in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-            )
-            if k not in cfg
-        ]
-        if missing:
-            raise ValueError(f"model config {cfg_file} lacks required fields: {missing}")
-        num_heads = int(cfg["num_attention_heads"])
-        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
-        if num_heads % num_kv_heads:
+        try:
+            shape = model_shape_from_hf_config(cfg)  # the ledger's parser: one reading of the shape fields
+        except ValueError as e:
+            raise ValueError(f"model config {cfg_file}: {e}") from None
+        if shape.o_bias or shape.mlp_bias:
             raise ValueError(
-                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+                f"model config {cfg_file}: biases on o_proj / the MLP (attention_bias / mlp_bias) are not supported"
             )
         sliding_window = cfg.get("sliding_window")
         if family.name == "qwen" and not cfg.get("use_sliding_window", False):
@@ -108,18 +98,18 @@ class ModelConfig:
         return ModelConfig(
             path=str(path),
             architecture=family.architecture_of(cfg["architectures"]),
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_attention_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=shape.tie_word_embeddings,
+            qkv_bias=family.qkv_bias or shape.qkv_bias,
             qk_norm=family.qk_norm,
             sliding_window=int(sliding_window) if sliding_window else None,
             dtype=resolve_dtype(dtype, cfg, device),
