@@ -43,7 +43,9 @@ class ModelRunner:
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         input_ids, positions, slots = [], [], []
+        first_row: dict[str, int] = {}  # request id → its first token's row in the flat batch
         for s in ordered:
+            first_row[s.request.request_id] = len(input_ids)
             ids, pos, sl = self._token_inputs(s)
             input_ids += ids
             positions += pos
@@ -52,21 +54,18 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         if decodes:
             self._decode_metadata(decodes, meta)
-        offset = len(decodes)
         for s in prefills:
-            n = s.num_new_tokens
-            ctx = s.start
+            n, ctx, start = s.num_new_tokens, s.start, first_row[s.request.request_id]
             num_blocks = -(-(ctx + n) // self.block_size)
             meta.prefills.append(
                 PrefillSegment(
-                    start=offset,
-                    end=offset + n,
+                    start=start,
+                    end=start + n,
                     num_context_tokens=ctx,
                     block_table=torch.tensor(s.block_ids[:num_blocks], dtype=torch.long, device=dev),
                     mask=causal_mask_with_context(ctx, n, dev) if ctx else None,
                 )
             )
-            offset += n
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -74,10 +73,6 @@ class ModelRunner:
             meta,
         )
         # Only the last token of each request that reaches the end of its known tokens is sampled.
-        first_row, offset = {}, 0
-        for s in ordered:
-            first_row[s.request.request_id] = offset
-            offset += s.num_new_tokens
         prompt_logprobs = self._prompt_logprobs(ordered, first_row, hidden)
         sampling = [s for s in sched.scheduled if s.samples]  # rows in scheduled order
         sample_rows = [first_row[s.request.request_id] + s.num_new_tokens - 1 for s in sampling]
