@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
+from lmserve import kernels
+
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -34,8 +36,18 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) long
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_num_blocks) long
-    decode_mask: torch.Tensor | None = None  # (num_decodes, 1, 1, max_num_blocks * block_size) bool
+    decode_context_lens: torch.Tensor | None = None  # (num_decodes,) long: tokens each decode query sees
     prefills: list[PrefillSegment] = field(default_factory=list)
+    _decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self, block_size: int) -> torch.Tensor:
+        """(num_decodes, 1, 1, max_num_blocks * block_size) bool for SDPA over gathered blocks; built once
+        per step, and only when the PyTorch path runs (the C kernel reads the lengths directly)."""
+        if self._decode_mask is None:
+            assert self.decode_block_tables is not None and self.decode_context_lens is not None
+            key_pos = torch.arange(self.decode_block_tables.shape[1] * block_size, device=self.slot_mapping.device)
+            self._decode_mask = (key_pos[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+        return self._decode_mask
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -67,11 +79,18 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-    assert meta.decode_block_tables is not None and meta.decode_mask is not None, "decode metadata missing"
-    k = _gather(kv_cache[0], meta.decode_block_tables).transpose(1, 2)  # (B, KVH, L, D)
-    v = _gather(kv_cache[1], meta.decode_block_tables).transpose(1, 2)
+    assert meta.decode_block_tables is not None and meta.decode_context_lens is not None, "decode metadata missing"
+    k_cache, v_cache = kv_cache
+    if kernels.usable(q) and k_cache.dtype == torch.float32:
+        # Reads each sequence's blocks in place: no gather copy, no padding to the longest sequence.
+        scale = q.shape[-1] ** -0.5
+        return kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    k = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # (B, KVH, L, D)
+    v = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
     qb = q.unsqueeze(2)  # (B, H, 1, D)
-    o = F.scaled_dot_product_attention(qb, k, v, attn_mask=meta.decode_mask, enable_gqa=True)
+    o = F.scaled_dot_product_attention(qb, k, v, attn_mask=meta.decode_mask(k_cache.shape[1]), enable_gqa=True)
     return o.squeeze(2)
 
 

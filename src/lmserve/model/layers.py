@@ -7,7 +7,20 @@ import math
 import torch
 from torch import nn
 
+from lmserve import kernels
 from lmserve.config import RopeConfig
+
+KERNEL_MAX_ROWS = 64  # up to this many rows the C kernel streams the weight once and beats CPU BLAS
+
+
+class Linear(nn.Linear):
+    """nn.Linear that sends small float32 CPU batches (decode steps) to the C kernel of lmserve.kernels:
+    the weight is read once at memory bandwidth instead of through BLAS's slow small-M path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x) and self.weight.dtype == x.dtype:
+            return kernels.linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -71,8 +84,8 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

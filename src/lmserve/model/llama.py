@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lmserve import kernels
 from lmserve.config import ModelConfig
 from lmserve.model.attention import AttentionMetadata, KVCache, paged_attention
-from lmserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from lmserve.model.layers import KERNEL_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 LOGITS_SLICE = 2048  # vocabulary rows per LM-head product
 LOGITS_SLICE_MIN_ROWS = 8  # below this the product is bandwidth-bound and one call is fastest
@@ -22,8 +23,8 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -96,7 +97,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -114,6 +115,8 @@ class CausalLM(nn.Module):
         """(rows, hidden) → (rows, vocab) float32. For several rows the vocabulary is covered in slices:
         on CPU BLAS, one (32 × 576) @ (576 × 49152) product runs at half the speed of 2048-wide slices."""
         weight = self.lm_head.weight
+        if hidden.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(hidden):
+            return self.lm_head(hidden)  # C kernel: one pass over the weight, already float32
         if hidden.shape[0] < LOGITS_SLICE_MIN_ROWS or weight.shape[0] <= LOGITS_SLICE:
             return self.lm_head(hidden).float()
         out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)

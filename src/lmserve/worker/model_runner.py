@@ -122,9 +122,7 @@ class ModelRunner:
         dev = self.device
         meta.num_decode_tokens = len(decodes)
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-        lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
-        key_pos = torch.arange(max_blocks * bs, device=dev)
-        meta.decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+        meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
 
     def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
         reqs = [s.request for s in sampling]

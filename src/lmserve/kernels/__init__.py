@@ -1,0 +1,164 @@
+"""Optional C kernels for the CPU decode path (see cpu_kernels.c for what they replace and why).
+
+The source is compiled on first use with the system C compiler (`$CC`, else `cc`/`gcc`) into a cache
+directory (`$LMSERVE_KERNEL_CACHE`, else `~/.cache/lmserve/kernels`), keyed by a hash of the source, the
+flags and this CPU's feature list, and loaded with ctypes. Without a compiler, or with
+`LMSERVE_CPU_KERNELS=0`, `available()` is False and callers use their PyTorch path: results agree to
+float32 rounding (tests/test_kernels.py compares both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+MAX_HEADS = 256  # query heads the attention kernel's stack arrays hold (MAX_GROUP_HEADS in the C source)
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() + platform.machine()
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("LMSERVE_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lmserve" / "kernels"
+
+
+def _compile(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)  # atomic: concurrent processes never load a half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        logger.info("no C compiler found: CPU kernels off, using PyTorch ops")
+        return None
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode() + _cpu_fingerprint().encode()
+    ).hexdigest()[:16]
+    path = _cache_dir() / f"cpu_kernels-{key}.so"
+    if not path.exists():
+        try:
+            _compile(cc, path)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            logger.warning("compiling %s failed, using PyTorch ops instead: %s", SOURCE.name, detail.strip()[-2000:])
+            return None
+    lib = ctypes.CDLL(str(path))
+    lib.linear_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.linear_f32.restype = None
+    lib.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+    lib.paged_decode_attention.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels are compiled and enabled (compiles on the first call)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        _lib = _load() if os.environ.get("LMSERVE_CPU_KERNELS", "1") not in ("0", "false", "no") else None
+    return _lib is not None
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the kernels off (PyTorch ops everywhere) or back on; used by tests and benchmarks."""
+    global _lib, _tried
+    if enabled:
+        _tried = False
+        available()
+    else:
+        _lib, _tried = None, True
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether a float32 CPU operand can take the kernel path (kernels loaded and enabled)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and (_lib is not None or (not _tried and available()))
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype = torch.float32) -> None:
+    assert t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous(), (
+        f"{name}: need a contiguous cpu {dtype} tensor, got {t.device} {t.dtype} contiguous={t.is_contiguous()}"
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, in) @ weight (out, in)^T + bias, float32 on the CPU; for small M (bandwidth-bound)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    for t, n in ((x, "x"), (weight, "weight")) + (((bias, "bias"),) if bias is not None else ()):
+        _check(t, n)
+    m, k = x.shape
+    o = weight.shape[0]
+    assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
+    y = torch.empty(m, o, dtype=torch.float32)
+    _lib.linear_f32(
+        x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+        m, o, k, torch.get_num_threads(),
+    )
+    return y
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q (B, H, D) against K/V caches (num_blocks, block_size, KVH, D) through block_tables (B, max_blocks)
+    int64, each row attending to its first context_lens[b] tokens. Returns (B, H, D) float32."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    q = q.contiguous()
+    for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check(t, n)
+    _check(block_tables, "block_tables", torch.int64)
+    _check(context_lens, "context_lens", torch.int64)
+    b, h, d = q.shape
+    _, block_size, kvh, dk = k_cache.shape
+    assert dk == d and h % kvh == 0 and h <= MAX_HEADS, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
+    assert block_tables.shape[0] == b and context_lens.shape == (b,), "one block table and length per query"
+    out = torch.empty_like(q)
+    _lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+        out.data_ptr(), b, h, kvh, d, block_size, block_tables.shape[1], scale, torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,175 @@
+/* lmserve CPU kernels: the two decode-path operations where PyTorch's CPU ops leave most of the
+ * machine unused (measured on the benchmark model, 2 cores, bench/profile_step.py):
+ *
+ *   linear_f32               y = x W^T (+ b) for a few rows of x. MKL's sgemv runs the (1 x 576) @
+ *                            (576 x 49152) LM head at ~9 GB/s; streaming W once per row block with
+ *                            all threads reaches ~28 GB/s (the machine's copy bandwidth).
+ *   paged_decode_attention   one query token per sequence against its paged K/V history, read in
+ *                            place through the block table: no gather copy, no padding mask.
+ *
+ * Plain C with OpenMP, loaded with ctypes (lmserve/kernels/__init__.py compiles it on first use).
+ * libgomp is the same shared object torch uses, so both share one thread pool; the caller passes
+ * the thread count (torch.get_num_threads()) because OpenMP's default is per calling thread.
+ * All tensors are contiguous float32 (int64 for indices); the Python side asserts it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define ROW_BLOCK 4
+#define MAX_GROUP_HEADS 256 /* query heads one attention work item may hold (caller asserts H <= this) */
+
+/* 4 weight rows x 4 input rows: 16 dot products share each load of w and x (16 vector accumulators). */
+static inline void dot_4x4(const float *x, const float *w, int64_t I, float acc[4][4]) {
+    const float *x0 = x, *x1 = x + I, *x2 = x + 2 * I, *x3 = x + 3 * I;
+    const float *w0 = w, *w1 = w + I, *w2 = w + 2 * I, *w3 = w + 3 * I;
+    float a00 = 0.f, a01 = 0.f, a02 = 0.f, a03 = 0.f, a10 = 0.f, a11 = 0.f, a12 = 0.f, a13 = 0.f;
+    float a20 = 0.f, a21 = 0.f, a22 = 0.f, a23 = 0.f, a30 = 0.f, a31 = 0.f, a32 = 0.f, a33 = 0.f;
+#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
+    for (int64_t i = 0; i < I; i++) {
+        float v0 = w0[i], v1 = w1[i], v2 = w2[i], v3 = w3[i];
+        float u = x0[i];
+        a00 += u * v0; a01 += u * v1; a02 += u * v2; a03 += u * v3;
+        u = x1[i];
+        a10 += u * v0; a11 += u * v1; a12 += u * v2; a13 += u * v3;
+        u = x2[i];
+        a20 += u * v0; a21 += u * v1; a22 += u * v2; a23 += u * v3;
+        u = x3[i];
+        a30 += u * v0; a31 += u * v1; a32 += u * v2; a33 += u * v3;
+    }
+    acc[0][0] = a00; acc[0][1] = a01; acc[0][2] = a02; acc[0][3] = a03;
+    acc[1][0] = a10; acc[1][1] = a11; acc[1][2] = a12; acc[1][3] = a13;
+    acc[2][0] = a20; acc[2][1] = a21; acc[2][2] = a22; acc[2][3] = a23;
+    acc[3][0] = a30; acc[3][1] = a31; acc[3][2] = a32; acc[3][3] = a33;
+}
+
+/* 4 weight rows x 1 input row. */
+static inline void dot_1x4(const float *x, const float *w, int64_t I, float acc[4]) {
+    const float *w0 = w, *w1 = w + I, *w2 = w + 2 * I, *w3 = w + 3 * I;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t i = 0; i < I; i++) {
+        float u = x[i];
+        a0 += u * w0[i];
+        a1 += u * w1[i];
+        a2 += u * w2[i];
+        a3 += u * w3[i];
+    }
+    acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
+}
+
+static inline float dot_1x1(const float *x, const float *w, int64_t I) {
+    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+    for (int64_t i = 0; i < I; i++) a += x[i] * w[i];
+    return a;
+}
+
+/* y[m, o] = sum_i x[m, i] * w[o, i] + (b ? b[o] : 0); x (M, I), w (O, I), y (M, O).
+ * Threads split the output features; each block of 4 weight rows stays in L1 while every row of x
+ * passes over it, so W is read from memory once per call whatever M is. */
+void linear_f32(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t O, int64_t I,
+                int nthreads) {
+    int64_t nblocks = (O + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        int64_t o0 = blk * ROW_BLOCK;
+        if (o0 + ROW_BLOCK <= O) {
+            const float *wb = w + o0 * I;
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4) {
+                float acc[4][4];
+                dot_4x4(x + m * I, wb, I, acc);
+                for (int r = 0; r < 4; r++)
+                    for (int c = 0; c < 4; c++) y[(m + r) * O + o0 + c] = acc[r][c] + (b ? b[o0 + c] : 0.f);
+            }
+            for (; m < M; m++) {
+                float acc[4];
+                dot_1x4(x + m * I, wb, I, acc);
+                for (int c = 0; c < 4; c++) y[m * O + o0 + c] = acc[c] + (b ? b[o0 + c] : 0.f);
+            }
+        } else {
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t o = o0; o < O; o++) y[m * O + o] = dot_1x1(x + m * I, w + o * I, I) + (b ? b[o] : 0.f);
+        }
+    }
+}
+
+/* Attention of the query heads of kv heads [kh0, kh1) of one sequence. Token t's K (and V) row holds all
+ * kv heads contiguously, so walking the tokens once for a range of heads reads whole cache lines. */
+static void decode_attention_heads(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+                                   int64_t L, float *out, int64_t kh0, int64_t kh1, int64_t G, int64_t D,
+                                   int64_t block_size, int64_t row, float scale, float *scores) {
+    int64_t nq = (kh1 - kh0) * G; /* query heads handled here, scores laid out (nq, L) */
+    const float *q0 = q + kh0 * G * D;
+    float *o0 = out + kh0 * G * D;
+    float mx[MAX_GROUP_HEADS];
+    for (int64_t h = 0; h < nq; h++) mx[h] = -INFINITY;
+    for (int64_t t = 0; t < L; t++) {
+        const float *kr = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
+        for (int64_t h = 0; h < nq; h++) {
+            const float *qr = q0 + h * D, *kh = kr + (kh0 + h / G) * D;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; d++) s += qr[d] * kh[d];
+            s *= scale;
+            scores[h * L + t] = s;
+            mx[h] = s > mx[h] ? s : mx[h];
+        }
+    }
+    for (int64_t h = 0; h < nq; h++) {
+        float *sh = scores + h * L, m = mx[h], tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+        for (int64_t t = 0; t < L; t++) {
+            float e = expf(sh[t] - m);
+            sh[t] = e;
+            tot += e;
+        }
+        float inv = 1.f / tot;
+#pragma omp simd
+        for (int64_t t = 0; t < L; t++) sh[t] *= inv;
+        for (int64_t d = 0; d < D; d++) o0[h * D + d] = 0.f;
+    }
+    for (int64_t t = 0; t < L; t++) {
+        const float *vr = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
+        for (int64_t h = 0; h < nq; h++) {
+            const float *vh = vr + (kh0 + h / G) * D;
+            float p = scores[h * L + t], *oh = o0 + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+        }
+    }
+}
+
+/* Decode attention over a paged cache.
+ * q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); block_tables: (B, max_blocks);
+ * context_lens: (B,) tokens each query attends to (its own K/V already written); out: (B, H, D).
+ * Query head h reads kv head h / (H / KVH) (GQA). With many sequences a work item is one sequence (all
+ * heads, whole K/V rows); with few, one (sequence, kv head) pair so every thread has work. */
+void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
+                            const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                            int64_t block_size, int64_t max_blocks, float scale, int nthreads) {
+    int64_t G = H / KVH;
+    int64_t row = KVH * D; /* floats between consecutive tokens of a block */
+    int64_t split = B < 4 * nthreads ? KVH : 1; /* items per sequence */
+    int64_t heads_per_item = KVH / split;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t cap = 0;
+        float *scores = NULL; /* (heads, L) per thread, grown as needed */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < B * split; item++) {
+            int64_t bi = item / split, kh0 = (item % split) * heads_per_item;
+            int64_t L = context_lens[bi], nq = heads_per_item * G;
+            if (L * nq > cap) {
+                free(scores);
+                cap = L * nq;
+                scores = (float *)malloc(sizeof(float) * cap);
+            }
+            decode_attention_heads(q + bi * H * D, k_cache, v_cache, block_tables + bi * max_blocks, L,
+                                   out + bi * H * D, kh0, kh0 + heads_per_item, G, D, block_size, row, scale,
+                                   scores);
+        }
+        free(scores);
+    }
+}

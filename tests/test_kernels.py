@@ -1,0 +1,131 @@
+"""The C kernels of lmserve.kernels against PyTorch references, the engine's use of them, and the
+fallback to PyTorch ops when they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from lmserve import LLM, SamplingParams, kernels
+from tests.test_model_vs_hf import PROMPTS, assert_greedy_matches_hf
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: kernels not built")
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("o,i", [(5, 7), (8, 64), (13, 576), (1027, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_torch(m: int, o: int, i: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + o + i)
+    x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g)
+    b = torch.randn(o, generator=g) if bias else None
+    torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_takes_non_contiguous_input() -> None:
+    x = torch.randn(8, 3, 32)[:, 1]  # strided rows
+    w = torch.randn(16, 32)
+    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_refuses_wrong_dtype() -> None:
+    with pytest.raises(AssertionError, match="float32"):
+        kernels.linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+
+
+def _reference_decode_attention(q, k_cache, v_cache, tables, lens):
+    """Per sequence: gather its first lens[b] tokens through the block table, plain softmax attention."""
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        k = k_cache[tables[b]].reshape(-1, *k_cache.shape[2:])[:n].repeat_interleave(group, dim=1)  # (n, H, D)
+        v = v_cache[tables[b]].reshape(-1, *v_cache.shape[2:])[:n].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b], k) / q.shape[-1] ** 0.5
+        outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+        assert tables.shape[1] * block_size >= n
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (4, 1), (9, 3)])
+@pytest.mark.parametrize("batch", [1, 2, 11])  # few sequences split by kv head; many: one item per sequence
+def test_paged_decode_attention_matches_reference(heads: int, kv_heads: int, batch: int) -> None:
+    g = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + batch)
+    block_size, head_dim, num_blocks = 4, 16, 128
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    lens = torch.tensor([1, 4, 5, 37, 2, 16, 9, 30, 3, 8, 21][:batch], dtype=torch.long)
+    max_blocks = -(-int(lens.max()) // block_size)
+    tables = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).contiguous()
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    expected = _reference_decode_attention(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_engine_uses_kernels_and_matches_hf(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"linear": 0, "paged_decode_attention": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(kernels, name, counted)
+    assert_greedy_matches_hf(LLM(str(llama_dir), num_kv_blocks=64), llama_dir, PROMPTS[:3], max_tokens=8)
+    assert calls["linear"] > 0 and calls["paged_decode_attention"] > 0, calls
+
+
+def test_torch_path_matches_hf_with_kernels_off(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*a, **kw):
+        raise AssertionError("kernel called while disabled")
+
+    kernels.set_enabled(False)
+    try:
+        monkeypatch.setattr(kernels, "linear", refuse)
+        monkeypatch.setattr(kernels, "paged_decode_attention", refuse)
+        assert not kernels.usable(torch.zeros(1))
+        assert_greedy_matches_hf(LLM(str(llama_dir), num_kv_blocks=64), llama_dir, PROMPTS[:3], max_tokens=8)
+    finally:
+        kernels.set_enabled(True)
+    assert kernels.available()
+
+
+def test_failed_compile_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv("LMSERVE_KERNEL_CACHE", str(tmp_path))
+    kernels.set_enabled(False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmserve.kernels"):
+            kernels.set_enabled(True)
+        assert not kernels.available()
+        assert "using PyTorch ops" in caplog.text
+        assert list(tmp_path.iterdir()) == [], "no partial library left behind"
+    finally:
+        monkeypatch.delenv("CC")
+        monkeypatch.delenv("LMSERVE_KERNEL_CACHE")
+        kernels.set_enabled(True)
+    assert kernels.available()
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LMSERVE_CPU_KERNELS", "0")
+    kernels.set_enabled(True)
+    try:
+        assert not kernels.available()
+    finally:
+        monkeypatch.delenv("LMSERVE_CPU_KERNELS")
+        kernels.set_enabled(True)
+    assert kernels.available()
+
+
+def test_generate_runs_with_bfloat16_model_through_torch_path(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), num_kv_blocks=64, dtype="bfloat16")
+    out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
