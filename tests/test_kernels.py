@@ -37,6 +37,25 @@ def test_linear_refuses_wrong_dtype() -> None:
         kernels.linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_layer_paths_match_torch(rows: int, bias: bool) -> None:
+    """lmserve's Linear: C kernel for 1-2 rows, oneDNN-packed weight beyond, same result as nn.Linear."""
+    from lmserve.model.layers import KERNEL_MAX_ROWS, Linear, onednn_packing_available
+
+    torch.manual_seed(rows)
+    layer = Linear(48, 70, bias=bias)
+    x = torch.randn(rows, 48)
+    expected = F.linear(x, layer.weight, layer.bias)
+    if onednn_packing_available():
+        layer.pack_for_onednn()
+        assert layer._packed is not None
+    elif rows > KERNEL_MAX_ROWS:
+        pytest.skip("no oneDNN in this torch build")
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
 def _reference_decode_attention(q, k_cache, v_cache, tables, lens):
     """Per sequence: gather its first lens[b] tokens through the block table, plain softmax attention."""
     block_size = k_cache.shape[1]
@@ -78,7 +97,10 @@ def test_engine_uses_kernels_and_matches_hf(llama_dir: Path, monkeypatch: pytest
             return _real(*a, **kw)
 
         monkeypatch.setattr(kernels, name, counted)
-    assert_greedy_matches_hf(LLM(str(llama_dir), num_kv_blocks=64), llama_dir, PROMPTS[:3], max_tokens=8)
+    llm = LLM(str(llama_dir), num_kv_blocks=64)
+    assert llm.engine.runner.packed_weight_bytes > 0, "CPU fp32 weights should get oneDNN-packed copies"
+    # two sequences: decode steps of 2 rows take the C kernel, prefill steps the packed oneDNN weights
+    assert_greedy_matches_hf(llm, llama_dir, PROMPTS[:2], max_tokens=8)
     assert calls["linear"] > 0 and calls["paged_decode_attention"] > 0, calls
 
 

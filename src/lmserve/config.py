@@ -277,11 +277,11 @@ def default_kv_budget_bytes(device: str) -> int:
 
         free_bytes, _ = torch.cuda.mem_get_info()
         return int(free_bytes * 0.5)  # weights are already loaded elsewhere; leave room for activations
-    free_bytes = _available_ram_bytes()
+    free_bytes = available_ram_bytes()
     return int(min(free_bytes * DEFAULT_KV_FRACTION, DEFAULT_KV_CAP_BYTES))
 
 
-def _available_ram_bytes() -> int:
+def available_ram_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

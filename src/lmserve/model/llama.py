@@ -115,8 +115,10 @@ class CausalLM(nn.Module):
         """(rows, hidden) → (rows, vocab) float32. For several rows the vocabulary is covered in slices:
         on CPU BLAS, one (32 × 576) @ (576 × 49152) product runs at half the speed of 2048-wide slices."""
         weight = self.lm_head.weight
-        if hidden.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(hidden):
-            return self.lm_head(hidden)  # C kernel: one pass over the weight, already float32
+        if hidden.dtype == torch.float32 and (
+            self.lm_head._packed is not None or (hidden.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(hidden))
+        ):
+            return self.lm_head(hidden)  # C kernel or packed oneDNN weight: one call, already float32
         if hidden.shape[0] < LOGITS_SLICE_MIN_ROWS or weight.shape[0] <= LOGITS_SLICE:
             return self.lm_head(hidden).float()
         out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
