@@ -56,6 +56,57 @@ def test_linear_layer_paths_match_torch(rows: int, bias: bool) -> None:
         torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_rmsnorm_and_residual_add_match_torch(rows: int) -> None:
+    from lmserve.model.layers import RMSNorm
+
+    torch.manual_seed(rows)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, res = torch.randn(rows, 96), torch.randn(rows, 96)
+    with torch.inference_mode():
+        kernels.set_enabled(False)
+        try:
+            expected, expected_res = norm.add_forward(x, res.clone())
+            expected_plain = norm(x)
+        finally:
+            kernels.set_enabled(True)
+        got_res = res.clone()
+        got, got_res_out = norm.add_forward(x, got_res)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert got_res_out is got_res, "the kernel path updates the residual in place"
+        torch.testing.assert_close(got_res, expected_res, atol=0, rtol=0)
+        torch.testing.assert_close(norm(x), expected_plain, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_mul_matches_torch() -> None:
+    gu = torch.randn(5, 2 * 37) * 4
+    gate, up = gu.split(37, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_rope_write_kv_matches_torch(tokens: int) -> None:
+    from lmserve.config import RopeConfig
+    from lmserve.model.attention import write_kv
+    from lmserve.model.layers import RotaryEmbedding, apply_rotary
+
+    heads, kv_heads, d, block_size = 6, 2, 16, 4
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), d, 64)
+    positions = torch.randperm(64)[:tokens]
+    cos, sin = rotary(positions, torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d)
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    slots = torch.randperm(8 * block_size)[:tokens]
+    caches = [torch.zeros(8, block_size, kv_heads, d) for _ in range(4)]
+    write_kv((caches[0], caches[1]), apply_rotary(k, cos, sin), v, slots)
+    q_expected = apply_rotary(q, cos, sin)
+    kernels.rope_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), caches[2], caches[3], slots)
+    torch.testing.assert_close(q, q_expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(caches[2], caches[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0)
+
+
 def _reference_decode_attention(q, k_cache, v_cache, tables, lens):
     """Per sequence: gather its first lens[b] tokens through the block table, plain softmax attention."""
     block_size = k_cache.shape[1]

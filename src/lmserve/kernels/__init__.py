@@ -86,6 +86,12 @@ def _load() -> ctypes.CDLL | None:
     lib.linear_f32.restype = None
     lib.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
     lib.paged_decode_attention.restype = None
+    lib.rmsnorm_f32.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
+    lib.rmsnorm_f32.restype = None
+    lib.silu_mul_f32.argtypes = [_P, _P, _I, _I, ctypes.c_int]
+    lib.silu_mul_f32.restype = None
+    lib.rope_write_kv_f32.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
+    lib.rope_write_kv_f32.restype = None
     return lib
 
 
@@ -162,3 +168,71 @@ def paged_decode_attention(
         out.data_ptr(), b, h, kvh, d, block_size, block_tables.shape[1], scale, torch.get_num_threads(),
     )
     return out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x (M, N). With residual (M, N), first residual += x in place (the
+    decoder's skip connection) and normalise the sum. Returns a new (M, N) tensor."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    _check(x, "x")
+    _check(weight, "weight")
+    if residual is not None:
+        _check(residual, "residual")
+        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} vs x {tuple(x.shape)}"
+    m, n = x.shape
+    assert weight.shape == (n,), f"weight {tuple(weight.shape)} for rows of {n}"
+    out = torch.empty_like(x)
+    _lib.rmsnorm_f32(
+        x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
+        m, n, eps, torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(M, 2I) [gate | up] → (M, I) silu(gate) * up."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    gate_up = gate_up.contiguous()
+    _check(gate_up, "gate_up")
+    m, two_i = gate_up.shape
+    assert two_i % 2 == 0, "gate_up must hold gate and up halves"
+    out = torch.empty(m, two_i // 2, dtype=torch.float32)
+    _lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def _token_rows(t: torch.Tensor, name: str) -> int:
+    """(T, heads, D) view whose heads and elements are contiguous within a token; returns the token stride."""
+    assert t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 3, f"{name}: cpu float32 (T, heads, D)"
+    assert t.stride(2) == 1 and t.stride(1) == t.shape[2], f"{name}: heads must be contiguous within a token"
+    return t.stride(0)
+
+
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotate q (T, H, D) and k (T, KVH, D) in place (rotate-half RoPE with cos/sin (T, D)), then write
+    k and v rows into the caches (num_blocks, block_size, KVH, D) at slot_mapping (T,) int64."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    qs, ks, vs = _token_rows(q, "q"), _token_rows(k, "k"), _token_rows(v, "v")
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    assert k.shape == v.shape == (t, kvh, d) and d % 2 == 0, f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}"
+    for c, n in ((cos, "cos"), (sin, "sin"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check(c, n)
+    assert cos.shape == sin.shape == (t, d), f"cos/sin must be ({t}, {d}), got {tuple(cos.shape)}"
+    assert k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape, "cache layout (blocks, size, KVH, D)"
+    _check(slot_mapping, "slot_mapping", torch.int64)
+    assert slot_mapping.shape == (t,), "one slot per token"
+    _lib.rope_write_kv_f32(
+        q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, cos.data_ptr(), sin.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), t, h, kvh, d, torch.get_num_threads(),
+    )

@@ -58,10 +58,17 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    meta: AttentionMetadata,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """q: (T, H, D); k, v: (T, KVH, D) for the step's new tokens. Returns (T, H, D)."""
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    """q: (T, H, D); k, v: (T, KVH, D) for the step's new tokens (already in the cache if kv_written).
+    Returns (T, H, D)."""
+    if not kv_written:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.num_decode_tokens:
         nd = meta.num_decode_tokens

@@ -66,11 +66,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and kernels.usable(x) and self.weight.dtype == torch.float32:
+            return kernels.rmsnorm(x, self.weight, self.eps)
         # Same arithmetic as HF's LlamaRMSNorm: normalise in fp32, scale in the input dtype.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's skip connection and the next norm in one pass: residual = x + residual (updated in
+        place on the kernel path), returns (norm(residual), residual)."""
+        if x.dim() == 2 and kernels.usable(x) and kernels.usable(residual) and residual.is_contiguous():
+            return kernels.rmsnorm(x, self.weight, self.eps, residual=residual), residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -124,5 +134,8 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.dim() == 2 and kernels.usable(gate_up):
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)

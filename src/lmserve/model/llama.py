@@ -45,8 +45,13 @@ class SelfAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache, meta)
+        if kernels.usable(q) and kv_cache[0].dtype == torch.float32:
+            # one pass: rotate q and k in place and write the new K/V rows into the paged cache
+            kernels.rope_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), *kv_cache, meta.slot_mapping)
+            o = paged_attention(q, k, v, kv_cache, meta, kv_written=True)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            o = paged_attention(q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
@@ -61,13 +66,23 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous sublayer's output (the embeddings for layer 0); residual: the running sum of
+        the skip connections (None for layer 0). Returns (this layer's MLP output, residual); adding the
+        two happens inside the next norm, fused."""
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        a = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -87,9 +102,10 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        return self.norm.add_forward(h, residual)[0]
 
 
 class CausalLM(nn.Module):
