@@ -1,0 +1,666 @@
+"""The CPU performance table: lmserve vs HF transformers (and optionally a peer OpenAI-compatible server such as
+vLLM-CPU), same model, same prompts, one run.
+
+    python bench/bench_cpu.py [--prompt-len 128] [--output-len 128] [--concurrency 32] [--offline-requests 256]
+        [--hf-batch 32] [--threads 2] [--peer-url http://host:port [--peer-model NAME]] [--model DIR]
+        [--skip-single] [--skip-hf] [--skip-server] [--skip-offline] [--out DIR] [--quick]
+
+Workloads (every request a different prompt of exactly --prompt-len random token ids, output length forced):
+
+- single-stream decode: 1 request through the in-process engine (`LLM.generate`) vs HF `generate` batch 1;
+  decode tok/s = (N - 1) / (e2e - TTFT). Also through the HTTP server, client-side (1 / TPOT).
+- TTFT on an idle server: one streaming /v1/completions request at a time (max_tokens 1), median of 5 after a
+  warm-up, send to first token chunk; vs HF `generate(max_new_tokens=1)` on the same prompts.
+- concurrent streams: 2 x --concurrency requests, at most --concurrency in flight (closed loop), through HTTP;
+  output tok/s, mean and P99 TPOT; vs an HF static batch of --concurrency prompts.
+- offline: --offline-requests requests in one `LLM.generate` call vs HF static batches of --hf-batch.
+
+The phases run one after the other so no two of them share the cores: lmserve in-process, then HF, then the
+lmserve server (a subprocess, stopped before the next phase), then the peer. The benchmark model is the
+SmolLM-135M-shaped random Llama of bench/benchmark_model.py unless --model names an HF model directory. The peer
+gets prompts as token ids, so it must serve a model with at least that vocabulary (49152 for the benchmark
+model). Prints the table (ratios are lmserve / peer) and writes bench/results/cpu-<timestamp>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK_SIZE = 16  # the engine's default KV block size
+TTFT_SAMPLES = 5
+FULL = dict(prompt_len=128, output_len=128, concurrency=32, offline_requests=256, hf_batch=32)
+QUICK = dict(prompt_len=16, output_len=8, concurrency=4, offline_requests=8, hf_batch=4)
+
+
+@dataclass(frozen=True)
+class Workloads:
+    """Every prompt set of the run (token ids, all different), shared by lmserve, HF and the peer."""
+
+    prompt_len: int
+    output_len: int
+    concurrency: int
+    offline_requests: int
+    hf_batch: int
+    single: list[int]
+    ttft: list[list[int]]  # 1 warm-up + TTFT_SAMPLES
+    concurrent: list[list[int]]  # 2 x concurrency; HF's static batch takes the first `concurrency`
+    offline: list[list[int]]
+    warmup: list[list[int]]  # short prompts for untimed warm-ups
+
+    @staticmethod
+    def build(args: argparse.Namespace, vocab_size: int) -> Workloads:
+        p = args.prompt_len
+        return Workloads(
+            prompt_len=p,
+            output_len=args.output_len,
+            concurrency=args.concurrency,
+            offline_requests=args.offline_requests,
+            hf_batch=args.hf_batch,
+            single=random_prompts(1, p, vocab_size, seed=1)[0],
+            ttft=random_prompts(1 + TTFT_SAMPLES, p, vocab_size, seed=2),
+            concurrent=random_prompts(2 * args.concurrency, p, vocab_size, seed=3),
+            offline=random_prompts(args.offline_requests, p, vocab_size, seed=4),
+            warmup=random_prompts(max(args.concurrency, args.hf_batch), min(p, 16), vocab_size, seed=5),
+        )
+
+    def kv_blocks(self, num_seqs: int, max_model_len: int) -> int:
+        """A KV pool that holds `num_seqs` full requests at once (no preemption) and one max-length request."""
+        per_seq = math.ceil((self.prompt_len + self.output_len) / BLOCK_SIZE) + 1
+        return max(math.ceil(max_model_len / BLOCK_SIZE), num_seqs * per_seq)
+
+
+# ---- machine description ----------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def cpu_model_name() -> str:
+    for line in _read("/proc/cpuinfo").splitlines():
+        if line.startswith(("model name", "Model Name", "Processor")) and ":" in line:
+            return line.split(":", 1)[1].strip()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def physical_cores() -> int | None:
+    """Distinct (physical id, core id) pairs of /proc/cpuinfo; None where it does not say."""
+    cores: set[tuple[str, str]] = set()
+    phys = core = None
+    for line in _read("/proc/cpuinfo").splitlines() + [""]:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "physical id":
+            phys = value.strip()
+        elif key == "core id":
+            core = value.strip()
+        elif not line.strip():
+            if core is not None:
+                cores.add((phys or "0", core))
+            phys = core = None
+    return len(cores) or None
+
+
+def meminfo_gib(field: str) -> float | None:
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith(field + ":"):
+            return round(int(line.split()[1]) * 1024 / 2**30, 2)
+    return None
+
+
+def git_commit() -> dict[str, Any]:
+    def git(*a: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def machine_info() -> dict[str, Any]:
+    import transformers
+
+    return {
+        "cpu_model": cpu_model_name(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "physical_cores": physical_cores(),
+        "mem_total_gib": meminfo_gib("MemTotal"),
+        "mem_available_gib": meminfo_gib("MemAvailable"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "git": git_commit(),
+        "load_avg_1m_start": os.getloadavg()[0],
+    }
+
+
+# ---- lmserve in-process ------------------------------------------------------------------------------------
+
+
+def run_lmserve_offline(
+    model_dir: Path, w: Workloads, max_model_len: int, single: bool, offline: bool
+) -> dict[str, Any]:
+    from lmserve import LLM, SamplingParams
+
+    num_seqs = max(256, w.offline_requests)
+    llm = LLM(
+        str(model_dir),
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        max_num_seqs=num_seqs,
+        num_kv_blocks=w.kv_blocks(num_seqs, max_model_len),
+    )
+    params = SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True)
+    llm.generate(w.warmup, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+    res: dict[str, Any] = {}
+    if single:
+        t0 = time.perf_counter()
+        (out,) = llm.generate([w.single], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        assert len(out.outputs[0].token_ids) == w.output_len, "the request must produce exactly output_len tokens"
+        m = out.metrics
+        ttft = m.first_token_time - m.arrival_time
+        e2e = m.finished_time - m.arrival_time
+        res["single"] = {
+            "wall_s": wall,
+            "ttft_s": ttft,
+            "e2e_s": e2e,
+            "decode_tok_s": (w.output_len - 1) / (e2e - ttft) if e2e > ttft else None,
+            "e2e_tok_s": w.output_len / wall,
+        }
+    if offline:
+        before = llm.engine.get_metrics()
+        t0 = time.perf_counter()
+        outs = llm.generate(w.offline, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        after = llm.engine.get_metrics()
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert n_out == len(w.offline) * w.output_len, "every request must produce exactly output_len tokens"
+        ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+        res["offline"] = {
+            "requests": len(w.offline),
+            "wall_s": wall,
+            "output_tok_s": n_out / wall,
+            "ttft_mean_s": sum(ttfts) / len(ttfts),
+            "num_steps": after["num_steps_total"] - before["num_steps_total"],
+            "num_preemptions": after["num_preemptions_total"] - before["num_preemptions_total"],
+        }
+    res["engine"] = {"max_num_seqs": num_seqs, "num_kv_blocks": llm.engine.config.cache.num_blocks}
+    del llm
+    gc.collect()
+    return res
+
+
+# ---- HF transformers ---------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def run_hf(model_dir: Path, w: Workloads, single: bool, concurrent: bool, offline: bool) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def gen(prompts: list[list[int]], n: int) -> float:
+        """Seconds for a static batch of `prompts` (all the same length: no padding) to produce n tokens each."""
+        ids = torch.tensor(prompts)
+        t0 = time.perf_counter()
+        out = model.generate(ids, do_sample=False, min_new_tokens=n, max_new_tokens=n, pad_token_id=0)
+        wall = time.perf_counter() - t0
+        assert out.shape[1] - ids.shape[1] == n, "HF must produce exactly n tokens"
+        return wall
+
+    gen(w.warmup[:1], 2)
+    gen(w.warmup, 2)  # at the largest batch size too
+    res: dict[str, Any] = {}
+    n = w.output_len
+    if single:
+        ttft = gen([w.single], 1)
+        full = gen([w.single], n)
+        decode = (n - 1) / (full - ttft) if full > ttft else None  # None: noise swamped a tiny run
+        res["single"] = {"ttft_s": ttft, "wall_s": full, "decode_tok_s": decode, "e2e_tok_s": n / full}
+        samples = [gen([p], 1) for p in w.ttft[1:]]
+        res["ttft"] = {"samples_s": samples, "median_s": statistics.median(samples)}
+    if concurrent:
+        batch = w.concurrent[: w.concurrency]
+        ttft = gen(batch, 1)
+        full = gen(batch, n)
+        res["concurrent"] = {
+            "batch": len(batch),
+            "ttft_s": ttft,
+            "wall_s": full,
+            "output_tok_s": len(batch) * n / full,
+            "step_ms": 1e3 * (full - ttft) / (n - 1) if n > 1 and full > ttft else None,  # each stream's TPOT
+        }
+    if offline:
+        t0 = time.perf_counter()
+        for i in range(0, len(w.offline), w.hf_batch):
+            gen(w.offline[i : i + w.hf_batch], n)
+        wall = time.perf_counter() - t0
+        res["offline"] = {
+            "requests": len(w.offline),
+            "batch": w.hf_batch,
+            "wall_s": wall,
+            "output_tok_s": len(w.offline) * n / wall,
+        }
+    return res  # the model is freed with this frame (gc.collect() in main)
+
+
+# ---- HTTP: the lmserve server and the peer -----------------------------------------------------------------
+
+
+class ServerError(Exception):
+    pass
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def lmserve_server(
+    model_dir: Path, max_model_len: int, max_num_seqs: int, num_kv_blocks: int, threads: int, timeout_s: float
+) -> Iterator[str]:
+    """`lmserve serve` on a free loopback port with `threads` torch threads; yields its base URL, stops it after."""
+    port = free_loopback_port()
+    cmd = [sys.executable, "-m", "lmserve.entrypoints.cli", "serve", "--model", str(model_dir)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning"]
+    cmd += ["--no-prefix-caching", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+    cmd += ["--num-kv-blocks", str(num_kv_blocks)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    base_url = f"http://127.0.0.1:{port}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+        def tail() -> str:
+            log.seek(0)
+            return log.read().decode(errors="replace")[-2000:]
+
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise ServerError(f"lmserve serve exited with code {proc.returncode} during start-up:\n{tail()}")
+                try:
+                    with opener.open(base_url + "/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerError(f"lmserve serve not healthy within {timeout_s:g} s:\n{tail()}")
+                time.sleep(0.25)
+            yield base_url
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+
+
+def _bench_request(ids: list[int], output_len: int) -> Any:
+    from lmserve.bench.datasets import BenchRequest
+
+    # loadgen sends `prompt` as is and the completions API takes token ids, so the server does no tokenizing
+    return BenchRequest(prompt=cast(str, ids), prompt_token_ids=ids, output_len=output_len)
+
+
+def http_load(
+    base_url: str,
+    model: str | None,
+    prompts: list[list[int]],
+    output_len: int,
+    max_concurrency: int | None,
+    warmup: list[list[int]] | None = None,
+    strict: bool = True,
+) -> tuple[Any, str | None]:
+    """Stream `prompts` (ignore_eos, temperature 0) with at most `max_concurrency` in flight; (summary, model).
+    strict: every request must produce exactly output_len tokens."""
+    from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
+    from lmserve.bench.metrics import summarize
+
+    cfg = LoadConfig(base_url=base_url, model=model, max_concurrency=max_concurrency, timeout_s=1800.0)
+    reqs = [_bench_request(p, output_len) for p in prompts]
+    warm = [_bench_request(p, output_len) for p in warmup or []]
+    result = asyncio.run(run_load(reqs, cfg, warm))
+    if result.fatal_error:
+        raise ServerError(result.fatal_error)
+    if result.warmup_errors:
+        raise ServerError(f"{len(result.warmup_errors)} warm-up requests failed: {result.warmup_errors[0]}")
+    records = finalize_all(result, reqs, cfg)
+    summary = summarize(records, result.duration_s or None, math.inf, max_concurrency)
+    if summary.num_failed:
+        raise ServerError(f"{summary.num_failed}/{summary.num_requests} requests failed: {summary.errors[:3]}")
+    if summary.output_len_matched_pct != 100.0:
+        msg = f"{base_url}: only {summary.output_len_matched_pct:.0f}% of the outputs had exactly {output_len} tokens"
+        if strict:
+            raise ServerError(msg)
+        print(f"warning: {msg}", file=sys.stderr)
+    return summary, result.model
+
+
+def run_http(base_url: str, model: str | None, w: Workloads, strict: bool) -> dict[str, Any]:
+    """TTFT on the idle server, one stream, then the concurrent streams, against one endpoint."""
+    n = w.output_len
+    # untimed: a batch of short requests (warms the batched paths) and one full-length prompt
+    _, model = http_load(base_url, model, w.warmup[:2], 2, None, warmup=w.warmup, strict=strict)
+    s, _ = http_load(base_url, model, w.ttft[1:], 1, 1, warmup=w.ttft[:1], strict=strict)
+    ttft = {
+        "samples": s.ttft_from_send_ms.count,
+        "median_ms": s.ttft_from_send_ms.p50,
+        "mean_ms": s.ttft_from_send_ms.mean,
+    }
+    s, _ = http_load(base_url, model, [w.single], n, 1, strict=strict)
+    single = {
+        "ttft_ms": s.ttft_from_send_ms.mean,
+        "tpot_ms": s.tpot_ms.mean,
+        "decode_tok_s": 1e3 / s.tpot_ms.mean if s.tpot_ms.mean else None,
+        "e2e_tok_s": s.total_output_tokens / (s.e2e_from_send_ms.mean / 1e3),
+    }
+    s, _ = http_load(base_url, model, w.concurrent, n, w.concurrency, strict=strict)
+    concurrent = {
+        "requests": s.num_requests,
+        "max_concurrency": w.concurrency,
+        "duration_s": s.duration_s,
+        "output_tok_s": s.output_throughput_tok_s,
+        "tpot_mean_ms": s.tpot_ms.mean,
+        "tpot_p99_ms": s.tpot_ms.p99,
+        "ttft_mean_ms": s.ttft_from_send_ms.mean,
+        "ttft_p99_ms": s.ttft_from_send_ms.p99,
+        "output_len_matched_pct": s.output_len_matched_pct,
+    }
+    return {"url": base_url, "model": model, "ttft": ttft, "single": single, "concurrent": concurrent}
+
+
+# ---- the table ---------------------------------------------------------------------------------------------
+
+
+def _get(d: dict[str, Any] | None, *keys: str) -> float | None:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d if isinstance(d, int | float) else None
+
+
+def build_rows(
+    res: dict[str, Any], w: Workloads, peer_name: str | None, single: bool, http: bool, offline: bool
+) -> list[dict[str, Any]]:
+    """One row per (workload, metric, peer) of the sections that ran; a value is None where its side was skipped
+    (--skip-hf) or failed (the peer)."""
+    ours_off, hf, srv, peer = (res.get(k) for k in ("lmserve_offline", "hf", "lmserve_server", "peer"))
+    c = w.concurrency
+    rows: list[dict[str, Any]] = []
+
+    def row(workload: str, metric: str, higher: bool, ours: float | None, *peers: tuple[str, float | None]) -> None:
+        for name, value in peers:
+            rows.append(
+                {
+                    "workload": workload,
+                    "metric": metric,
+                    "higher_is_better": higher,
+                    "lmserve": ours,
+                    "peer": name,
+                    "peer_value": value,
+                    "ratio": ours / value if ours is not None and value else None,
+                }
+            )
+
+    def vs_peer(*keys: str) -> list[tuple[str, float | None]]:
+        return [(peer_name, _get(peer, *keys))] if peer_name else []
+
+    hf_ttft_s = _get(hf, "ttft", "median_s")
+    if single:
+        hf1 = "HF generate batch 1"
+        row(
+            "single-stream decode, 1 request (engine)",
+            "decode tok/s",
+            True,
+            _get(ours_off, "single", "decode_tok_s"),
+            (hf1, _get(hf, "single", "decode_tok_s")),
+        )
+        row(
+            "single-stream e2e, 1 request (engine)",
+            "output tok/s",
+            True,
+            _get(ours_off, "single", "e2e_tok_s"),
+            (hf1, _get(hf, "single", "e2e_tok_s")),
+        )
+    if http:
+        hfc = f"HF static batch {c}"
+        row(
+            "single-stream decode, 1 request (HTTP)",
+            "decode tok/s",
+            True,
+            _get(srv, "single", "decode_tok_s"),
+            ("HF generate batch 1", _get(hf, "single", "decode_tok_s")),
+            *vs_peer("single", "decode_tok_s"),
+        )
+        row(
+            f"TTFT, {w.prompt_len}-token prompt, idle server (HTTP)",
+            "median ms (lower better)",
+            False,
+            _get(srv, "ttft", "median_ms"),
+            ("HF generate max_new_tokens=1", None if hf_ttft_s is None else 1e3 * hf_ttft_s),
+            *vs_peer("ttft", "median_ms"),
+        )
+        row(
+            f"{c} concurrent streams (HTTP)",
+            "output tok/s",
+            True,
+            _get(srv, "concurrent", "output_tok_s"),
+            (hfc, _get(hf, "concurrent", "output_tok_s")),
+            *vs_peer("concurrent", "output_tok_s"),
+        )
+        row(
+            f"{c} concurrent streams (HTTP)",
+            "mean TPOT ms (lower better)",
+            False,
+            _get(srv, "concurrent", "tpot_mean_ms"),
+            (hfc + " (step time)", _get(hf, "concurrent", "step_ms")),
+            *vs_peer("concurrent", "tpot_mean_ms"),
+        )
+        if peer_name:
+            row(
+                f"{c} concurrent streams (HTTP)",
+                "P99 TPOT ms (lower better)",
+                False,
+                _get(srv, "concurrent", "tpot_p99_ms"),
+                *vs_peer("concurrent", "tpot_p99_ms"),
+            )
+    if offline:
+        row(
+            f"offline, {w.offline_requests} requests (engine)",
+            "output tok/s",
+            True,
+            _get(ours_off, "offline", "output_tok_s"),
+            (f"HF static batches of {w.hf_batch}", _get(hf, "offline", "output_tok_s")),
+        )
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    header = ["workload", "metric", "lmserve", "peer", "peer value", "lmserve/peer"]
+    body = [
+        [
+            r["workload"],
+            r["metric"],
+            f(r["lmserve"]),
+            r["peer"] or "-",
+            f(r["peer_value"]),
+            "-" if r["ratio"] is None else f"{r['ratio']:.2f}x",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header))]
+    right = {2, 4, 5}
+    lines = []
+    for i, cells in enumerate([header, *body]):
+        lines.append(
+            " | ".join(
+                c.rjust(wd) if j in right else c.ljust(wd) for j, (c, wd) in enumerate(zip(cells, widths, strict=True))
+            )
+        )
+        if i == 0:
+            lines.append("-+-".join("-" * wd for wd in widths))
+    return "\n".join(lines)
+
+
+# ---- main --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 128; --quick 16)")
+    ap.add_argument("--output-len", type=int, default=None, help="tokens per output (default 128; --quick 8)")
+    ap.add_argument("--concurrency", type=int, default=None, help="streams in flight over HTTP (default 32)")
+    ap.add_argument("--offline-requests", type=int, default=None, help="offline workload size (default 256)")
+    ap.add_argument("--hf-batch", type=int, default=None, help="HF static batch for the offline workload (32)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, here and in the lmserve server")
+    ap.add_argument("--model", type=Path, default=None, help="HF model dir (default: the benchmark model)")
+    ap.add_argument("--max-model-len", type=int, default=1024, help="capped at the model's max positions")
+    ap.add_argument("--peer-url", default=None, help="an OpenAI-compatible server to compare with (vLLM-CPU, ...)")
+    ap.add_argument("--peer-model", default=None, help="model name for the peer (default: first at /v1/models)")
+    ap.add_argument("--skip-single", action="store_true", help="no single-stream workload (offline engine)")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF transformers runs")
+    ap.add_argument("--skip-server", action="store_true", help="no lmserve server (TTFT, HTTP workloads)")
+    ap.add_argument("--skip-offline", action="store_true", help="no offline workload")
+    ap.add_argument("--server-timeout", type=float, default=120.0, help="seconds for the server to get healthy")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
+    args = ap.parse_args(argv)
+    for k, v in (QUICK if args.quick else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for k in (*FULL, "threads", "max_model_len"):
+        if getattr(args, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    if args.output_len < 2:
+        ap.error("--output-len must be >= 2 (decode rates need a second token)")
+    if args.peer_url and not args.peer_url.startswith(("http://", "https://")):
+        ap.error(f"--peer-url must start with http:// or https://, got {args.peer_url!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    machine = machine_info()
+    t_start = time.perf_counter()
+    model_dir = args.model.resolve() if args.model else build_benchmark_model()
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    vocab_size = CONFIG["vocab_size"] if args.model is None else hf_config["vocab_size"]
+    max_model_len = min(args.max_model_len, hf_config.get("max_position_embeddings") or args.max_model_len)
+    if args.prompt_len + args.output_len > max_model_len:
+        raise SystemExit(f"--prompt-len + --output-len exceeds max_model_len {max_model_len}")
+    w = Workloads.build(args, vocab_size)
+    do_single, do_server, do_offline = not args.skip_single, not args.skip_server, not args.skip_offline
+    peer_name = None
+    if args.peer_url:
+        peer_name = f"peer {args.peer_model or args.peer_url}"
+    res: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+
+    if do_single or do_offline:
+        print("lmserve offline engine ...", flush=True)
+        res["lmserve_offline"] = run_lmserve_offline(model_dir, w, max_model_len, do_single, do_offline)
+    if not args.skip_hf and (do_single or do_server or do_offline or args.peer_url):
+        print("HF transformers ...", flush=True)
+        http = do_server or bool(args.peer_url)
+        res["hf"] = run_hf(model_dir, w, do_single or http, http, do_offline)
+        gc.collect()
+    if do_server:
+        print("lmserve server ...", flush=True)
+        num_seqs = max(64, w.concurrency)
+        blocks = w.kv_blocks(num_seqs, max_model_len)
+        with lmserve_server(model_dir, max_model_len, num_seqs, blocks, args.threads, args.server_timeout) as url:
+            res["lmserve_server"] = run_http(url, None, w, strict=True)
+        res["lmserve_server"].update(max_num_seqs=num_seqs, num_kv_blocks=blocks)
+    if args.peer_url:
+        print(f"peer {args.peer_url} ...", flush=True)
+        try:
+            res["peer"] = run_http(args.peer_url, args.peer_model, w, strict=False)
+            peer_name = f"peer {res['peer']['model'] or args.peer_url}"
+        except ServerError as e:
+            errors["peer"] = str(e)
+            print(f"warning: peer failed: {e}", file=sys.stderr)
+
+    machine["load_avg_1m_end"] = os.getloadavg()[0]
+    rows = build_rows(res, w, peer_name, do_single, do_server or bool(args.peer_url), do_offline)
+    print(
+        f"\nprompt {w.prompt_len}, output {w.output_len}, fp32, {args.threads} threads; model {model_dir}\n"
+        f"{machine['cpu_model']}, {machine['usable_cpus']} CPUs ({machine['physical_cores']} cores), "
+        f"{machine['mem_total_gib']} GiB; torch {machine['torch']}, transformers {machine['transformers']}; "
+        f"commit {str(machine['git']['commit'])[:10]}{' (dirty)' if machine['git']['dirty'] else ''}; "
+        f"load avg 1m {machine['load_avg_1m_start']:.2f} -> {machine['load_avg_1m_end']:.2f}\n"
+    )
+    print(format_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": "cpu",
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model_dir": str(model_dir),
+        "max_model_len": max_model_len,
+        "machine": machine,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "wall_s": time.perf_counter() - t_start,
+        "rows": rows,
+        "results": res,
+        "errors": errors,
+    }
+    path = args.out / f"cpu-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""bench/bench_cpu.py end to end at tiny sizes on the tiny random Llama: lmserve engine, HF, the lmserve server
+and a peer (a second lmserve server standing in for vLLM); every row of the table gets positive numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmserve.bench.experiments import lmserve_server
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_cpu.py"
+TINY = ["--prompt-len", "8", "--output-len", "4", "--concurrency", "2", "--offline-requests", "4", "--hf-batch", "2"]
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_row(llama_dir: Path, tmp_path: Path):
+    peer_flags = ["--num-kv-blocks", "64", "--max-model-len", "256", "--served-model-name", "peer-llama"]
+    with lmserve_server(str(llama_dir), peer_flags, tmp_path / "peer.log", startup_timeout_s=120) as (peer_url, _):
+        argv = [sys.executable, str(SCRIPT), "--quick", *TINY, "--threads", "1", "--model", str(llama_dir)]
+        argv += ["--peer-url", peer_url, "--out", str(tmp_path / "results")]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "lmserve/peer" in proc.stdout and "peer peer-llama" in proc.stdout
+    (path,) = (tmp_path / "results").glob("cpu-*.json")
+    doc = json.loads(path.read_text())
+
+    seen = {(r["workload"], r["metric"], r["peer"]) for r in doc["rows"]}
+    for workload, metric, peer in [
+        ("single-stream decode, 1 request (engine)", "decode tok/s", "HF generate batch 1"),
+        ("single-stream e2e, 1 request (engine)", "output tok/s", "HF generate batch 1"),
+        ("single-stream decode, 1 request (HTTP)", "decode tok/s", "peer peer-llama"),
+        ("TTFT, 8-token prompt, idle server (HTTP)", "median ms (lower better)", "HF generate max_new_tokens=1"),
+        ("TTFT, 8-token prompt, idle server (HTTP)", "median ms (lower better)", "peer peer-llama"),
+        ("2 concurrent streams (HTTP)", "output tok/s", "HF static batch 2"),
+        ("2 concurrent streams (HTTP)", "output tok/s", "peer peer-llama"),
+        ("2 concurrent streams (HTTP)", "mean TPOT ms (lower better)", "peer peer-llama"),
+        ("2 concurrent streams (HTTP)", "P99 TPOT ms (lower better)", "peer peer-llama"),
+        ("offline, 4 requests (engine)", "output tok/s", "HF static batches of 2"),
+    ]:
+        assert (workload, metric, peer) in seen, (workload, metric, peer, sorted(seen))
+    for r in doc["rows"]:
+        assert r["lmserve"] > 0 and r["peer_value"] > 0 and r["ratio"] > 0, r
+
+    res = doc["results"]
+    assert res["lmserve_offline"]["offline"]["num_preemptions"] == 0
+    assert res["lmserve_server"]["concurrent"]["requests"] == 4
+    assert res["peer"]["model"] == "peer-llama" and doc["errors"] == {}
+    m = doc["machine"]
+    assert m["cpu_model"] and m["logical_cpus"] >= 1 and m["mem_total_gib"] > 0 and m["torch_threads"] == 1
+    assert m["torch"] and m["transformers"] and "load_avg_1m_end" in m and "commit" in m["git"]
