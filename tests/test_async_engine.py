@@ -211,3 +211,30 @@ def test_shutdown_fails_pending(llama_dir: Path) -> None:
                 pass
 
     asyncio.run(run())
+
+
+def test_engine_thread_sets_its_own_torch_threads(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="num_threads"):
+        AsyncEngine(_engine(llama_dir), num_threads=0)
+    inner = _engine(llama_dir)
+    seen: list[int] = []
+    step = inner.step
+
+    def recording_step():
+        seen.append(torch.get_num_threads())
+        return step()
+
+    inner.step = recording_step  # type: ignore[method-assign]
+    engine = AsyncEngine(inner, num_threads=2).start()
+    assert torch.get_num_threads() == 1, "the caller's thread keeps its own setting (module fixture: 1)"
+
+    async def run():
+        async for _ in engine.generate("x", SamplingParams(max_tokens=2, ignore_eos=True)):
+            pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(1)  # torch's setting is process-wide for threads started later
+    assert seen and set(seen) == {2}, seen

@@ -138,11 +138,17 @@ class AsyncEngine:
         max_queued_requests: int | None = None,
         retry_after_s: int = 1,
         tokenizer: Any = None,
+        num_threads: int | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
         if max_queued_requests is not None and max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        # torch intra-op threads of the engine thread (None: leave torch's setting). See serve_cli: the
+        # thread that loads the model should use 1, so that only the engine thread owns an OpenMP team.
+        self.num_threads = num_threads
         self.engine = engine
         self.config = engine.config
         self.max_queued_requests = max_queued_requests
@@ -257,6 +263,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            if self.num_threads is not None:
+                import torch
+
+                torch.set_num_threads(self.num_threads)
             while not self._stopping:
                 self._wakeup.clear()  # before draining, so a command queued after the drain wakes us
                 self._apply_commands()
