@@ -202,3 +202,37 @@ def test_generate_runs_with_bfloat16_model_through_torch_path(llama_dir: Path) -
     llm = LLM(str(llama_dir), num_kv_blocks=64, dtype="bfloat16")
     out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_bf16_weights_match_hf_with_the_same_rounded_weights(llama_dir: Path) -> None:
+    """weight_dtype="bfloat16": the engine computes (in fp32) the model whose linear weights are rounded to
+    bf16; HF with the same rounding applied must produce the same greedy tokens and close logits."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(llama_dir), num_kv_blocks=64, weight_dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.to(torch.bfloat16).float())
+        hf.get_input_embeddings().weight.copy_(hf.get_input_embeddings().weight.to(torch.bfloat16).float())
+    rounded = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    assert rounded._weight_bf16 is not None and rounded._weight_bf16.dtype == torch.bfloat16
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS[:2], outs, strict=True):
+        ids = tok.encode(prompt)
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist(), prompt
+
+
+def test_weight_dtype_validation(llama_dir: Path) -> None:
+    from lmserve.config import EngineArgs
+
+    with pytest.raises(ValueError, match="weight_dtype"):
+        EngineArgs.from_kwargs(str(llama_dir), weight_dtype="float16").create_engine_config()
+    with pytest.raises(ValueError, match="weight_dtype='bfloat16' is the CPU float32 path"):
+        EngineArgs.from_kwargs(str(llama_dir), dtype="float16", weight_dtype="bfloat16").create_engine_config()
+    same = EngineArgs.from_kwargs(str(llama_dir), dtype="bfloat16", weight_dtype="bfloat16").create_engine_config()
+    assert same.weight_dtype is None, "weights already in the model dtype: nothing to do"

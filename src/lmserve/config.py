@@ -162,6 +162,7 @@ class EngineConfig:
     device: str
     seed: int
     tokenizer: str
+    weight_dtype: str | None = None  # None: the model dtype; "bfloat16": bf16-stored linears, fp32 compute (CPU)
 
 
 @dataclass
@@ -180,6 +181,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "continuous"
     dtype: str = "auto"
+    weight_dtype: str | None = None
     device: str = "cpu"
     seed: int = 0
 
@@ -201,6 +203,7 @@ class EngineArgs:
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
             )
         model = ModelConfig.from_hf(self.model, self.dtype, self.device)
+        weight_dtype = self._weight_dtype(model.dtype)
         max_model_len = self.max_model_len or model.max_position_embeddings
         _check_positive("max_model_len", max_model_len)
         if max_model_len > model.max_position_embeddings:
@@ -243,7 +246,21 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
         )
-        return EngineConfig(model, cache, sched, self.device, self.seed, self.tokenizer or self.model)
+        return EngineConfig(model, cache, sched, self.device, self.seed, self.tokenizer or self.model, weight_dtype)
+
+    def _weight_dtype(self, model_dtype: str) -> str | None:
+        """None (weights in the model dtype) or "bfloat16": the linear layers' weights rounded to and stored
+        in bfloat16, computed in float32 by the CPU kernels (halves the bytes a decode step reads)."""
+        if self.weight_dtype is None or self.weight_dtype == model_dtype:
+            return None
+        if self.weight_dtype != "bfloat16":
+            raise ValueError(f"weight_dtype must be None, the model dtype or 'bfloat16', got {self.weight_dtype!r}")
+        if model_dtype != "float32" or not self.device.startswith("cpu"):
+            raise ValueError(
+                f"weight_dtype='bfloat16' is the CPU float32 path (bf16 weights, fp32 compute); with "
+                f"dtype={model_dtype!r} on device {self.device!r} pass dtype='bfloat16' instead"
+            )
+        return "bfloat16"
 
     def _num_kv_blocks(self, kv_bytes_per_token: int) -> int:
         from lmserve import memory

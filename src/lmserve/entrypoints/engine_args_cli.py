@@ -11,6 +11,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="HF model directory (default: the bundled model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--weight-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="bfloat16: keep the linear weights in bf16 and compute in fp32 on the CPU (faster decode, "
+        "weights rounded to bf16); default: the model dtype",
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -27,6 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 ENGINE_ARG_NAMES = (
     "tokenizer",
     "dtype",
+    "weight_dtype",
     "device",
     "block_size",
     "num_kv_blocks",

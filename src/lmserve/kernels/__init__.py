@@ -84,6 +84,8 @@ def _load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     lib.linear_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.linear_f32.restype = None
+    lib.linear_bf16w_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.linear_bf16w_f32.restype = None
     lib.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
     lib.paged_decode_attention.restype = None
     lib.rmsnorm_f32.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
@@ -126,16 +128,21 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype = torch.float32) -> No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, in) @ weight (out, in)^T + bias, float32 on the CPU; for small M (bandwidth-bound)."""
+    """x (M, in) @ weight (out, in)^T + bias on the CPU, x float32; weight float32 or bfloat16 (converted
+    exactly to float32 as it is read). For few rows (bandwidth-bound). Returns (M, out) float32."""
     assert _lib is not None, "kernels not loaded: call available() first"
     x = x.contiguous()
-    for t, n in ((x, "x"), (weight, "weight")) + (((bias, "bias"),) if bias is not None else ()):
-        _check(t, n)
+    _check(x, "x")
+    if bias is not None:
+        _check(bias, "bias")
+    bf16 = weight.dtype == torch.bfloat16
+    _check(weight, "weight", torch.bfloat16 if bf16 else torch.float32)
     m, k = x.shape
     o = weight.shape[0]
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
     y = torch.empty(m, o, dtype=torch.float32)
-    _lib.linear_f32(
+    fn = _lib.linear_bf16w_f32 if bf16 else _lib.linear_f32
+    fn(
         x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
         m, o, k, torch.get_num_threads(),
     )

@@ -29,6 +29,15 @@ class Linear(nn.Linear):
     """
 
     _packed: torch.Tensor | None = None
+    _weight_bf16: torch.Tensor | None = None  # set by round_weights_to_bf16: what the C kernel reads
+
+    def round_weights_to_bf16(self) -> None:
+        """Round the weight to bfloat16 in place (still a float32 tensor, so every path computes the same
+        model) and keep a bf16 copy for the 1-2 row kernel, which then reads half the bytes."""
+        assert self.weight.device.type == "cpu" and self.weight.dtype == torch.float32, "bf16 weights: cpu fp32"
+        self._weight_bf16 = self.weight.detach().to(torch.bfloat16)
+        self.weight.data.copy_(self._weight_bf16.float())
+        self._packed = None  # packed from the old values; pack again
 
     def pack_for_onednn(self) -> None:
         assert self.weight.device.type == "cpu" and self.weight.dtype == torch.float32, "oneDNN packing: cpu fp32"
@@ -37,10 +46,20 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == self.weight.dtype:
             if x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x):
-                return kernels.linear(x, self.weight, self.bias)
+                w = self._weight_bf16 if self._weight_bf16 is not None else self.weight
+                return kernels.linear(x, w, self.bias)
             if self._packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         return super().forward(x)
+
+
+def round_linear_weights_to_bf16(model: nn.Module) -> int:
+    """EngineArgs.weight_dtype="bfloat16": every Linear's weight rounded to bf16 (tied embeddings too,
+    as a bf16 checkpoint would be), with a bf16 copy for the decode kernel. Returns the copies' bytes."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in layers:
+        m.round_weights_to_bf16()
+    return sum(m.weight.numel() * 2 for m in layers)
 
 
 def pack_linear_weights(model: nn.Module, max_extra_bytes: int) -> int:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from lmserve import kernels
 from lmserve.config import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.model.attention import AttentionMetadata, KVCache, PrefillSegment, causal_mask_with_context
-from lmserve.model.layers import pack_linear_weights
+from lmserve.model.layers import pack_linear_weights, round_linear_weights_to_bf16
 from lmserve.model.loader import TORCH_DTYPES, load_model
 from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
@@ -23,6 +24,10 @@ class ModelRunner:
         mc = config.model
         self.model = load_model(mc, config.scheduler.max_model_len, config.device)
         self.packed_weight_bytes = 0
+        if config.weight_dtype == "bfloat16":
+            if not kernels.available():
+                raise ValueError("weight_dtype='bfloat16' needs the CPU kernels (a C compiler); none could be built")
+            round_linear_weights_to_bf16(self.model)
         if self.device.type == "cpu":
             # oneDNN-packed copies of the projection weights, if they fit in a quarter of the free RAM.
             self.packed_weight_bytes = pack_linear_weights(self.model, available_ram_bytes() // 4)
