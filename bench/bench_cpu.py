@@ -177,7 +177,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def run_lmserve_offline(
-    model_dir: Path, w: Workloads, max_model_len: int, single: bool, offline: bool
+    model_dir: Path, w: Workloads, max_model_len: int, single: bool, offline: bool, weight_dtype: str | None = None
 ) -> dict[str, Any]:
     from lmserve import LLM, SamplingParams
 
@@ -188,6 +188,7 @@ def run_lmserve_offline(
         enable_prefix_caching=False,
         max_num_seqs=num_seqs,
         num_kv_blocks=w.kv_blocks(num_seqs, max_model_len),
+        weight_dtype=weight_dtype,
     )
     params = SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True)
     llm.generate(w.warmup, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -299,7 +300,13 @@ def free_loopback_port() -> int:
 
 @contextlib.contextmanager
 def lmserve_server(
-    model_dir: Path, max_model_len: int, max_num_seqs: int, num_kv_blocks: int, threads: int, timeout_s: float
+    model_dir: Path,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_kv_blocks: int,
+    threads: int,
+    timeout_s: float,
+    weight_dtype: str | None = None,
 ) -> Iterator[str]:
     """`lmserve serve` on a free loopback port with `threads` torch threads; yields its base URL, stops it after."""
     port = free_loopback_port()
@@ -307,6 +314,8 @@ def lmserve_server(
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning"]
     cmd += ["--no-prefix-caching", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
     cmd += ["--num-kv-blocks", str(num_kv_blocks)]
+    if weight_dtype:
+        cmd += ["--weight-dtype", weight_dtype]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     base_url = f"http://127.0.0.1:{port}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
@@ -575,6 +584,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--server-timeout", type=float, default=120.0, help="seconds for the server to get healthy")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
+    ap.add_argument(
+        "--weight-dtype", default=None, choices=["bfloat16"], help="lmserve's linear weights in bf16 (fp32 compute)"
+    )
     args = ap.parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
@@ -611,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if do_single or do_offline:
         print("lmserve offline engine ...", flush=True)
-        res["lmserve_offline"] = run_lmserve_offline(model_dir, w, max_model_len, do_single, do_offline)
+        res["lmserve_offline"] = run_lmserve_offline(
+            model_dir, w, max_model_len, do_single, do_offline, args.weight_dtype
+        )
     if not args.skip_hf and (do_single or do_server or do_offline or args.peer_url):
         print("HF transformers ...", flush=True)
         http = do_server or bool(args.peer_url)
@@ -621,7 +635,9 @@ def main(argv: list[str] | None = None) -> int:
         print("lmserve server ...", flush=True)
         num_seqs = max(64, w.concurrency)
         blocks = w.kv_blocks(num_seqs, max_model_len)
-        with lmserve_server(model_dir, max_model_len, num_seqs, blocks, args.threads, args.server_timeout) as url:
+        with lmserve_server(
+            model_dir, max_model_len, num_seqs, blocks, args.threads, args.server_timeout, args.weight_dtype
+        ) as url:
             res["lmserve_server"] = run_http(url, None, w, strict=True)
         res["lmserve_server"].update(max_num_seqs=num_seqs, num_kv_blocks=blocks)
     if args.peer_url:
@@ -636,7 +652,9 @@ def main(argv: list[str] | None = None) -> int:
     machine["load_avg_1m_end"] = os.getloadavg()[0]
     rows = build_rows(res, w, peer_name, do_single, do_server or bool(args.peer_url), do_offline)
     print(
-        f"\nprompt {w.prompt_len}, output {w.output_len}, fp32, {args.threads} threads; model {model_dir}\n"
+        f"\nprompt {w.prompt_len}, output {w.output_len}, fp32 compute"
+        f"{', lmserve weights ' + args.weight_dtype if args.weight_dtype else ''}, {args.threads} threads; "
+        f"model {model_dir}\n"
         f"{machine['cpu_model']}, {machine['usable_cpus']} CPUs ({machine['physical_cores']} cores), "
         f"{machine['mem_total_gib']} GiB; torch {machine['torch']}, transformers {machine['transformers']}; "
         f"commit {str(machine['git']['commit'])[:10]}{' (dirty)' if machine['git']['dirty'] else ''}; "
