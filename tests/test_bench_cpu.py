@@ -13,7 +13,7 @@ import pytest
 from lmserve.bench.experiments import lmserve_server
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_cpu.py"
-TINY = ["--prompt-len", "8", "--output-len", "4", "--concurrency", "2", "--offline-requests", "4", "--hf-batch", "2"]
+TINY = ["--prompt-len", "8", "--output-len", "12", "--concurrency", "2", "--offline-requests", "4", "--hf-batch", "2"]
 
 
 @pytest.mark.slow
