@@ -44,6 +44,26 @@ void linear_f32(const float *x, const float *w, const float *b, float *y, int64_
     }
 }
 
+/* e^x in float32 (Cephes' expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp), inline and branch-free so
+ * that loops calling it vectorize (glibc's vector expf is only declared to the compiler under -ffast-math). */
+static inline float exp_f32(float x) {
+    x = x < -87.33654f ? -87.33654f : x; /* ternaries, not fminf/fmaxf: those block vectorization */
+    x = x > 88.72283f ? 88.72283f : x;
+    float k = rintf(x * 1.44269504088896341f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23; /* 2^k */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* bfloat16 -> float32 is exact: the bf16 bits are the high half of the float32. */
 static inline float dot_bf16(const float *x, const uint16_t *w, int64_t I) {
     float a = 0.f;
@@ -95,7 +115,7 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
         float *sh = scores + h * L, m = mx[h], tot = 0.f;
 #pragma omp simd reduction(+ : tot)
         for (int64_t t = 0; t < L; t++) {
-            float e = expf(sh[t] - m);
+            float e = exp_f32(sh[t] - m);
             sh[t] = e;
             tot += e;
         }
@@ -173,15 +193,15 @@ void rmsnorm_f32(const float *x, float *res, const float *w, float *out, int64_t
     }
 }
 
+static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
+}
+
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i] for gu (M, 2I): the SwiGLU gate after the fused gate/up product. */
 void silu_mul_f32(const float *gu, float *out, int64_t M, int64_t I, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * I > 32768)
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = gu + m * 2 * I, *u = g + I;
-        float *o = out + m * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
+    for (int64_t m = 0; m < M; m++) silu_mul_row(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
 }
 
 /* Rotary embedding (rotate-half convention, as HF Llama) applied in place to the T tokens' query and key
