@@ -99,16 +99,20 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
     float *o0 = out + kh0 * G * D;
     float mx[MAX_GROUP_HEADS];
     for (int64_t h = 0; h < nq; h++) mx[h] = -INFINITY;
-    for (int64_t t = 0; t < L; t++) {
-        const float *kr = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
-        for (int64_t h = 0; h < nq; h++) {
-            const float *qr = q0 + h * D, *kh = kr + (kh0 + h / G) * D;
-            float s = 0.f;
+    for (int64_t t0 = 0; t0 < L; t0 += block_size) { /* block by block: contiguous rows, no division */
+        const float *kb = k_cache + table[t0 / block_size] * block_size * row;
+        int64_t n = L - t0 < block_size ? L - t0 : block_size;
+        for (int64_t j = 0; j < n; j++) {
+            const float *kr = kb + j * row;
+            for (int64_t h = 0; h < nq; h++) {
+                const float *qr = q0 + h * D, *kh = kr + (kh0 + h / G) * D;
+                float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; d++) s += qr[d] * kh[d];
-            s *= scale;
-            scores[h * L + t] = s;
-            mx[h] = s > mx[h] ? s : mx[h];
+                for (int64_t d = 0; d < D; d++) s += qr[d] * kh[d];
+                s *= scale;
+                scores[h * L + t0 + j] = s;
+                mx[h] = s > mx[h] ? s : mx[h];
+            }
         }
     }
     for (int64_t h = 0; h < nq; h++) {
@@ -124,13 +128,17 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
         for (int64_t t = 0; t < L; t++) sh[t] *= inv;
         for (int64_t d = 0; d < D; d++) o0[h * D + d] = 0.f;
     }
-    for (int64_t t = 0; t < L; t++) {
-        const float *vr = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
-        for (int64_t h = 0; h < nq; h++) {
-            const float *vh = vr + (kh0 + h / G) * D;
-            float p = scores[h * L + t], *oh = o0 + h * D;
+    for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+        const float *vb = v_cache + table[t0 / block_size] * block_size * row;
+        int64_t n = L - t0 < block_size ? L - t0 : block_size;
+        for (int64_t j = 0; j < n; j++) {
+            const float *vr = vb + j * row;
+            for (int64_t h = 0; h < nq; h++) {
+                const float *vh = vr + (kh0 + h / G) * D;
+                float p = scores[h * L + t0 + j], *oh = o0 + h * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+                for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+            }
         }
     }
 }
