@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ from typing import Any, cast
 
 import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+
+from lmserve.bench.experiments import ServerError, free_loopback_port
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16  # the engine's default KV block size
@@ -287,16 +288,6 @@ def run_hf(model_dir: Path, w: Workloads, single: bool, concurrent: bool, offlin
 
 
 # ---- HTTP: the lmserve server and the peer -----------------------------------------------------------------
-
-
-class ServerError(Exception):
-    pass
-
-
-def free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
