@@ -178,8 +178,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def run_lmserve_offline(
-    model_dir: Path, w: Workloads, max_model_len: int, single: bool, offline: bool, weight_dtype: str | None = None
+    model_dir: Path, w: Workloads, max_model_len: int, single: bool, offline: bool, engine: dict[str, Any]
 ) -> dict[str, Any]:
+    """engine: extra EngineArgs (device, dtype, weight_dtype)."""
     from lmserve import LLM, SamplingParams
 
     num_seqs = max(256, w.offline_requests)
@@ -189,7 +190,7 @@ def run_lmserve_offline(
         enable_prefix_caching=False,
         max_num_seqs=num_seqs,
         num_kv_blocks=w.kv_blocks(num_seqs, max_model_len),
-        weight_dtype=weight_dtype,
+        **engine,
     )
     params = SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True)
     llm.generate(w.warmup, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -236,16 +237,26 @@ def run_lmserve_offline(
 
 
 @torch.inference_mode()
-def run_hf(model_dir: Path, w: Workloads, single: bool, concurrent: bool, offline: bool) -> dict[str, Any]:
+def run_hf(
+    model_dir: Path,
+    w: Workloads,
+    single: bool,
+    concurrent: bool,
+    offline: bool,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
 
     def gen(prompts: list[list[int]], n: int) -> float:
         """Seconds for a static batch of `prompts` (all the same length: no padding) to produce n tokens each."""
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=device)
         t0 = time.perf_counter()
         out = model.generate(ids, do_sample=False, min_new_tokens=n, max_new_tokens=n, pad_token_id=0)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         assert out.shape[1] - ids.shape[1] == n, "HF must produce exactly n tokens"
         return wall
@@ -298,16 +309,14 @@ def lmserve_server(
     num_kv_blocks: int,
     threads: int,
     timeout_s: float,
-    weight_dtype: str | None = None,
+    engine_flags: list[str],
 ) -> Iterator[str]:
     """`lmserve serve` on a free loopback port with `threads` torch threads; yields its base URL, stops it after."""
     port = free_loopback_port()
     cmd = [sys.executable, "-m", "lmserve.entrypoints.cli", "serve", "--model", str(model_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning"]
     cmd += ["--no-prefix-caching", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
-    cmd += ["--num-kv-blocks", str(num_kv_blocks)]
-    if weight_dtype:
-        cmd += ["--weight-dtype", weight_dtype]
+    cmd += ["--num-kv-blocks", str(num_kv_blocks), *engine_flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     base_url = f"http://127.0.0.1:{port}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
@@ -579,6 +588,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--weight-dtype", default=None, choices=["bfloat16"], help="lmserve's linear weights in bf16 (fp32 compute)"
     )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (lmserve and HF alike)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     args = ap.parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
@@ -612,23 +623,25 @@ def main(argv: list[str] | None = None) -> int:
         peer_name = f"peer {args.peer_model or args.peer_url}"
     res: dict[str, Any] = {}
     errors: dict[str, str] = {}
+    engine: dict[str, Any] = {"device": args.device, "dtype": args.dtype}
+    if args.weight_dtype:
+        engine["weight_dtype"] = args.weight_dtype
 
     if do_single or do_offline:
         print("lmserve offline engine ...", flush=True)
-        res["lmserve_offline"] = run_lmserve_offline(
-            model_dir, w, max_model_len, do_single, do_offline, args.weight_dtype
-        )
+        res["lmserve_offline"] = run_lmserve_offline(model_dir, w, max_model_len, do_single, do_offline, engine)
     if not args.skip_hf and (do_single or do_server or do_offline or args.peer_url):
         print("HF transformers ...", flush=True)
         http = do_server or bool(args.peer_url)
-        res["hf"] = run_hf(model_dir, w, do_single or http, http, do_offline)
+        res["hf"] = run_hf(model_dir, w, do_single or http, http, do_offline, args.device, args.dtype)
         gc.collect()
     if do_server:
         print("lmserve server ...", flush=True)
         num_seqs = max(64, w.concurrency)
         blocks = w.kv_blocks(num_seqs, max_model_len)
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
         with lmserve_server(
-            model_dir, max_model_len, num_seqs, blocks, args.threads, args.server_timeout, args.weight_dtype
+            model_dir, max_model_len, num_seqs, blocks, args.threads, args.server_timeout, flags
         ) as url:
             res["lmserve_server"] = run_http(url, None, w, strict=True)
         res["lmserve_server"].update(max_num_seqs=num_seqs, num_kv_blocks=blocks)
@@ -644,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     machine["load_avg_1m_end"] = os.getloadavg()[0]
     rows = build_rows(res, w, peer_name, do_single, do_server or bool(args.peer_url), do_offline)
     print(
-        f"\nprompt {w.prompt_len}, output {w.output_len}, fp32 compute"
+        f"\nprompt {w.prompt_len}, output {w.output_len}, {args.dtype} compute on {args.device}"
         f"{', lmserve weights ' + args.weight_dtype if args.weight_dtype else ''}, {args.threads} threads; "
         f"model {model_dir}\n"
         f"{machine['cpu_model']}, {machine['usable_cpus']} CPUs ({machine['physical_cores']} cores), "
