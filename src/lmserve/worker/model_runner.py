@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from lmserve import kernels
@@ -12,6 +14,8 @@ from lmserve.model.layers import pack_linear_weights, round_linear_weights_to_bf
 from lmserve.model.loader import TORCH_DTYPES, load_model
 from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -31,6 +35,12 @@ class ModelRunner:
         if self.device.type == "cpu":
             # oneDNN-packed copies of the projection weights, if they fit in a quarter of the free RAM.
             self.packed_weight_bytes = pack_linear_weights(self.model, available_ram_bytes() // 4)
+            logger.info(
+                "CPU fast paths: C kernels %s; oneDNN-packed weights %s; linear weights stored in %s",
+                "on" if kernels.available() else "off (PyTorch ops)",
+                f"{self.packed_weight_bytes / 2**20:.0f} MiB" if self.packed_weight_bytes else "off",
+                config.weight_dtype or mc.dtype,
+            )
         self.kv_caches: list[KVCache] = self._allocate_kv_caches()
         self.sampler = Sampler()
 
