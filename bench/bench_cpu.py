@@ -47,7 +47,7 @@ from typing import Any, cast
 import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 
-from lmserve.bench.experiments import ServerError, free_loopback_port
+from lmserve.bench.experiments import ServerError, free_loopback_port, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16  # the engine's default KV block size
@@ -343,13 +343,7 @@ def lmserve_server(
                 time.sleep(0.25)
             yield base_url
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
+            stop_process(proc)
 
 
 def _bench_request(ids: list[int], output_len: int) -> Any:

@@ -155,13 +155,18 @@ def lmserve_server(
             _wait_healthy(base_url, proc, log_path, startup_timeout_s)
             yield base_url, cmd
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (graceful shutdown), then SIGKILL after 15 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
 
 
 def _wait_healthy(base_url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
