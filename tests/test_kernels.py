@@ -236,3 +236,20 @@ def test_weight_dtype_validation(llama_dir: Path) -> None:
         EngineArgs.from_kwargs(str(llama_dir), dtype="float16", weight_dtype="bfloat16").create_engine_config()
     same = EngineArgs.from_kwargs(str(llama_dir), dtype="bfloat16", weight_dtype="bfloat16").create_engine_config()
     assert same.weight_dtype is None, "weights already in the model dtype: nothing to do"
+
+
+def test_unloadable_cached_library_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A corrupt library in the cache (say, from another system) must not crash the engine."""
+    monkeypatch.setenv("LMSERVE_KERNEL_CACHE", str(tmp_path))
+    path = kernels.library_path(kernels._compiler())
+    path.write_bytes(b"not an ELF file")  # where the loader looks first: it must not compile over it
+    kernels.set_enabled(False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmserve.kernels"):
+            kernels.set_enabled(True)
+        assert not kernels.available()
+        assert "loading" in caplog.text and "using PyTorch ops" in caplog.text
+    finally:
+        monkeypatch.delenv("LMSERVE_KERNEL_CACHE")
+        kernels.set_enabled(True)
+    assert kernels.available()

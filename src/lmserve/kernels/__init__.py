@@ -65,15 +65,24 @@ def _compile(cc: str, out: Path) -> None:
             os.unlink(tmp)
 
 
-def _load() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        logger.info("no C compiler found: CPU kernels off, using PyTorch ops")
-        return None
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def library_path(cc: str) -> Path:
+    """Where the library built by `cc` for this source, these flags and this CPU is cached."""
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode() + _cpu_fingerprint().encode()
     ).hexdigest()[:16]
-    path = _cache_dir() / f"cpu_kernels-{key}.so"
+    return _cache_dir() / f"cpu_kernels-{key}.so"
+
+
+def _load() -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None:
+        logger.info("no C compiler found: CPU kernels off, using PyTorch ops")
+        return None
+    path = library_path(cc)
     if not path.exists():
         try:
             _compile(cc, path)
@@ -81,7 +90,11 @@ def _load() -> ctypes.CDLL | None:
             detail = getattr(e, "stderr", "") or str(e)
             logger.warning("compiling %s failed, using PyTorch ops instead: %s", SOURCE.name, detail.strip()[-2000:])
             return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:  # e.g. a cached library this system cannot load
+        logger.warning("loading %s failed, using PyTorch ops instead: %s", path, e)
+        return None
     lib.linear_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.linear_f32.restype = None
     lib.linear_bf16w_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
