@@ -43,23 +43,31 @@ class Linear(nn.Linear):
         assert self.weight.device.type == "cpu" and self.weight.dtype == torch.float32, "oneDNN packing: cpu fp32"
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_HINT_ROWS)
 
+    def fast_path(self, x: torch.Tensor) -> str | None:
+        """Which CPU fast path forward(x) takes: "kernel", "onednn", or None for nn.Linear's. Both fast
+        paths return float32 (they only exist for float32 weights and inputs)."""
+        if x.dim() != 2 or x.dtype != self.weight.dtype:
+            return None
+        if x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x):
+            return "kernel"
+        return "onednn" if self._packed is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == self.weight.dtype:
-            if x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x):
-                w = self._weight_bf16 if self._weight_bf16 is not None else self.weight
-                return kernels.linear(x, w, self.bias)
-            if self._packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
+        path = self.fast_path(x)
+        if path == "kernel":
+            w = self._weight_bf16 if self._weight_bf16 is not None else self.weight
+            return kernels.linear(x, w, self.bias)
+        if path == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         return super().forward(x)
 
 
-def round_linear_weights_to_bf16(model: nn.Module) -> int:
+def round_linear_weights_to_bf16(model: nn.Module) -> None:
     """EngineArgs.weight_dtype="bfloat16": every Linear's weight rounded to bf16 (tied embeddings too,
-    as a bf16 checkpoint would be), with a bf16 copy for the decode kernel. Returns the copies' bytes."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    for m in layers:
-        m.round_weights_to_bf16()
-    return sum(m.weight.numel() * 2 for m in layers)
+    as a bf16 checkpoint would be), with a bf16 copy for the decode kernel."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.round_weights_to_bf16()
 
 
 def pack_linear_weights(model: nn.Module, max_extra_bytes: int) -> int:

@@ -11,7 +11,7 @@ from torch import nn
 from lmserve import kernels
 from lmserve.config import ModelConfig
 from lmserve.model.attention import AttentionMetadata, KVCache, paged_attention
-from lmserve.model.layers import KERNEL_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from lmserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 LOGITS_SLICE = 2048  # vocabulary rows per LM-head product
 LOGITS_SLICE_MIN_ROWS = 8  # below this the product is bandwidth-bound and one call is fastest
@@ -131,9 +131,7 @@ class CausalLM(nn.Module):
         """(rows, hidden) → (rows, vocab) float32. For several rows the vocabulary is covered in slices:
         on CPU BLAS, one (32 × 576) @ (576 × 49152) product runs at half the speed of 2048-wide slices."""
         weight = self.lm_head.weight
-        if hidden.dtype == torch.float32 and (
-            self.lm_head._packed is not None or (hidden.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(hidden))
-        ):
+        if self.lm_head.fast_path(hidden) is not None:
             return self.lm_head(hidden)  # C kernel or packed oneDNN weight: one call, already float32
         if hidden.shape[0] < LOGITS_SLICE_MIN_ROWS or weight.shape[0] <= LOGITS_SLICE:
             return self.lm_head(hidden).float()
