@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import build_model, train_tokenizer
 
@@ -47,3 +49,13 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama-gqa"]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """For modules whose engine runs beside HTTP/test threads: two intra-op threads on a busy 2-core
+    machine spin against them (~20x slower steps). Use with pytest.mark.usefixtures("one_torch_thread")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -15,14 +15,7 @@ from lmserve.config import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from lmserve.engine.llm_engine import LLMEngine
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Two intra-op threads on a busy 2-core machine spin against the HTTP/test threads: ~20x slower steps.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _engine(model_dir: Path, **kwargs) -> LLMEngine:

@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 
@@ -27,12 +26,7 @@ MAX_MODEL_LEN = 48
 NAME = "tiny"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
