@@ -74,13 +74,21 @@ class ModelConfig:
     @staticmethod
     def from_hf(path: str | os.PathLike, dtype: str = "auto", device: str = "cpu") -> ModelConfig:
         from lmserve.memory import model_shape_from_hf_config
+        from lmserve.model.gguf import GGUFCheckpoint, find_gguf_file
         from lmserve.model.registry import resolve_architecture
 
         path = Path(path)
         cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise ValueError(f"model: {str(path)!r} has no config.json (expected an HF model directory)")
-        cfg = json.loads(cfg_file.read_text())
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:  # llama.cpp's format: the config comes from the file's metadata
+            path = cfg_file = gguf_file
+            cfg = GGUFCheckpoint(gguf_file).hf_config()
+        elif not cfg_file.is_file():
+            raise ValueError(
+                f"model: {str(path)!r} has no config.json (expected an HF model directory or a .gguf file)"
+            )
+        else:
+            cfg = json.loads(cfg_file.read_text())
         family = resolve_architecture(cfg.get("architectures"))
         try:
             shape = model_shape_from_hf_config(cfg)  # the ledger's parser: one reading of the shape fields

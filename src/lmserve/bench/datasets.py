@@ -75,10 +75,10 @@ class DatasetConfig:
 
 
 def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+    from lmserve.tokenizer import load_tokenizer as load_model_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return load_model_tokenizer(path)
     except Exception as e:  # noqa: BLE001 - any loader failure is a bad flag value
         raise ValueError(f"--tokenizer: cannot load a tokenizer from {path!r}: {e}") from None
 

@@ -14,6 +14,7 @@ If the engine thread dies, every pending stream fails with EngineDeadError and n
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import threading
@@ -140,8 +141,6 @@ class AsyncEngine:
         tokenizer: Any = None,
         num_threads: int | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
-
         if max_queued_requests is not None and max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         if num_threads is not None and num_threads < 1:
@@ -154,8 +153,9 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.retry_after_s = retry_after_s
         # The engine thread detokenizes with engine.tokenizer; callers tokenize with their own copy so the
-        # two threads never share a (not thread-safe) Rust tokenizer object.
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(engine.config.tokenizer)
+        # two threads never share a (not thread-safe) Rust tokenizer object. A deep copy, not a second load:
+        # a GGUF tokenizer is converted from the file's metadata, which takes seconds.
+        self.tokenizer = tokenizer or copy.deepcopy(engine.tokenizer)
         self.stat_loggers: list[StatLogger] = []
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Event()

@@ -47,13 +47,12 @@ class EngineCounters:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
+        from lmserve.tokenizer import load_tokenizer
         from lmserve.worker.model_runner import ModelRunner
 
         self.config = config
         torch.manual_seed(config.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         self.eos_token_ids = self._resolve_eos()
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)

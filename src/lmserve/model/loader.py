@@ -1,10 +1,12 @@
-"""config.json + *.safetensors (single or sharded) → a CausalLM with its parameters filled."""
+"""config.json + *.safetensors (single or sharded), or a GGUF file → a CausalLM with its parameters filled."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -49,22 +51,33 @@ def load_model(cfg: ModelConfig, max_positions: int, device: str) -> CausalLM:
     model = model.to(dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    for file_name, name, tensor in _checkpoint_tensors(cfg):
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        target, shard = _map_name(name)
+        if target not in params:
+            if cfg.tie_word_embeddings and target == "lm_head.weight":
+                continue  # some tied checkpoints still save the head
+            raise ValueError(f"checkpoint tensor {name!r} in {file_name} has no place in {cfg.architecture}")
+        _copy_into(params[target], target, tensor, shard, cfg)
+        loaded.add(target if shard is None else f"{target}#{shard}")
+    _check_complete(params, loaded, cfg)
+    return model.eval()
+
+
+def _checkpoint_tensors(cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file name, HF tensor name, tensor) for every tensor of the checkpoint, read lazily."""
+    if cfg.path.endswith(".gguf"):
+        from lmserve.model.gguf import GGUFCheckpoint, iter_hf_tensors
+
+        dtype_bytes = TORCH_DTYPES[cfg.dtype].itemsize
+        for name, array in iter_hf_tensors(GGUFCheckpoint(cfg.path), cfg.dtype, dtype_bytes):
+            yield Path(cfg.path).name, name, torch.from_numpy(np.array(array))  # a copy: the file map is read-only
+        return
     for file in checkpoint_files(Path(cfg.path)):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                target, shard = _map_name(name)
-                if target not in params:
-                    if cfg.tie_word_embeddings and target == "lm_head.weight":
-                        continue  # some tied checkpoints still save the head
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} in {file.name} has no place in {cfg.architecture}"
-                    )
-                _copy_into(params[target], target, f.get_tensor(name), shard, cfg)
-                loaded.add(target if shard is None else f"{target}#{shard}")
-    _check_complete(params, loaded, cfg)
-    return model.eval()
+                yield file.name, name, f.get_tensor(name)
 
 
 def _map_name(name: str) -> tuple[str, int | None]:

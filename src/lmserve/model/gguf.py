@@ -1,0 +1,305 @@
+"""GGUF checkpoints (llama.cpp's format): metadata → an HF-style config dict, tensors → HF-named arrays.
+
+The `gguf` package reads the file (a memory map); this module maps it onto what the rest of lmserve reads
+from an HF directory: the config keys `ModelConfig.from_hf` parses, the HF parameter names the loader fuses
+(`loader.STACKED_PARAMS`), and weights with llama.cpp's RoPE row permutation of q/k undone. It imports no
+torch, so `lmserve memory --model file.gguf` stays torch-free.
+
+Tensor types: F32/F16 arrive as they are, BF16 widened exactly to float32; every quantized type is
+dequantized at load to float32 by gguf's own dequantizer (the loader then casts to the compute dtype).
+The block-32 types (Q8_0, Q4_0, Q4_1) are the ones an int8/int4 weight kernel can take as they are:
+`GGUFTensor.blocks()` hands their raw blocks (rows already un-permuted) and `unpack_block32` splits
+them into scales / mins / integer values, the hook a quantized weight path plugs into.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# GGUF `general.architecture` → the HF architecture our decoder implements.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp's converter interleaves the q/k rows of these (for its RoPE kernel); transformers undoes it.
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+# `{arch}.<key>` → HF config.json key (the keys transformers' GGUF config conversion maps).
+CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+}
+
+# GGUF tensor name → HF parameter name (without ".weight" / ".bias"); per layer `blk.{i}.` → `model.layers.{i}.`
+GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
+BLOCK32_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # same block-32 scales as the int8/int4 weight kernels
+
+
+def find_gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one *.gguf in a directory without config.json.
+    None when `path` is not a GGUF checkpoint (an HF directory, a hub id)."""
+    p = Path(path)
+    if p.is_file():
+        return p if p.suffix == ".gguf" else None
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    files = sorted(p.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(
+            f"model: {str(p)!r} holds {len(files)} .gguf files ({', '.join(f.name for f in files)}); "
+            f"pass the path of the one to load"
+        )
+    return files[0] if files else None
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One checkpoint tensor: its GGUF and HF names, GGML type, row-major shape and the raw data view."""
+
+    gguf_name: str
+    hf_name: str
+    type_name: str
+    shape: tuple[int, ...]  # (rows, cols) as in PyTorch, i.e. GGUF's dims reversed
+    raw: np.ndarray  # memory-mapped: the element array (F32/F16) or the row-major block bytes
+    unpermute_heads: int | None  # q/k of a permuted architecture: the head count to undo it with
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def blocks(self) -> np.ndarray:
+        """The raw data, rows in HF order (block bytes for quantized types: one row of blocks per row)."""
+        data = self.raw.reshape(self.shape[0], -1) if self.raw.ndim > 1 else self.raw
+        return _unpermute(data, self.unpermute_heads) if self.unpermute_heads else data
+
+    def to_numpy(self) -> np.ndarray:
+        """The weights in HF layout: F32/F16 as stored, anything else dequantized to float32 by gguf."""
+        import gguf
+
+        if self.type_name in ("F32", "F16"):
+            values = np.asarray(self.raw).reshape(self.shape)
+        else:
+            qtype = gguf.GGMLQuantizationType[self.type_name]
+            try:
+                values = gguf.dequantize(self.raw, qtype).reshape(self.shape)
+            except NotImplementedError:
+                raise ValueError(
+                    f"GGUF tensor {self.gguf_name!r} has type {self.type_name}, which the gguf package "
+                    f"cannot dequantize; supported: F32, F16, BF16 and gguf's quantized types"
+                ) from None
+        return _unpermute(values, self.unpermute_heads) if self.unpermute_heads else values
+
+
+def _unpermute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation, exactly as transformers' LlamaTensorProcessor does: within each
+    head, rows were reordered from (2, half) to (half, 2) so rotary pairs sit side by side."""
+    dim = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, dim, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def unpack_block32(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Split a Q8_0 / Q4_0 / Q4_1 tensor into (scales, mins or None, values), each (rows, cols // 32[, 32]):
+    weight = scale * value (Q8_0: int8 value; Q4_0: value in 0..15 minus 8) or scale * value + min (Q4_1).
+    For a quantized weight path that keeps the blocks; the math is gguf's (tests check against its dequantizer)."""
+    assert tensor.type_name in BLOCK32_TYPES, f"{tensor.gguf_name}: {tensor.type_name} is not a block-32 type"
+    rows, cols = tensor.shape
+    blocks = tensor.blocks().reshape(rows, cols // 32, -1)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0]
+    if tensor.type_name == "Q8_0":
+        return scales, None, blocks[..., 2:].copy().view(np.int8)
+    packed = blocks[..., 4:] if tensor.type_name == "Q4_1" else blocks[..., 2:]
+    # 16 bytes hold 32 values: the low nibbles are values 0..15 of the block, the high nibbles 16..31.
+    values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
+    if tensor.type_name == "Q4_0":
+        return scales, None, values - 8
+    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    return scales, mins, values
+
+
+class GGUFCheckpoint:
+    """A GGUF file opened for reading: metadata fields, an HF-style config dict and the mapped tensors."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._reader = _open_reader(self.path)
+        self.architecture = str(self.field("general.architecture"))
+        if self.architecture not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {self.architecture!r} in {self.path.name} is not supported; "
+                f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        self._by_name = {t.name: t for t in self._reader.tensors}
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self._reader.get_field(key)
+        return default if f is None else f.contents()
+
+    def hf_config(self) -> dict[str, Any]:
+        """An HF config.json dict for `ModelConfig.from_hf`: the shape, RoPE, tying and EOS ids."""
+        arch = self.architecture
+        cfg: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
+        for key, hf_key in CONFIG_KEYS.items():
+            value = self.field(f"{arch}.{key}")
+            if value is not None:
+                cfg[hf_key] = value
+        embed = self._by_name.get("token_embd.weight")
+        if embed is None:
+            raise ValueError(f"GGUF file {self.path.name} has no token_embd.weight tensor")
+        cfg["vocab_size"] = int(embed.shape[-1])  # GGUF dims are (hidden, vocab)
+        cfg["tie_word_embeddings"] = "output.weight" not in self._by_name
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        rope_dims = self.field(f"{arch}.rope.dimension_count")
+        if rope_dims is not None and rope_dims != head_dim:
+            raise ValueError(f"GGUF {arch}.rope.dimension_count={rope_dims} (partial rotary) is not supported")
+        if "rope_freqs.weight" in self._by_name:
+            raise ValueError(
+                f"GGUF file {self.path.name} scales RoPE by a rope_freqs tensor (Llama 3.1-style), which the "
+                f"GGUF reader does not support yet"
+            )
+        scaling = self.field(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported (only 'linear')")
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self.field(f"{arch}.rope.scaling.factor"))}
+        eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        cfg["eos_token_id"] = sorted({int(t) for t in eos if t is not None})
+        cfg["bos_token_id"] = self.field("tokenizer.ggml.bos_token_id")
+        return cfg
+
+    def tensors(self) -> list[GGUFTensor]:
+        """Every tensor under its HF name; an unknown name is an error (never silently dropped)."""
+        num_heads = int(self.field(f"{self.architecture}.attention.head_count"))
+        num_kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", num_heads))
+        out = []
+        for t in self._reader.tensors:
+            hf_name = hf_tensor_name(t.name)
+            unpermute = None
+            if self.architecture in PERMUTED_QK_ARCHITECTURES:
+                if ".attn_q." in t.name:
+                    unpermute = num_heads
+                elif ".attn_k." in t.name:
+                    unpermute = num_kv_heads
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            out.append(GGUFTensor(t.name, hf_name, t.tensor_type.name, shape, t.data, unpermute))
+        return out
+
+    def bytes_by_type(self) -> dict[str, tuple[int, int]]:
+        """GGML type name → (tensor count, bytes in the file)."""
+        totals: dict[str, tuple[int, int]] = {}
+        for t in self._reader.tensors:
+            n, b = totals.get(t.tensor_type.name, (0, 0))
+            totals[t.tensor_type.name] = (n + 1, b + int(t.n_bytes))
+        return totals
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        raise ValueError(f"GGUF tensor {gguf_name!r}: expected a .weight or .bias tensor")
+    if stem in GLOBAL_TENSOR_NAMES:
+        return f"{GLOBAL_TENSOR_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSOR_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_TENSOR_NAMES[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the supported architectures")
+
+
+def _open_reader(path: Path):
+    """gguf's reader, with its tensor table checked against the file size first: a truncated file is
+    reported naming the first tensor whose bytes are missing, an unknown type id naming its tensor."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class CheckedReader(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            file_bytes = len(self.data)
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8")
+                try:
+                    qtype = GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise ValueError(
+                        f"GGUF tensor {name!r} in {path.name} has GGML type id {int(raw_dtype[0])}, which gguf "
+                        f"does not know"
+                    ) from None
+                block_size, type_size = GGML_QUANT_SIZES[qtype]
+                end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block_size
+                if end > file_bytes:
+                    raise ValueError(
+                        f"GGUF file {path.name} is truncated: tensor {name!r} ends at byte {end:,} but the file has "
+                        f"{file_bytes:,} bytes"
+                    )
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return CheckedReader(path)
+    except ValueError as e:
+        if "GGUF" in str(e):
+            raise
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+# A quantized weight path's claim on a block-32 tensor: (HF name, tensor) → True when it keeps the blocks
+# itself (`GGUFTensor.blocks()` / `unpack_block32`); the tensor is then not dequantized nor yielded.
+Block32Hook = Callable[[str, GGUFTensor], bool]
+
+
+def iter_hf_tensors(
+    checkpoint: GGUFCheckpoint, compute_dtype: str, dtype_bytes: int, take_block32: Block32Hook | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) for every tensor not claimed by `take_block32`, dequantizing what needs it (logged)."""
+    tensors = checkpoint.tensors()
+    claimed = {
+        t.gguf_name
+        for t in tensors
+        if t.type_name in BLOCK32_TYPES and take_block32 is not None and take_block32(t.hf_name, t)
+    }
+    dequantized = [t for t in tensors if t.type_name not in UNQUANTIZED_TYPES and t.gguf_name not in claimed]
+    log_dequantized(dequantized, compute_dtype, dtype_bytes)
+    for t in tensors:
+        if t.gguf_name not in claimed:
+            yield t.hf_name, t.to_numpy()
+
+
+def log_dequantized(tensors: list[GGUFTensor], compute_dtype: str, dtype_bytes: int) -> None:
+    """One log line per quantized type dequantized at load: how many tensors, file bytes → resident bytes."""
+    by_type: dict[str, list[GGUFTensor]] = {}
+    for t in tensors:
+        by_type.setdefault(t.type_name, []).append(t)
+    for type_name, group in sorted(by_type.items()):
+        file_bytes = sum(t.num_bytes for t in group)
+        resident = sum(int(np.prod(t.shape)) for t in group) * dtype_bytes
+        why = "no quantized weight kernel takes it yet" if type_name in BLOCK32_TYPES else "no kernel for this type"
+        logger.info(
+            "GGUF: %d %s tensors dequantized to %s at load (%s): %.1f MiB in the file -> %.1f MiB in memory (+%.1f MiB)",
+            len(group), type_name, compute_dtype, why, file_bytes / 2**20, resident / 2**20,
+            (resident - file_bytes) / 2**20,
+        )  # fmt: skip

