@@ -135,7 +135,7 @@ def test_other_types_dequantized_by_gguf_and_logged_with_their_cost(
     (line,) = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
     elements = 2 * 64 * 128
     file_mib, mem_mib = elements // 32 * 22 / 2**20, elements * 4 / 2**20
-    assert f"2 Q5_0 tensors dequantized to float32" in line
+    assert "2 Q5_0 tensors dequantized to float32" in line
     assert f"{file_mib:.1f} MiB in the file -> {mem_mib:.1f} MiB in memory (+{mem_mib - file_mib:.1f} MiB)" in line
     _assert_greedy_matches_hf(llm, ref_dir)
 
@@ -156,7 +156,7 @@ def test_block32_hook_hands_blocks_that_dequantize_like_gguf(
         return ".self_attn." in name  # claim the attention projections only
 
     yielded = dict(lm_gguf.iter_hf_tensors(ckpt, "float32", 4, take))
-    assert set(taken) == {n for n, _ in taken.items()} and all(t.type_name == weight_type for t in taken.values())
+    assert set(taken) == {t.hf_name for t in ckpt.tensors() if t.type_name == weight_type}, "offered: every block-32"
     assert all(".self_attn." not in n for n in yielded), "claimed tensors are not dequantized"
     assert set(yielded) | {n for n in taken if ".self_attn." in n} == {t.hf_name for t in ckpt.tensors()}
     for name, tensor in taken.items():
@@ -215,7 +215,8 @@ def test_type_gguf_cannot_dequantize_is_named(model_dirs: dict[str, Path], tmp_p
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has type Q8_1, which the gguf package cannot dequantize"):
+    match = r"'blk\.0\.ffn_up\.weight' has type Q8_1, which the gguf package cannot dequantize"
+    with pytest.raises(ValueError, match=match):
         LLM(str(tmp_path / "q81.gguf"), tokenizer=str(model_dirs["llama-gqa"]), num_kv_blocks=64)
 
 

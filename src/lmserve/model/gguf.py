@@ -299,7 +299,8 @@ def log_dequantized(tensors: list[GGUFTensor], compute_dtype: str, dtype_bytes: 
         resident = sum(int(np.prod(t.shape)) for t in group) * dtype_bytes
         why = "no quantized weight kernel takes it yet" if type_name in BLOCK32_TYPES else "no kernel for this type"
         logger.info(
-            "GGUF: %d %s tensors dequantized to %s at load (%s): %.1f MiB in the file -> %.1f MiB in memory (+%.1f MiB)",
+            "GGUF: %d %s tensors dequantized to %s at load (%s): "
+            "%.1f MiB in the file -> %.1f MiB in memory (+%.1f MiB)",
             len(group), type_name, compute_dtype, why, file_bytes / 2**20, resident / 2**20,
             (resident - file_bytes) / 2**20,
         )  # fmt: skip
