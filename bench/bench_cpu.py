@@ -2,7 +2,7 @@
 vLLM-CPU), same model, same prompts, one run.
 
     python bench/bench_cpu.py [--prompt-len 128] [--output-len 128] [--concurrency 32] [--offline-requests 256]
-        [--hf-batch 32] [--threads 2] [--peer-url http://host:port [--peer-model NAME]] [--model DIR]
+        [--hf-batch 32] [--threads 2] [--peer-url http://host:port [--peer-model NAME]] [--model DIR|FILE.gguf]
         [--skip-single] [--skip-hf] [--skip-server] [--skip-offline] [--out DIR] [--quick]
 
 Workloads (every request a different prompt of exactly --prompt-len random token ids, output length forced):
@@ -17,7 +17,8 @@ Workloads (every request a different prompt of exactly --prompt-len random token
 
 The phases run one after the other so no two of them share the cores: lmserve in-process, then HF, then the
 lmserve server (a subprocess, stopped before the next phase), then the peer. The benchmark model is the
-SmolLM-135M-shaped random Llama of bench/benchmark_model.py unless --model names an HF model directory. The peer
+SmolLM-135M-shaped random Llama of bench/benchmark_model.py unless --model names an HF model directory or a
+.gguf file (lmserve and HF both dequantize it; llama.cpp's llama-server on the same file is a --peer-url). The peer
 gets prompts as token ids, so it must serve a model with at least that vocabulary (49152 for the benchmark
 model). Prints the table (ratios are lmserve / peer) and writes bench/results/cpu-<timestamp>.json.
 """
@@ -48,6 +49,7 @@ import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 
 from lmserve.bench.experiments import ServerError, free_loopback_port, stop_process
+from lmserve.model.gguf import GGUFCheckpoint, find_gguf_file
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16  # the engine's default KV block size
@@ -248,7 +250,13 @@ def run_hf(
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    gguf_file = find_gguf_file(model_dir)
+    if gguf_file is not None:  # transformers dequantizes the GGUF (needs gguf and accelerate)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=getattr(torch, dtype)
+        ).to(device).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
 
     def gen(prompts: list[list[int]], n: int) -> float:
         """Seconds for a static batch of `prompts` (all the same length: no padding) to produce n tokens each."""
@@ -568,7 +576,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--offline-requests", type=int, default=None, help="offline workload size (default 256)")
     ap.add_argument("--hf-batch", type=int, default=None, help="HF static batch for the offline workload (32)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, here and in the lmserve server")
-    ap.add_argument("--model", type=Path, default=None, help="HF model dir (default: the benchmark model)")
+    ap.add_argument("--model", type=Path, default=None, help="HF model dir or .gguf (default: the benchmark model)")
     ap.add_argument("--max-model-len", type=int, default=1024, help="capped at the model's max positions")
     ap.add_argument("--peer-url", default=None, help="an OpenAI-compatible server to compare with (vLLM-CPU, ...)")
     ap.add_argument("--peer-model", default=None, help="model name for the peer (default: first at /v1/models)")
@@ -598,6 +606,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def read_hf_config(model: Path) -> dict[str, Any]:
+    """config.json of an HF directory, or the HF-style config lmserve reads from a GGUF file's metadata."""
+    gguf_file = find_gguf_file(model)
+    if gguf_file is not None:
+        return GGUFCheckpoint(gguf_file).hf_config()
+    return json.loads((model / "config.json").read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -605,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     t_start = time.perf_counter()
     model_dir = args.model.resolve() if args.model else build_benchmark_model()
-    hf_config = json.loads((model_dir / "config.json").read_text())
+    hf_config = read_hf_config(model_dir)
     vocab_size = CONFIG["vocab_size"] if args.model is None else hf_config["vocab_size"]
     max_model_len = min(args.max_model_len, hf_config.get("max_position_embeddings") or args.max_model_len)
     if args.prompt_len + args.output_len > max_model_len:

@@ -34,7 +34,8 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 
 def test_defaults() -> None:
     args = _parser().parse_args(["memory", "--preset", "llama-2-7b"])
-    assert (args.seq_len, args.batch, args.kv_dtype, args.weight_dtype) == (4096, 1, "bf16", "bf16")
+    # weight dtype None: bf16, or fp32 for a GGUF (what lmserve holds after dequantizing; tests/test_gguf.py)
+    assert (args.seq_len, args.batch, args.kv_dtype, args.weight_dtype) == (4096, 1, "bf16", None)
     assert (args.memory, args.reserve, args.block_size, args.tp, args.json) == (None, "0", 16, 1, False)
 
 

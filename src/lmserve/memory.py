@@ -3,7 +3,7 @@ requests fit in a memory budget.
 
 Pure arithmetic (no torch), so the engine can size its block pool before it allocates
 anything and `lmserve memory` can answer "will it fit?" without a GPU. The only I/O is
-`load_model_shape`, which reads an HF ``config.json``.
+`load_model_shape`, which reads an HF ``config.json`` (or a GGUF file's metadata).
 
 Conventions
 -----------
@@ -265,8 +265,16 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
 
 
 def load_model_shape(path: str | Path) -> ModelShape:
-    """Read an HF ``config.json`` (a file, or a model directory containing one)."""
+    """Read an HF ``config.json`` (a file, or a model directory containing one), or a GGUF file's metadata."""
+    from lmserve.model.gguf import GGUFCheckpoint, find_gguf_file  # numpy + gguf, no torch
+
     p = Path(path)
+    gguf_file = find_gguf_file(p)
+    if gguf_file is not None:
+        try:
+            return model_shape_from_hf_config(GGUFCheckpoint(gguf_file).hf_config())
+        except ValueError as e:
+            raise ValueError(f"{gguf_file}: {e}") from None
     if p.is_dir():
         config_file = p / "config.json"
         if not config_file.is_file():

@@ -4,14 +4,18 @@ fit in a budget. Pure arithmetic on the model config; needs no GPU and no torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from lmserve.memory import (
     DTYPE_BYTES,
     ModelShape,
     dtype_bytes,
+    format_bytes,
     load_model_shape,
     memory_report,
     parse_bytes,
@@ -33,7 +37,7 @@ def add_memory_parser(subparsers: Any) -> None:
         ),
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR", help="model directory containing config.json")
+    src.add_argument("--model", metavar="PATH", help="model directory containing config.json, or a .gguf file")
     src.add_argument("--config", metavar="FILE", help="path to an HF config.json")
     src.add_argument("--preset", metavar="NAME", help=f"built-in model: {', '.join(preset_names())}")
     p.add_argument("--list-presets", action="store_true", help="list the built-in presets and exit")
@@ -42,7 +46,11 @@ def add_memory_parser(subparsers: Any) -> None:
     p.add_argument(
         "--kv-dtype", default="bf16", help=f"KV cache dtype: {', '.join(KV_DTYPES)} (default bf16)"
     )
-    p.add_argument("--weight-dtype", default="bf16", help="weight dtype (default bf16)")
+    p.add_argument(
+        "--weight-dtype",
+        default=None,
+        help="weight dtype in memory (default bf16; fp32 for a GGUF, which lmserve dequantizes at load)",
+    )
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 80GB")
     p.add_argument("--reserve", default="0", help="memory kept aside per device (default 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -100,7 +108,8 @@ def run_memory(args: argparse.Namespace) -> int:
         kv_dtype = str(getattr(args, "kv_dtype", "bf16"))
         if kv_dtype.strip().lower() not in DTYPE_BYTES:
             raise ValueError(f"--kv-dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-        weight_dtype = str(getattr(args, "weight_dtype", "bf16"))
+        gguf_file = _gguf_file(args)
+        weight_dtype = str(getattr(args, "weight_dtype", None) or ("fp32" if gguf_file else "bf16"))
         try:
             dtype_bytes(weight_dtype)
         except ValueError as e:
@@ -134,6 +143,8 @@ def run_memory(args: argparse.Namespace) -> int:
             name=name,
             **ints,
         )
+        if gguf_file is not None:
+            report = dataclasses.replace(report, notes=report.notes + gguf_notes(gguf_file, weight_dtype))
     except (ValueError, OSError) as e:
         return _error(str(e))
 
@@ -142,6 +153,33 @@ def run_memory(args: argparse.Namespace) -> int:
     else:
         print(report.format_table())
     return 0
+
+
+def _gguf_file(args: argparse.Namespace) -> Path | None:
+    from lmserve.model.gguf import find_gguf_file
+
+    model = getattr(args, "model", None)
+    return find_gguf_file(model) if model else None
+
+
+def gguf_notes(gguf_file: Path, weight_dtype: str) -> tuple[str, ...]:
+    """What the GGUF file holds per tensor type, and what its weights take once lmserve has loaded them."""
+    from lmserve.model.gguf import UNQUANTIZED_TYPES, GGUFCheckpoint
+
+    by_type = GGUFCheckpoint(gguf_file).bytes_by_type()
+    file_bytes = sum(b for _, b, _ in by_type.values())
+    resident = math.ceil(sum(e for _, _, e in by_type.values()) * dtype_bytes(weight_dtype))
+    parts = ", ".join(f"{n} {t} tensors {format_bytes(b)}" for t, (n, b, _) in sorted(by_type.items()))
+    quantized = sorted(t for t in by_type if t not in UNQUANTIZED_TYPES)
+    notes = [f"GGUF file: {format_bytes(file_bytes)} of tensors ({parts})"]
+    if quantized:
+        notes.append(
+            f"lmserve dequantizes {', '.join(quantized)} at load: the weights take {format_bytes(resident)} in memory "
+            f"at {weight_dtype} ({resident / file_bytes:.1f}x the file; no quantized weight kernel runs them yet)"
+        )
+    else:
+        notes.append(f"the weights take {format_bytes(resident)} in memory at {weight_dtype}")
+    return tuple(notes)
 
 
 def _bytes_arg(flag: str, value: str | int) -> int:

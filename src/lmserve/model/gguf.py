@@ -211,12 +211,12 @@ class GGUFCheckpoint:
             out.append(GGUFTensor(t.name, hf_name, t.tensor_type.name, shape, t.data, unpermute))
         return out
 
-    def bytes_by_type(self) -> dict[str, tuple[int, int]]:
-        """GGML type name → (tensor count, bytes in the file)."""
-        totals: dict[str, tuple[int, int]] = {}
+    def bytes_by_type(self) -> dict[str, tuple[int, int, int]]:
+        """GGML type name → (tensor count, bytes in the file, elements)."""
+        totals: dict[str, tuple[int, int, int]] = {}
         for t in self._reader.tensors:
-            n, b = totals.get(t.tensor_type.name, (0, 0))
-            totals[t.tensor_type.name] = (n + 1, b + int(t.n_bytes))
+            n, b, e = totals.get(t.tensor_type.name, (0, 0, 0))
+            totals[t.tensor_type.name] = (n + 1, b + int(t.n_bytes), e + int(t.n_elements))
         return totals
 
 
