@@ -91,7 +91,9 @@ def test_f32_gguf_is_the_safetensors_model(model_dirs: dict[str, Path], gguf_dir
         torch.testing.assert_close(logits[row], hf_last_logits(model_dir, prompt_ids), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("arch", "weight_type"), [("llama", "F16"), ("llama", "Q8_0"), ("qwen2", "Q4_1")])
+@pytest.mark.parametrize(
+    ("arch", "weight_type"), [("llama", "F16"), ("qwen3", "BF16"), ("llama", "Q8_0"), ("qwen2", "Q4_1")]
+)
 def test_quantized_gguf_matches_hf_on_dequantized_weights(
     model_dirs: dict[str, Path], gguf_dir: Path, tmp_path: Path, arch: str, weight_type: str, caplog
 ) -> None:
@@ -101,8 +103,8 @@ def test_quantized_gguf_matches_hf_on_dequantized_weights(
     with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):
         llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
     logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
-    if weight_type == "F16":
-        assert logged == [], "F16 is used as it is"
+    if weight_type in ("F16", "BF16"):
+        assert logged == [], f"{weight_type} is used as it is"
     else:
         assert len(logged) == 1 and f"{weight_type} tensors dequantized to float32" in logged[0], logged
     ids, logits = _last_logits(llm, PROMPTS)
