@@ -56,9 +56,19 @@ def chat_ids(tok, messages: list[dict[str, str]]) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+_HF_GREEDY: dict[tuple, list[int]] = {}  # the LLM and the server tests ask for the same references
+
+
 @torch.inference_mode()
 def hf_greedy(hf, prompt_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
     """Argmax with a full recompute per token; stops after a token in `stop_ids` (kept, as lmserve keeps it)."""
+    key = (id(hf), tuple(prompt_ids), max_new_tokens, tuple(stop_ids))
+    if key not in _HF_GREEDY:
+        _HF_GREEDY[key] = _hf_greedy(hf, prompt_ids, max_new_tokens, stop_ids)
+    return list(_HF_GREEDY[key])
+
+
+def _hf_greedy(hf, prompt_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
