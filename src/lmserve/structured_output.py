@@ -33,6 +33,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 into unbounded whitespace, and the text is what json.dumps writes. A schema's "x-guidance" key overrides."""
 
 MAX_CACHED_GRAMMARS = 512
+PARALLEL_MASK_MIN_ROWS = 16
+"""Below this many constrained rows, masks are filled on the step thread (tens of µs each); from here on,
+llguidance's executor fills them in parallel (its thread wake-ups cost more than small batches save)."""
 
 
 class GrammarError(ValueError):
@@ -205,13 +208,14 @@ def _parallel_executor() -> Any:
 
 
 def fill_bitmasks(rows: list[int], requests: list[StructuredOutputRequest], vocab_size: int) -> TokenBitmask:
-    """Each request's next-token mask; several are computed in parallel by llguidance's executor."""
+    """Each request's next-token mask (in parallel by llguidance's executor for large batches)."""
     # (llguidance.torch's wrappers do the same, but importing it pulls in torch.compile machinery.)
     bits = torch.empty((len(requests), (vocab_size + 31) // 32), dtype=torch.int32)
     row_bytes = bits.shape[1] * bits.element_size()
     matchers = [r.matcher for r in requests]
-    if len(matchers) == 1:
-        matchers[0].unsafe_compute_mask_ptr(bits.data_ptr(), row_bytes)
+    if len(matchers) < PARALLEL_MASK_MIN_ROWS:
+        for j, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(bits.data_ptr() + j * row_bytes, row_bytes)
     else:
         _parallel_executor().unsafe_compute_mask_ptr(
             [(m, j) for j, m in enumerate(matchers)], bits.data_ptr(), row_bytes, len(matchers)
