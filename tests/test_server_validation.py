@@ -164,7 +164,7 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None, str]] = [
         "chat_template",
         "not accepted",
     ),
-    ("chat-tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("chat-tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0]", "'type': 'function'"),
     ("chat-top-logprobs-alone", CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "requires"),
     (
         "chat-top-logprobs-21",

@@ -70,6 +70,7 @@ class Request:
     prompt_logprobs: list[Any] | None = None  # [None, TokenLogprobs for prompt token 1, ...] when asked for
     delta_text: str = ""  # text added by the last step (after stop-string hold-back)
     num_delta_tokens: int = 0  # tokens added since the last output was made
+    structured_output: Any = None  # StructuredOutputRequest (grammar matcher) when constrained, set by the engine
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -86,6 +87,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def is_grammar_ready(self) -> bool:
+        """False while the request's grammar is still compiling: the scheduler leaves it waiting (and admits
+        the requests behind it)."""
+        return self.structured_output is None or self.structured_output.is_ready
 
     @property
     def is_finished(self) -> bool:

@@ -7,6 +7,7 @@ knowing every rule, and the sampler never has to re-check per step.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,67 @@ def _range_text(lo: int | None, hi: int | None) -> str:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one of `json` (a JSON schema, as a dict or JSON text),
+    `regex`, `choice` (the output is one of these strings), `grammar` (GBNF as llama.cpp writes it, or Lark)
+    or `json_object=True` (any JSON object). Enforced token by token by lmserve.structured_output."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs: give exactly one of {', '.join(self.KINDS)}, got {given or 'none'}"
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from None
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            for c in self.choice:
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"structured_outputs.choice must contain non-empty strings, got element {c!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be true when given, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as canonical text: (kind, spec) is the grammar cache key."""
+        if self.json is not None:
+            parsed = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return json.dumps(parsed, separators=(",", ":"))  # property order matters: it is generation order
+        if self.json_object:
+            return '{"type":"object"}'
+        if self.choice is not None:
+            return json.dumps(self.choice)
+        return self.regex if self.regex is not None else self.grammar  # type: ignore[return-value]
+
+
+@dataclass
 class SamplingParams:
     """Per-request decoding options (vLLM / OpenAI names and semantics).
 
@@ -91,6 +153,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, lo=1)
@@ -136,6 +199,21 @@ class SamplingParams:
         )
         self.use_beam_search = _check_bool("use_beam_search", self.use_beam_search)
         self.length_penalty = _check_float("length_penalty", self.length_penalty, "finite", lambda v: True)
+        if self.structured_outputs is not None:
+            if isinstance(self.structured_outputs, dict):
+                unknown = set(self.structured_outputs) - set(StructuredOutputsParams.KINDS)
+                if unknown:
+                    raise ValueError(f"structured_outputs: unknown fields {sorted(unknown)}")
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}"
+                )
+            if self.min_tokens:
+                raise ValueError(
+                    "min_tokens cannot be combined with structured_outputs: the grammar decides where the output "
+                    f"ends (got min_tokens={self.min_tokens})"
+                )
 
     @staticmethod
     def _normalise_stop_token_ids(value: object) -> list[int]:

@@ -114,8 +114,12 @@ class Scheduler:
         static = self.config.scheduling_policy == "static"
         if static and self.running:
             return  # a static batch admits no newcomers until it has drained
+        compiling: list[Request] = []  # grammar not ready yet: stay queued, in order, without blocking others
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not request.is_grammar_ready:
+                compiling.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_hit_tokens:
@@ -133,10 +137,13 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, [b.block_id for b in table]))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         if static:
             # The rest of the batch joins now, without computing yet: admitted together, finished together.
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
+                if not request.is_grammar_ready:
+                    break
                 if self.kv.num_blocks_for(request.num_tokens + 1) > self.kv.pool.num_free_blocks:
                     break
                 self.waiting.popleft()

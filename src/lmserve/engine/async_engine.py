@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from lmserve.config import EngineArgs
 from lmserve.core.outputs import RequestOutput
 from lmserve.engine.llm_engine import LLMEngine, Prompt
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +210,12 @@ class AsyncEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """LLMEngine.validate (reads only frozen config): resolved max_tokens, or ValueError."""
         return self.engine.validate(prompt_token_ids, params)
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a constraint on the engine's grammar pool (or find it cached) without blocking the event
+        loop; raises GrammarError (a ValueError with the library's reason) if it is refused. The engine then
+        finds it compiled when the request arrives."""
+        await asyncio.wrap_future(self.engine.structured.compile(params))
 
     def add_request(
         self,

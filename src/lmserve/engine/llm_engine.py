@@ -19,6 +19,7 @@ from lmserve.core.scheduler import Scheduler
 from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.request import FinishReason, Request, RequestMetrics
 from lmserve.sampling_params import SamplingParams
+from lmserve.structured_output import StructuredOutputManager
 
 Prompt = str | list[int]
 
@@ -57,6 +58,8 @@ class LLMEngine:
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(config)
+        self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids)
+        self._grammar_pending: list[_ParentRequest] = []  # parents whose grammar is still compiling
         self.counters = EngineCounters()
         self._parents: dict[str, _ParentRequest] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -132,6 +135,11 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.validate(prompt_ids, params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.compile(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()  # GrammarError (a ValueError naming the field), known already
         arrival = time.time() if arrival_time is None else arrival_time
         num_seqs = params.actual_best_of
         # best_of > n ranks sequences by cumulative logprob: have the sampler report the chosen token's.
@@ -155,12 +163,15 @@ class LLMEngine:
                 child.logprobs, child.cumulative_logprob = [], 0.0
             if params.prompt_logprobs is not None:
                 child.prompt_logprobs = [None]  # the first prompt token has no logprob
+            if grammar is not None:
+                child.structured_output = self.structured.new_request(params.structured_outputs)
             if params.seed is not None:
                 child.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + i)
             children.append(child)
-        self._parents[request_id] = _ParentRequest(
-            request_id, text, prompt_ids, children, RequestMetrics(arrival), params
-        )
+        parent = _ParentRequest(request_id, text, prompt_ids, children, RequestMetrics(arrival), params)
+        self._parents[request_id] = parent
+        if grammar is not None and not grammar.done():
+            self._grammar_pending.append(parent)
         for child in children:
             self._child_to_parent[child.request_id] = request_id
             self.scheduler.add_request(child)
@@ -186,9 +197,12 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        refused = self._finish_refused_grammars() if self._grammar_pending else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if self._grammar_pending and not refused:  # only compiling requests: wait for one, do not spin
+                self.structured.wait_any([c.structured_output for p in self._grammar_pending for c in p.children])
+            return refused
         runner_out = self.runner.execute(sched)
         updated = self.scheduler.update_from_output(sched, runner_out, self.config.scheduler.max_model_len)
         self.counters.num_steps_total += 1
@@ -202,7 +216,27 @@ class LLMEngine:
             if req.is_finished:
                 self.counters.num_finished_by_reason[req.finish_reason.value] += 1
         outputs = [self._make_output(p) for p in parents.values()]
-        return [o for o in outputs if o is not None]
+        return refused + [o for o in outputs if o is not None]
+
+    def _finish_refused_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile in the background finish as aborted, the library's reason
+        as stop_reason (the server compiles before queueing, so its clients get a 400 instead)."""
+        outputs = []
+        for parent in list(self._grammar_pending):
+            grammar = parent.children[0].structured_output
+            if grammar.is_compiling:
+                continue
+            self._grammar_pending.remove(parent)
+            if grammar.error is None or parent.request_id not in self._parents:
+                continue
+            ids = [c.request_id for c in parent.children]
+            for req in self.scheduler.finish_requests(ids, FinishReason.ABORT, grammar.error):
+                self.counters.num_finished_by_reason[FinishReason.ABORT.value] += 1
+                req.delta_text += req.detokenizer.flush()
+            out = self._make_output(parent)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     @staticmethod
     def _record_prompt_logprobs(sched: SchedulerOutput, found: dict[str, tuple[int, list[Any]]]) -> None:
@@ -216,6 +250,8 @@ class LLMEngine:
     def _process_new_token(self, req: Request, logprobs: Any) -> None:
         """Detokenize the new token; a stop string finishes the request here (its blocks freed now)."""
         req.num_delta_tokens += 1
+        if req.structured_output is not None and not req.is_finished:
+            self._advance_grammar(req)
         if req.logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs.logprob
@@ -230,6 +266,16 @@ class LLMEngine:
             req.delta_text += req.detokenizer.flush()
             if req.detokenizer.stop_str is not None:  # the held-back tail completed a stop string
                 req.finish_reason, req.stop_reason = FinishReason.STOP, req.detokenizer.stop_str
+
+    def _advance_grammar(self, req: Request) -> None:
+        """The matcher consumes the accepted token; a complete grammar stops the sequence (STOP)."""
+        grammar = req.structured_output
+        token = req.output_token_ids[-1]
+        assert grammar.accept_token(token), (
+            f"request {req.request_id}: token {token} violates its grammar ({grammar.matcher.get_error()})"
+        )
+        if grammar.is_terminated:
+            self.scheduler.finish_requests([req.request_id], FinishReason.STOP)
 
     def _make_output(self, parent: _ParentRequest) -> RequestOutput | None:
         """The parent's output for this step; with best_of > n, only once all sequences finished (the n

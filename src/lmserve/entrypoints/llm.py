@@ -47,6 +47,8 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts_list, params_list, strict=True)):
             try:
                 engine.validate(engine.tokenize(prompt)[1], params)
+                if params.structured_outputs is not None:  # compiled on the pool; a refused grammar raises here
+                    engine.structured.compile(params.structured_outputs).result()
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts_list, params_list, strict=True)]

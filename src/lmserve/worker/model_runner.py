@@ -12,6 +12,7 @@ from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerO
 from lmserve.model.attention import AttentionMetadata, KVCache, PrefillSegment, causal_mask_with_context
 from lmserve.model.layers import pack_linear_weights, round_linear_weights_to_bf16
 from lmserve.model.loader import TORCH_DTYPES, load_model
+from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
@@ -146,10 +147,16 @@ class ModelRunner:
 
     def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
         reqs = [s.request for s in sampling]
+        constrained = [i for i, r in enumerate(reqs) if r.structured_output is not None]
+        bitmask = None
+        if constrained:
+            vocab = self.config.model.vocab_size
+            bitmask = fill_bitmasks(constrained, [reqs[i].structured_output for i in constrained], vocab)
         return SamplingMetadata(
             params=[r.sampling_params for r in reqs],
             generators=[r.generator for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
             eos_token_ids=list(reqs[0].eos_token_ids),
+            token_bitmask=bitmask,
         )

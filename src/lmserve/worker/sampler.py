@@ -8,7 +8,9 @@ Contract (the model runner depends on it):
 
 Processing order follows HF's logits processors, every stage vectorised over the rows that need it:
     repetition penalty (prompt+output) and presence/frequency penalties (output) -> logit_bias
-    -> min_tokens (mask stop ids / EOS) -> temperature -> top-k -> top-p -> min-p -> sample.
+    -> min_tokens (mask stop ids / EOS) -> grammar bitmask (structured outputs: tokens the grammar forbids
+    get -inf, only in the constrained rows) -> temperature -> top-k -> top-p -> min-p -> sample.
+The grammar mask comes before every warper, so sampling is exact within the allowed set.
 Greedy rows take the argmax of the processed logits (penalties and bias still apply); an all-greedy batch
 with nothing to process is a single argmax.
 
@@ -21,9 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 
+import numpy as np
 import torch
 
 from lmserve.sampling_params import SamplingParams
+from lmserve.structured_output import TokenBitmask
 
 _SAMPLING_EPS = 1e-5
 """Temperatures below this are treated as greedy (dividing by them would overflow)."""
@@ -38,6 +42,7 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]  # tokens generated so far (before this step)
     eos_token_ids: list[int]  # suppressed while len(output) < min_tokens (unless ignore_eos)
+    token_bitmask: TokenBitmask | None = None  # allowed tokens of the structured-output rows; None = none
 
     @property
     def all_greedy(self) -> bool:
@@ -113,6 +118,8 @@ class Sampler:
 
     @staticmethod
     def _needs_processing(metadata: SamplingMetadata) -> bool:
+        if metadata.token_bitmask is not None:
+            return True
         for p, out in zip(metadata.params, metadata.output_token_ids, strict=True):
             if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
                 return True
@@ -178,6 +185,8 @@ class Sampler:
         if mask_rows:
             row, tok = _flat_index(mask_rows, mask_ids, vocab, device)
             logits[row, tok] = float("-inf")
+        if metadata.token_bitmask is not None:
+            apply_token_bitmask(logits, metadata.token_bitmask)
         return logits
 
     # ------------------------------------------------------------------ sampling warpers
@@ -278,6 +287,21 @@ class Sampler:
         for j, i in enumerate(rows):
             out[i] = found[j]
         return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+    """In place: -inf for every token the grammar forbids in the listed rows (tokens past the mask's width too)."""
+    num_rows, vocab = logits.shape
+    # Little-endian words: bit k of word w is byte 4w + k // 8, bit k % 8 — numpy unpacks that in one pass.
+    allowed = np.unpackbits(mask.bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    forbidden = torch.from_numpy(allowed == 0).to(logits.device)
+    if forbidden.shape[1] < vocab:
+        forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
+    if len(mask.rows) == num_rows:  # rows are listed in order, so every row is constrained
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
+    rows = _rows_tensor(mask.rows, logits.device)
+    logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:

@@ -59,6 +59,13 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # output constraints (entrypoints/openai/tools.py turns them into StructuredOutputsParams)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -79,6 +86,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -95,12 +104,13 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # refused when set: a per-request template runs arbitrary Jinja; tools need a tool-call parser
+    # refused when set: a per-request template runs arbitrary Jinja
     chat_template: Any = None
+    # tool calling (entrypoints/openai/tools.py); `functions` (deprecated) is refused
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     functions: Any = None
-    response_format: Any = None
 
 
 class TokenizeRequest(_Strict):
@@ -168,9 +178,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -190,9 +219,28 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class _DropNone(BaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:  # OpenAI sends {"content": "..."} without role
@@ -329,12 +377,6 @@ def _check_chat_caps(req: ChatCompletionRequest) -> None:
             )
     if req.chat_template is not None:
         raise RequestError("chat_template: a per-request chat template is not accepted", "chat_template")
-    for name in ("tools", "tool_choice", "functions"):
-        if getattr(req, name) not in (None, [], "none"):
-            raise RequestError(f"{name}: tool calling is not supported by this server", name)
-    rf = req.response_format
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise RequestError("response_format: only {'type': 'text'} is supported", "response_format")
 
 
 def _check_completion_caps(req: CompletionRequest) -> None:

@@ -10,6 +10,7 @@ our own failures. A client that disconnects (streaming or not) aborts its engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import math
@@ -32,9 +33,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from lmserve.entrypoints.openai import protocol as p
+from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, from_value_error
 from lmserve.metrics import Metrics
 from lmserve.sampling_params import SamplingParams
+from lmserve.structured_output import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +272,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.ready_engine()
         _check_model(state, body.model)
         params = _sampling_params(engine, body, {})
+        params, _ = await _constrain(engine, body, params)
         prompts = _completion_prompts(engine, body.prompt)
         if len(prompts) * params.actual_best_of > MAX_SEQS_PER_REQUEST:
             raise bad_request(f"n × number of prompts must be at most {MAX_SEQS_PER_REQUEST}", "n")
@@ -284,9 +288,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         params = _sampling_params(engine, body, {"max_tokens": max_param, "logprobs": "top_logprobs"})
         if not body.messages:
             raise bad_request("messages must be a non-empty list", "messages")
-        prompts = [_render_chat(engine, body.messages, body.add_generation_prompt)]
+        params, constraint = await _constrain(engine, body, params)
+        plan = constraint.tools
+        shown = plan.tools if plan is not None and tools.template_supports_tools(engine.tokenizer) else None
+        prompts = [_render_chat(engine, body.messages, body.add_generation_prompt, shown)]
         _check_lengths(engine, prompts, params, max_param)
         gen = _Generation(state, engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params, body)
+        if plan is not None:
+            gen.tool_calls = tools.ToolCallFormatter(plan)
         return await gen.respond(request)
 
 
@@ -323,6 +332,31 @@ def _sampling_params(
     return params
 
 
+async def _constrain(
+    engine: AsyncEngine, body: p.CompletionRequest | p.ChatCompletionRequest, params: SamplingParams
+) -> tuple[SamplingParams, tools.Constraint]:
+    """The request's output constraint (response_format, structured_outputs, guided_*, tools) in `params`, its
+    grammar compiled (or found cached) off the event loop: a schema the library refuses is a 400 naming the field."""
+    try:
+        constraint = tools.constraint_of(body, engine.tokenizer)
+    except p.RequestError as e:
+        raise bad_request(str(e), e.param) from None
+    so = constraint.structured_outputs
+    if so is None:
+        return params, constraint
+    try:
+        params = dataclasses.replace(params, structured_outputs=so)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    try:
+        await engine.compile_grammar(so)
+    except GrammarError as e:
+        raise bad_request(
+            f"{constraint.param}: refused by the grammar compiler: {e.reason}", constraint.param
+        ) from None
+    return params, constraint
+
+
 def _completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
@@ -342,7 +376,10 @@ def _completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
 
 
 def _render_chat(
-    engine: AsyncEngine, messages: list[p.ChatMessage], add_generation_prompt: bool
+    engine: AsyncEngine,
+    messages: list[p.ChatMessage],
+    add_generation_prompt: bool,
+    tool_list: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     tok = engine.tokenizer
     if not getattr(tok, "chat_template", None):
@@ -354,10 +391,15 @@ def _render_chat(
         msg: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls is not None:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         conversation.append(msg)
+    extra = {"tools": tool_list} if tool_list else {}
     try:
         text = tok.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
     except Exception as e:  # the template's own checks (role order, ...) raise jinja errors
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
@@ -412,6 +454,7 @@ class _Generation:
         self.model = state.served_model_name
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
+        self.tool_calls: tools.ToolCallFormatter | None = None  # chat with tools: formats tool_calls
 
     # -- start
 
@@ -525,16 +568,20 @@ class _Generation:
         pairs.sort(key=lambda ic: ic[0])
         usage = self._usage(finals)
         if self.chat:
-            choices = [
-                p.ChatChoice(
-                    index=idx,
-                    message=p.AssistantMessage(content=c.text),
-                    logprobs=self._chat_logprobs(c.logprobs),
-                    finish_reason=_reason(c),
-                    stop_reason=c.stop_reason,
+            choices = []
+            for idx, c in pairs:
+                message, reason = p.AssistantMessage(content=c.text), _reason(c)
+                if self.tool_calls is not None:
+                    message, reason = self.tool_calls.message(c)
+                choices.append(
+                    p.ChatChoice(
+                        index=idx,
+                        message=message,
+                        logprobs=self._chat_logprobs(c.logprobs),
+                        finish_reason=reason,
+                        stop_reason=c.stop_reason,
+                    )
                 )
-                for idx, c in pairs
-            ]
             return p.ChatCompletionResponse(
                 id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
             )
@@ -619,7 +666,9 @@ class _Generation:
                         continue
                     if c.finished:
                         finished.add(idx)
-                    events.append(_sse(self._chunk([self._chunk_choice(idx, c, offsets)])))
+                    choice = self._chunk_choice(idx, c, offsets)
+                    if choice is not None:
+                        events.append(_sse(self._chunk([choice])))
                 if events:
                     yield "".join(events)
             opts = self.body.stream_options
@@ -637,6 +686,17 @@ class _Generation:
         delta_lp = c.logprobs[len(c.logprobs) - n_new :] if c.logprobs is not None else None
         reason = _reason(c) if c.finished else None
         stop_reason = c.stop_reason if c.finished else None
+        if self.chat and self.tool_calls is not None:
+            delta, reason = self.tool_calls.delta(idx, c)
+            if delta is None and reason is None:
+                return None  # held back (a tool call being written)
+            return p.ChatChunkChoice(
+                index=idx,
+                delta=delta or p.DeltaMessage(),
+                logprobs=self._chat_logprobs(delta_lp),
+                finish_reason=reason,
+                stop_reason=stop_reason,
+            )
         if self.chat:
             return p.ChatChunkChoice(
                 index=idx,

@@ -1,0 +1,223 @@
+"""Structured outputs: grammars compiled off the step loop, one matcher per constrained sequence, token bitmasks.
+
+    StructuredOutputsParams ─▶ StructuredOutputManager.compile() ─▶ Future[template matcher]   (thread pool,
+                               cached by (kind, spec) for this engine's tokenizer)
+    add_request: each sequence gets a StructuredOutputRequest holding the future; the scheduler leaves it
+    waiting while `is_ready` is False (plain Python, no torch in core/).
+    every step:  fill_bitmasks(constrained rows) ─▶ TokenBitmask ─▶ Sampler masks those rows before temperature
+    every token: StructuredOutputRequest.accept_token(); grammar complete → the engine stops the sequence.
+
+The grammar engine is llguidance (Rust; lazy lexer + Earley parser, masks computed on demand): no
+dependencies of its own, JSON schema / regex / Lark / GBNF front ends, and `validate_tokens` / `rollback` for
+checking several proposed tokens at once (speculative decoding). docs/architecture.md has the measurement.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from lmserve.sampling_params import StructuredOutputsParams
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON is generated compactly (one space after `,` and `:`, no other whitespace): a model cannot wander
+into unbounded whitespace, and the text is what json.dumps writes. A schema's "x-guidance" key overrides."""
+
+MAX_CACHED_GRAMMARS = 512
+PARALLEL_MASK_MIN_ROWS = 16
+"""Below this many constrained rows, masks are filled on the step thread (tens of µs each); from here on,
+llguidance's executor fills them in parallel (its thread wake-ups cost more than small batches save)."""
+
+
+class GrammarError(ValueError):
+    """A constraint the grammar library refuses; `field` is the StructuredOutputsParams kind, the message is
+    the library's reason."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"structured_outputs.{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def grammar_text(kind: str, spec: str) -> str:
+    """llguidance's grammar for one constraint (not yet checked against a tokenizer)."""
+    if kind in ("json", "json_object"):
+        return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec)))
+    assert kind == "grammar", f"unknown structured output kind {kind!r}"
+    return llguidance.grammar_from("grammar", spec)  # GBNF (llama.cpp) or Lark
+
+
+class StructuredOutputManager:
+    """Compiles constraints for one tokenizer on a small thread pool and caches the results.
+
+    Thread-safe: the engine thread calls `compile` from add_request, the HTTP side calls it to refuse a bad
+    schema with a 400 before the request is queued (the engine then finds it cached)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int = 1) -> None:
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._ll_tokenizer: Any = None  # built on first use (~0.1 s for 8k tokens, ~1 s for 150k)
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="lmserve-grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # grammars actually compiled (cache misses)
+
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """Future of the template matcher for `params`; raises GrammarError from `.result()` if refused."""
+        key = (params.kind, params.spec)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, *key)
+            self._cache[key] = fut
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            return fut
+
+    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        return StructuredOutputRequest(self.compile(params), params.kind)
+
+    def _tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
+                )
+            return self._ll_tokenizer
+
+    def _compile(self, kind: str, spec: str) -> Any:
+        try:
+            grammar = grammar_text(kind, spec)
+        except ValueError as e:
+            raise GrammarError(kind, str(e)) from None
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar)
+        if matcher.is_error():
+            raise GrammarError(kind, matcher.get_error())
+        self.num_compiled += 1
+        return matcher
+
+    @staticmethod
+    def wait_any(requests: list[StructuredOutputRequest], timeout_s: float = 0.02) -> None:
+        """Block until one of the requests' grammars is compiled (or refused), at most `timeout_s`."""
+        concurrent.futures.wait({r._future for r in requests}, timeout_s, concurrent.futures.FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StructuredOutputRequest:
+    """The grammar state of one sequence. `is_ready` is what the scheduler reads (a plain bool).
+
+    The matcher is advanced on every accepted token. Preemption needs nothing: recompute keeps the output
+    tokens, the matcher has consumed them, and the next token is sampled after them. For speculative decoding,
+    `validate_tokens` says how many proposed tokens the grammar accepts without advancing, and `rollback`
+    undoes accepted ones.
+    """
+
+    def __init__(self, future: Future, kind: str) -> None:
+        self._future = future
+        self.kind = kind
+        self._matcher: Any = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self._future.done() and self._future.exception() is None
+
+    @property
+    def is_compiling(self) -> bool:
+        return not self._future.done()
+
+    @property
+    def error(self) -> str | None:
+        """The library's reason when compilation failed, else None (also while compiling)."""
+        if not self._future.done() or self._future.exception() is None:
+            return None
+        return str(self._future.exception())
+
+    @property
+    def matcher(self) -> Any:
+        if self._matcher is None:
+            assert self.is_ready, "the matcher is used only once its grammar compiled"
+            self._matcher = self._future.result().deep_copy()
+        return self._matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance on a sampled token; False if the grammar refuses it (the mask should have prevented that)."""
+        return self.matcher.consume_token(token_id)
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar would accept from here (the state is unchanged)."""
+        return self.matcher.validate_tokens(token_ids)
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        """Advance over the longest accepted prefix of `token_ids`; returns its length."""
+        n = self.validate_tokens(token_ids)
+        if n:
+            assert self.matcher.consume_tokens(token_ids[:n]), "validated tokens were refused"
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        assert self.matcher.rollback(num_tokens), f"cannot roll back {num_tokens} tokens"
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and admits nothing more (so the sequence stops)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        """The output so far is a complete match (EOS is allowed now)."""
+        return self.matcher.is_accepting()
+
+
+@dataclass
+class TokenBitmask:
+    """Allowed tokens of the constrained rows of one step: bit t % 32 of word t // 32 of `bits[j]` is set iff
+    token t may follow in row `rows[j]` of the logits. Unconstrained rows are not listed and cost nothing."""
+
+    rows: list[int]
+    bits: torch.Tensor  # (len(rows), ceil(vocab / 32)) int32, on the CPU
+
+
+_executor: Any = None
+_executor_lock = threading.Lock()
+
+
+def _parallel_executor() -> Any:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+def fill_bitmasks(rows: list[int], requests: list[StructuredOutputRequest], vocab_size: int) -> TokenBitmask:
+    """Each request's next-token mask (in parallel by llguidance's executor for large batches)."""
+    # (llguidance.torch's wrappers do the same, but importing it pulls in torch.compile machinery.)
+    bits = torch.empty((len(requests), (vocab_size + 31) // 32), dtype=torch.int32)
+    row_bytes = bits.shape[1] * bits.element_size()
+    matchers = [r.matcher for r in requests]
+    if len(matchers) < PARALLEL_MASK_MIN_ROWS:
+        for j, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(bits.data_ptr() + j * row_bytes, row_bytes)
+    else:
+        _parallel_executor().unsafe_compute_mask_ptr(
+            [(m, j) for j, m in enumerate(matchers)], bits.data_ptr(), row_bytes, len(matchers)
+        )
+    return TokenBitmask(rows, bits)
