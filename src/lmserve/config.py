@@ -14,6 +14,7 @@ from typing import Any
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("continuous", "static")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+GENERATION_CONFIG_MODES = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,7 @@ class EngineConfig:
     seed: int
     tokenizer: str
     weight_dtype: str | None = None  # None: the model dtype; "bfloat16": bf16-stored linears, fp32 compute (CPU)
+    generation_config: str = "auto"  # "auto": the model's generation_config.json fills unset sampling fields
 
 
 @dataclass
@@ -184,6 +186,8 @@ class EngineArgs:
     weight_dtype: str | None = None
     device: str = "cpu"
     seed: int = 0
+    revision: str | None = None  # Hub revision (branch, tag or commit) when `model` is a Hub id
+    generation_config: str = "auto"  # "auto" | "vllm" (ignore the model's generation_config.json)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -202,7 +206,15 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
             )
-        model = ModelConfig.from_hf(self.model, self.dtype, self.device)
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(
+                f"generation_config must be one of {list(GENERATION_CONFIG_MODES)}, got {self.generation_config!r}"
+            )
+        from lmserve.hub import resolve_model_path
+
+        model_dir = resolve_model_path(self.model, self.revision)
+        tokenizer_dir = model_dir if self.tokenizer is None else resolve_model_path(self.tokenizer)
+        model = ModelConfig.from_hf(model_dir, self.dtype, self.device)
         weight_dtype = self._weight_dtype(model.dtype)
         max_model_len = self.max_model_len or model.max_position_embeddings
         _check_positive("max_model_len", max_model_len)
@@ -246,7 +258,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
         )
-        return EngineConfig(model, cache, sched, self.device, self.seed, self.tokenizer or self.model, weight_dtype)
+        return EngineConfig(
+            model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config
+        )
 
     def _weight_dtype(self, model_dtype: str) -> str | None:
         """None (weights in the model dtype) or "bfloat16": the linear layers' weights rounded to and stored
