@@ -153,6 +153,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     scheduling_policy: str
+    share_prefix_in_step: bool = True  # blocks being computed in a step are prefix hits for later requests in it
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,7 @@ class EngineArgs:
     seed: int = 0
     revision: str | None = None  # Hub revision (branch, tag or commit) when `model` is a Hub id
     generation_config: str = "auto"  # "auto" | "vllm" (ignore the model's generation_config.json)
+    share_prefix_in_step: bool = True  # False: a burst's shared prefix is computed once per request (bench A/B)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -257,6 +259,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
+            share_prefix_in_step=self.share_prefix_in_step,
         )
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config

@@ -39,6 +39,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument(
+        "--no-in-step-prefix-sharing",
+        dest="share_prefix_in_step",
+        action="store_false",
+        help="requests arriving in one step compute their shared prefix each (for A/B measurements)",
+    )
     g.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
     g.add_argument("--seed", type=int, default=0)
 
@@ -60,6 +66,7 @@ ENGINE_ARG_NAMES = (
     "seed",
     "revision",
     "generation_config",
+    "share_prefix_in_step",
 )
 
 
