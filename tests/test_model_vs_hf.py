@@ -159,3 +159,15 @@ def test_burst_computes_shared_prefix_once(llama_dir: Path, engine_args: dict) -
         assert llm.get_metrics()["num_preemptions_total"] > 0
     llm.engine.kv.pool.check_invariants([])
     assert llm.engine.kv.pool.num_free_blocks == engine_args["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_SPECS))
+def test_chunked_prefill_and_prefix_hits_match_hf(model_dirs: dict[str, Path], name: str) -> None:
+    """Every family under 8-token chunks and 4-token blocks: prompts cross the 12-token sliding windows of
+    the *-swa / gemma specs, the second round hits the first round's blocks (and its own, within the step)."""
+    model_dir = model_dirs[name]
+    llm = LLM(str(model_dir), num_kv_blocks=96, block_size=4, max_num_batched_tokens=8)
+    system = "import json\nimport os\n\nclass Decoder(object):\n"
+    assert_greedy_matches_hf(llm, model_dir, [system + "    pass"], max_tokens=16)
+    outs = assert_greedy_matches_hf(llm, model_dir, [system + "    x = 1", system + "    def f(self):"], 16)
+    assert all(o.num_cached_tokens >= 16 for o in outs), "the shared prefix is reused"
