@@ -318,10 +318,12 @@ class EngineArgs:
             raise ValueError(
                 f"generation_config must be one of {list(GENERATION_CONFIG_MODES)}, got {self.generation_config!r}"
             )
-        from lmserve.hub import resolve_model_path
+        from lmserve.hub import is_repo_id, resolve_model_path
 
         model_dir = resolve_model_path(self.model, self.revision)
-        tokenizer_dir = model_dir if self.tokenizer is None else resolve_model_path(self.tokenizer)
+        tokenizer_dir = model_dir
+        if self.tokenizer is not None:  # a directory or Hub id like the model; other names go to AutoTokenizer
+            tokenizer_dir = self.tokenizer if not is_repo_id(self.tokenizer) else resolve_model_path(self.tokenizer)
         model = ModelConfig.from_hf(model_dir, self.dtype, self.device)
         weight_dtype = self._weight_dtype(model.dtype)
         max_model_len = self.max_model_len or model.max_position_embeddings

@@ -616,8 +616,9 @@ def exp6_prefix_cache(h: Harness, sec: Section) -> None:
             records, s = h.load(url, requests, max_concurrency=concurrency)
         point = Point(label, s, records)
         (burst_points if requests is burst else sec.points).append(point)
+    sequential = list(sec.points)
     sec.points += burst_points
-    on, off = sec.points[0].summary, sec.points[1].summary
+    on, off = sequential[0].summary, sequential[1].summary
     speedup = (off.ttft_from_send_ms.p50 or 0) / (on.ttft_from_send_ms.p50 or 1)
     sec.markdown += [
         f"{w.prefix_num_requests} requests sharing a {w.prefix_len}-token system prompt, each with its own "
@@ -633,7 +634,7 @@ def exp6_prefix_cache(h: Harness, sec: Section) -> None:
                     _pcts(p.summary.ttft_from_send_ms),
                     _f(p.summary.e2e_from_send_ms.p50),
                 ]
-                for p in sec.points
+                for p in sequential
             ],
         ),
         "",
