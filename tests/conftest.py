@@ -27,6 +27,29 @@ MODEL_SPECS = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
     "mistral": ("mistral", {"sliding_window": None, "num_key_value_heads": 4}),
+    # sliding windows shorter than the prompts and generations, so positions fall out of the window
+    "mistral-swa": ("mistral", {"sliding_window": 12}),
+    "qwen2-swa": ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
+    "gemma2": (
+        "gemma2",
+        {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 12, "attn_logit_softcapping": 5.0,
+         "final_logit_softcapping": 8.0},
+    ),  # fmt: skip
+    "gemma3": (
+        "gemma3",
+        {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 12,
+         "layer_types": ["sliding_attention", "full_attention"],
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}},
+    ),  # fmt: skip
+    "phi3-longrope-partial": (
+        "phi3",
+        {"partial_rotary_factor": 0.75, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
+                             "factor": 4.0, "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                             "long_factor": [2.0 + 0.5 * i for i in range(6)]}},
+    ),  # fmt: skip
+    "olmo2": ("olmo2", {"pad_token_id": 0}),
 }
 
 

@@ -42,10 +42,18 @@ def build_model(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0, 
     import shutil
 
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Olmo2Config,
+        Olmo2ForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -57,6 +65,10 @@ def build_model(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0, 
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
+        "olmo2": (Olmo2Config, Olmo2ForCausalLM),
     }
     config_cls, model_cls = classes[family]
     kwargs = dict(

@@ -92,15 +92,15 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path, llama_dir: Pat
         EngineArgs(model=str(tmp_path)).create_engine_config()
 
 
-def test_sliding_window_model_refused_unless_within_window(tmp_path: Path, tokenizer_dir: Path) -> None:
+def test_sliding_window_model_runs_past_its_window(tmp_path: Path, tokenizer_dir: Path) -> None:
     from tests.helpers import build_model
 
-    d = build_model(tmp_path / "m", "mistral", tokenizer_dir, sliding_window=64)
-    with pytest.raises(ValueError, match="sliding-window.*max_model_len <= 64"):
-        LLM(str(d))
-    llm = LLM(str(d), max_model_len=64, num_kv_blocks=16)
-    out = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert out[0].outputs[0].token_ids == hf_greedy(d, out[0].prompt_token_ids, 8)
+    d = build_model(tmp_path / "m", "mistral", tokenizer_dir, sliding_window=8)
+    llm = LLM(str(d), num_kv_blocks=16)
+    assert llm.engine.config.scheduler.max_model_len > 8, "max_model_len is no longer capped at the window"
+    assert llm.engine.config.model.layer_sliding_windows == (8, 8)
+    out = llm.generate(["hello world"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(d, out[0].prompt_token_ids, 16)
 
 
 def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM, llama_dir: Path) -> None:

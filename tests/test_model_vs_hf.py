@@ -129,3 +129,45 @@ def test_bfloat16_runs(llama_dir: Path) -> None:
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     out = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+
+
+def _shared_prefix_prompts(n: int) -> list[list[int]]:
+    prefix = [(37 * i + 11) % 500 + 1 for i in range(64)]
+    return [prefix + [(7 * i + 3 * j) % 500 + 1 for j in range(3 + i % 4)] for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(num_kv_blocks=64, block_size=16),
+        dict(num_kv_blocks=64, block_size=16, max_num_batched_tokens=40),  # the prefix spans two steps
+        dict(num_kv_blocks=12, block_size=16),  # 6 requests × (5 prefix-shared + own) blocks: preemption
+    ],
+    ids=["one-step", "chunked", "preemption"],
+)
+def test_burst_computes_shared_prefix_once(llama_dir: Path, engine_args: dict) -> None:
+    n = 6
+    llm = LLM(str(llama_dir), **engine_args)
+    prompts = _shared_prefix_prompts(n)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(llama_dir, prompt, 30)
+    assert sum(o.num_cached_tokens for o in outs) >= (n - 1) * 64, "one request computes the prefix"
+    assert llm.get_metrics()["prefix_cache_hits_total"] >= (n - 1) * 64
+    if engine_args["num_kv_blocks"] == 12:
+        assert llm.get_metrics()["num_preemptions_total"] > 0
+    llm.engine.kv.pool.check_invariants([])
+    assert llm.engine.kv.pool.num_free_blocks == engine_args["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_SPECS))
+def test_chunked_prefill_and_prefix_hits_match_hf(model_dirs: dict[str, Path], name: str) -> None:
+    """Every family under 8-token chunks and 4-token blocks: prompts cross the 12-token sliding windows of
+    the *-swa / gemma specs, the second round hits the first round's blocks (and its own, within the step)."""
+    model_dir = model_dirs[name]
+    llm = LLM(str(model_dir), num_kv_blocks=96, block_size=4, max_num_batched_tokens=8)
+    system = "import json\nimport os\n\nclass Decoder(object):\n"
+    assert_greedy_matches_hf(llm, model_dir, [system + "    pass"], max_tokens=16)
+    outs = assert_greedy_matches_hf(llm, model_dir, [system + "    x = 1", system + "    def f(self):"], 16)
+    assert all(o.num_cached_tokens >= 16 for o in outs), "the shared prefix is reused"

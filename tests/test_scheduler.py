@@ -170,3 +170,50 @@ def test_request_larger_than_pool_is_an_invariant_error_not_a_livelock() -> None
     with pytest.raises(AssertionError, match="more KV blocks than the pool"):
         for _ in range(10):
             run_step(s)
+
+
+def _burst(prefix_len: int, n: int, suffix_len: int = 5) -> list[Request]:
+    prefix = [hash(("sys", i)) % 1000 for i in range(prefix_len)]
+    return [
+        Request(str(i), prefix + [1000 + 10 * i + j for j in range(suffix_len)], SamplingParams(max_tokens=2), 2)
+        for i in range(n)
+    ]
+
+
+def test_burst_shares_prefix_blocks_within_one_step() -> None:
+    s = make_scheduler(budget=256, block_size=4)
+    for r in _burst(64, 4):
+        s.add_request(r)
+    out = s.schedule()
+    assert tokens_by_request(out) == {"0": 69, "1": 5, "2": 5, "3": 5}, "later requests hit the first one's blocks"
+    first = s.kv.req_to_blocks["0"][:16]
+    for rid in "123":
+        assert s.kv.req_to_blocks[rid][:16] == first, "the prefix blocks are shared, not copies"
+        assert s.requests[rid].num_cached_tokens == 64
+    assert s.prefix_cache_hits_total == 3 * 64
+    s.kv.pool.check_invariants(list(s.kv.req_to_blocks.values()))
+    s.update_from_output(out, ModelRunnerOutput({x.request.request_id: 7 for x in out.scheduled}), MAX_LEN)
+    s.kv.pool.check_invariants(list(s.kv.req_to_blocks.values()))
+
+
+def test_burst_shares_blocks_of_a_chunk_in_flight() -> None:
+    s = make_scheduler(budget=48, block_size=4)
+    for r in _burst(64, 3):
+        s.add_request(r)
+    out = run_step(s)
+    assert tokens_by_request(out) == {"0": 48}
+    out = run_step(s)
+    # "0" finishes its prompt (21 tokens; blocks 12..15 computed now), "1" hits all 16 prefix blocks
+    assert tokens_by_request(out) == {"0": 21, "1": 5, "2": 5}
+    assert s.prefix_cache_hits_total == 2 * 64
+    s.kv.pool.check_invariants(list(s.kv.req_to_blocks.values()))
+
+
+def test_in_step_sharing_can_be_disabled() -> None:
+    cfg = SchedulerConfig(8, 256, MAX_LEN, True, "continuous", share_prefix_in_step=False)
+    s = Scheduler(cfg, KVCacheManager(64, 4))
+    for r in _burst(64, 3):
+        s.add_request(r)
+    out = s.schedule()
+    assert tokens_by_request(out) == {"0": 69, "1": 69, "2": 69}
+    assert s.prefix_cache_hits_total == 0

@@ -13,7 +13,8 @@ from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("continuous", "static")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+GENERATION_CONFIG_MODES = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -24,13 +25,26 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3 "su"): per-pair frequency divisors below / beyond the original context, cos/sin scale
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
-        # transformers >= 5 writes `rope_parameters` (theta inside); 4.x writes `rope_theta` + `rope_scaling`.
-        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    def from_hf(cfg: dict[str, Any], layer_type: str | None = None, default_theta: float = 10000.0) -> RopeConfig:
+        # transformers >= 5 writes `rope_parameters` (theta inside; Gemma 3: one dict per layer type);
+        # 4.x writes `rope_theta` + `rope_scaling`.
+        raw = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if any(isinstance(v, dict) for v in raw.values()):  # per layer type
+            params = dict(raw.get(layer_type or "full_attention") or {})
+        elif layer_type == "sliding_attention":
+            params = {}  # 4.x Gemma 3: local layers use rope_local_base_freq, unscaled
+        else:
+            params = dict(raw)
+        fallback = default_theta if layer_type == "sliding_attention" else cfg.get("rope_theta", default_theta)
+        theta = float(params.get("rope_theta", fallback))
         rope_type = params.get("rope_type", params.get("type", "default"))
+        rope_type = "longrope" if rope_type == "su" else rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
@@ -45,7 +59,32 @@ class RopeConfig:
                 if key not in params:
                     raise ValueError(f"rope_scaling of type 'llama3' needs {key!r}")
                 kwargs[key] = params[key]
+        if rope_type == "longrope":
+            kwargs.update(_longrope_kwargs(cfg, params))
         return RopeConfig(**kwargs)
+
+
+def _longrope_kwargs(cfg: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """HF's _compute_longrope_parameters: the attention factor follows from max / original context."""
+    import math
+
+    for key in ("short_factor", "long_factor"):
+        if key not in params:
+            raise ValueError(f"rope_scaling of type 'longrope' needs {key!r}")
+    original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("rope_scaling of type 'longrope' needs 'original_max_position_embeddings'")
+    factor = params.get("factor") or cfg.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+        "short_factor": tuple(float(x) for x in params["short_factor"]),
+        "long_factor": tuple(float(x) for x in params["long_factor"]),
+        "attention_factor": float(attention_factor),
+    }
 
 
 @dataclass(frozen=True)
@@ -70,6 +109,20 @@ class ModelConfig:
     sliding_window: int | None
     dtype: str  # resolved: float32 | bfloat16 | float16
     eos_token_ids: tuple[int, ...]
+    # Family flags beyond Llama (defaults: Llama). See model/registry.py and docs/adding_a_model.md.
+    family: str = "llama"
+    hidden_act: str = "silu"  # MLP gate activation: silu | gelu_tanh
+    norm_weight_offset: float = 0.0  # Gemma: norms scale by (1 + weight); added to the weights at load
+    sandwich_norms: bool = False  # Gemma 2/3: norms before and after attention and the MLP
+    post_norms_only: bool = False  # OLMo 2: norms on the sublayer outputs, none on their inputs
+    qk_norm_whole: bool = False  # OLMo 2: q/k norm over the whole projection, not per head
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcap: float | None = None  # Gemma 2: tanh soft-capping of attention scores
+    final_logit_softcap: float | None = None  # Gemma 2: tanh soft-capping of the LM head's logits
+    layer_sliding_windows: tuple[int | None, ...] = ()  # per layer; () or None entries: full attention
+    rope_local: RopeConfig | None = None  # Gemma 3: the sliding layers' rotary base
+    rotary_dim: int | None = None  # None: head_dim; Phi-4-mini rotates only the first part of each head
 
     @staticmethod
     def from_hf(path: str | os.PathLike, dtype: str = "auto", device: str = "cpu") -> ModelConfig:
@@ -98,9 +151,8 @@ class ModelConfig:
             raise ValueError(
                 f"model config {cfg_file}: biases on o_proj / the MLP (attention_bias / mlp_bias) are not supported"
             )
-        sliding_window = cfg.get("sliding_window")
-        if family.name == "qwen" and not cfg.get("use_sliding_window", False):
-            sliding_window = None
+        windows = layer_sliding_windows(family, cfg, shape.num_layers)
+        sliding_window = max((w for w in windows if w), default=None)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
@@ -122,7 +174,62 @@ class ModelConfig:
             sliding_window=int(sliding_window) if sliding_window else None,
             dtype=resolve_dtype(dtype, cfg, device),
             eos_token_ids=eos_ids,
+            **family_fields(family, cfg, shape.head_dim, shape.hidden_size, windows),
         )
+
+
+def layer_sliding_windows(family: Any, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """The attention window of each layer (None: full attention); () when no layer slides."""
+    window = cfg.get("sliding_window")
+    if family.name == "qwen" and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window or family.sliding_layers == "none":
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        sliding = [t == "sliding_attention" for t in types]
+    elif family.sliding_layers == "all":
+        sliding = [True] * num_layers
+    elif family.sliding_layers == "from_max_window_layers":  # Qwen2: layers from max_window_layers on
+        sliding = [i >= cfg.get("max_window_layers", 28) for i in range(num_layers)]
+    else:  # "pattern": every `pattern`-th layer is global (Gemma 2: 2, Gemma 3: sliding_window_pattern or 6)
+        pattern = int(cfg.get("sliding_window_pattern") or family.sliding_pattern)
+        sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
+    if not any(sliding):
+        return ()
+    return tuple(int(window) if s else None for s in sliding)
+
+
+def family_fields(
+    family: Any, cfg: dict[str, Any], head_dim: int, hidden_size: int, windows: tuple[int | None, ...]
+) -> dict[str, Any]:
+    """ModelConfig's family fields from the registry flags and the config's values."""
+    out: dict[str, Any] = {
+        "family": family.name,
+        "hidden_act": family.hidden_act,
+        "norm_weight_offset": family.norm_weight_offset,
+        "sandwich_norms": family.sandwich_norms,
+        "post_norms_only": family.post_norms_only,
+        "qk_norm_whole": family.qk_norm_whole,
+        "layer_sliding_windows": windows,
+    }
+    if family.scaled_embeddings:
+        out["embed_scale"] = float(hidden_size) ** 0.5
+    if family.uses_query_pre_attn_scalar:
+        out["attn_scale"] = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
+        out["attn_logit_softcap"] = cfg.get("attn_logit_softcapping")
+        out["final_logit_softcap"] = cfg.get("final_logit_softcapping")
+    if family.local_rope:
+        out["rope_local"] = RopeConfig.from_hf(
+            cfg, layer_type="sliding_attention", default_theta=float(cfg.get("rope_local_base_freq", 10000.0))
+        )
+    params = cfg.get("rope_parameters") or {}
+    partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if params else 1.0)
+    if partial != 1.0:
+        out["rotary_dim"] = int(head_dim * partial)
+    return out
 
 
 def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
@@ -160,6 +267,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     scheduling_policy: str
+    share_prefix_in_step: bool = True  # blocks being computed in a step are prefix hits for later requests in it
 
 
 @dataclass(frozen=True)
@@ -171,6 +279,7 @@ class EngineConfig:
     seed: int
     tokenizer: str
     weight_dtype: str | None = None  # None: the model dtype; "bfloat16": bf16-stored linears, fp32 compute (CPU)
+    generation_config: str = "auto"  # "auto": the model's generation_config.json fills unset sampling fields
 
 
 @dataclass
@@ -192,6 +301,9 @@ class EngineArgs:
     weight_dtype: str | None = None
     device: str = "cpu"
     seed: int = 0
+    revision: str | None = None  # Hub revision (branch, tag or commit) when `model` is a Hub id
+    generation_config: str = "auto"  # "auto" | "vllm" (ignore the model's generation_config.json)
+    share_prefix_in_step: bool = True  # False: a burst's shared prefix is computed once per request (bench A/B)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -210,7 +322,17 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
             )
-        model = ModelConfig.from_hf(self.model, self.dtype, self.device)
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(
+                f"generation_config must be one of {list(GENERATION_CONFIG_MODES)}, got {self.generation_config!r}"
+            )
+        from lmserve.hub import is_repo_id, resolve_model_path
+
+        model_dir = resolve_model_path(self.model, self.revision)
+        tokenizer_dir = model_dir
+        if self.tokenizer is not None:  # a directory or Hub id like the model; other names go to AutoTokenizer
+            tokenizer_dir = self.tokenizer if not is_repo_id(self.tokenizer) else resolve_model_path(self.tokenizer)
+        model = ModelConfig.from_hf(model_dir, self.dtype, self.device)
         weight_dtype = self._weight_dtype(model.dtype)
         max_model_len = self.max_model_len or model.max_position_embeddings
         _check_positive("max_model_len", max_model_len)
@@ -218,11 +340,6 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{model.max_position_embeddings}"
-            )
-        if model.sliding_window is not None and max_model_len > model.sliding_window:
-            raise ValueError(
-                f"this model uses sliding-window attention (window {model.sliding_window}), which lmserve does "
-                f"not implement yet; pass max_model_len <= {model.sliding_window} to run it exactly"
             )
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -253,8 +370,11 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
+            share_prefix_in_step=self.share_prefix_in_step,
         )
-        return EngineConfig(model, cache, sched, self.device, self.seed, self.tokenizer or self.model, weight_dtype)
+        return EngineConfig(
+            model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config
+        )
 
     def _weight_dtype(self, model_dtype: str) -> str | None:
         """None (weights in the model dtype) or "bfloat16": the linear layers' weights rounded to and stored

@@ -5,7 +5,7 @@
     3. concurrency swept                               → output throughput vs P99 TPOT (the trade-off curve)
     4. HF transformers one-request loop vs lmserve     → throughput and latency on the same workload
     5. static vs continuous batching, same engine      → TTFT, TPOT, throughput with mixed output lengths
-    6. prefix cache on vs off, shared system prompt    → TTFT
+    6. prefix cache on vs off, shared system prompt    → TTFT; and a burst sharing a prompt, in-step sharing on/off
 
 The harness starts `lmserve serve` itself (a subprocess on a free loopback port; experiments 5 and 6
 restart it with other engine flags), or targets `--base-url` (then 5 and 6, which need server flags,
@@ -41,7 +41,7 @@ EXPERIMENT_TITLES = {
     3: "Concurrency sweep → throughput vs P99 TPOT",
     4: "HF transformers one-request loop vs lmserve continuous batching",
     5: "Static vs continuous batching on the same engine",
-    6: "Prefix cache on vs off with a shared system prompt → TTFT",
+    6: "Prefix cache on vs off with a shared system prompt → TTFT (and a burst: in-step sharing on vs off)",
 }
 
 
@@ -66,6 +66,9 @@ class Workloads:
     prefix_len: int
     prefix_suffix_len: int
     prefix_num_requests: int
+    # a burst sharing a system prompt, all sent at once: in-step prefix sharing on vs off
+    prefix_burst_len: int = 512
+    prefix_burst_num_requests: int = 32
 
     @staticmethod
     def quick() -> Workloads:
@@ -87,6 +90,8 @@ class Workloads:
             prefix_len=384,
             prefix_suffix_len=16,
             prefix_num_requests=8,
+            prefix_burst_len=256,
+            prefix_burst_num_requests=8,
         )
 
     @staticmethod
@@ -591,14 +596,29 @@ def exp6_prefix_cache(h: Harness, sec: Section) -> None:
         prefix_len=w.prefix_len,
         num_prefix_groups=1,
     )
-    for label, name, flags in (
-        ("prefix cache on", "default", []),
-        ("prefix cache off", "no-prefix-caching", ["--no-prefix-caching"]),
+    burst = h.requests(
+        w.prefix_burst_num_requests,
+        w.prefix_suffix_len,
+        8,
+        name="prefix",
+        prefix_len=w.prefix_burst_len,
+        num_prefix_groups=1,
+    )
+    burst_points = []
+    # server order: the default one (left running by 1-4) serves both of its loads before the others start
+    for label, name, flags, requests, concurrency in (
+        ("prefix cache on", "default", [], reqs, 1),
+        ("burst, in-step sharing on", "default", [], burst, None),
+        ("burst, in-step sharing off", "no-in-step-sharing", ["--no-in-step-prefix-sharing"], burst, None),
+        ("prefix cache off", "no-prefix-caching", ["--no-prefix-caching"], reqs, 1),
     ):
         with h.server(name, flags) as url:
-            records, s = h.load(url, reqs, max_concurrency=1)
-        sec.points.append(Point(label, s, records))
-    on, off = sec.points[0].summary, sec.points[1].summary
+            records, s = h.load(url, requests, max_concurrency=concurrency)
+        point = Point(label, s, records)
+        (burst_points if requests is burst else sec.points).append(point)
+    sequential = list(sec.points)
+    sec.points += burst_points
+    on, off = sequential[0].summary, sequential[1].summary
     speedup = (off.ttft_from_send_ms.p50 or 0) / (on.ttft_from_send_ms.p50 or 1)
     sec.markdown += [
         f"{w.prefix_num_requests} requests sharing a {w.prefix_len}-token system prompt, each with its own "
@@ -614,11 +634,35 @@ def exp6_prefix_cache(h: Harness, sec: Section) -> None:
                     _pcts(p.summary.ttft_from_send_ms),
                     _f(p.summary.e2e_from_send_ms.p50),
                 ]
-                for p in sec.points
+                for p in sequential
             ],
         ),
         "",
         f"Median TTFT is **{speedup:.2f}×** lower with the prefix cache on.",
+        "",
+    ]
+    shared, unshared = burst_points[0].summary, burst_points[1].summary
+    burst_speedup = (unshared.ttft_from_send_ms.p50 or 0) / (shared.ttft_from_send_ms.p50 or 1)
+    sec.markdown += [
+        f"Burst: {w.prefix_burst_num_requests} requests sharing a {w.prefix_burst_len}-token system prompt "
+        "(not cached before), all sent at once. With in-step sharing the first request scheduled computes the "
+        "prefix and the others admitted in the same step read its blocks; with `--no-in-step-prefix-sharing` "
+        "each request admitted in that step computes it too.",
+        "",
+        *_table(
+            ["server", "TTFT P50/P95/P99 (ms)", "E2E P50 (ms)", "output tok/s"],
+            [
+                [
+                    p.label,
+                    _pcts(p.summary.ttft_from_send_ms),
+                    _f(p.summary.e2e_from_send_ms.p50),
+                    _f(p.summary.output_throughput_tok_s),
+                ]
+                for p in burst_points
+            ],
+        ),
+        "",
+        f"Median burst TTFT is **{burst_speedup:.2f}×** lower with in-step sharing.",
         "",
     ]
     sec.markdown += _image(_cdf_plot(h, sec, "exp6_prefix_cache.png", "ttft_from_send_s", "TTFT", "6. TTFT CDF"))

@@ -65,12 +65,16 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = len(table) - num_fresh
         return table
 
-    def cache_blocks(self, request: Request) -> None:
-        """Register the request's newly completed full blocks in the prefix index."""
+    def cache_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Register the request's full blocks among its first num_tokens tokens (default: its computed ones)
+        in the prefix index. The scheduler passes computed + scheduled tokens to share blocks within a step:
+        their K/V are written (every layer writes the whole step's K/V before any attention reads) before a
+        later request of the same step reads them as cached context."""
         if not self.enable_prefix_caching:
             return
         table = self.req_to_blocks[request.request_id]
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        num_tokens = request.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = min(num_tokens // self.block_size, len(table))
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -106,6 +106,7 @@ class Scheduler:
             if table is None:
                 break
             scheduled.append(ScheduledRequest(request, num_new, [b.block_id for b in table]))
+            self._share_in_step(request, num_new)
             budget -= num_new
             i += 1
         return budget
@@ -136,6 +137,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, [b.block_id for b in table]))
+            self._share_in_step(request, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
         if static:
@@ -149,6 +151,12 @@ class Scheduler:
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+
+    def _share_in_step(self, request: Request, num_new: int) -> None:
+        """Make the blocks this step fills findable now, so requests scheduled after it in the same step
+        (a burst sharing a system prompt) hit them instead of computing the prefix again."""
+        if self.config.share_prefix_in_step:
+            self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +15,7 @@ from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.outputs import CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from lmserve.core.scheduler import Scheduler
 from lmserve.engine.detokenizer import IncrementalDetokenizer
+from lmserve.generation_defaults import generation_eos_ids, read_generation_config, sampling_defaults
 from lmserve.request import FinishReason, Request, RequestMetrics
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import StructuredOutputManager
@@ -55,6 +54,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.eos_token_ids = self._resolve_eos()
+        # the model's generation_config.json sampling fields, for requests that leave them unset
+        self.generation_defaults = sampling_defaults(config.model.path, config.generation_config)
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(config)
@@ -71,13 +72,14 @@ class LLMEngine:
 
     def _resolve_eos(self) -> tuple[int, ...]:
         eos = set(self.config.model.eos_token_ids)
-        gen_cfg = Path(self.config.model.path) / "generation_config.json"
-        if gen_cfg.is_file():
-            gen_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+        eos.update(generation_eos_ids(read_generation_config(self.config.model.path)))
         if not eos and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         return tuple(sorted(eos))
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation defaults (what a request without params gets)."""
+        return SamplingParams(**self.generation_defaults)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -129,7 +131,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         request_id = self.new_request_id() if request_id is None else request_id
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")

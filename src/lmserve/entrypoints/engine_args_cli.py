@@ -8,8 +8,20 @@ from typing import Any
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory (default: the bundled model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory, or a Hub id (org/name) fetched into the HF cache (default: the bundled model)",
+    )
+    g.add_argument("--revision", default=None, help="Hub branch, tag or commit of a Hub-id model (default: main)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or Hub id (default: the model's)")
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "vllm"],
+        help="auto: the model's generation_config.json supplies sampling defaults (temperature, top_p, top_k, "
+        "repetition_penalty) a request leaves unset; vllm: ignore it, lmserve's own defaults apply",
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument(
         "--weight-dtype",
@@ -27,6 +39,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument(
+        "--no-in-step-prefix-sharing",
+        dest="share_prefix_in_step",
+        action="store_false",
+        help="requests arriving in one step compute their shared prefix each (for A/B measurements)",
+    )
     g.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
     g.add_argument("--seed", type=int, default=0)
 
@@ -46,6 +64,9 @@ ENGINE_ARG_NAMES = (
     "enable_chunked_prefill",
     "scheduling_policy",
     "seed",
+    "revision",
+    "generation_config",
+    "share_prefix_in_step",
 )
 
 
@@ -54,6 +75,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_path(args: argparse.Namespace) -> str:
+    """--model, or the positional model of `lmserve serve MODEL` (as `vllm serve`); both given must agree."""
+    positional = getattr(args, "model_tag", None)
+    if positional and args.model and positional != args.model:
+        raise ValueError(f"model given twice: positional {positional!r} and --model {args.model!r}")
+    if positional:
+        args.model = positional
     if args.model:
         return args.model
     from lmserve.default_model import default_model_path

@@ -10,13 +10,17 @@ from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs, 
 DEFAULT_PROMPTS = ["ROMEO:", "床前明月光"]
 
 
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 0}
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate completions for prompts (offline)")
     p.add_argument("prompts", nargs="*", help=f"prompts (default: {DEFAULT_PROMPTS})")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=0)
+    # unset: the model's generation_config.json value (--generation-config auto), else 0.8 / 0.95 / 0
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
@@ -31,17 +35,18 @@ def run_generate(args: argparse.Namespace) -> int:
     from lmserve import LLM, SamplingParams
 
     try:
+        llm = LLM(model_path(args), **engine_kwargs(args))
+        chosen = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        sampling = {**CLI_SAMPLING_DEFAULTS, **llm.engine.generation_defaults}
+        sampling.update({k: v for k, v in chosen.items() if v is not None})
         params = SamplingParams(
             n=args.n,
             max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
             seed=args.seed,
+            **sampling,
         )
-        llm = LLM(model_path(args), **engine_kwargs(args))
         outputs = llm.generate(args.prompts or DEFAULT_PROMPTS, params, use_tqdm=False)
     except ValueError as e:
         print(f"lmserve generate: error: {e}", file=sys.stderr)

@@ -42,7 +42,8 @@ class LLM:
                 )
             params_list = sampling_params
         else:
-            params_list = [sampling_params or SamplingParams()] * len(prompts_list)
+            # None: the model's generation_config.json defaults (EngineArgs.generation_config="auto")
+            params_list = [sampling_params or self.engine.default_sampling_params()] * len(prompts_list)
         engine = self.engine
         for i, (prompt, params) in enumerate(zip(prompts_list, params_list, strict=True)):
             try:

@@ -39,15 +39,35 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # (num_decodes,) long: tokens each decode query sees
     prefills: list[PrefillSegment] = field(default_factory=list)
     _decode_mask: torch.Tensor | None = None
+    _window_masks: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
 
-    def decode_mask(self, block_size: int) -> torch.Tensor:
+    def decode_mask(self, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
         """(num_decodes, 1, 1, max_num_blocks * block_size) bool for SDPA over gathered blocks; built once
-        per step, and only when the PyTorch path runs (the C kernel reads the lengths directly)."""
+        per step, and only when the PyTorch path runs (the C kernel reads the lengths directly). With a
+        sliding window a query sees only its last `sliding_window` positions (itself included)."""
+        if sliding_window is not None:
+            key = ("decode", sliding_window, 0)
+            if key not in self._window_masks:
+                assert self.decode_context_lens is not None
+                key_pos = torch.arange(self.decode_mask(block_size).shape[-1], device=self.slot_mapping.device)
+                in_window = key_pos[None, :] >= self.decode_context_lens[:, None] - sliding_window
+                self._window_masks[key] = self.decode_mask(block_size) & in_window[:, None, None, :]
+            return self._window_masks[key]
         if self._decode_mask is None:
             assert self.decode_block_tables is not None and self.decode_context_lens is not None
             key_pos = torch.arange(self.decode_block_tables.shape[1] * block_size, device=self.slot_mapping.device)
             self._decode_mask = (key_pos[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
         return self._decode_mask
+
+    def prefill_window_mask(self, seg: PrefillSegment, sliding_window: int) -> torch.Tensor:
+        """seg's causal mask restricted to the window, built once per step and segment."""
+        key = ("prefill", sliding_window, seg.start)
+        if key not in self._window_masks:
+            n = seg.end - seg.start
+            self._window_masks[key] = causal_mask_with_context(
+                seg.num_context_tokens, n, self.slot_mapping.device, sliding_window
+            )
+        return self._window_masks[key]
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -64,18 +84,57 @@ def paged_attention(
     kv_cache: KVCache,
     meta: AttentionMetadata,
     kv_written: bool = False,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """q: (T, H, D); k, v: (T, KVH, D) for the step's new tokens (already in the cache if kv_written).
-    Returns (T, H, D)."""
+    Returns (T, H, D). scale: None = D ** -0.5; sliding_window: keys more than that many positions back are
+    not read; logit_softcap: scores become tanh(s / cap) * cap before the softmax (Gemma 2).
+
+    Every new K/V row of the step is written before any query attends, so a request may read blocks that
+    another request of the same step computes (the scheduler's in-step prefix sharing relies on it)."""
     if not kv_written:
         write_kv(kv_cache, k, v, meta.slot_mapping)
+    spec = _Spec(q.shape[-1] ** -0.5 if scale is None else scale, sliding_window, logit_softcap)
     out = torch.empty_like(q)
     if meta.num_decode_tokens:
         nd = meta.num_decode_tokens
-        out[:nd] = _decode_attention(q[:nd], kv_cache, meta)
+        out[:nd] = _decode_attention(q[:nd], kv_cache, meta, spec)
     for seg in meta.prefills:
-        out[seg.start : seg.end] = _prefill_attention(q, k, v, kv_cache, seg)
+        out[seg.start : seg.end] = _prefill_attention(q, k, v, kv_cache, seg, meta, spec)
     return out
+
+
+@dataclass(frozen=True)
+class _Spec:
+    scale: float
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.sliding_window is None and self.logit_softcap is None
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, spec: _Spec
+) -> torch.Tensor:
+    """SDPA on (B, H, n, D) / (B, KVH, L, D) operands; mask None = causal. Soft-capping needs the scores,
+    so it runs eagerly (as HF's eager attention for Gemma 2: fp32 softmax)."""
+    if spec.logit_softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=spec.scale, enable_gqa=True
+        )
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
+    scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+    if mask is None:
+        n, total = q.shape[-2], k.shape[-2]
+        mask = causal_mask_with_context(total - n, n, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -85,42 +144,53 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return gathered.view(*block_tables.shape[:-1], -1, *cache.shape[-2:])
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, spec: _Spec) -> torch.Tensor:
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None, "decode metadata missing"
     k_cache, v_cache = kv_cache
-    if kernels.usable(q) and k_cache.dtype == torch.float32:
+    if spec.plain and kernels.usable(q) and k_cache.dtype == torch.float32:
         # Reads each sequence's blocks in place: no gather copy, no padding to the longest sequence.
-        scale = q.shape[-1] ** -0.5
         return kernels.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, spec.scale
         )
     k = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # (B, KVH, L, D)
     v = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
     qb = q.unsqueeze(2)  # (B, H, 1, D)
-    o = F.scaled_dot_product_attention(qb, k, v, attn_mask=meta.decode_mask(k_cache.shape[1]), enable_gqa=True)
+    o = _attend(qb, k, v, meta.decode_mask(k_cache.shape[1], spec.sliding_window), spec)
     return o.squeeze(2)
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, seg: PrefillSegment
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    seg: PrefillSegment,
+    meta: AttentionMetadata,
+    spec: _Spec,
 ) -> torch.Tensor:
     # 4-D (1, heads, tokens, D) operands: the CPU dispatcher sends those to the flash kernel, 3-D ones
     # to the math path (a 512-token prompt: 4.2 ms instead of 17.7 ms per layer, benchmark model shape).
     qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+    mask = seg.mask if spec.sliding_window is None else meta.prefill_window_mask(seg, spec.sliding_window)
     if seg.num_context_tokens == 0:
         ks = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
         vs = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
     else:
+        # Reads the cache after this layer wrote the whole step's K/V (blocks shared within the step included).
         total = seg.num_context_tokens + (seg.end - seg.start)
         ks = _gather(kv_cache[0], seg.block_table)[:total].transpose(0, 1).unsqueeze(0)  # (1, KVH, total, D)
         vs = _gather(kv_cache[1], seg.block_table)[:total].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, enable_gqa=True)
+    o = _attend(qs, ks, vs, mask, spec)
     return o[0].transpose(0, 1)
 
 
-def causal_mask_with_context(num_context: int, num_new: int, device: torch.device) -> torch.Tensor:
-    """(num_new, num_context + num_new) bool: query i (position num_context + i) sees keys <= its position."""
+def causal_mask_with_context(
+    num_context: int, num_new: int, device: torch.device, sliding_window: int | None = None
+) -> torch.Tensor:
+    """(num_new, num_context + num_new) bool: query i (position num_context + i) sees keys <= its position
+    (and, with a sliding window W, keys > its position - W: HF's sliding_window_overlay)."""
     q_pos = torch.arange(num_new, device=device)[:, None] + num_context
     k_pos = torch.arange(num_context + num_new, device=device)[None, :]
-    return k_pos <= q_pos
+    if sliding_window is None:
+        return k_pos <= q_pos
+    return (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)

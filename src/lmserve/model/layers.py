@@ -110,9 +110,16 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies per rotary pair, including `linear` and `llama3` scaling (HF's formulas)."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int = 0) -> torch.Tensor:
+    """Inverse frequencies per rotary pair, including `linear`, `llama3` and `longrope` scaling (HF's
+    formulas). longrope: HF switches from short to long factors once a sequence passes the original
+    context; here the choice is made once per engine, by max_positions (the engine's max_model_len)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if rope.rope_type == "longrope":
+        long = max_positions > rope.original_max_position_embeddings
+        ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        return 1.0 / (ext * rope.theta**exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -132,12 +139,14 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_positions, looked up per token."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        """head_dim: the rotated dimensions per head (all of it, or the rotary part with partial rotary)."""
         super().__init__()
-        inv_freq = rope_inv_freq(rope, head_dim)
+        inv_freq = rope_inv_freq(rope, head_dim, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = rope.attention_factor  # longrope scales cos and sin (1.0 otherwise)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # (num_tokens, 1, head_dim): broadcasts over heads
@@ -145,7 +154,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (num_tokens, num_heads, head_dim), rotate-half convention as HF Llama."""
+    """x: (num_tokens, num_heads, head_dim), rotate-half convention as HF Llama. With partial rotary
+    (cos narrower than head_dim) only the first cos.shape[-1] dimensions turn; the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -154,14 +167,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
+        assert act in ("silu", "gelu_tanh"), f"MLP activation {act!r}"
+        self.act = act  # gelu_tanh: Gemma's GeGLU, same layout
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.act == "gelu_tanh":
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
         if gate_up.dim() == 2 and kernels.usable(gate_up):
             return self.down_proj(kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

@@ -1,4 +1,5 @@
-"""One decoder for Llama, Mistral, Qwen2 and Qwen3: family differences are constructor flags.
+"""One decoder for Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3 and OLMo 2: family differences are
+ModelConfig flags (set from model/registry.py), read here once at construction.
 
 Parameter names mirror HF's, except that q/k/v and gate/up are fused (see loader.STACKED_PARAMS).
 """
@@ -18,7 +19,7 @@ LOGITS_SLICE_MIN_ROWS = 8  # below this the product is bandwidth-bound and one c
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -28,7 +29,13 @@ class SelfAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+        elif cfg.qk_norm_whole:  # OLMo 2: over all heads at once
+            self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        self.qk_norm, self.qk_norm_whole = cfg.qk_norm, cfg.qk_norm_whole
+        self.sliding_window = cfg.layer_sliding_windows[layer_idx] if cfg.layer_sliding_windows else None
+        self.scale, self.logit_softcap = cfg.attn_scale, cfg.attn_logit_softcap
+        self.partial_rotary = cfg.rotary_dim is not None and cfg.rotary_dim < cfg.head_dim
 
     def forward(
         self,
@@ -40,28 +47,37 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if kernels.usable(q) and kv_cache[0].dtype == torch.float32:
+        attn = dict(scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
+        if not self.partial_rotary and kernels.usable(q) and kv_cache[0].dtype == torch.float32:
             # one pass: rotate q and k in place and write the new K/V rows into the paged cache
             kernels.rope_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), *kv_cache, meta.slot_mapping)
-            o = paged_attention(q, k, v, kv_cache, meta, kv_written=True)
+            o = paged_attention(q, k, v, kv_cache, meta, kv_written=True, **attn)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            o = paged_attention(q, k, v, kv_cache, meta)
+            o = paged_attention(q, k, v, kv_cache, meta, **attn)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg)
+        if not cfg.post_norms_only:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.sandwich_norms or cfg.post_norms_only:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.sandwich_norms, self.post_norms_only = cfg.sandwich_norms, cfg.post_norms_only
 
     def forward(
         self,
@@ -75,12 +91,19 @@ class DecoderLayer(nn.Module):
         """h: the previous sublayer's output (the embeddings for layer 0); residual: the running sum of
         the skip connections (None for layer 0). Returns (this layer's MLP output, residual); adding the
         two happens inside the next norm, fused."""
+        if self.post_norms_only:  # OLMo 2: h + norm(attn(h)), then h + norm(mlp(h))
+            residual = h if residual is None else h + residual
+            residual = residual + self.post_attention_layernorm(self.self_attn(residual, cos, sin, kv_cache, meta))
+            return self.post_feedforward_layernorm(self.mlp(residual)), residual
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
         a = self.self_attn(x, cos, sin, kv_cache, meta)
+        if self.sandwich_norms:  # Gemma: norm the attention output, add, then the MLP's own input norm
+            x, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(a), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm.add_forward(a, residual)
         return self.mlp(x), residual
 
@@ -89,9 +112,18 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.embed_scale = cfg.embed_scale
+        self.build_rotary(cfg, max_positions)
+
+    def build_rotary(self, cfg: ModelConfig, max_positions: int) -> None:
+        """The cos/sin tables (computed, not loaded): one set, plus the sliding layers' own (Gemma 3)."""
+        rotary_dim = cfg.rotary_dim or cfg.head_dim
+        self.rotary = RotaryEmbedding(cfg.rope, rotary_dim, max_positions)
+        self.rotary_local = (
+            None if cfg.rope_local is None else RotaryEmbedding(cfg.rope_local, rotary_dim, max_positions)
+        )
 
     def forward(
         self,
@@ -101,10 +133,14 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # (T, hidden)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the dtype first, as HF
         cos, sin = self.rotary(positions, h.dtype)
+        local = None if self.rotary_local is None else self.rotary_local(positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+            c, s = local if local is not None and layer.self_attn.sliding_window else (cos, sin)
+            h, residual = layer(h, residual, c, s, kv_cache, meta)
         return self.norm.add_forward(h, residual)[0]
 
 
@@ -130,6 +166,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(rows, hidden) → (rows, vocab) float32. For several rows the vocabulary is covered in slices:
         on CPU BLAS, one (32 × 576) @ (576 × 49152) product runs at half the speed of 2048-wide slices."""
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma 2
+            return torch.tanh(self._logits(hidden) / cap) * cap
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.lm_head.weight
         if self.lm_head.fast_path(hidden) is not None:
             return self.lm_head(hidden)  # C kernel or packed oneDNN weight: one call, already float32

@@ -43,9 +43,8 @@ def load_model(cfg: ModelConfig, max_positions: int, device: str) -> CausalLM:
         model = CausalLM(cfg, max_positions)
     model = model.to_empty(device=device)
     # The rotary tables are buffers computed, not loaded: rebuild them on the real device.
-    from lmserve.model.layers import RotaryEmbedding
-
-    model.model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions).to(device)
+    with torch.device(device):
+        model.model.build_rotary(cfg, max_positions)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(dtype)
@@ -62,6 +61,8 @@ def load_model(cfg: ModelConfig, max_positions: int, device: str) -> CausalLM:
         _copy_into(params[target], target, tensor, shard, cfg)
         loaded.add(target if shard is None else f"{target}#{shard}")
     _check_complete(params, loaded, cfg)
+    if cfg.norm_weight_offset:
+        _offset_norm_weights(model, cfg.norm_weight_offset)
     return model.eval()
 
 
@@ -78,6 +79,17 @@ def _checkpoint_tensors(cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Tens
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield file.name, name, f.get_tensor(name)
+
+
+def _offset_norm_weights(model: CausalLM, offset: float) -> None:
+    """Gemma's RMSNorm scales by (1 + weight): fold the 1 into the weights once, so every norm (and its
+    fused kernels) stays `weight * normalized`."""
+    from lmserve.model.layers import RMSNorm
+
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.add_(offset)
 
 
 def _map_name(name: str) -> tuple[str, int | None]:
@@ -124,7 +136,8 @@ def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], cfg: Mode
             ok = name in loaded or (cfg.tie_word_embeddings and name == "lm_head.weight")
         else:
             n = 3 if fused == "qkv_proj" else 2
-            ok = all(f"{name}#{i}" in loaded for i in range(n))
+            # Phi-3 checkpoints store qkv_proj / gate_up_proj already fused
+            ok = name in loaded or all(f"{name}#{i}" in loaded for i in range(n))
         if not ok:
             missing.append(name)
     if missing:

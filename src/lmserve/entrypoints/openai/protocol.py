@@ -308,9 +308,12 @@ class RequestError(ValueError):
         self.param = param
 
 
-def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def to_sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
     """Build SamplingParams (which validates ranges, raising ValueError naming the field) after the
-    server's own caps; RequestError for those."""
+    server's own caps; RequestError for those. `defaults` (the model's generation_config.json sampling
+    fields) fill the fields the request leaves unset."""
     _check_caps(req)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -340,6 +343,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
     }
+    kwargs.update({k: v for k, v in (defaults or {}).items() if optional.get(k) is None})
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return SamplingParams(**kwargs)
 

@@ -1,4 +1,4 @@
-"""`lmserve serve [--model DIR] [--host] [--port] [--api-key] ...`: the OpenAI-compatible HTTP server."""
+"""`lmserve serve [MODEL | --model DIR_OR_HUB_ID] [--host] [--port] ...`: the OpenAI-compatible HTTP server."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ logger = logging.getLogger("lmserve.serve")
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model (as `vllm serve`)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(

@@ -313,7 +313,7 @@ def _sampling_params(
     engine: AsyncEngine, body: p.CompletionRequest | p.ChatCompletionRequest, rename: dict[str, str]
 ) -> SamplingParams:
     try:
-        params = p.to_sampling_params(body)
+        params = p.to_sampling_params(body, engine.engine.generation_defaults)
     except p.RequestError as e:
         raise bad_request(str(e), e.param) from None
     except ValueError as e:
