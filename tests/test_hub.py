@@ -92,7 +92,7 @@ def test_local_directory_wins(tmp_path: Path, llama_dir: Path, monkeypatch: pyte
     shutil.copytree(llama_dir, local)
     monkeypatch.chdir(tmp_path)
     assert resolve_model_path("tiny-org/tiny-llama") == "tiny-org/tiny-llama"
-    with pytest.raises(ValueError, match="neither a local directory nor a Hugging Face Hub id"):
+    with pytest.raises(ValueError, match="neither a local path nor a Hugging Face Hub id"):
         resolve_model_path("no/such/dir")
 
 

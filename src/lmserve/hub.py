@@ -38,13 +38,13 @@ def is_repo_id(model: str) -> bool:
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
-    """The local directory holding `model`: the directory itself if it exists, else the Hub snapshot
+    """The local path of `model`: the directory (or a file, such as a .gguf) itself if it exists, else the Hub snapshot
     (downloaded into the HF cache unless HF_HUB_OFFLINE=1). Raises ValueError naming id and revision."""
     local = Path(model).expanduser()
-    if local.is_dir():
+    if local.exists():
         return str(local)
     if not is_repo_id(model):
-        raise ValueError(f"model: {model!r} is neither a local directory nor a Hugging Face Hub id ('org/name')")
+        raise ValueError(f"model: {model!r} is neither a local path nor a Hugging Face Hub id ('org/name')")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
