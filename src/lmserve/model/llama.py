@@ -45,9 +45,12 @@ class SelfAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if kernels.usable(q) and kv_cache[0].dtype == torch.float32:
-            # one pass: rotate q and k in place and write the new K/V rows into the paged cache
-            kernels.rope_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), *kv_cache, meta.slot_mapping)
+        if kernels.usable(q) and kv_cache.k.dtype in kernels.KV_CACHE_DTYPES:
+            # one pass: rotate q and k in place and write the new K/V rows (quantized) into the paged cache
+            kernels.rope_write_kv(
+                q, k, v, cos.squeeze(1), sin.squeeze(1), kv_cache.k, kv_cache.v, meta.slot_mapping,
+                kv_cache.k_scale, kv_cache.v_scale,
+            )  # fmt: skip
             o = paged_attention(q, k, v, kv_cache, meta, kv_written=True)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
