@@ -89,6 +89,7 @@ def test_silu_mul_matches_torch() -> None:
 def test_rope_write_kv_matches_torch(tokens: int) -> None:
     from lmserve.config import RopeConfig
     from lmserve.model.attention import write_kv
+    from lmserve.model.kv_cache import KVCache
     from lmserve.model.layers import RotaryEmbedding, apply_rotary
 
     heads, kv_heads, d, block_size = 6, 2, 16, 4
@@ -99,7 +100,7 @@ def test_rope_write_kv_matches_torch(tokens: int) -> None:
     q, k, v = (t.view(tokens, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
     slots = torch.randperm(8 * block_size)[:tokens]
     caches = [torch.zeros(8, block_size, kv_heads, d) for _ in range(4)]
-    write_kv((caches[0], caches[1]), apply_rotary(k, cos, sin), v, slots)
+    write_kv(KVCache(caches[0], caches[1]), apply_rotary(k, cos, sin), v, slots)
     q_expected = apply_rotary(q, cos, sin)
     kernels.rope_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), caches[2], caches[3], slots)
     torch.testing.assert_close(q, q_expected, atol=1e-6, rtol=1e-6)

@@ -41,11 +41,11 @@ def test_kv_pool_sized_by_the_memory_ledger(llama_dir: Path) -> None:
     # tiny llama: 2 layers x 2 KV heads x head_dim 16 x fp32 → 2*2*2*16*4 = 512 B per token
     assert cache.kv_bytes_per_token == memory.kv_bytes_per_token(2, 2, 16, 4) == 512
     assert cache.num_blocks == memory.max_num_kv_blocks(int(0.001 * 2**30), 8, 512) == 262
-    k_cache = llm.engine.runner.kv_caches[0][0]
+    k_cache = llm.engine.runner.kv_caches[0].k
     assert tuple(k_cache.shape) == (262, 8, 2, 16)
     m = llm.get_metrics()
     assert m["kv_cache_capacity_tokens"] == 262 * 8 and m["kv_cache_bytes_per_token"] == 512
-    actual = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in llm.engine.runner.kv_caches)
+    actual = sum(c.nbytes for c in llm.engine.runner.kv_caches)
     assert m["kv_cache_capacity_bytes"] == actual, "the ledger's figure is what the engine allocated"
 
 

@@ -15,7 +15,9 @@ from lmserve.memory import (
     format_bytes,
     kv_bytes_per_token,
     kv_bytes_per_token_per_layer,
+    kv_cache_bytes_per_token,
     kv_heads_per_rank,
+    kv_scale_bytes_per_token,
     load_model_shape,
     max_concurrent_requests,
     max_num_kv_blocks,
@@ -287,12 +289,30 @@ def test_llama3_8b_128k_context_is_16_gib_and_4x_smaller_than_mha() -> None:
     assert any("max_position_embeddings" in n for n in r.notes)  # Llama-3 (not 3.1) is 8k
 
 
-def test_kv_dtypes_scale_linearly() -> None:
+def test_kv_dtypes_scale_linearly_and_8_bit_ones_pay_for_scales() -> None:
     s = llama3_8b()
     per = {
         d: memory_report(s, kv_dtype=d).kv_bytes_per_token for d in ("fp32", "bf16", "fp16", "fp8", "int8")
     }
-    assert per == {"fp32": 256 * KiB, "bf16": 128 * KiB, "fp16": 128 * KiB, "fp8": 64 * KiB, "int8": 64 * KiB}
+    # int8 / fp8: one float32 scale per (token, KV head) for K and V: 2 * 32 layers * 8 KV heads * 4 B = 2 KiB
+    scales = 2 * 32 * 8 * 4
+    assert per == {
+        "fp32": 256 * KiB, "bf16": 128 * KiB, "fp16": 128 * KiB, "fp8": 64 * KiB + scales, "int8": 64 * KiB + scales
+    }  # fmt: skip
+    r = memory_report(s, kv_dtype="int8")
+    assert r.kv_scale_bytes_per_token == scales and memory_report(s, kv_dtype="bf16").kv_scale_bytes_per_token == 0
+    assert "of which scales 2,048 B" in r.format_table()
+
+
+def test_kv_cache_bytes_per_token_per_dtype() -> None:
+    # the benchmark model's shape: 30 layers, 3 KV heads, head_dim 64
+    assert kv_cache_bytes_per_token(30, 3, 64, "float32") == 2 * 30 * 3 * 64 * 4 == 46_080
+    assert kv_cache_bytes_per_token(30, 3, 64, "bfloat16") == 23_040
+    assert kv_cache_bytes_per_token(30, 3, 64, "int8") == 11_520 + 720
+    assert kv_cache_bytes_per_token(30, 3, 64, "fp8_e4m3") == 11_520 + 720
+    assert kv_scale_bytes_per_token(30, 3, "int8") == 720 and kv_scale_bytes_per_token(30, 3, "bfloat16") == 0
+    with pytest.raises(ValueError, match="unknown dtype 'int4'"):
+        kv_cache_bytes_per_token(30, 3, 64, "int4")
 
 
 def test_kv_bytes_rejects_bad_input() -> None:

@@ -26,6 +26,9 @@ def _snapshot(**overrides) -> EngineSnapshot:
         "kv_cache_capacity_tokens": 1024,
         "kv_cache_bytes_per_token": 512,
         "kv_cache_capacity_bytes": 524288,
+        "kv_cache_dtype": "int8",
+        "kv_cache_scale_bytes_per_token": 32,
+        "kv_cache_max_concurrent_requests": 8,
         "finished_requests_by_reason": {"stop": 1, "length": 2, "abort": 4},
     }
     metrics.update(overrides)
@@ -57,6 +60,8 @@ def test_engine_counters_and_gauges_come_from_the_snapshot() -> None:
     assert s["lmserve:kv_cache_usage_perc"] == 0.25 and s["lmserve:num_batched_tokens"] == 17
     assert s["lmserve:kv_cache_capacity_tokens"] == 1024 and s["lmserve:kv_cache_bytes_per_token"] == 512
     assert s["lmserve:kv_cache_capacity_bytes"] == 524288
+    assert s["lmserve:kv_cache_scale_bytes_per_token"] == 32 and s["lmserve:kv_cache_max_concurrent_requests"] == 8
+    assert s["lmserve:kv_cache_dtype_info{kv_cache_dtype=int8}"] == 1
 
 
 def test_nothing_from_the_engine_while_loading() -> None:

@@ -126,7 +126,7 @@ def test_sharded_checkpoint_loads(tmp_path: Path, llama_dir: Path) -> None:
 
 def test_bfloat16_runs(llama_dir: Path) -> None:
     llm = LLM(str(llama_dir), num_kv_blocks=64, dtype="bfloat16")
-    assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert llm.engine.runner.kv_caches[0].k.dtype == torch.bfloat16
     out = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
 

@@ -15,6 +15,7 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("continuous", "static")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 GENERATION_CONFIG_MODES = ("auto", "vllm")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")  # auto: the model dtype
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,9 @@ class CacheConfig:
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # values and (8-bit dtypes) scales, all layers: memory.kv_cache_bytes_per_token
+    kv_cache_dtype: str = "float32"  # resolved: float32 | bfloat16 | float16 | int8 | fp8_e4m3
+    kv_scale_bytes_per_token: int = 0  # the part of kv_bytes_per_token that is scales
 
     @property
     def num_tokens(self) -> int:
@@ -256,8 +259,12 @@ class CacheConfig:
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of K and V tensors over all layers (the ledger's bytes per token × pool tokens)."""
+        """Bytes of the K, V (and scale) tensors over all layers (the ledger's bytes per token × pool tokens)."""
         return self.num_tokens * self.kv_bytes_per_token
+
+    def max_concurrent_requests(self, num_tokens: int) -> int:
+        """Requests of num_tokens tokens whose blocks the pool holds at once."""
+        return self.num_blocks // -(-num_tokens // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -299,6 +306,7 @@ class EngineArgs:
     scheduling_policy: str = "continuous"
     dtype: str = "auto"
     weight_dtype: str | None = None
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     revision: str | None = None  # Hub revision (branch, tag or commit) when `model` is a Hub id
@@ -350,11 +358,15 @@ class EngineArgs:
                 f"with enable_chunked_prefill=False, max_num_batched_tokens ({budget}) must be >= "
                 f"max_model_len ({max_model_len}) so every prompt fits one step"
             )
-        kv_bytes_per_token = memory.kv_bytes_per_token(
-            model.num_layers, model.num_kv_heads, model.head_dim, memory.dtype_bytes(model.dtype)
+        kv_dtype = self._kv_cache_dtype(model.dtype)
+        kv_bytes_per_token = memory.kv_cache_bytes_per_token(
+            model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype
         )
         num_blocks = self._num_kv_blocks(kv_bytes_per_token)
-        cache = CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token)
+        cache = CacheConfig(
+            self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token, kv_dtype,
+            memory.kv_scale_bytes_per_token(model.num_layers, model.num_kv_heads, kv_dtype),
+        )  # fmt: skip
         if cache.num_tokens < max_model_len:
             if self.max_model_len is not None:
                 raise ValueError(
@@ -389,6 +401,13 @@ class EngineArgs:
                 f"dtype={model_dtype!r} on device {self.device!r} pass dtype='bfloat16' instead"
             )
         return "bfloat16"
+
+    def _kv_cache_dtype(self, model_dtype: str) -> str:
+        """The dtype K and V are stored in: auto → the model dtype; int8 / fp8_e4m3 carry a float32 scale
+        per (token, KV head), written with the values."""
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def _num_kv_blocks(self, kv_bytes_per_token: int) -> int:
         from lmserve import memory

@@ -7,7 +7,8 @@ anything and `lmserve memory` can answer "will it fit?" without a GPU. The only 
 
 Conventions
 -----------
-* KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * dtype bytes.
+* KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * dtype bytes; the 8-bit KV dtypes
+  (int8, fp8) add a float32 scale per (token, KV head) for K and for V: 2 * layers * kv_heads * 4 bytes.
 * Paged KV: a request holds whole blocks, ceil(seq_len / block_size) of them.
 * Byte strings: ``KiB/MiB/GiB/TiB`` are powers of 1024, ``KB/MB/GB/TB`` powers of 1000, and a
   bare ``K/M/G/T`` (as in ``80G``) is binary, i.e. GiB, like Docker's ``--memory 80g``.
@@ -37,6 +38,8 @@ __all__ = [
     "format_bytes",
     "kv_bytes_per_token",
     "kv_bytes_per_token_per_layer",
+    "kv_cache_bytes_per_token",
+    "kv_scale_bytes_per_token",
     "kv_heads_per_rank",
     "load_model_shape",
     "max_concurrent_requests",
@@ -323,6 +326,28 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return num_layers * kv_bytes_per_token_per_layer(num_kv_heads, head_dim, dtype_bytes)
 
 
+QUANTIZED_KV_DTYPES = frozenset({"int8", "fp8", "float8", "fp8_e4m3", "fp8_e5m2"})
+KV_SCALE_BYTES = 4  # one float32 scale per (token, KV head) for K and one for V
+
+
+def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int, kv_dtype: str) -> int:
+    """Bytes of quantization scales per token across all layers: 2 * layers * kv_heads * 4 for the 8-bit
+    KV dtypes (int8, fp8), 0 for the float ones (their values need no scale)."""
+    _positive("num_layers", num_layers)
+    _positive("num_kv_heads", num_kv_heads)
+    dtype_bytes(kv_dtype)  # unknown names are an error here too
+    if kv_dtype.strip().lower().removeprefix("torch.") not in QUANTIZED_KV_DTYPES:
+        return 0
+    return 2 * num_layers * num_kv_heads * KV_SCALE_BYTES
+
+
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """What one token costs in the paged KV pool stored as ``kv_dtype``: K and V values plus, for the
+    8-bit dtypes, their scales. The engine sizes its pool with this."""
+    values = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes(kv_dtype))
+    return values + kv_scale_bytes_per_token(num_layers, num_kv_heads, kv_dtype)
+
+
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     """KV heads one tensor-parallel rank stores: kv_heads / tp, or 1 (replicated) when there are
     fewer KV heads than ranks. Needs kv_heads % tp == 0 or tp % kv_heads == 0."""
@@ -427,8 +452,9 @@ class MemoryReport:
     num_parameters_per_rank: int
     weight_bytes: int
     weight_bytes_per_rank: int
-    # KV cache, whole model (unsharded)
+    # KV cache, whole model (unsharded); per-token figures include the 8-bit dtypes' scales
     kv_bytes_per_token: int
+    kv_scale_bytes_per_token: int
     kv_bytes_per_token_per_layer: int
     mha_kv_bytes_per_token: int
     gqa_factor: float
@@ -496,6 +522,7 @@ class MemoryReport:
             (
                 "  per token",
                 f"{format_bytes(self.kv_bytes_per_token)} ({self.kv_bytes_per_token:,} B)"
+                + (f", of which scales {self.kv_scale_bytes_per_token:,} B" if self.kv_scale_bytes_per_token else "")
                 + (f"   [per rank: {_fmt(self.kv_bytes_per_token_per_rank)}]" if tp > 1 else ""),
             )
         )
@@ -572,7 +599,7 @@ def memory_report(
     _positive("batch", batch)
     _positive("block_size", block_size)
     _check_tp(shape, tp)
-    kv_b = dtype_bytes(kv_dtype)
+    dtype_bytes(kv_dtype)  # an unknown KV dtype name is an error before anything else
     w_b = dtype_bytes(weight_dtype)
     if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
         raise ValueError(f"reserve_bytes must be a non-negative integer, got {reserve_bytes!r}")
@@ -589,11 +616,13 @@ def memory_report(
     weight_bytes = math.ceil(params * w_b)
     weight_bytes_rank = math.ceil(params_rank * w_b)
 
-    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_b)
-    per_layer = kv_bytes_per_token_per_layer(shape.num_kv_heads, shape.head_dim, kv_b)
-    mha = kv_bytes_per_token(shape.num_layers, shape.num_attention_heads, shape.head_dim, kv_b)
-    heads_rank = kv_heads_per_rank(shape.num_kv_heads, tp)
-    per_token_rank = kv_bytes_per_token(shape.num_layers, heads_rank, shape.head_dim, kv_b)
+    # per-token sizes: values plus, for the 8-bit KV dtypes, their scales
+    layers, heads_rank = shape.num_layers, kv_heads_per_rank(shape.num_kv_heads, tp)
+    per_token = kv_cache_bytes_per_token(layers, shape.num_kv_heads, shape.head_dim, kv_dtype)
+    scales = kv_scale_bytes_per_token(layers, shape.num_kv_heads, kv_dtype)
+    per_layer = kv_cache_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, kv_dtype)
+    mha = kv_cache_bytes_per_token(layers, shape.num_attention_heads, shape.head_dim, kv_dtype)
+    per_token_rank = kv_cache_bytes_per_token(layers, heads_rank, shape.head_dim, kv_dtype)
     n_blocks_req = blocks_per_request(seq_len, block_size)
 
     notes: list[str] = []
@@ -646,6 +675,7 @@ def memory_report(
         weight_bytes=weight_bytes,
         weight_bytes_per_rank=weight_bytes_rank,
         kv_bytes_per_token=per_token,
+        kv_scale_bytes_per_token=scales,
         kv_bytes_per_token_per_layer=per_layer,
         mha_kv_bytes_per_token=mha,
         gqa_factor=shape.gqa_ratio,

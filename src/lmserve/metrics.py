@@ -95,7 +95,24 @@ class _EngineCollector(Collector):
         yield gauge(
             "kv_cache_bytes_per_token", "KV bytes per token over all layers.", m["kv_cache_bytes_per_token"]
         )
-        yield gauge("kv_cache_capacity_bytes", "Bytes of the KV pool.", m["kv_cache_capacity_bytes"])
+        yield gauge(
+            "kv_cache_capacity_bytes", "Bytes of the KV pool (values and scales).", m["kv_cache_capacity_bytes"]
+        )
+        yield gauge(
+            "kv_cache_scale_bytes_per_token",
+            "Bytes per token of int8 / fp8 KV scales (part of kv_cache_bytes_per_token).",
+            m["kv_cache_scale_bytes_per_token"],
+        )
+        yield gauge(
+            "kv_cache_max_concurrent_requests",
+            "Requests of max_model_len tokens whose KV fits the pool at once.",
+            m["kv_cache_max_concurrent_requests"],
+        )
+        info = GaugeMetricFamily(
+            PREFIX + "kv_cache_dtype_info", "The KV cache storage dtype (value 1).", labels=[*labels, "kv_cache_dtype"]
+        )
+        info.add_metric([*values, m["kv_cache_dtype"]], 1)
+        yield info
 
 
 class Metrics:

@@ -351,6 +351,11 @@ class LLMEngine:
             "kv_cache_capacity_tokens": self.config.cache.num_tokens,
             "kv_cache_bytes_per_token": self.config.cache.kv_bytes_per_token,
             "kv_cache_capacity_bytes": self.config.cache.pool_bytes,
+            "kv_cache_dtype": self.config.cache.kv_cache_dtype,
+            "kv_cache_scale_bytes_per_token": self.config.cache.kv_scale_bytes_per_token,
+            "kv_cache_max_concurrent_requests": self.config.cache.max_concurrent_requests(
+                self.config.scheduler.max_model_len
+            ),  # of max_model_len tokens each: the concurrency the pool buys
             "finished_requests_by_reason": dict(c.num_finished_by_reason),
         }
 

@@ -30,6 +30,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="bfloat16: keep the linear weights in bf16 and compute in fp32 on the CPU (faster decode, "
         "weights rounded to bf16); default: the model dtype",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3"],
+        help="dtype of the paged KV cache: auto = the model dtype; int8 / fp8_e4m3 store a float32 scale per "
+        "(token, KV head) and fit ~4x the tokens of float32 in the same memory, bfloat16 ~2x",
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -53,6 +60,7 @@ ENGINE_ARG_NAMES = (
     "tokenizer",
     "dtype",
     "weight_dtype",
+    "kv_cache_dtype",
     "device",
     "block_size",
     "num_kv_blocks",

@@ -22,7 +22,7 @@ from lmserve.memory import (
 )
 from lmserve.memory_presets import PRESETS, get_preset, preset_names
 
-KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "int8")
 
 
 def add_memory_parser(subparsers: Any) -> None:

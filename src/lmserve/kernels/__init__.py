@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 MAX_HEADS = 256  # query heads the attention kernel's stack arrays hold (MAX_GROUP_HEADS in the C source)
+# KV cache storage dtypes the attention and RoPE+KV-write kernels read and write (the `kind` of the *_q variants;
+# float32 takes the original kernels). int8 and fp8 come with a float32 scale per (slot, KV head).
+KV_CACHE_DTYPES = {torch.float32: -1, torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -107,6 +110,14 @@ def _load() -> ctypes.CDLL | None:
     lib.silu_mul_f32.restype = None
     lib.rope_write_kv_f32.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
     lib.rope_write_kv_f32.restype = None
+    lib.paged_decode_attention_q.argtypes = [
+        _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    lib.paged_decode_attention_q.restype = None
+    lib.rope_write_kv_q.argtypes = [
+        _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    lib.rope_write_kv_q.restype = None
     return lib
 
 
@@ -169,13 +180,17 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, H, D) against K/V caches (num_blocks, block_size, KVH, D) through block_tables (B, max_blocks)
-    int64, each row attending to its first context_lens[b] tokens. Returns (B, H, D) float32."""
+    int64, each row attending to its first context_lens[b] tokens. Returns (B, H, D) float32.
+    The caches are float32, bfloat16, or int8 / float8_e4m3fn with k_scale, v_scale (num_blocks, block_size,
+    KVH) float32 (lmserve/model/kv_cache.py); values are converted in registers, never copied."""
     assert _lib is not None, "kernels not loaded: call available() first"
     q = q.contiguous()
-    for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        _check(t, n)
+    kind = _kv_kind(k_cache, v_cache, k_scale, v_scale)
+    _check(q, "q")
     _check(block_tables, "block_tables", torch.int64)
     _check(context_lens, "context_lens", torch.int64)
     b, h, d = q.shape
@@ -183,11 +198,39 @@ def paged_decode_attention(
     assert dk == d and h % kvh == 0 and h <= MAX_HEADS, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
     assert block_tables.shape[0] == b and context_lens.shape == (b,), "one block table and length per query"
     out = torch.empty_like(q)
-    _lib.paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-        out.data_ptr(), b, h, kvh, d, block_size, block_tables.shape[1], scale, torch.get_num_threads(),
-    )
+    args = (block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, block_size)
+    if kind < 0:
+        _lib.paged_decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *args, block_tables.shape[1], scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    else:
+        _lib.paged_decode_attention_q(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _ptr(k_scale), _ptr(v_scale), *args,
+            block_tables.shape[1], scale, kind, torch.get_num_threads(),
+        )  # fmt: skip
     return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _kv_kind(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> int:
+    """The C `kind` of a cache (-1: float32), after checking values and scales agree in dtype and layout."""
+    assert k_cache.dtype in KV_CACHE_DTYPES, f"no kernel reads a {k_cache.dtype} KV cache"
+    for t, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check(t, n, k_cache.dtype)
+    assert v_cache.shape == k_cache.shape, f"k_cache {tuple(k_cache.shape)} vs v_cache {tuple(v_cache.shape)}"
+    scaled = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    for t, n in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        assert (t is not None) == scaled, f"{n}: needed exactly for int8 / fp8 caches ({k_cache.dtype})"
+        if t is not None:
+            _check(t, n)
+            assert t.shape == k_cache.shape[:3], f"{n} {tuple(t.shape)}: one scale per (slot, KV head)"
+    return KV_CACHE_DTYPES[k_cache.dtype]
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -238,21 +281,33 @@ def rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotate q (T, H, D) and k (T, KVH, D) in place (rotate-half RoPE with cos/sin (T, D)), then write
-    k and v rows into the caches (num_blocks, block_size, KVH, D) at slot_mapping (T,) int64."""
+    k and v rows into the caches (num_blocks, block_size, KVH, D) at slot_mapping (T,) int64: float32 as is,
+    bfloat16 rounded to nearest even, int8 / float8_e4m3fn quantized per row with its scale written to
+    k_scale / v_scale (the bytes model/kv_cache.quantize produces)."""
     assert _lib is not None, "kernels not loaded: call available() first"
     qs, ks, vs = _token_rows(q, "q"), _token_rows(k, "k"), _token_rows(v, "v")
     t, h, d = q.shape
     kvh = k.shape[1]
     assert k.shape == v.shape == (t, kvh, d) and d % 2 == 0, f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}"
-    for c, n in ((cos, "cos"), (sin, "sin"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+    kind = _kv_kind(k_cache, v_cache, k_scale, v_scale)
+    for c, n in ((cos, "cos"), (sin, "sin")):
         _check(c, n)
     assert cos.shape == sin.shape == (t, d), f"cos/sin must be ({t}, {d}), got {tuple(cos.shape)}"
-    assert k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape, "cache layout (blocks, size, KVH, D)"
+    assert k_cache.shape[2:] == (kvh, d), "cache layout (blocks, size, KVH, D)"
     _check(slot_mapping, "slot_mapping", torch.int64)
     assert slot_mapping.shape == (t,), "one slot per token"
-    _lib.rope_write_kv_f32(
-        q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, cos.data_ptr(), sin.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), t, h, kvh, d, torch.get_num_threads(),
-    )
+    rows = (q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, cos.data_ptr(), sin.data_ptr())
+    if kind < 0:
+        _lib.rope_write_kv_f32(
+            *rows, k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), t, h, kvh, d,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    else:
+        _lib.rope_write_kv_q(
+            *rows, k_cache.data_ptr(), v_cache.data_ptr(), _ptr(k_scale), _ptr(v_scale), slot_mapping.data_ptr(),
+            t, h, kvh, d, kind, torch.get_num_threads(),
+        )  # fmt: skip

@@ -1,7 +1,7 @@
 """Paged attention: K/V of new tokens are written into the block-structured cache by slot mapping,
 and queries read their history back through block tables.
 
-Cache layout per layer (one tensor for K, one for V):
+Cache layout per layer (one tensor for K, one for V; see kv_cache.py for the storage dtypes and scales):
 
     (num_blocks, block_size, num_kv_heads, head_dim)
     slot = block_id * block_size + offset_in_block   →   flat row of view(-1, num_kv_heads, head_dim)
@@ -18,8 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from lmserve import kernels
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from lmserve.model.kv_cache import KVCache
 
 
 @dataclass
@@ -71,10 +70,7 @@ class AttentionMetadata:
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    k_cache, v_cache = kv_cache
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    kv_cache.write(k, v, slot_mapping)
 
 
 def paged_attention(
@@ -137,25 +133,18 @@ def _attend(
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """(..., num_blocks) block ids → (..., num_blocks * block_size, KVH, D) tokens, in table order.
-    index_select on whole blocks copies contiguous rows (advanced indexing is several times slower)."""
-    gathered = cache.index_select(0, block_tables.reshape(-1))
-    return gathered.view(*block_tables.shape[:-1], -1, *cache.shape[-2:])
-
-
 def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, spec: _Spec) -> torch.Tensor:
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None, "decode metadata missing"
-    k_cache, v_cache = kv_cache
-    if spec.plain and kernels.usable(q) and k_cache.dtype == torch.float32:
-        # Reads each sequence's blocks in place: no gather copy, no padding to the longest sequence.
+    if spec.plain and kernels.usable(q) and kv_cache.k.dtype in kernels.KV_CACHE_DTYPES:
+        # Reads each sequence's blocks in place (dequantizing in registers): no gather copy, no padding.
         return kernels.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, spec.scale
-        )
-    k = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # (B, KVH, L, D)
-    v = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+            q, kv_cache.k, kv_cache.v, meta.decode_block_tables, meta.decode_context_lens, spec.scale,
+            kv_cache.k_scale, kv_cache.v_scale,
+        )  # fmt: skip
+    k, v = kv_cache.gather(meta.decode_block_tables, q.dtype)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, KVH, L, D)
     qb = q.unsqueeze(2)  # (B, H, 1, D)
-    o = _attend(qb, k, v, meta.decode_mask(k_cache.shape[1], spec.sliding_window), spec)
+    o = _attend(qb, k, v, meta.decode_mask(kv_cache.block_size, spec.sliding_window), spec)
     return o.squeeze(2)
 
 
@@ -178,8 +167,9 @@ def _prefill_attention(
     else:
         # Reads the cache after this layer wrote the whole step's K/V (blocks shared within the step included).
         total = seg.num_context_tokens + (seg.end - seg.start)
-        ks = _gather(kv_cache[0], seg.block_table)[:total].transpose(0, 1).unsqueeze(0)  # (1, KVH, total, D)
-        vs = _gather(kv_cache[1], seg.block_table)[:total].transpose(0, 1).unsqueeze(0)
+        kc, vc = kv_cache.gather(seg.block_table, q.dtype)  # context dequantized (the chunk's own rows too)
+        ks = kc[:total].transpose(0, 1).unsqueeze(0)  # (1, KVH, total, D)
+        vs = vc[:total].transpose(0, 1).unsqueeze(0)
     o = _attend(qs, ks, vs, mask, spec)
     return o[0].transpose(0, 1)
 

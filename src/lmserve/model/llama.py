@@ -55,9 +55,12 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         attn = dict(scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
-        if not self.partial_rotary and kernels.usable(q) and kv_cache[0].dtype == torch.float32:
-            # one pass: rotate q and k in place and write the new K/V rows into the paged cache
-            kernels.rope_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), *kv_cache, meta.slot_mapping)
+        if not self.partial_rotary and kernels.usable(q) and kv_cache.k.dtype in kernels.KV_CACHE_DTYPES:
+            # one pass: rotate q and k in place and write the new K/V rows (quantized) into the paged cache
+            kernels.rope_write_kv(
+                q, k, v, cos.squeeze(1), sin.squeeze(1), kv_cache.k, kv_cache.v, meta.slot_mapping,
+                kv_cache.k_scale, kv_cache.v_scale,
+            )  # fmt: skip
             o = paged_attention(q, k, v, kv_cache, meta, kv_written=True, **attn)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

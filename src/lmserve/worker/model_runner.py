@@ -9,9 +9,10 @@ import torch
 from lmserve import kernels
 from lmserve.config import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from lmserve.model.attention import AttentionMetadata, KVCache, PrefillSegment, causal_mask_with_context
+from lmserve.model.attention import AttentionMetadata, PrefillSegment, causal_mask_with_context
+from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import pack_linear_weights, round_linear_weights_to_bf16
-from lmserve.model.loader import TORCH_DTYPES, load_model
+from lmserve.model.loader import load_model
 from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
@@ -46,16 +47,19 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def _allocate_kv_caches(self) -> list[KVCache]:
-        mc, cc = self.config.model, self.config.cache
-        shape = (cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
-        dtype = TORCH_DTYPES[mc.dtype]
-        return [
-            (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
-            )
+        mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
+        caches = [
+            KVCache.allocate(cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, cc.kv_cache_dtype, self.device)
             for _ in range(mc.num_layers)
         ]
+        scales = f", of which scales {cc.kv_scale_bytes_per_token} B" if cc.kv_scale_bytes_per_token else ""
+        logger.info(
+            "KV cache %s: %d blocks × %d = %d tokens, %.1f MiB (%d B/token%s); %d concurrent requests of "
+            "max_model_len=%d",
+            cc.kv_cache_dtype, cc.num_blocks, cc.block_size, cc.num_tokens, cc.pool_bytes / 2**20,
+            cc.kv_bytes_per_token, scales, cc.max_concurrent_requests(sc.max_model_len), sc.max_model_len,
+        )  # fmt: skip
+        return caches
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -92,11 +92,12 @@ def run_serve(args: argparse.Namespace) -> int:
     def ready(engine: AsyncEngine) -> None:
         c = engine.config
         logger.info(
-            "serving %r (%s) dtype=%s device=%s KV pool %d blocks × %d = %d tokens (%s, %s/token) "
-            "max_model_len=%d at %s",
-            name, c.model.path, c.model.dtype, c.device, c.cache.num_blocks, c.cache.block_size,
-            c.cache.num_tokens, format_bytes(c.cache.pool_bytes), format_bytes(c.cache.kv_bytes_per_token),
-            c.scheduler.max_model_len, url,
+            "serving %r (%s) dtype=%s device=%s KV pool %s %d blocks × %d = %d tokens (%s, %s/token) "
+            "max_model_len=%d (%d concurrent) at %s",
+            name, c.model.path, c.model.dtype, c.device, c.cache.kv_cache_dtype, c.cache.num_blocks,
+            c.cache.block_size, c.cache.num_tokens, format_bytes(c.cache.pool_bytes),
+            format_bytes(c.cache.kv_bytes_per_token), c.scheduler.max_model_len,
+            c.cache.max_concurrent_requests(c.scheduler.max_model_len), url,
         )  # fmt: skip
 
     app = build_app(
