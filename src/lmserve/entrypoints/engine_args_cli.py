@@ -18,6 +18,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="bfloat16: keep the linear weights in bf16 and compute in fp32 on the CPU (faster decode, "
         "weights rounded to bf16); default: the model dtype",
     )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="int8: W8A8 (int8 weights per output channel, int8 activations per token); int4: weight-only, "
+        "group-wise scales. CPU, float32 compute; embeddings and LM head stay float32. A checkpoint written "
+        "by `lmserve quantize` needs no flag",
+    )
+    g.add_argument("--quantization-group-size", type=int, default=32, help="int4: inputs per scale (default 32)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -46,6 +55,8 @@ ENGINE_ARG_NAMES = (
     "enable_chunked_prefill",
     "scheduling_policy",
     "seed",
+    "quantization",
+    "quantization_group_size",
 )
 
 
