@@ -313,3 +313,33 @@ def test_mismatched_or_corrupt_checkpoint_is_refused(int4_checkpoint: Path, tmp_
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="corrupt or truncated"):
         LLM(str(truncated), num_kv_blocks=8)
+
+
+# ---- memory ledger ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_memory_ledger_counts_quantized_bytes_exactly(llama_dir: Path, method: str) -> None:
+    from lmserve.memory import load_model_shape, memory_report
+
+    llm = LLM(str(llama_dir), num_kv_blocks=16, quantization=method)
+    llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False)  # decode steps build the int8 row sums
+    model = llm.engine.runner.model
+    held = sum(p.nbytes for p in model.parameters())  # embeddings (tied LM head once), norms: float32
+    held += sum(b.nbytes for n, b in model.named_buffers() if n.endswith((".qweight", ".scales")))
+    row_sums = [m._row_sums for m in model.modules() if isinstance(m, Linear) and m._row_sums is not None]
+    assert len(row_sums) == (2 * 4 if method == "int8" else 0)  # 2 layers x qkv, o, gate_up, down
+    held += sum(r.nbytes for r in row_sums)
+    report = memory_report(load_model_shape(llama_dir), weight_dtype="fp32", quantization=method)
+    assert report.weight_bytes == held
+    assert "projections" in report.format_table()
+
+
+def test_memory_cli_reads_a_quantized_checkpoint(int4_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    from lmserve.entrypoints.cli import main
+
+    assert main(["memory", "--model", str(int4_checkpoint), "--weight-dtype", "fp32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["quantization"], report["quantization_group_size"]) == ("int4", 32)
+    full = json.loads((int4_checkpoint / "config.json").read_text())
+    assert report["weight_bytes"] < full["hidden_size"] * full["vocab_size"] * 4 * 2
