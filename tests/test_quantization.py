@@ -343,3 +343,26 @@ def test_memory_cli_reads_a_quantized_checkpoint(int4_checkpoint: Path, capsys: 
     assert (report["quantization"], report["quantization_group_size"]) == ("int4", 32)
     full = json.loads((int4_checkpoint / "config.json").read_text())
     assert report["weight_bytes"] < full["hidden_size"] * full["vocab_size"] * 4 * 2
+
+
+# ---- server ----------------------------------------------------------------------------------------------
+
+
+def test_server_serves_the_quantized_model(llama_dir: Path, tmp_path: Path) -> None:
+    import httpx
+
+    from tests.test_server import MODEL_NAME, LiveServer
+
+    srv = LiveServer(llama_dir, tmp_path / "server.log", "--quantization", "int8")
+    try:
+        srv.wait_healthy()
+        body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        served = r.json()["choices"][0]["text"]
+    finally:
+        srv.stop()
+    assert "int8 weights: 1-2 row kernel" in srv.log(), "the server logs which int8 kernel runs"
+    offline = LLM(str(llama_dir), num_kv_blocks=64, quantization="int8")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert served == offline.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text
