@@ -366,3 +366,22 @@ def test_server_serves_the_quantized_model(llama_dir: Path, tmp_path: Path) -> N
     offline = LLM(str(llama_dir), num_kv_blocks=64, quantization="int8")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert served == offline.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text
+
+
+# ---- bfloat16 compute on the CPU ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags", [{"amx_bf16", "avx512_bf16"}, {"avx2"}])
+def test_bf16_compute_says_whether_the_cpu_has_bf16_instructions(
+    llama_dir: Path, flags: set[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    with caplog.at_level("INFO", logger="lmserve.worker.model_runner"):
+        llm = LLM(str(llama_dir), num_kv_blocks=16, dtype="bfloat16")
+    text = caplog.text
+    if "amx_bf16" in flags:
+        assert "oneDNN bf16 GEMMs on this CPU's amx_bf16 and avx512_bf16" in text
+    else:
+        assert "neither avx512_bf16 nor amx_bf16" in text and "WARNING" in text
+    out = llm.generate(["a"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3

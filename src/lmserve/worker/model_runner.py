@@ -35,6 +35,20 @@ def _log_quantized_kernels(method: str) -> None:
         logger.warning("int8: this CPU has no VNNI instructions; the int8 kernels run a portable (slower) loop")
 
 
+def _log_bf16_compute() -> None:
+    """dtype=bfloat16 on the CPU: matmuls run as oneDNN bf16 GEMMs, fast only with AVX512-BF16 / AMX-BF16."""
+    flags = kernels.cpu_flags()
+    native = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    if native:
+        logger.info("bfloat16 compute: oneDNN bf16 GEMMs on this CPU's %s", " and ".join(native))
+    else:
+        logger.warning(
+            "bfloat16 compute: this CPU has neither avx512_bf16 nor amx_bf16, so bf16 matmuls are emulated "
+            "(converted to float32) and run slower than dtype=float32; prefer dtype float32, or "
+            "weight_dtype=bfloat16 to halve the weight bytes a decode step reads"
+        )
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -53,6 +67,8 @@ class ModelRunner:
             if not kernels.available():
                 raise ValueError("weight_dtype='bfloat16' needs the CPU kernels (a C compiler); none could be built")
             round_linear_weights_to_bf16(self.model)
+        if self.device.type == "cpu" and mc.dtype == "bfloat16":
+            _log_bf16_compute()
         if self.device.type == "cpu":
             # oneDNN-packed copies of the projection weights, if they fit in a quarter of the free RAM.
             self.packed_weight_bytes = pack_linear_weights(self.model, available_ram_bytes() // 4)
