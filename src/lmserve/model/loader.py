@@ -109,10 +109,9 @@ def _map_name(name: str) -> tuple[str, int | None]:
 def _copy_into(
     param: torch.Tensor, target: str, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig
 ) -> None:
-    if tensor.dtype != param.dtype and not (tensor.is_floating_point() and param.is_floating_point()):
+    quantized = target.endswith((".qweight", ".scales"))
+    if (quantized or not tensor.is_floating_point()) and tensor.dtype != param.dtype:
         raise ValueError(f"dtype {tensor.dtype} where {target} needs {param.dtype} (a mismatched quantized file?)")
-    if param.dtype == torch.float16 and tensor.dtype != torch.float16:
-        raise ValueError(f"dtype {tensor.dtype} where {target} needs float16 int4 scales")
     with torch.no_grad():
         if shard is None:
             if param.shape != tensor.shape:
