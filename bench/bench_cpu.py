@@ -4,6 +4,7 @@ vLLM-CPU), same model, same prompts, one run.
     python bench/bench_cpu.py [--prompt-len 128] [--output-len 128] [--concurrency 32] [--offline-requests 256]
         [--hf-batch 32] [--threads 2] [--peer-url http://host:port [--peer-model NAME]] [--model DIR|FILE.gguf]
         [--skip-single] [--skip-hf] [--skip-server] [--skip-offline] [--out DIR] [--quick]
+        [--quantization int8|int4 [--quantization-group-size 32]] [--llama-cpp-dir DIR]
 
 Workloads (every request a different prompt of exactly --prompt-len random token ids, output length forced):
 
@@ -21,6 +22,10 @@ SmolLM-135M-shaped random Llama of bench/benchmark_model.py unless --model names
 .gguf file (lmserve and HF both dequantize it; llama.cpp's llama-server on the same file is a --peer-url). The peer
 gets prompts as token ids, so it must serve a model with at least that vocabulary (49152 for the benchmark
 model). Prints the table (ratios are lmserve / peer) and writes bench/results/cpu-<timestamp>.json.
+
+--quantization runs lmserve (engine and server) with int8 (W8A8) or int4 weights; HF stays float32. With
+--llama-cpp-dir the peer is llama.cpp's llama-server on the same model converted to GGUF at the matching
+width (F32 / Q8_0 / Q4_0; bench/llama_cpp_peer.py), --threads threads, --concurrency slots.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import llama_cpp_peer
 import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 
@@ -592,7 +598,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--device", default="cpu", help="cpu or cuda (lmserve and HF alike)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="lmserve's quantized weights")
+    ap.add_argument("--quantization-group-size", type=int, default=None, help="int4: inputs per scale (32)")
+    ap.add_argument(
+        "--llama-cpp-dir", type=Path, default=None, help="built llama.cpp tree: llama-server at the same width as peer"
+    )
     args = ap.parse_args(argv)
+    if args.llama_cpp_dir and args.peer_url:
+        ap.error("give --peer-url or --llama-cpp-dir, not both")
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -636,13 +649,20 @@ def main(argv: list[str] | None = None) -> int:
     engine: dict[str, Any] = {"device": args.device, "dtype": args.dtype}
     if args.weight_dtype:
         engine["weight_dtype"] = args.weight_dtype
+    if args.quantization:
+        engine["quantization"] = args.quantization
+    if args.quantization_group_size:
+        engine["quantization_group_size"] = args.quantization_group_size
+    if args.llama_cpp_dir:
+        peer_name = f"llama.cpp {llama_cpp_peer.gguf_type(args.quantization)}"
 
     if do_single or do_offline:
         print("lmserve offline engine ...", flush=True)
         res["lmserve_offline"] = run_lmserve_offline(model_dir, w, max_model_len, do_single, do_offline, engine)
-    if not args.skip_hf and (do_single or do_server or do_offline or args.peer_url):
+    has_peer = bool(args.peer_url or args.llama_cpp_dir)
+    if not args.skip_hf and (do_single or do_server or do_offline or has_peer):
         print("HF transformers ...", flush=True)
-        http = do_server or bool(args.peer_url)
+        http = do_server or has_peer
         res["hf"] = run_hf(model_dir, w, do_single or http, http, do_offline, args.device, args.dtype)
         gc.collect()
     if do_server:
@@ -663,12 +683,26 @@ def main(argv: list[str] | None = None) -> int:
         except ServerError as e:
             errors["peer"] = str(e)
             print(f"warning: peer failed: {e}", file=sys.stderr)
+    if args.llama_cpp_dir:
+        print(f"{peer_name} (llama-server, {args.threads} threads) ...", flush=True)
+        try:
+            gguf = llama_cpp_peer.convert(args.llama_cpp_dir.resolve(), model_dir, args.quantization)
+            ctx = w.prompt_len + w.output_len + 16
+            with llama_cpp_peer.llama_server(
+                args.llama_cpp_dir.resolve(), gguf, args.threads, w.concurrency, ctx, args.server_timeout
+            ) as url:
+                res["peer"] = run_http(url, None, w, strict=False)
+            res["peer"]["gguf"] = str(gguf)
+        except ServerError as e:
+            errors["peer"] = str(e)
+            print(f"warning: peer failed: {e}", file=sys.stderr)
 
     machine["load_avg_1m_end"] = os.getloadavg()[0]
-    rows = build_rows(res, w, peer_name, do_single, do_server or bool(args.peer_url), do_offline)
+    rows = build_rows(res, w, peer_name, do_single, do_server or has_peer, do_offline)
     print(
         f"\nprompt {w.prompt_len}, output {w.output_len}, {args.dtype} compute on {args.device}"
-        f"{', lmserve weights ' + args.weight_dtype if args.weight_dtype else ''}, {args.threads} threads; "
+        f"{', lmserve weights ' + args.weight_dtype if args.weight_dtype else ''}"
+        f"{', lmserve quantization ' + args.quantization if args.quantization else ''}, {args.threads} threads; "
         f"model {model_dir}\n"
         f"{machine['cpu_model']}, {machine['usable_cpus']} CPUs ({machine['physical_cores']} cores), "
         f"{machine['mem_total_gib']} GiB; torch {machine['torch']}, transformers {machine['transformers']}; "

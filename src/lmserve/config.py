@@ -16,6 +16,8 @@ SCHEDULING_POLICIES = ("continuous", "static")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 GENERATION_CONFIG_MODES = ("auto", "vllm")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")  # auto: the model dtype
+QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_FORMAT = "lmserve-v1"  # `quantization_config.format` of checkpoints `lmserve quantize` writes
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,39 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+    """Quantized projection weights (lmserve.model.quantization): "int8" W8A8 or "int4" weight-only."""
+
+    method: str
+    group_size: int | None  # int4: inputs per scale; None for int8 (one scale per output channel)
+    prequantized: bool = False  # the checkpoint already holds the quantized tensors (`lmserve quantize`)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `quantization_config` entry of a checkpoint's config.json."""
+        return {"quant_method": "lmserve", "format": QUANTIZATION_FORMAT, "method": self.method,
+                "group_size": self.group_size}
+
+
+def checkpoint_quantization(model_dir: str | os.PathLike) -> QuantizationConfig | None:
+    """The quantization a checkpoint was written with (its config.json's `quantization_config`), or None."""
+    cfg_file = Path(model_dir) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    qc = json.loads(cfg_file.read_text()).get("quantization_config")
+    if qc is None:
+        return None
+    if qc.get("quant_method") != "lmserve" or qc.get("format") != QUANTIZATION_FORMAT:
+        raise ValueError(
+            f"model config {cfg_file}: quantization_config {qc.get('quant_method')!r} format {qc.get('format')!r} "
+            f"is not supported; lmserve loads its own format {QUANTIZATION_FORMAT!r} (`lmserve quantize`)"
+        )
+    method, group = qc.get("method"), qc.get("group_size")
+    if method not in QUANTIZATION_METHODS or (method == "int4" and (not isinstance(group, int) or group % 32)):
+        raise ValueError(f"model config {cfg_file}: bad quantization_config {qc}")
+    return QuantizationConfig(method, group if method == "int4" else None, prequantized=True)
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int
     num_blocks: int
@@ -287,6 +322,7 @@ class EngineConfig:
     tokenizer: str
     weight_dtype: str | None = None  # None: the model dtype; "bfloat16": bf16-stored linears, fp32 compute (CPU)
     generation_config: str = "auto"  # "auto": the model's generation_config.json fills unset sampling fields
+    quantization: QuantizationConfig | None = None  # quantized projections (CPU, float32 compute)
 
 
 @dataclass
@@ -312,6 +348,8 @@ class EngineArgs:
     revision: str | None = None  # Hub revision (branch, tag or commit) when `model` is a Hub id
     generation_config: str = "auto"  # "auto" | "vllm" (ignore the model's generation_config.json)
     share_prefix_in_step: bool = True  # False: a burst's shared prefix is computed once per request (bench A/B)
+    quantization: str | None = None  # "int8" | "int4"; a checkpoint written by `lmserve quantize` needs none
+    quantization_group_size: int = 32  # int4: inputs sharing one scale
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -342,6 +380,7 @@ class EngineArgs:
             tokenizer_dir = self.tokenizer if not is_repo_id(self.tokenizer) else resolve_model_path(self.tokenizer)
         model = ModelConfig.from_hf(model_dir, self.dtype, self.device)
         weight_dtype = self._weight_dtype(model.dtype)
+        quantization = self._quantization(model, weight_dtype)
         max_model_len = self.max_model_len or model.max_position_embeddings
         _check_positive("max_model_len", max_model_len)
         if max_model_len > model.max_position_embeddings:
@@ -385,8 +424,46 @@ class EngineArgs:
             share_prefix_in_step=self.share_prefix_in_step,
         )
         return EngineConfig(
-            model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config
-        )
+            model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
+            quantization,
+        )  # fmt: skip
+
+    def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:
+        """The checkpoint's quantization, else the requested one, validated against the model's shapes."""
+        saved = checkpoint_quantization(model.path)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        _check_positive("quantization_group_size", self.quantization_group_size)
+        if saved is not None:
+            if self.quantization is not None and self.quantization != saved.method:
+                raise ValueError(
+                    f"quantization={self.quantization!r} but {self.model!r} is an {saved.method} checkpoint"
+                )
+        method = saved.method if saved is not None else self.quantization
+        if method is None:
+            return None
+        if model.dtype != "float32" or not self.device.startswith("cpu") or weight_dtype is not None:
+            raise ValueError(
+                f"quantization={method!r} is the CPU float32 path (dtype 'float32' or 'auto', no weight_dtype); "
+                f"got dtype={model.dtype!r}, weight_dtype={weight_dtype!r}, device={self.device!r}"
+            )
+        if saved is not None:
+            return saved  # its group size is the one it was written with
+        if method == "int8":
+            return QuantizationConfig("int8", None)
+        group = self.quantization_group_size
+        in_features = {
+            "hidden_size": model.hidden_size,
+            "num_heads * head_dim": model.num_heads * model.head_dim,
+            "intermediate_size": model.intermediate_size,
+        }
+        bad = {k: v for k, v in in_features.items() if v % group}
+        if group % 32 or bad:
+            raise ValueError(
+                f"quantization_group_size must be a multiple of 32 that divides every projection's inputs "
+                f"{in_features}, got {group}"
+            )
+        return QuantizationConfig("int4", group)
 
     def _weight_dtype(self, model_dtype: str) -> str | None:
         """None (weights in the model dtype) or "bfloat16": the linear layers' weights rounded to and stored

@@ -49,6 +49,9 @@ __all__ = [
     "num_parameters",
     "num_parameters_per_rank",
     "parse_bytes",
+    "projection_shapes_per_rank",
+    "quantized_projection_bytes",
+    "weight_bytes_per_rank",
 ]
 
 DTYPE_BYTES: dict[str, float] = {
@@ -404,6 +407,51 @@ def num_parameters(shape: ModelShape) -> int:
     return num_parameters_per_rank(shape, 1)
 
 
+QUANTIZATION_METHODS = ("int8", "int4")
+
+
+def projection_shapes_per_rank(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
+    """(out_features, in_features) of one layer's projections on one rank: q, k, v, o, gate, up, down
+    (what `--quantization` quantizes; fused or separate, per-row scales and groups come out the same)."""
+    _check_tp(shape, tp)
+    h, d = shape.hidden_size, shape.head_dim
+    q_out = shape.num_attention_heads // tp * d
+    kv_out = kv_heads_per_rank(shape.num_kv_heads, tp) * d
+    inter = math.ceil(shape.intermediate_size / tp)
+    return [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out), (inter, h), (inter, h), (h, inter)]
+
+
+def quantized_projection_bytes(out_features: int, in_features: int, method: str, group_size: int = 32) -> int:
+    """Bytes one quantized projection holds in memory (lmserve.model.quantization's layouts):
+    int8: 1 B per weight + a float32 scale and an int32 row sum (the VNNI kernel's correction) per output row;
+    int4: 1/2 B per weight + a float16 scale per group of `group_size` inputs."""
+    if method == "int8":
+        return out_features * in_features + 8 * out_features
+    if method != "int4":
+        raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {method!r}")
+    if group_size < 32 or group_size % 32 or in_features % group_size:
+        raise ValueError(
+            f"quantization_group_size {group_size} must be a multiple of 32 dividing the projection's "
+            f"{in_features} inputs"
+        )
+    return out_features * in_features // 2 + 2 * out_features * (in_features // group_size)
+
+
+def weight_bytes_per_rank(
+    shape: ModelShape, weight_dtype_bytes: float, tp: int = 1, quantization: str | None = None, group_size: int = 32
+) -> int:
+    """Weight bytes on one rank: everything at `weight_dtype_bytes`, except that with `quantization` the
+    projections are int8 / int4 (embeddings, LM head, norms and biases stay at `weight_dtype_bytes`)."""
+    params = num_parameters_per_rank(shape, tp)
+    if quantization is None:
+        return math.ceil(params * weight_dtype_bytes)
+    projections = projection_shapes_per_rank(shape, tp)
+    num_projection_params = shape.num_layers * sum(o * k for o, k in projections)
+    per_layer = sum(quantized_projection_bytes(o, k, quantization, group_size) for o, k in projections)
+    quantized = shape.num_layers * per_layer
+    return math.ceil((params - num_projection_params) * weight_dtype_bytes) + quantized
+
+
 def max_num_kv_blocks(budget_bytes: int, block_size: int, kv_bytes_per_token: int) -> int:
     """Whole KV blocks of ``block_size`` tokens that fit in ``budget_bytes``."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
@@ -477,6 +525,8 @@ class MemoryReport:
     max_concurrent_requests: int | None = None
     batch_fits: bool | None = None
     notes: tuple[str, ...] = field(default=())
+    quantization: str | None = None  # "int8" | "int4": projections quantized, the rest at weight_dtype
+    quantization_group_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict (for ``--json``)."""
@@ -508,7 +558,15 @@ class MemoryReport:
         if tp > 1:
             params += f"   [per rank: {self.num_parameters_per_rank:,}]"
         rows.append(("parameters", params))
-        rows.append((f"weights ({self.weight_dtype})", both(self.weight_bytes, self.weight_bytes_per_rank)))
+        label = f"weights ({self.weight_dtype})"
+        if self.quantization == "int8":
+            label = f"weights (int8 projections + {self.weight_dtype} embeddings/LM head/norms)"
+        elif self.quantization == "int4":
+            label = (
+                f"weights (int4 g{self.quantization_group_size} projections + {self.weight_dtype} "
+                "embeddings/LM head/norms)"
+            )
+        rows.append((label, both(self.weight_bytes, self.weight_bytes_per_rank)))
         if tp > 1:
             rows.append(
                 (
@@ -592,6 +650,8 @@ def memory_report(
     block_size: int = 16,
     tp: int = 1,
     name: str | None = None,
+    quantization: str | None = None,
+    quantization_group_size: int = 32,
 ) -> MemoryReport:
     """Weights, KV per token/request/batch, and (given a per-device ``memory_bytes``) how many
     ``seq_len``-token requests fit after weights and ``reserve_bytes``."""
@@ -613,8 +673,12 @@ def memory_report(
 
     params = num_parameters(shape)
     params_rank = num_parameters_per_rank(shape, tp)
-    weight_bytes = math.ceil(params * w_b)
-    weight_bytes_rank = math.ceil(params_rank * w_b)
+    if quantization is None:
+        weight_bytes = math.ceil(params * w_b)
+        weight_bytes_rank = math.ceil(params_rank * w_b)
+    else:
+        weight_bytes = weight_bytes_per_rank(shape, w_b, 1, quantization, quantization_group_size)
+        weight_bytes_rank = weight_bytes_per_rank(shape, w_b, tp, quantization, quantization_group_size)
 
     # per-token sizes: values plus, for the 8-bit KV dtypes, their scales
     layers, heads_rank = shape.num_layers, kv_heads_per_rank(shape.num_kv_heads, tp)
@@ -688,5 +752,7 @@ def memory_report(
         kv_bytes_batch_total=per_token_rank * seq_len * batch * tp,
         blocks_per_request=n_blocks_req,
         notes=tuple(notes),
+        quantization=quantization,
+        quantization_group_size=quantization_group_size if quantization == "int4" else None,
         **budget,
     )

@@ -1,4 +1,4 @@
-"""The `lmserve` command: generate | serve | bench | memory.
+"""The `lmserve` command: generate | serve | bench | memory | quantize.
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)` (which sets `func`); modules
 keep heavy imports (torch, FastAPI) inside their run functions so `lmserve --help` stays fast.
@@ -16,6 +16,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("lmserve.entrypoints.memory_cli", "add_memory_parser"),
     ("lmserve.entrypoints.bench_cli", "add_parser"),
     ("lmserve.entrypoints.openai.serve_cli", "add_parser"),
+    ("lmserve.entrypoints.quantize_cli", "add_parser"),
 ]
 
 

@@ -37,6 +37,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="dtype of the paged KV cache: auto = the model dtype; int8 / fp8_e4m3 store a float32 scale per "
         "(token, KV head) and fit ~4x the tokens of float32 in the same memory, bfloat16 ~2x",
     )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="int8: W8A8 (int8 weights per output channel, int8 activations per token); int4: weight-only, "
+        "group-wise scales. CPU, float32 compute; embeddings and LM head stay float32. A checkpoint written "
+        "by `lmserve quantize` needs no flag",
+    )
+    g.add_argument("--quantization-group-size", type=int, default=32, help="int4: inputs per scale (default 32)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -75,6 +84,8 @@ ENGINE_ARG_NAMES = (
     "revision",
     "generation_config",
     "share_prefix_in_step",
+    "quantization",
+    "quantization_group_size",
 )
 
 

@@ -51,6 +51,14 @@ def add_memory_parser(subparsers: Any) -> None:
         default=None,
         help="weight dtype in memory (default bf16; fp32 for a GGUF, which lmserve dequantizes at load)",
     )
+    p.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        default=None,
+        help="projections quantized (scales included); the rest stays at --weight-dtype. Default: a "
+        "checkpoint's own (`lmserve quantize`), else none",
+    )
+    p.add_argument("--quantization-group-size", type=int, default=32, help="int4: inputs per scale (default 32)")
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 80GB")
     p.add_argument("--reserve", default="0", help="memory kept aside per device (default 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -134,8 +142,11 @@ def run_memory(args: argparse.Namespace) -> int:
             ints[attr] = value
         if memory_bytes is not None and reserve_bytes > memory_bytes:
             raise ValueError(f"--reserve ({reserve_bytes:,} B) is larger than --memory ({memory_bytes:,} B)")
+        quantization, group_size = _quantization(args)
         report = memory_report(
             shape,
+            quantization=quantization,
+            quantization_group_size=group_size,
             kv_dtype=kv_dtype,
             weight_dtype=weight_dtype,
             memory_bytes=memory_bytes,
@@ -187,3 +198,16 @@ def _bytes_arg(flag: str, value: str | int) -> int:
         return parse_bytes(value)
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
+
+
+def _quantization(args: argparse.Namespace) -> tuple[str | None, int]:
+    """--quantization, else the one a `lmserve quantize` checkpoint given as --model was written with."""
+    method = getattr(args, "quantization", None)
+    group = getattr(args, "quantization_group_size", 32)
+    if method is None and getattr(args, "model", None):
+        from lmserve.config import checkpoint_quantization
+
+        saved = checkpoint_quantization(args.model)
+        if saved is not None:
+            return saved.method, saved.group_size or 32
+    return method, group

@@ -118,6 +118,7 @@ def _load() -> ctypes.CDLL | None:
         _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
     lib.rope_write_kv_q.restype = None
+    _declare_quantized(lib)
     return lib
 
 
@@ -311,3 +312,121 @@ def rope_write_kv(
             *rows, k_cache.data_ptr(), v_cache.data_ptr(), _ptr(k_scale), _ptr(v_scale), slot_mapping.data_ptr(),
             t, h, kvh, d, kind, torch.get_num_threads(),
         )  # fmt: skip
+
+
+# ---- quantized linear kernels (int8 W8A8, int4 weight-only); the C side is the section at the end of
+# ---- cpu_kernels.c. Tensor layouts are lmserve.model.quantization's.
+
+I4_MAX_ROWS = 8  # rows linear_i4 takes in one pass over the weights (I4_MAX_ROWS in the C source)
+I8_KERNEL_NAMES = {2: "AVX512-VNNI (vpdpbusd, 512-bit)", 1: "AVX-VNNI (vpdpbusd, 256-bit)", 0: "portable C (no VNNI)"}
+
+
+def _declare_quantized(lib: ctypes.CDLL) -> None:
+    lib.i8_kernel_isa.argtypes, lib.i8_kernel_isa.restype = [], ctypes.c_int
+    lib.i4_kernel_isa.argtypes, lib.i4_kernel_isa.restype = [], ctypes.c_int
+    lib.quantize_rows_i8.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int]
+    lib.quantize_rows_i8.restype = None
+    lib.linear_i8_f32.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.linear_i8_f32.restype = None
+    lib.linear_i4_f32.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
+    lib.linear_i4_f32.restype = None
+    lib.dequant_i4_f32.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.dequant_i4_f32.restype = None
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def quantized_kernel_names() -> dict[str, str]:
+    """Which instructions the loaded int8 / int4 kernels use (what the runner logs)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    return {
+        "int8": I8_KERNEL_NAMES[_lib.i8_kernel_isa()],
+        "int4": "AVX-512" if _lib.i4_kernel_isa() else "portable C",
+    }
+
+
+def quantize_rows_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of x (M, K) float32: (q (M, K) int8, scales (M,) float32), bit-identical to
+    lmserve.model.quantization.quantize_activations."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    _check(x, "x")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    s = torch.empty(m, dtype=torch.float32)
+    _lib.quantize_rows_i8(x.data_ptr(), q.data_ptr(), s.data_ptr(), m, k, torch.get_num_threads())
+    return q, s
+
+
+def linear_i8(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """W8A8 for few rows: x (M, K) float32 quantized per row inside, qweight (O, K) int8, scales (O,) float32,
+    row_sums (O,) int32 (sum of each qweight row). Returns (M, O) float32."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    _check(x, "x")
+    _check(qweight, "qweight", torch.int8)
+    _check(scales, "scales")
+    _check(row_sums, "row_sums", torch.int32)
+    if bias is not None:
+        _check(bias, "bias")
+    m, k = x.shape
+    o = qweight.shape[0]
+    assert qweight.shape[1] == k, f"x has {k} features, weight expects {qweight.shape[1]}"
+    y = torch.empty(m, o, dtype=torch.float32)
+    _lib.linear_i8_f32(
+        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), row_sums.data_ptr(),
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), m, o, k, torch.get_num_threads(),
+    )
+    return y
+
+
+def _check_i4(qweight: torch.Tensor, scales: torch.Tensor, k: int) -> int:
+    _check(qweight, "qweight", torch.uint8)
+    _check(scales, "scales", torch.float16)
+    o = qweight.shape[0]
+    assert qweight.shape == (o, k // 2) and k % 32 == 0, f"int4 codes {tuple(qweight.shape)} for {k} inputs"
+    assert scales.shape[0] == o and k % scales.shape[1] == 0, f"scales {tuple(scales.shape)} for ({o}, {k})"
+    group = k // scales.shape[1]
+    assert group % 32 == 0, f"group size {group} must be a multiple of 32"
+    return group
+
+
+def linear_i4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Weight-only int4 for up to I4_MAX_ROWS rows: x (M, K) float32, qweight (O, K/2) uint8 codes, scales
+    (O, K/G) float16. Returns (M, O) float32."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    _check(x, "x")
+    m, k = x.shape
+    assert m <= I4_MAX_ROWS, f"linear_i4 takes at most {I4_MAX_ROWS} rows, got {m}"
+    group = _check_i4(qweight, scales, k)
+    if bias is not None:
+        _check(bias, "bias")
+    o = qweight.shape[0]
+    y = torch.empty(m, o, dtype=torch.float32)
+    _lib.linear_i4_f32(
+        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), bias.data_ptr() if bias is not None else None,
+        y.data_ptr(), m, o, k, group, torch.get_num_threads(),
+    )
+    return y
+
+
+def dequant_i4(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 (O, K) matrix of int4 codes and group scales (exactly lmserve.model.quantization's)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    o, k = qweight.shape[0], qweight.shape[1] * 2
+    group = _check_i4(qweight, scales, k)
+    out = torch.empty(o, k, dtype=torch.float32)
+    _lib.dequant_i4_f32(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), o, k, group, torch.get_num_threads())
+    return out

@@ -450,3 +450,230 @@ void paged_decode_attention_q(const float *q, const void *k_cache, const void *v
     }
 }
 /* ========================================= end quantized KV cache ========================================= */
+
+/* ==================================================================================================== *
+ * Quantized linear kernels (issue #12): int8 W8A8 and int4 weight-only, for 1-2 rows (decode).          *
+ * Section owned by the quantization work; other sections append below their own delimiter.             *
+ * ==================================================================================================== *
+ *
+ *   quantize_rows_i8   per-row symmetric int8 of float32 activations: s = max|x| / 127 (1 when the row
+ *                      is all zero), q = round-half-even(x / s) clamped to [-127, 127]; the same
+ *                      operations, in the same order, as lmserve.model.quantization.quantize_activations,
+ *                      so both give identical bits.
+ *   linear_i8_f32      y = (x_q . w_q) * (s_x * s_w[o]) + b: the int32 dot product is exact, only the
+ *                      final scale rounds. AVX512-VNNI (vpdpbusd, 64 products an instruction) or AVX-VNNI
+ *                      (256-bit) when compiled for a CPU that has them, else a portable int32 loop.
+ *                      vpdpbusd multiplies unsigned by signed bytes: x is shifted to x + 128 (unsigned)
+ *                      and 128 * sum(w row) (precomputed, w_sum) is subtracted afterwards.
+ *   linear_i4_f32      y = x W^T (+ b) with W stored as 4-bit codes and one float16 scale per group of G
+ *                      inputs along a row: w = (code - 8) * scale (symmetric, no zero point). Within a row
+ *                      each run of 32 inputs is 16 bytes: byte i holds input i (low nibble) and input
+ *                      i + 16 (high nibble), so one load and two masks unpack it.
+ *   dequant_i4_f32     the same codes to a float32 (O, K) matrix (larger batches: dequantize, then GEMM).
+ */
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__AVXVNNI__)
+#include <immintrin.h>
+#endif
+
+/* Which int8 dot-product instruction linear_i8_f32 was compiled with: 2 AVX512-VNNI, 1 AVX-VNNI, 0 none. */
+int i8_kernel_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 2;
+#elif defined(__AVXVNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when linear_i4_f32 was compiled with its AVX-512 path. */
+int i4_kernel_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static void quantize_row_i8(const float *x, int8_t *q, float *scale, int64_t K) {
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < K; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    float s = amax / 127.f;
+    if (s == 0.f) s = 1.f;
+    *scale = s;
+#pragma omp simd
+    for (int64_t i = 0; i < K; i++) {
+        float r = nearbyintf(x[i] / s);
+        r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+        q[i] = (int8_t)r;
+    }
+}
+
+void quantize_rows_i8(const float *x, int8_t *q, float *scales, int64_t M, int64_t K, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
+    for (int64_t m = 0; m < M; m++) quantize_row_i8(x + m * K, q + m * K, scales + m, K);
+}
+
+/* sum_i xu[i] * w[i] with xu = x_q + 128 as unsigned bytes (vnni paths) or sum_i x_q[i] * w[i] (portable). */
+static inline int32_t dot_i8(const uint8_t *xu, const int8_t *xq, const int8_t *w, int64_t K) {
+    int32_t s = 0;
+    int64_t i = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512i acc = _mm512_setzero_si512();
+    for (; i + 64 <= K; i += 64)
+        acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512((const void *)(xu + i)),
+                                  _mm512_loadu_si512((const void *)(w + i)));
+    s = _mm512_reduce_add_epi32(acc);
+    for (; i < K; i++) s += (int32_t)xu[i] * (int32_t)w[i];
+    (void)xq;
+#elif defined(__AVXVNNI__)
+    __m256i acc = _mm256_setzero_si256();
+    for (; i + 32 <= K; i += 32)
+        acc = _mm256_dpbusd_avx_epi32(acc, _mm256_loadu_si256((const __m256i *)(xu + i)),
+                                      _mm256_loadu_si256((const __m256i *)(w + i)));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    s = _mm_cvtsi128_si32(h);
+    for (; i < K; i++) s += (int32_t)xu[i] * (int32_t)w[i];
+    (void)xq;
+#else
+    (void)xu;
+#pragma omp simd reduction(+ : s)
+    for (i = 0; i < K; i++) s += (int32_t)xq[i] * (int32_t)w[i];
+#endif
+    return s;
+}
+
+/* x (M, K) float32 -> quantized per row here; w (O, K) int8; w_scale (O,); w_sum (O,) = sum of each w row;
+ * b (O,) or NULL; y (M, O). Threads split the output features, each streaming its weight rows once. */
+void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_sum, const float *b,
+                   float *y, int64_t M, int64_t O, int64_t K, int nthreads) {
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    uint8_t *xu = (uint8_t *)malloc((size_t)(M * K));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)M);
+    for (int64_t m = 0; m < M; m++) {
+        quantize_row_i8(x + m * K, xq + m * K, xs + m, K);
+        for (int64_t i = 0; i < K; i++) xu[m * K + i] = (uint8_t)((int32_t)xq[m * K + i] + 128);
+    }
+    int shifted = i8_kernel_isa() > 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t o = 0; o < O; o++) {
+        const int8_t *wr = w + o * K;
+        float bias = b ? b[o] : 0.f;
+        int32_t corr = shifted ? 128 * w_sum[o] : 0;
+        for (int64_t m = 0; m < M; m++) {
+            int32_t acc = dot_i8(xu + m * K, xq + m * K, wr, K) - corr;
+            y[m * O + o] = (float)acc * (xs[m] * w_scale[o]) + bias;
+        }
+    }
+    free(xq);
+    free(xu);
+    free(xs);
+}
+
+/* float16 bits -> float32 (exact). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        do {
+            e++;
+            man <<= 1;
+        } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Dequantized row o of an int4 matrix: out[i] = (code_i - 8) * scale[i / G]. */
+static void dequant_i4_row(const uint8_t *wr, const uint16_t *sr, float *out, int64_t K, int64_t G) {
+    for (int64_t j = 0; j < K; j += 32) {
+        const uint8_t *blk = wr + j / 2;
+        float d = f16_to_f32(sr[j / G]);
+        for (int64_t i = 0; i < 16; i++) {
+            out[j + i] = (float)((int32_t)(blk[i] & 0x0f) - 8) * d;
+            out[j + 16 + i] = (float)((int32_t)(blk[i] >> 4) - 8) * d;
+        }
+    }
+}
+
+void dequant_i4_f32(const uint8_t *w, const uint16_t *scales, float *out, int64_t O, int64_t K, int64_t G,
+                    int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t o = 0; o < O; o++) dequant_i4_row(w + o * (K / 2), scales + o * (K / G), out + o * K, K, G);
+}
+
+#define I4_MAX_ROWS 8 /* rows of x one pass over the weights serves (the caller asserts M <= this) */
+
+/* x (M, K) float32, M <= I4_MAX_ROWS; w (O, K / 2) codes; scales (O, K / G) float16 bits; y (M, O).
+ * Per group: the float sum of code * x over its inputs, then one multiply by the group's scale. */
+void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, const float *b, float *y, int64_t M,
+                   int64_t O, int64_t K, int64_t G, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t o = 0; o < O; o++) {
+        const uint8_t *wr = w + o * (K / 2);
+        const uint16_t *sr = scales + o * (K / G);
+        float bias = b ? b[o] : 0.f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 tot[I4_MAX_ROWS];
+        for (int64_t m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
+        const __m128i low = _mm_set1_epi8(0x0f);
+        const __m512i eight = _mm512_set1_epi32(8);
+        for (int64_t g = 0; g < K; g += G) {
+            __m512 acc[I4_MAX_ROWS];
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+            for (int64_t j = g; j < g + G; j += 32) {
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + j / 2));
+                __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+                __m512 w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), eight));
+                __m512 w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), eight));
+                for (int64_t m = 0; m < M; m++) {
+                    const float *xm = x + m * K + j;
+                    acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[m]);
+                    acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[m]);
+                }
+            }
+            __m512 d = _mm512_set1_ps(f16_to_f32(sr[g / G]));
+            for (int64_t m = 0; m < M; m++) tot[m] = _mm512_fmadd_ps(acc[m], d, tot[m]);
+        }
+        for (int64_t m = 0; m < M; m++) y[m * O + o] = _mm512_reduce_add_ps(tot[m]) + bias;
+#else
+        float tot[I4_MAX_ROWS] = {0};
+        for (int64_t g = 0; g < K; g += G) {
+            float acc[I4_MAX_ROWS] = {0};
+            for (int64_t j = g; j < g + G; j += 32) {
+                const uint8_t *blk = wr + j / 2;
+                float w0[16], w1[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    w0[i] = (float)((int32_t)(blk[i] & 0x0f) - 8);
+                    w1[i] = (float)((int32_t)(blk[i] >> 4) - 8);
+                }
+                for (int64_t m = 0; m < M; m++) {
+                    const float *xm = x + m * K + j;
+                    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+                    for (int64_t i = 0; i < 16; i++) a += w0[i] * xm[i] + w1[i] * xm[16 + i];
+                    acc[m] += a;
+                }
+            }
+            float d = f16_to_f32(sr[g / G]);
+            for (int64_t m = 0; m < M; m++) tot[m] += acc[m] * d;
+        }
+        for (int64_t m = 0; m < M; m++) y[m * O + o] = tot[m] + bias;
+#endif
+    }
+}
+/* ==================================== end of quantized linear kernels ================================ */

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from lmserve import kernels
-from lmserve.config import RopeConfig
+from lmserve.config import QuantizationConfig, RopeConfig
+from lmserve.model import quantization as quant
 
 KERNEL_MAX_ROWS = 2  # up to this many rows the C kernel (weight streamed once) beats oneDNN and BLAS
 PACK_HINT_ROWS = 32  # batch size oneDNN lays the packed weights out for (any row count works)
@@ -30,6 +31,36 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _weight_bf16: torch.Tensor | None = None  # set by round_weights_to_bf16: what the C kernel reads
+    # Quantized (lmserve.model.quantization): `weight` is None and buffers `qweight`, `scales` hold it.
+    quant_method: str | None = None
+    group_size: int | None = None
+    _row_sums: torch.Tensor | None = None  # int8: sum of each qweight row (the VNNI kernel's correction)
+
+    def quantize(self, method: str, group_size: int | None) -> None:
+        """Replace the float weight with its quantized form (int8 per channel / int4 per group)."""
+        w = self.weight.detach()
+        q, s = quant.quantize_int8(w) if method == "int8" else quant.quantize_int4(w, group_size)
+        self._set_quantized(method, group_size, q, s)
+
+    def prepare_quantized(self, method: str, group_size: int | None) -> None:
+        """Empty quantized buffers of the shapes a checkpoint holds (the loader fills them)."""
+        specs = quant.quantized_tensor_specs(method, group_size, self.out_features, self.in_features)
+        dev = self.weight.device
+        q, s = (torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in specs.values())
+        self._set_quantized(method, group_size, q, s)
+
+    def _set_quantized(self, method: str, group_size: int | None, q: torch.Tensor, s: torch.Tensor) -> None:
+        self.register_parameter("weight", None)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", s)
+        self.quant_method, self.group_size = method, group_size
+        self._packed = self._weight_bf16 = self._row_sums = None
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight the quantized one stands for (the reference the tests compare with)."""
+        if self.quant_method == "int8":
+            return quant.dequantize_int8(self.qweight, self.scales)
+        return quant.dequantize_int4(self.qweight, self.scales)
 
     def round_weights_to_bf16(self) -> None:
         """Round the weight to bfloat16 in place (still a float32 tensor, so every path computes the same
@@ -45,7 +76,14 @@ class Linear(nn.Linear):
 
     def fast_path(self, x: torch.Tensor) -> str | None:
         """Which CPU fast path forward(x) takes: "kernel", "onednn", or None for nn.Linear's. Both fast
-        paths return float32 (they only exist for float32 weights and inputs)."""
+        paths return float32 (they only exist for float32 weights and inputs). Quantized weights:
+        "int8_kernel" / "int4_kernel" (C, few rows, weights streamed once), "int8_gemm" (torch._int_mm),
+        "int4_dequant" (weights dequantized, then the float32 GEMM)."""
+        if self.quant_method is not None:
+            assert x.dim() == 2 and x.dtype == torch.float32, f"quantized Linear: 2-D float32 input, got {x.dtype}"
+            if self.quant_method == "int8":
+                return "int8_kernel" if x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x) else "int8_gemm"
+            return "int4_kernel" if x.shape[0] <= kernels.I4_MAX_ROWS and kernels.usable(x) else "int4_dequant"
         if x.dim() != 2 or x.dtype != self.weight.dtype:
             return None
         if x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x):
@@ -59,7 +97,34 @@ class Linear(nn.Linear):
             return kernels.linear(x, w, self.bias)
         if path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
+        if path is not None and path.startswith("int"):
+            return self._quantized_forward(path, x)
         return super().forward(x)
+
+    def _quantized_forward(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        if path == "int8_kernel":
+            if self._row_sums is None:
+                self._row_sums = quant.int8_row_sums(self.qweight)
+            return kernels.linear_i8(x, self.qweight, self.scales, self._row_sums, self.bias)
+        if path == "int8_gemm":
+            xq, xs = kernels.quantize_rows_i8(x) if kernels.usable(x) else quant.quantize_activations(x)
+            return quant.int8_linear(xq, xs, self.qweight, self.scales, self.bias)
+        if path == "int4_kernel":
+            return kernels.linear_i4(x, self.qweight, self.scales, self.bias)
+        assert path == "int4_dequant", f"unknown path {path}"
+        dequantize = kernels.dequant_i4 if kernels.usable(x) else quant.dequantize_int4
+        w = dequantize(self.qweight, self.scales)  # the whole matrix as one tile: float32 GEMM beyond 8 rows
+        return nn.functional.linear(x, w, self.bias)
+
+
+def quantizable_linears(model: nn.Module) -> list[tuple[str, Linear]]:
+    """The decoder's projections (qkv, o, gate_up, down); the LM head and the embeddings stay float."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and n != "lm_head"]
+
+
+def quantize_linear_weights(model: nn.Module, config: QuantizationConfig) -> None:
+    for _, m in quantizable_linears(model):
+        m.quantize(config.method, config.group_size)
 
 
 def round_linear_weights_to_bf16(model: nn.Module) -> None:
@@ -73,7 +138,7 @@ def round_linear_weights_to_bf16(model: nn.Module) -> None:
 def pack_linear_weights(model: nn.Module, max_extra_bytes: int) -> int:
     """Give every Linear of a CPU float32 model a oneDNN-packed weight copy, unless the copies would take
     more than max_extra_bytes (then none is made and BLAS runs). Returns the bytes the copies take."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.quant_method is None]
     if not layers or not onednn_packing_available():
         return 0
     if any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32 for m in layers):

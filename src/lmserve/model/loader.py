@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from lmserve.config import ModelConfig
+from lmserve.config import ModelConfig, QuantizationConfig
 from lmserve.model.llama import CausalLM
 
 # HF checkpoint name fragment → (our fused parameter fragment, shard index within the fused output)
@@ -37,18 +37,30 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(cfg: ModelConfig, max_positions: int, device: str) -> CausalLM:
+def load_model(
+    cfg: ModelConfig, max_positions: int, device: str, quantization: QuantizationConfig | None = None
+) -> CausalLM:
+    """The model with its checkpoint's tensors. A pre-quantized checkpoint (`quantization.prequantized`)
+    fills the projections' quantized buffers directly (their float weights are never allocated)."""
     dtype = TORCH_DTYPES[cfg.dtype]
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
+    if quantization is not None and quantization.prequantized:
+        from lmserve.model.layers import quantizable_linears
+
+        assert dtype == torch.float32, "quantized checkpoints compute in float32"
+        for _, m in quantizable_linears(model):
+            m.prepare_quantized(quantization.method, quantization.group_size)
     model = model.to_empty(device=device)
     # The rotary tables are buffers computed, not loaded: rebuild them on the real device.
     with torch.device(device):
         model.model.build_rotary(cfg, max_positions)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model = model.to(dtype)
+    if dtype != torch.float32:  # (float32 already; .to() would also turn float16 int4 scales into float32)
+        model = model.to(dtype)
     params = dict(model.named_parameters())
+    params.update((n, b) for n, b in model.named_buffers() if n.endswith((".qweight", ".scales")))
     loaded: set[str] = set()
     for file_name, name, tensor in _checkpoint_tensors(cfg):
         if name.endswith(IGNORED_SUFFIXES):
@@ -58,9 +70,14 @@ def load_model(cfg: ModelConfig, max_positions: int, device: str) -> CausalLM:
             if cfg.tie_word_embeddings and target == "lm_head.weight":
                 continue  # some tied checkpoints still save the head
             raise ValueError(f"checkpoint tensor {name!r} in {file_name} has no place in {cfg.architecture}")
-        _copy_into(params[target], target, tensor, shard, cfg)
+        try:
+            _copy_into(params[target], target, tensor, shard, cfg)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r} in {file_name}: {e}") from None
         loaded.add(target if shard is None else f"{target}#{shard}")
     _check_complete(params, loaded, cfg)
+    if quantization is not None and quantization.prequantized:
+        _check_scales(model)
     if cfg.norm_weight_offset:
         _offset_norm_weights(model, cfg.norm_weight_offset)
     return model.eval()
@@ -76,7 +93,7 @@ def _checkpoint_tensors(cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Tens
             yield Path(cfg.path).name, name, torch.from_numpy(np.array(array))  # a copy: the file map is read-only
         return
     for file in checkpoint_files(Path(cfg.path)):
-        with safe_open(str(file), framework="pt") as f:
+        with _open_checkpoint(file) as f:
             for name in f.keys():
                 yield file.name, name, f.get_tensor(name)
 
@@ -92,6 +109,21 @@ def _offset_norm_weights(model: CausalLM, offset: float) -> None:
                 m.weight.add_(offset)
 
 
+def _open_checkpoint(file: Path):  # noqa: ANN202 (safetensors' handle type is private)
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for a truncated or garbled header
+        raise ValueError(f"checkpoint file {str(file)!r} cannot be read (corrupt or truncated?): {e}") from None
+
+
+def _check_scales(model: CausalLM) -> None:
+    from lmserve.model.layers import quantizable_linears
+
+    for name, m in quantizable_linears(model):
+        if not bool(torch.isfinite(m.scales).all()):
+            raise ValueError(f"checkpoint tensor {name}.scales holds non-finite scales (corrupt file?)")
+
+
 def _map_name(name: str) -> tuple[str, int | None]:
     for fused, part, shard in STACKED_PARAMS:
         if f".{part}." in name:
@@ -102,6 +134,9 @@ def _map_name(name: str) -> tuple[str, int | None]:
 def _copy_into(
     param: torch.Tensor, target: str, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig
 ) -> None:
+    quantized = target.endswith((".qweight", ".scales"))
+    if (quantized or not tensor.is_floating_point()) and tensor.dtype != param.dtype:
+        raise ValueError(f"dtype {tensor.dtype} where {target} needs {param.dtype} (a mismatched quantized file?)")
     with torch.no_grad():
         if shard is None:
             if param.shape != tensor.shape:
@@ -135,8 +170,7 @@ def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], cfg: Mode
         if fused is None:
             ok = name in loaded or (cfg.tie_word_embeddings and name == "lm_head.weight")
         else:
-            n = 3 if fused == "qkv_proj" else 2
-            # Phi-3 checkpoints store qkv_proj / gate_up_proj already fused
+            n = 3 if fused == "qkv_proj" else 2  # in parts (HF), or fused (Phi-3 checkpoints, `lmserve quantize`)
             ok = name in loaded or all(f"{name}#{i}" in loaded for i in range(n))
         if not ok:
             missing.append(name)

@@ -11,13 +11,44 @@ from lmserve.config import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.model.attention import AttentionMetadata, PrefillSegment, causal_mask_with_context
 from lmserve.model.kv_cache import KVCache
-from lmserve.model.layers import pack_linear_weights, round_linear_weights_to_bf16
+from lmserve.model.layers import (
+    KERNEL_MAX_ROWS,
+    pack_linear_weights,
+    quantize_linear_weights,
+    round_linear_weights_to_bf16,
+)
 from lmserve.model.loader import load_model
 from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+def _log_quantized_kernels(method: str) -> None:
+    """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo)."""
+    flags = kernels.cpu_flags()
+    relevant = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "avx512_bf16", "avx512bw", "avx2"})
+    decode = kernels.quantized_kernel_names()[method] if kernels.available() else "PyTorch ops (no C kernels)"
+    batched = "torch._int_mm (oneDNN int8)" if method == "int8" else "dequantize + float32 GEMM"
+    logger.info("%s weights: 1-%d row kernel %s; batched rows %s; CPU flags %s", method,
+                KERNEL_MAX_ROWS if method == "int8" else kernels.I4_MAX_ROWS, decode, batched, relevant or "none")
+    if method == "int8" and not flags & {"avx512_vnni", "avx_vnni"}:
+        logger.warning("int8: this CPU has no VNNI instructions; the int8 kernels run a portable (slower) loop")
+
+
+def _log_bf16_compute() -> None:
+    """dtype=bfloat16 on the CPU: matmuls run as oneDNN bf16 GEMMs, fast only with AVX512-BF16 / AMX-BF16."""
+    flags = kernels.cpu_flags()
+    native = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    if native:
+        logger.info("bfloat16 compute: oneDNN bf16 GEMMs on this CPU's %s", " and ".join(native))
+    else:
+        logger.warning(
+            "bfloat16 compute: this CPU has neither avx512_bf16 nor amx_bf16, so bf16 matmuls are emulated "
+            "(converted to float32) and run slower than dtype=float32; prefer dtype float32, or "
+            "weight_dtype=bfloat16 to halve the weight bytes a decode step reads"
+        )
 
 
 class ModelRunner:
@@ -28,12 +59,18 @@ class ModelRunner:
             tune_malloc_for_tensors()
         self.block_size = config.cache.block_size
         mc = config.model
-        self.model = load_model(mc, config.scheduler.max_model_len, config.device)
+        self.model = load_model(mc, config.scheduler.max_model_len, config.device, config.quantization)
+        if config.quantization is not None:
+            if not config.quantization.prequantized:
+                quantize_linear_weights(self.model, config.quantization)
+            _log_quantized_kernels(config.quantization.method)
         self.packed_weight_bytes = 0
         if config.weight_dtype == "bfloat16":
             if not kernels.available():
                 raise ValueError("weight_dtype='bfloat16' needs the CPU kernels (a C compiler); none could be built")
             round_linear_weights_to_bf16(self.model)
+        if self.device.type == "cpu" and mc.dtype == "bfloat16":
+            _log_bf16_compute()
         if self.device.type == "cpu":
             # oneDNN-packed copies of the projection weights, if they fit in a quarter of the free RAM.
             self.packed_weight_bytes = pack_linear_weights(self.model, available_ram_bytes() // 4)
@@ -43,6 +80,9 @@ class ModelRunner:
                 f"{self.packed_weight_bytes / 2**20:.0f} MiB" if self.packed_weight_bytes else "off",
                 config.weight_dtype or mc.dtype,
             )
+            if config.quantization is not None:
+                logger.info("projections quantized to %s (embeddings, LM head, norms: %s)",
+                            config.quantization.method, mc.dtype)
         self.kv_caches: list[KVCache] = self._allocate_kv_caches()
         self.sampler = Sampler()
 

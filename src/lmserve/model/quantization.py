@@ -1,0 +1,151 @@
+"""Quantized linear weights: their layouts, the quantization math (the PyTorch reference every kernel is
+tested against), and the checkpoint format `lmserve quantize` writes.
+
+Two methods (EngineArgs.quantization):
+
+- "int8" (W8A8): symmetric int8 weights with one float32 scale per output channel, s_w = max|w_row| / 127;
+  activations quantized per token inside the step, s_x = max|x_row| / 127 (dynamic, symmetric); the
+  product accumulates in int32 and is scaled once: y = (x_q . w_q) * s_x * s_w (+ bias).
+- "int4" (weight-only): 4-bit codes with one float16 scale per group of `group_size` inputs along a row,
+  symmetric with no zero point (llama.cpp's Q4_0 rule): d = m / -8 where m is the group's value of
+  largest magnitude, code = clamp(round(w / d), -8, 7) + 8, w ≈ (code - 8) * d. Activations stay float32.
+
+Only the decoder's projections are quantized (qkv, o, gate_up, down); embeddings, the LM head (tied or
+not) and the norms stay float32.
+
+Layouts (what the C kernels read):
+  int8  qweight (O, K) int8, scales (O,) float32, row_sums (O,) int32 (sum of each qweight row; not saved)
+  int4  qweight (O, K / 2) uint8: each run of 32 inputs is 16 bytes, byte i holding input i in its low
+        nibble and input i + 16 in its high nibble; scales (O, K / group_size) float16
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from lmserve.config import QUANTIZATION_FORMAT, QuantizationConfig
+
+INT4_BLOCK = 32  # inputs per packed run (16 bytes); group sizes are multiples of it
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, K) float → (qweight (O, K) int8, scales (O,) float32), symmetric per output channel."""
+    w = w.detach().float()
+    s = w.abs().amax(dim=1) / 127
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, s
+
+
+def int8_row_sums(qweight: torch.Tensor) -> torch.Tensor:
+    """Sum of each int8 weight row: the correction the VNNI kernel subtracts (it shifts x to unsigned)."""
+    return qweight.sum(dim=1, dtype=torch.int32)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of x (M, K) float32: (q (M, K) int8, scales (M,) float32). The C kernel
+    (kernels.quantize_rows_i8) does the same operations and gives identical bits."""
+    s = x.abs().amax(dim=1) / 127
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(x / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, s
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to its per-token int8 grid, in float32 (what the int8 path computes with)."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    q, s = quantize_activations(flat)
+    return (q.float() * s[:, None]).reshape(x.shape).to(x.dtype)
+
+
+def int8_linear(
+    xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Quantized rows (xq, xs) times int8 weights: torch._int_mm (oneDNN int8: AMX / VNNI where the CPU has
+    them), exact in int32, then one scale per element."""
+    acc = torch._int_mm(xq, qweight.t())
+    y = acc.float() * (xs[:, None] * scales[None, :])
+    return y + bias if bias is not None else y
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, K) float → (qweight (O, K/2) uint8 packed codes, scales (O, K/group_size) float16)."""
+    o, k = w.shape
+    assert group_size % INT4_BLOCK == 0 and k % group_size == 0, f"group size {group_size} for {k} inputs"
+    g = w.detach().float().reshape(o, k // group_size, group_size)
+    m = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    d = (m / -8).to(torch.float16)  # the stored scale; codes are rounded against it, not the fp32 one
+    div = d.float()
+    div = torch.where(div == 0, torch.ones_like(div), div)
+    codes = (torch.round(g / div[..., None]).clamp(-8, 7) + 8).to(torch.uint8).reshape(o, k)
+    return pack_int4(codes), d
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """(O, K) uint8 codes 0..15 → (O, K/2): per run of 32, byte i = code[i] | code[i + 16] << 4."""
+    o, k = codes.shape
+    c = codes.reshape(o, k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+    return (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(o, k // 2)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: (O, K/2) → (O, K) uint8 codes."""
+    o, half = qweight.shape
+    b = qweight.reshape(o, half // (INT4_BLOCK // 2), INT4_BLOCK // 2)
+    return torch.stack((b & 0x0F, b >> 4), dim=2).reshape(o, half * 2)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(O, K) float32 weights: (code - 8) * scale of the code's group (kernels.dequant_i4 is bit-identical)."""
+    codes = unpack_int4(qweight)
+    group_size = codes.shape[1] // scales.shape[1]
+    return (codes.to(torch.int32) - 8).float() * scales.float().repeat_interleave(group_size, dim=1)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return qweight.float() * scales[:, None]
+
+
+# ---- checkpoint format ----------------------------------------------------------------------------------
+# `lmserve quantize` writes config.json (the source's, plus `quantization_config`) and model.safetensors in
+# which every quantized projection is saved under its fused name (qkv_proj, gate_up_proj) as
+# `<name>.qweight` and `<name>.scales`; everything else keeps the source's tensors (float32).
+
+
+def quantized_tensor_specs(
+    method: str, group_size: int, out_features: int, in_features: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Suffix → (shape, dtype) a checkpoint must hold for one quantized projection."""
+    if method == "int8":
+        return {"qweight": ((out_features, in_features), torch.int8), "scales": ((out_features,), torch.float32)}
+    return {
+        "qweight": ((out_features, in_features // 2), torch.uint8),
+        "scales": ((out_features, in_features // group_size), torch.float16),
+    }
+
+
+def write_quantized_checkpoint(model: torch.nn.Module, src_dir: Path, out_dir: Path, quant: QuantizationConfig) -> int:
+    """Save a model whose projections are quantized (and the rest float32) in our format; returns bytes written."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items() if t is not None}
+    if getattr(model.config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt", "lmserve": QUANTIZATION_FORMAT})
+    cfg = json.loads((src_dir / "config.json").read_text())
+    cfg["quantization_config"] = quant.to_hf()
+    cfg["dtype"] = cfg["torch_dtype"] = "float32"
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in src_dir.iterdir():  # tokenizer and generation config travel with the weights
+        if (
+            f.is_file()
+            and f.name != "config.json"
+            and not f.name.endswith(".safetensors")
+            and "safetensors" not in f.name
+        ):
+            (out_dir / f.name).write_bytes(f.read_bytes())
+    return (out_dir / "model.safetensors").stat().st_size
