@@ -3,6 +3,7 @@ deltas, metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,27 @@ def test_stop_string_cuts_text_and_frees_blocks(llm: LLM) -> None:
     assert c.text == text[: text.index(stop)]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert len(c.token_ids) < 20
+    assert llm.engine.kv.pool.num_free_blocks == 32
+
+
+def test_min_tokens_holds_back_stop_strings_for_each_sequence(llm: LLM) -> None:
+    """No stop string may end in the text of the first min_tokens tokens (vLLM); n sequences each."""
+    m, free_params = 10, SamplingParams(n=3, max_tokens=24, min_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
+    free = llm.generate(["hello"], free_params, use_tqdm=False)[0].outputs
+    tok = llm.get_tokenizer()
+    boundaries = [tok.decode(c.token_ids[:m]) for c in free]
+    assert all(" " in b and not b.endswith("\ufffd") for b in boundaries), "each sequence has an early stop string"
+    assert any(" " in c.text[len(b) :] for c, b in zip(free, boundaries, strict=True)), "and some a later one"
+    for include in (False, True):
+        params = dataclasses.replace(free_params, stop=[" "], include_stop_str_in_output=include)
+        outs = llm.generate(["hello"], params, use_tqdm=False)[0].outputs
+        for c, ref, b in zip(outs, free, boundaries, strict=True):
+            assert c.token_ids == ref.token_ids[: len(c.token_ids)] and len(c.token_ids) > m
+            if " " in ref.text[len(b) :]:
+                cut = ref.text.index(" ", len(b)) + include
+                assert (c.text, c.finish_reason, c.stop_reason) == (ref.text[:cut], "stop", " ")
+            else:
+                assert (c.text, c.finish_reason, c.token_ids) == (ref.text, "length", ref.token_ids)
     assert llm.engine.kv.pool.num_free_blocks == 32
 
 
