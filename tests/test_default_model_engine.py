@@ -51,3 +51,16 @@ def test_generate_cli_runs_with_no_arguments() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "ROMEO:" in proc.stdout and "床前明月光" in proc.stdout
     assert "\ufffd" not in proc.stdout
+
+
+def test_min_tokens_holds_back_stop_strings(default_llm: LLM) -> None:
+    """The soak's reproduction: a "\n" among the first min_tokens tokens no longer ends the output."""
+    params = SamplingParams(max_tokens=40, temperature=0, min_tokens=30)
+    free = default_llm.generate(["ROMEO:"], params, use_tqdm=False)[0].outputs[0]
+    boundary = len(default_llm.get_tokenizer().decode(free.token_ids[:30]))
+    assert "\n" in free.text[:boundary] and "\n" in free.text[boundary:], "the case is exercised"
+    params = SamplingParams(max_tokens=40, temperature=0, min_tokens=30, stop=["\n"])
+    out = default_llm.generate(["ROMEO:"], params, use_tqdm=False)[0].outputs[0]
+    cut = free.text.index("\n", boundary)
+    assert len(out.token_ids) > 30 and out.finish_reason == "stop" and out.stop_reason == "\n"
+    assert out.text == free.text[:cut] and out.token_ids == free.token_ids[: len(out.token_ids)]

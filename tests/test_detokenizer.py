@@ -138,11 +138,12 @@ def test_stream_equals_full_decode_real_text(
 STOP_ALPHABET = st.sampled_from(ALPHABET[:40] + ["。", "😀", " "])
 
 
-def _expected_with_stops(full: str, stops: list[str], include: bool) -> tuple[str, str | None]:
-    """Reference: cut at the stop string that completes first in the full text."""
+def _expected_with_stops(full: str, stops: list[str], include: bool, boundary: int = 0) -> tuple[str, str | None]:
+    """Reference: cut at the stop string that completes first in the full text, ending past `boundary`
+    characters (the text of the first min_tokens tokens, where no stop string may end)."""
     best = None
     for s in stops:
-        i = full.find(s)
+        i = full.find(s, max(0, boundary - len(s) + 1))
         if i != -1 and (best is None or (i + len(s), i) < best[:2]):
             best = (i + len(s), i, s)
     if best is None:
@@ -164,11 +165,13 @@ def test_stop_strings_property(
     )
     random_stops = st.text(alphabet=STOP_ALPHABET, min_size=1, max_size=4)
     stops = data.draw(st.lists(st.one_of(substrings, random_stops), min_size=1, max_size=3))
-    expected, expected_stop = _expected_with_stops(full, stops, include)
+    min_tokens = data.draw(st.one_of(st.just(0), st.integers(0, len(ids) + 1)))
+    # The first min_tokens tokens' text; a character they only begin belongs to the tokens after them.
+    boundary = len(byte_level.decode(ids[:min_tokens], skip_special_tokens=True).rstrip("\ufffd"))
+    expected, expected_stop = _expected_with_stops(full, stops, include, boundary)
 
-    detok = IncrementalDetokenizer(
-        byte_level, [], SamplingParams(stop=stops, include_stop_str_in_output=include)
-    )
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include, min_tokens=min_tokens, max_tokens=None)
+    detok = IncrementalDetokenizer(byte_level, [], params)
     streamed = ""
     for upd in _stream(detok, ids, chunks):
         streamed += upd.delta_text
@@ -284,3 +287,35 @@ def test_metaspace_leading_space_after_skipped_special(metaspace: Any) -> None:
     detok = IncrementalDetokenizer(metaspace, [], SamplingParams())
     text = "".join(detok.update([i]).delta_text for i in ids) + detok.flush()
     assert text == metaspace.decode(ids, skip_special_tokens=True) == "Hello world"
+
+
+def test_min_tokens_ignores_stop_strings_inside_them(byte_level: Any) -> None:
+    text = "a.b.c.d"
+    ids = byte_level.encode(text, add_special_tokens=False)
+    ends = [len(byte_level.decode(ids[:k])) for k in range(len(ids) + 1)]
+    m = next(k for k in range(len(ids)) if "." in text[: ends[k]] and "." in text[ends[k] :])
+    detok, deltas = _feed_one_by_one(byte_level, text, SamplingParams(stop=["."], min_tokens=m, max_tokens=None))
+    cut = text.index(".", ends[m])  # the first "." past the first m tokens' text
+    assert "".join(deltas) == text[:cut] and detok.stop_str == "." and len(deltas) > m
+    # min_tokens covering every token: no stop at all
+    detok, deltas = _feed_one_by_one(byte_level, text, SamplingParams(stop=["."], min_tokens=len(ids), max_tokens=None))
+    assert "".join(deltas) == text and detok.stop_str is None
+
+
+def test_min_tokens_stop_string_straddling_the_boundary(byte_level: Any) -> None:
+    text, stop = "the lazy dog. the lazy dog.", "lazy dog"
+    ids = byte_level.encode(text, add_special_tokens=False)
+    ends = [len(byte_level.decode(ids[:k])) for k in range(len(ids) + 1)]
+    first, second = text.index(stop), text.rindex(stop)
+    # min_tokens ending inside the first "lazy dog": it straddles the boundary and stops the output there
+    m = next(k for k in range(len(ids)) if first < ends[k] < first + len(stop))
+    for include, expected in ((False, text[:first]), (True, text[: first + len(stop)])):
+        params = SamplingParams(stop=[stop], min_tokens=m, max_tokens=None, include_stop_str_in_output=include)
+        detok, deltas = _feed_one_by_one(byte_level, text, params)
+        assert "".join(deltas) == expected and detok.stop_str == stop
+    # the whole first one inside the first min_tokens tokens: ignored, the second one stops the output
+    m = next(k for k in range(len(ids)) if ends[k] >= first + len(stop))
+    for include, expected in ((False, text[:second]), (True, text[: second + len(stop)])):
+        params = SamplingParams(stop=[stop], min_tokens=m, max_tokens=None, include_stop_str_in_output=include)
+        detok, deltas = _feed_one_by_one(byte_level, text, params)
+        assert "".join(deltas) == expected and detok.stop_str == stop

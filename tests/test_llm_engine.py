@@ -3,6 +3,7 @@ deltas, metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from lmserve import LLM, SamplingParams
 from lmserve.config import EngineArgs
+from lmserve.default_model import default_model_path
 from tests.hf_reference import hf_greedy, hf_model
 
 
@@ -31,6 +33,19 @@ def test_max_model_len_that_cannot_fit_the_pool(llama_dir: Path) -> None:
     assert small.engine.config.scheduler.max_model_len == 64
     with pytest.raises(ValueError, match=r"prompt is 100 tokens, but max_model_len is 64"):
         small.generate([[5] * 100], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+def test_unchunked_budget_checked_against_the_pool_sized_max_model_len() -> None:
+    """Without chunked prefill the budget must hold the longest prompt: max_model_len after it shrank to the
+    pool (43 blocks x 16 = 688 tokens here), not the model's 1024 positions."""
+    args = dict(model=default_model_path("target"), num_kv_blocks=43, block_size=16, enable_chunked_prefill=False)
+    sched = EngineArgs(**args, max_num_batched_tokens=688).create_engine_config().scheduler
+    assert (sched.max_model_len, sched.max_num_batched_tokens) == (688, 688)
+    refused = r"max_num_batched_tokens \(687\) must be >= max_model_len \(688, .*43 blocks x 16 tokens"
+    with pytest.raises(ValueError, match=refused):
+        EngineArgs(**args, max_num_batched_tokens=687).create_engine_config()
+    # left on auto, the budget covers the pool-sized max_model_len
+    assert EngineArgs(**args).create_engine_config().scheduler.max_num_batched_tokens >= 688
 
 
 def test_kv_pool_sized_by_the_memory_ledger(llama_dir: Path) -> None:
@@ -141,6 +156,49 @@ def test_stop_string_cuts_text_and_frees_blocks(llm: LLM) -> None:
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert len(c.token_ids) < 20
     assert llm.engine.kv.pool.num_free_blocks == 32
+
+
+def test_min_tokens_holds_back_stop_strings_for_each_sequence(llm: LLM) -> None:
+    """No stop string may end in the text of the first min_tokens tokens (vLLM); n sequences each."""
+    m, free_params = 10, SamplingParams(n=3, max_tokens=24, min_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
+    free = llm.generate(["hello"], free_params, use_tqdm=False)[0].outputs
+    tok = llm.get_tokenizer()
+    boundaries = [tok.decode(c.token_ids[:m]) for c in free]
+    assert all(" " in b and not b.endswith("\ufffd") for b in boundaries), "each sequence has an early stop string"
+    assert any(" " in c.text[len(b) :] for c, b in zip(free, boundaries, strict=True)), "and some a later one"
+    for include in (False, True):
+        params = dataclasses.replace(free_params, stop=[" "], include_stop_str_in_output=include)
+        outs = llm.generate(["hello"], params, use_tqdm=False)[0].outputs
+        for c, ref, b in zip(outs, free, boundaries, strict=True):
+            assert c.token_ids == ref.token_ids[: len(c.token_ids)] and len(c.token_ids) > m
+            if " " in ref.text[len(b) :]:
+                cut = ref.text.index(" ", len(b)) + include
+                assert (c.text, c.finish_reason, c.stop_reason) == (ref.text[:cut], "stop", " ")
+            else:
+                assert (c.text, c.finish_reason, c.token_ids) == (ref.text, "length", ref.token_ids)
+    assert llm.engine.kv.pool.num_free_blocks == 32
+
+
+def test_static_and_continuous_batching_use_the_prefix_cache_alike(llama_dir: Path) -> None:
+    """The soak's reproduction: budget 16, a warmed 64-token prefix, 3 prompts sharing it (same cache hits,
+    counters and tokens under both policies)."""
+    prefix = [(7 * i) % 200 + 3 for i in range(64)]
+    prompts = [prefix + [11 + i] * 16 for i in range(3)]  # the first fills the budget: under static, 2 join
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    results = {}
+    for policy in ("continuous", "static"):
+        llm = LLM(str(llama_dir), num_kv_blocks=32, block_size=16, max_num_batched_tokens=16, scheduling_policy=policy)
+        llm.generate([prefix + [5]], params, use_tqdm=False)  # warm the prefix
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        m = llm.engine.get_metrics()
+        results[policy] = (
+            [o.num_cached_tokens for o in outs],
+            [o.outputs[0].token_ids for o in outs],
+            (m["prefix_cache_queries_total"], m["prefix_cache_hits_total"]),
+        )
+    assert results["static"] == results["continuous"]
+    assert results["static"][0] == [64, 64, 64]
+    assert results["static"][2] == (65 + 3 * 80, 3 * 64)
 
 
 def test_streamed_deltas_concatenate_to_final_text(llm: LLM) -> None:

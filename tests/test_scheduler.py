@@ -131,6 +131,42 @@ def test_static_policy_admits_whole_batch_even_when_budget_is_small() -> None:
     assert not s.waiting
 
 
+def _prefix_cache_run(policy: str) -> tuple[list[int], tuple[int, int], int]:
+    """Token budget 16, a warmed 64-token prefix, then 3 prompts sharing it (16 new tokens each: the first
+    fills the budget, so under `static` the other two join the batch before computing anything). Returns their
+    cached-token counts, the prefix-cache (queries, hits) they added, and the steps they took."""
+    s = make_scheduler(budget=16, block_size=16, policy=policy)
+    prefix = list(range(100, 164))
+
+    def request(rid: str, suffix: list[int]) -> Request:
+        return Request(rid, prefix + suffix, SamplingParams(max_tokens=2, ignore_eos=True), max_tokens=2)
+
+    s.add_request(request("warm", [1]))
+    while s.running or s.waiting:
+        run_step(s)
+    queries, hits = s.prefix_cache_queries_total, s.prefix_cache_hits_total
+    batch = [request(rid, list(range(16 * i, 16 * i + 16))) for i, rid in enumerate("abc")]
+    for r in batch:
+        s.add_request(r)
+    steps = 0
+    while s.running or s.waiting:
+        out = run_step(s)
+        assert out.num_batched_tokens <= 16
+        steps += 1
+    assert [r.num_output_tokens for r in batch] == [2, 2, 2]
+    assert s.kv.pool.num_free_blocks == 64
+    counted = (s.prefix_cache_queries_total - queries, s.prefix_cache_hits_total - hits)
+    return [r.num_cached_tokens for r in batch], counted, steps
+
+
+def test_every_admitted_request_looks_up_the_prefix_cache() -> None:
+    """Static batches look up (and count) the prefix cache for every member as it joins, as continuous
+    batching does for every admission: the policies differ in batching, not in cache use."""
+    # 48 uncached prompt tokens + 6 samples through a budget of 16: a | a+b | b+c | b+c | c, 5 steps
+    expected = ([64, 64, 64], (3 * 80, 3 * 64), 5)
+    assert _prefix_cache_run("continuous") == _prefix_cache_run("static") == expected
+
+
 def test_chunked_prefill_disabled_waits_for_whole_prompt() -> None:
     s = make_scheduler(budget=10, chunked=False)
     s.add_request(make_request("a", 6, max_tokens=8))

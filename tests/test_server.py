@@ -236,6 +236,28 @@ def test_stop_strings(client: openai.OpenAI) -> None:
     assert streamed == cut.text
 
 
+def test_min_tokens_holds_back_stop_strings(client: openai.OpenAI) -> None:
+    """No stop string may end in the first min_tokens tokens' text; the first one after them cuts (both modes)."""
+    m = 8
+    base = dict(model=MODEL_NAME, prompt="class Foo:", temperature=0, extra_body={"ignore_eos": True})
+    head = client.completions.create(max_tokens=m, **base).choices[0].text  # the first m tokens' text
+    text = client.completions.create(max_tokens=24, **base).choices[0].text
+    assert text.startswith(head) and not head.endswith("\ufffd")
+    stop = next(ch for ch in head if ch in text[len(head) :])  # occurs inside the first m tokens and after
+    base["extra_body"] = {"ignore_eos": True, "min_tokens": m}
+    cut = client.completions.create(max_tokens=24, stop=[stop], **base)
+    choice = cut.choices[0]
+    assert choice.text == text[: text.index(stop, len(head))]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    assert cut.usage.completion_tokens > m
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(max_tokens=24, stop=[stop], stream=True, **base)
+        if c.choices
+    )
+    assert streamed == choice.text
+
+
 def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI) -> None:
     prompt = "A unique prefix for the prefix cache test: " + " ".join(f"w{i}" for i in range(30))
     first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)

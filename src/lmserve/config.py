@@ -388,15 +388,8 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{model.max_position_embeddings}"
             )
-        budget = self.max_num_batched_tokens
-        if budget is None:
-            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        _check_positive("max_num_batched_tokens", budget)
-        if not self.enable_chunked_prefill and budget < max_model_len:
-            raise ValueError(
-                f"with enable_chunked_prefill=False, max_num_batched_tokens ({budget}) must be >= "
-                f"max_model_len ({max_model_len}) so every prompt fits one step"
-            )
+        if self.max_num_batched_tokens is not None:
+            _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         kv_dtype = self._kv_cache_dtype(model.dtype)
         kv_bytes_per_token = memory.kv_cache_bytes_per_token(
             model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype
@@ -406,6 +399,7 @@ class EngineArgs:
             self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token, kv_dtype,
             memory.kv_scale_bytes_per_token(model.num_layers, model.num_kv_heads, kv_dtype),
         )  # fmt: skip
+        fitted = ""
         if cache.num_tokens < max_model_len:
             if self.max_model_len is not None:
                 raise ValueError(
@@ -415,6 +409,15 @@ class EngineArgs:
                     f"lower max_model_len or raise num_kv_blocks / kv_cache_memory_gib"
                 )
             max_model_len = cache.num_tokens  # auto: the longest request the pool can hold
+            fitted = f", what the KV pool's {num_blocks} blocks x {self.block_size} tokens hold"
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        if not self.enable_chunked_prefill and budget < max_model_len:  # the final max_model_len, pool-sized
+            raise ValueError(
+                f"with enable_chunked_prefill=False, max_num_batched_tokens ({budget}) must be >= "
+                f"max_model_len ({max_model_len}{fitted}) so every prompt fits one step"
+            )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,

@@ -39,6 +39,12 @@ class KVCacheManager:
             parent = request.block_hashes[i]
         return hits, len(hits) * self.block_size
 
+    def can_allocate(self, num_tokens: int, computed_blocks: list[KVCacheBlock]) -> bool:
+        """Whether a new request whose prefix hits are computed_blocks could get blocks for num_tokens
+        tokens now (hits on the free list count against it, as in allocate_slots)."""
+        num_fresh = max(0, self.num_blocks_for(num_tokens) - len(computed_blocks))
+        return num_fresh + sum(1 for b in computed_blocks if b.ref_cnt == 0) <= self.pool.num_free_blocks
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None
     ) -> list[KVCacheBlock] | None:

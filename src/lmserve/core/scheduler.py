@@ -128,29 +128,36 @@ class Scheduler:
             table = self.kv.allocate_slots(request, num_new, hits)
             if table is None:
                 break
-            self.waiting.popleft()
-            self.prefix_cache_queries_total += request.num_tokens
-            self.prefix_cache_hits_total += num_hit_tokens
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._admit(request, num_hit_tokens)
             scheduled.append(ScheduledRequest(request, num_new, [b.block_id for b in table]))
             self._share_in_step(request, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
         if static:
             # The rest of the batch joins now, without computing yet: admitted together, finished together.
+            # Each holds its prefix-cache hits as it joins, so both policies see the same cache.
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
                 if not request.is_grammar_ready:
                     break
-                if self.kv.num_blocks_for(request.num_tokens + 1) > self.kv.pool.num_free_blocks:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+                if not self.kv.can_allocate(request.num_tokens + 1, hits):
                     break
-                self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
+                table = self.kv.allocate_slots(request, 0, hits)
+                assert table is not None, f"request {request.request_id}: its prefix hits could not be held"
+                self._admit(request, num_hit_tokens)
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        """Move the head of the waiting queue to running, its first num_hit_tokens found in the prefix cache."""
+        assert request is self.waiting[0], "requests are admitted in FCFS order"
+        self.waiting.popleft()
+        self.prefix_cache_queries_total += request.num_tokens
+        self.prefix_cache_hits_total += num_hit_tokens
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _share_in_step(self, request: Request, num_new: int) -> None:
         """Make the blocks this step fills findable now, so requests scheduled after it in the same step

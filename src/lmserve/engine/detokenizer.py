@@ -19,6 +19,10 @@ final form is still open:
     max(len(stop)) - 1 characters; none with include_stop_str_in_output), and on a match the text is cut
     before the stop string (or after it with include_stop_str_in_output).
 
+min_tokens (vLLM's meaning): no stop string may end within the text of the first min_tokens output tokens.
+Those matches are ignored (the text is released), but the hold-back still runs there, so a stop string that
+starts inside that text and ends after it is cut as usual.
+
 Without a stop match, the deltas of update() plus flush() concatenate to exactly
 `tokenizer.decode(all_output_ids, skip_special_tokens=params.skip_special_tokens)`. Output text is decoded
 from the output ids alone (the prompt is not decode context), which is what makes that equality hold.
@@ -161,6 +165,7 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._text = ""  # cleaned text that passed the UTF-8 and cleanup stages (emitted + held for stops)
         self._emitted = 0  # chars of _text returned to the caller
+        self._stop_check_from = 0  # a stop string must end past this many chars of _text (min_tokens)
         self.stop_str: str | None = None
         self.finished = False
 
@@ -177,6 +182,11 @@ class IncrementalDetokenizer:
         """Add the step's new tokens; return only the text that became final."""
         if self.finished:
             return DetokenizerUpdate("")
+        before_min = self.params.min_tokens - len(self._token_ids)
+        if 0 < before_min < len(new_token_ids):  # min_tokens falls inside: the tokens up to it go first
+            head = self.update(new_token_ids[:before_min])
+            tail = self.update(new_token_ids[before_min:])
+            return DetokenizerUpdate(head.delta_text + tail.delta_text, tail.stop_str)
         self._token_ids.extend(new_token_ids)
         return self._advance(self._read_new_text(final=False), final=False)
 
@@ -210,10 +220,12 @@ class IncrementalDetokenizer:
             text = stage.feed(text)
             if final:
                 text += stage.finish()
-        search_from = len(self._text)
+        if len(self._token_ids) <= self.params.min_tokens:
+            self._stop_check_from = len(self._text) + len(text)  # the first min_tokens tokens' text: no stop
+        search_from = max(len(self._text), self._stop_check_from)  # stop strings must end past this
         self._text += text
 
-        if self._stops and text:
+        if self._stops and len(self._text) > search_from:
             match = self._find_stop(search_from)
             if match is not None:
                 start, stop = match
