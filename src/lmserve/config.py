@@ -134,6 +134,7 @@ class CacheConfig:
     num_blocks: int
     enable_prefix_caching: bool
     kv_bytes_per_token: int
+    draft_kv_bytes_per_token: int = 0  # a speculative draft model's KV, kept in blocks of the same table
 
     @property
     def num_tokens(self) -> int:
@@ -141,8 +142,9 @@ class CacheConfig:
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of K and V tensors over all layers (the ledger's bytes per token × pool tokens)."""
-        return self.num_tokens * self.kv_bytes_per_token
+        """Bytes of K and V tensors over all layers (the ledger's bytes per token × pool tokens), a draft's
+        included."""
+        return self.num_tokens * (self.kv_bytes_per_token + self.draft_kv_bytes_per_token)
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,7 @@ class EngineConfig:
     seed: int
     tokenizer: str
     weight_dtype: str | None = None  # None: the model dtype; "bfloat16": bf16-stored linears, fp32 compute (CPU)
+    speculative: Any = None  # spec_decode.config.SpeculativeConfig, or None
 
 
 @dataclass
@@ -184,6 +187,7 @@ class EngineArgs:
     weight_dtype: str | None = None
     device: str = "cpu"
     seed: int = 0
+    speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -228,8 +232,14 @@ class EngineArgs:
         kv_bytes_per_token = memory.kv_bytes_per_token(
             model.num_layers, model.num_kv_heads, model.head_dim, memory.dtype_bytes(model.dtype)
         )
-        num_blocks = self._num_kv_blocks(kv_bytes_per_token)
-        cache = CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token)
+        spec = None
+        if self.speculative_config is not None:
+            from lmserve.spec_decode.config import SpeculativeConfig
+
+            spec = SpeculativeConfig.from_dict(self.speculative_config, model, max_model_len, self.dtype, self.device)
+        draft_bpt = spec.draft_kv_bytes_per_token if spec is not None else 0
+        num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt)
+        cache = CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token, draft_bpt)
         if cache.num_tokens < max_model_len:
             if self.max_model_len is not None:
                 raise ValueError(
@@ -246,7 +256,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
         )
-        return EngineConfig(model, cache, sched, self.device, self.seed, self.tokenizer or self.model, weight_dtype)
+        return EngineConfig(
+            model, cache, sched, self.device, self.seed, self.tokenizer or self.model, weight_dtype, spec
+        )
 
     def _weight_dtype(self, model_dtype: str) -> str | None:
         """None (weights in the model dtype) or "bfloat16": the linear layers' weights rounded to and stored
@@ -278,7 +290,8 @@ class EngineArgs:
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_gib: {budget_bytes} bytes cannot hold one block of {self.block_size} tokens "
-                f"({self.block_size * kv_bytes_per_token} bytes)"
+                f"({self.block_size * kv_bytes_per_token} bytes"
+                + (", the speculative draft's KV included)" if self.speculative_config is not None else ")")
             )
         return num_blocks
 
