@@ -96,6 +96,26 @@ class _EngineCollector(Collector):
             "kv_cache_bytes_per_token", "KV bytes per token over all layers.", m["kv_cache_bytes_per_token"]
         )
         yield gauge("kv_cache_capacity_bytes", "Bytes of the KV pool.", m["kv_cache_capacity_bytes"])
+        yield counter(
+            "spec_decode_num_drafts", "Speculative verifications (requests x steps with proposals).",
+            m["spec_decode_num_drafts_total"],
+        )  # fmt: skip
+        yield counter(
+            "spec_decode_num_draft_tokens", "Proposed tokens verified by the target.",
+            m["spec_decode_num_draft_tokens_total"],
+        )  # fmt: skip
+        yield counter(
+            "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.",
+            m["spec_decode_num_accepted_tokens_total"],
+        )  # fmt: skip
+        yield gauge(
+            "spec_decode_acceptance_rate", "Accepted / proposed tokens (0 before any proposal).",
+            m["spec_decode_acceptance_rate"],
+        )  # fmt: skip
+        yield gauge(
+            "spec_decode_mean_accepted_length", "Tokens a verification emits on average (accepted + 1).",
+            m["spec_decode_mean_accepted_length"],
+        )  # fmt: skip
 
 
 class Metrics:
