@@ -75,9 +75,9 @@ def test_greedy_identical_to_no_speculation(model_dirs, draft_dirs, family) -> N
 @pytest.mark.parametrize(
     "engine_args",
     [
-        {"max_num_batched_tokens": 6},  # chunked prefill; the budget also cuts proposals
+        {"max_num_batched_tokens": 6, "num_kv_blocks": 64},  # chunked prefill; the budget also cuts proposals
         {"num_kv_blocks": 10, "block_size": 4},  # a small pool: preemption
-        {"enable_prefix_caching": False},
+        {"enable_prefix_caching": False, "num_kv_blocks": 64},
     ],
     ids=["chunked", "preemption", "no-prefix-cache"],
 )
@@ -88,7 +88,7 @@ def test_greedy_identity_under_scheduling_pressure(llama_dir, draft_dirs, engine
     for cfg in spec_configs(draft_dirs, llama_dir).values():
         outs, llm = generate(llama_dir, prompts, params, speculative_config=cfg, **engine_args)
         assert token_ids(outs) == token_ids(ref), cfg
-        if "num_kv_blocks" in engine_args:
+        if engine_args["num_kv_blocks"] == 10:
             assert llm.get_metrics()["num_preemptions_total"] > 0, "the small pool should preempt"
     if engine_args.get("enable_prefix_caching", True):
         assert base.get_metrics()["prefix_cache_hits_total"] > 0
@@ -134,9 +134,8 @@ def test_logprobs_and_usage_match_without_speculation(llama_dir) -> None:
                               torch.tensor([lp.logprob for lp in cb.logprobs]), atol=1e-4)  # fmt: skip
         assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-3)
     assert llm.get_metrics()["generation_tokens_total"] == base.get_metrics()["generation_tokens_total"]
-    assert llm.get_metrics()["spec_decode_num_steps_saved" if False else "num_steps_total"] < base.get_metrics()[
-        "num_steps_total"
-    ], "accepted runs need fewer steps"
+    steps, base_steps = llm.get_metrics()["num_steps_total"], base.get_metrics()["num_steps_total"]
+    assert steps < base_steps, "accepted runs need fewer steps"
 
 
 def test_stop_string_inside_accepted_run(llama_dir) -> None:
@@ -194,7 +193,7 @@ def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
-def _noise_floor(p: torch.Tensor, num_samples: int, reps: int = 30) -> float:
+def _noise_floor(p: torch.Tensor, num_samples: int, reps: int = 50) -> float:
     """The largest TV between p and the histogram of num_samples exact draws from p, over reps tries."""
     g = torch.Generator().manual_seed(0)
     return max(
@@ -250,7 +249,7 @@ def test_rejection_sampler_matches_target_against_noise_floor() -> None:
     from lmserve.spec_decode.rejection_sampler import verify
     from lmserve.worker.sampler import Sampler, SamplingMetadata
 
-    vocab, n = 12, 20000
+    vocab, n = 12, 8000
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(2, vocab, generator=g) * 2
     q = torch.softmax(torch.randn(vocab, generator=g) * 3, dim=0)
@@ -260,14 +259,13 @@ def test_rejection_sampler_matches_target_against_noise_floor() -> None:
         SamplingParams(temperature=0.7, top_p=0.7),
         SamplingParams(temperature=1.3, top_k=5, min_p=0.05, presence_penalty=0.5),
     ):
-        req = Request("r", [1, 2], params, max_tokens=10)
         p = sampler.compute_probs(logits[:1], SamplingMetadata([params], [None], [[1, 2]], [[]], []))[0]
-        drafts = torch.multinomial(q, n, True, generator=g).tolist()
-        firsts = []
-        for d in drafts:
+        batch = []
+        for d in torch.multinomial(q, n, True, generator=g).tolist():  # n requests, one proposal each, one call
+            req = Request("r", [1, 2], params, max_tokens=10)
             req.spec_token_ids, req.spec_draft_probs = [d], q[None]
-            (v,) = verify(sampler, logits, [ScheduledRequest(req, 2, [0], num_spec_tokens=1)])
-            firsts.append(v.token_ids[0])
+            batch.append(ScheduledRequest(req, 2, [0], num_spec_tokens=1))
+        firsts = [v.token_ids[0] for v in verify(sampler, logits.repeat(n, 1), batch)]
         observed = torch.bincount(torch.tensor(firsts), minlength=vocab).float() / n
         tv, floor = _tv(observed, p), _noise_floor(p, n)
         assert tv <= floor * 1.1, f"{params}: TV {tv:.4f} vs noise floor {floor:.4f}"
@@ -314,3 +312,27 @@ def test_draft_kv_is_counted_by_the_ledger(llama_dir) -> None:
     assert spec.draft_kv_bytes_per_token == plain.kv_bytes_per_token
     assert spec.num_blocks == plain.num_blocks // 2, "the same budget holds half the blocks with an equal draft"
     assert spec.pool_bytes <= budget
+
+
+def test_no_proposals_in_steps_larger_than_the_threshold(llama_dir) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cfg = {"model": str(llama_dir), "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    ref, _ = generate(llama_dir, PROMPTS, params, num_kv_blocks=64)
+    outs, llm = generate(llama_dir, PROMPTS, params, num_kv_blocks=64, speculative_config=cfg)
+    assert token_ids(outs) == token_ids(ref)
+    assert llm.get_metrics()["spec_decode_num_draft_tokens_total"] == 0, "3 requests per step > threshold 2"
+    outs, llm = generate(llama_dir, PROMPTS[:2], params, num_kv_blocks=64, speculative_config=cfg)
+    assert llm.get_metrics()["spec_decode_num_draft_tokens_total"] > 0, "2 requests per step: speculation on"
+
+
+def test_cli_flag_reaches_the_engine_config(llama_dir) -> None:
+    import argparse
+
+    from lmserve.config import EngineArgs
+    from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--num-kv-blocks", "8", "--speculative-config", json.dumps(NGRAM)])
+    config = EngineArgs.from_kwargs(str(llama_dir), **engine_kwargs(args)).create_engine_config()
+    assert config.speculative.method == "ngram" and config.speculative.num_speculative_tokens == 3
