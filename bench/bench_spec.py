@@ -129,7 +129,8 @@ def main() -> None:
     compare("draft k=4, Shakespeare, 1 stream", take(SHAKESPEARE), draft)
     compare("draft k=4, Chinese, 1 stream", take(CHINESE), draft)
     compare("ngram k=4, repeated text, 1 stream", take(REPEATING), ngram)
-    compare("draft k=4, 32 streams (threshold 8)", SHAKESPEARE + CHINESE, draft, n_streams=4 if args.quick else 32)
+    n_many = 4 if args.quick else 32
+    compare(f"draft k=4, {n_many} streams (threshold 8)", SHAKESPEARE + CHINESE, draft, n_streams=n_many)
     if args.sweep:
         for b in (1, 2, 4, 8, 16, 32):
             compare(f"draft k=4 forced on, {b} streams", SHAKESPEARE + CHINESE,
