@@ -30,6 +30,11 @@ def _snapshot(**overrides) -> EngineSnapshot:
         "kv_cache_scale_bytes_per_token": 32,
         "kv_cache_max_concurrent_requests": 8,
         "finished_requests_by_reason": {"stop": 1, "length": 2, "abort": 4},
+        "spec_decode_num_drafts_total": 10,
+        "spec_decode_num_draft_tokens_total": 40,
+        "spec_decode_num_accepted_tokens_total": 30,
+        "spec_decode_acceptance_rate": 0.75,
+        "spec_decode_mean_accepted_length": 4.0,
     }
     metrics.update(overrides)
     return EngineSnapshot(metrics=metrics, num_batched_tokens=17, num_aborted_requests_total=4, time=0.0)
@@ -62,6 +67,10 @@ def test_engine_counters_and_gauges_come_from_the_snapshot() -> None:
     assert s["lmserve:kv_cache_capacity_bytes"] == 524288
     assert s["lmserve:kv_cache_scale_bytes_per_token"] == 32 and s["lmserve:kv_cache_max_concurrent_requests"] == 8
     assert s["lmserve:kv_cache_dtype_info{kv_cache_dtype=int8}"] == 1
+    assert s["lmserve:spec_decode_num_draft_tokens_total"] == 40
+    assert s["lmserve:spec_decode_num_accepted_tokens_total"] == 30
+    assert s["lmserve:spec_decode_num_drafts_total"] == 10
+    assert s["lmserve:spec_decode_acceptance_rate"] == 0.75 and s["lmserve:spec_decode_mean_accepted_length"] == 4.0
 
 
 def test_nothing_from_the_engine_while_loading() -> None:

@@ -287,6 +287,7 @@ class CacheConfig:
     kv_bytes_per_token: int  # values and (8-bit dtypes) scales, all layers: memory.kv_cache_bytes_per_token
     kv_cache_dtype: str = "float32"  # resolved: float32 | bfloat16 | float16 | int8 | fp8_e4m3
     kv_scale_bytes_per_token: int = 0  # the part of kv_bytes_per_token that is scales
+    draft_kv_bytes_per_token: int = 0  # a speculative draft model's KV, kept in blocks of the same table
 
     @property
     def num_tokens(self) -> int:
@@ -294,8 +295,9 @@ class CacheConfig:
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the K, V (and scale) tensors over all layers (the ledger's bytes per token × pool tokens)."""
-        return self.num_tokens * self.kv_bytes_per_token
+        """Bytes of the K, V (and scale) tensors over all layers (the ledger's bytes per token × pool tokens), a
+        speculative draft's included."""
+        return self.num_tokens * (self.kv_bytes_per_token + self.draft_kv_bytes_per_token)
 
     def max_concurrent_requests(self, num_tokens: int) -> int:
         """Requests of num_tokens tokens whose blocks the pool holds at once."""
@@ -323,6 +325,7 @@ class EngineConfig:
     weight_dtype: str | None = None  # None: the model dtype; "bfloat16": bf16-stored linears, fp32 compute (CPU)
     generation_config: str = "auto"  # "auto": the model's generation_config.json fills unset sampling fields
     quantization: QuantizationConfig | None = None  # quantized projections (CPU, float32 compute)
+    speculative: Any = None  # spec_decode.config.SpeculativeConfig, or None
 
 
 @dataclass
@@ -350,6 +353,7 @@ class EngineArgs:
     share_prefix_in_step: bool = True  # False: a burst's shared prefix is computed once per request (bench A/B)
     quantization: str | None = None  # "int8" | "int4"; a checkpoint written by `lmserve quantize` needs none
     quantization_group_size: int = 32  # int4: inputs sharing one scale
+    speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -394,10 +398,16 @@ class EngineArgs:
         kv_bytes_per_token = memory.kv_cache_bytes_per_token(
             model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype
         )
-        num_blocks = self._num_kv_blocks(kv_bytes_per_token)
+        spec = None
+        if self.speculative_config is not None:
+            from lmserve.spec_decode.config import SpeculativeConfig
+
+            spec = SpeculativeConfig.from_dict(self.speculative_config, model, max_model_len, self.dtype, self.device)
+        draft_bpt = spec.draft_kv_bytes_per_token if spec is not None else 0
+        num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt)
         cache = CacheConfig(
             self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token, kv_dtype,
-            memory.kv_scale_bytes_per_token(model.num_layers, model.num_kv_heads, kv_dtype),
+            memory.kv_scale_bytes_per_token(model.num_layers, model.num_kv_heads, kv_dtype), draft_bpt,
         )  # fmt: skip
         fitted = ""
         if cache.num_tokens < max_model_len:
@@ -428,7 +438,7 @@ class EngineArgs:
         )
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
-            quantization,
+            quantization, spec,
         )  # fmt: skip
 
     def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:
@@ -505,7 +515,8 @@ class EngineArgs:
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_gib: {budget_bytes} bytes cannot hold one block of {self.block_size} tokens "
-                f"({self.block_size * kv_bytes_per_token} bytes)"
+                f"({self.block_size * kv_bytes_per_token} bytes"
+                + (", the speculative draft's KV included)" if self.speculative_config is not None else ")")
             )
         return num_blocks
 

@@ -113,6 +113,26 @@ class _EngineCollector(Collector):
         )
         info.add_metric([*values, m["kv_cache_dtype"]], 1)
         yield info
+        yield counter(
+            "spec_decode_num_drafts", "Speculative verifications (requests x steps with proposals).",
+            m["spec_decode_num_drafts_total"],
+        )  # fmt: skip
+        yield counter(
+            "spec_decode_num_draft_tokens", "Proposed tokens verified by the target.",
+            m["spec_decode_num_draft_tokens_total"],
+        )  # fmt: skip
+        yield counter(
+            "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.",
+            m["spec_decode_num_accepted_tokens_total"],
+        )  # fmt: skip
+        yield gauge(
+            "spec_decode_acceptance_rate", "Accepted / proposed tokens (0 before any proposal).",
+            m["spec_decode_acceptance_rate"],
+        )  # fmt: skip
+        yield gauge(
+            "spec_decode_mean_accepted_length", "Tokens a verification emits on average (accepted + 1).",
+            m["spec_decode_mean_accepted_length"],
+        )  # fmt: skip
 
 
 class Metrics:

@@ -71,6 +71,12 @@ class Request:
     delta_text: str = ""  # text added by the last step (after stop-string hold-back)
     num_delta_tokens: int = 0  # tokens added since the last output was made
     structured_output: Any = None  # StructuredOutputRequest (grammar matcher) when constrained, set by the engine
+    # Speculative decoding: proposals for the next step, tentatively appended after all_token_ids (the
+    # scheduler schedules 1 + len(spec_token_ids) tokens); the draft's distributions they were sampled from
+    # (None: one-hot, e.g. n-gram or greedy); how many leading positions hold this request's draft-model KV.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = None
+    num_draft_computed_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

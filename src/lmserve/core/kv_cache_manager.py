@@ -91,6 +91,18 @@ class KVCacheManager:
             self.pool.cache_block(table[i], block_key(parent, tokens))
         self._num_cached_blocks[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's tail blocks past those num_tokens tokens need (slots of rejected proposals or
+        unused lookahead); they hold no computed, cached token."""
+        table = self.req_to_blocks.get(request.request_id)
+        if table is None:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        assert keep >= self._num_cached_blocks.get(request.request_id, 0), "trim would drop a cached block"
+        if len(table) > keep:
+            self.pool.free_blocks(list(reversed(table[keep:])))
+            self.req_to_blocks[request.request_id] = table[:keep]
+
     def free(self, request: Request) -> None:
         table = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)

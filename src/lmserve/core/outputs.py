@@ -15,6 +15,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table after allocation
+    num_spec_tokens: int = 0  # the last num_spec_tokens of the new tokens are proposals to verify
 
     @property
     def start(self) -> int:
@@ -22,8 +23,8 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        """True when this step reaches the end of the known tokens (and proposals), so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens + self.num_spec_tokens
 
 
 @dataclass
@@ -48,6 +49,14 @@ class ModelRunnerOutput:
     logprobs: dict[str, Any] = field(default_factory=dict)  # request id → TokenLogprobs, where asked for
     # request id → (first prompt position scored, TokenLogprobs per position) for prompt_logprobs requests
     prompt_logprobs: dict[str, tuple[int, list[Any]]] = field(default_factory=dict)
+    # Speculative decoding. accepted_token_ids: request id → the proposals the target accepted, which come
+    # before its sampled token (their TokenLogprobs in accepted_logprobs, where asked for);
+    # spec_token_ids / spec_draft_probs: request id → proposals for the next step and the draft's
+    # distributions they were drawn from (None: one-hot).
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_draft_probs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,6 +68,9 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries_total: int  # tokens looked up
     prefix_cache_hits_total: int  # tokens found
+    spec_num_drafts_total: int = 0  # verifications of at least one proposed token
+    spec_num_draft_tokens_total: int = 0  # proposed tokens verified
+    spec_num_accepted_tokens_total: int = 0  # of those, accepted
 
 
 @dataclass

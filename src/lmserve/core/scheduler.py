@@ -4,6 +4,11 @@ Each step: running requests first (one token for a decode, a chunk for an unfini
 waiting requests FCFS while the budget, max_num_seqs and free blocks allow. When blocks run out, the
 most recently admitted running request is preempted by recompute. `static` policy admits a whole
 batch at once and lets nothing join until every request in it has finished.
+
+Speculative decoding fits the counter model: a request's proposals (request.spec_token_ids) are tentatively
+appended tokens, so a decode with k proposals is scheduled 1 + k tokens. After the step the accepted ones
+count as computed, the rejected ones are rolled back (num_computed_tokens not advanced over them, their tail
+blocks freed), and `num_lookahead_tokens` extra slots are held for a draft model to write while proposing.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from lmserve.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock=None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock=None, num_lookahead_tokens: int = 0
+    ) -> None:
         import time
 
         self.config = config
@@ -30,6 +37,10 @@ class Scheduler:
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
         self._last_num_batched_tokens = 0
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_num_drafts_total = 0
+        self.spec_num_draft_tokens_total = 0
+        self.spec_num_accepted_tokens_total = 0
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -84,14 +95,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if (
-                not self.config.enable_chunked_prefill
-                and num_new < request.num_tokens - request.num_computed_tokens
-            ):
+            num_unverified = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_unverified + len(request.spec_token_ids), budget)
+            del request.spec_token_ids[max(0, num_new - num_unverified) :]  # proposals past the budget
+            if not self.config.enable_chunked_prefill and num_new < num_unverified:
                 break  # whole prompt must fit one step: wait for a step with budget
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            table = self.kv.allocate_slots(request, num_new)
+            num_slots = num_new + self._num_lookahead(request, num_new)
+            table = self.kv.allocate_slots(request, num_slots)
             while table is None:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -102,10 +113,11 @@ class Scheduler:
                         "(the engine's validation should have refused it)"
                     )
                     break
-                table = self.kv.allocate_slots(request, num_new)
+                table = self.kv.allocate_slots(request, num_slots)
             if table is None:
                 break
-            scheduled.append(ScheduledRequest(request, num_new, [b.block_id for b in table]))
+            ids = [b.block_id for b in table]
+            scheduled.append(ScheduledRequest(request, num_new, ids, len(request.spec_token_ids)))
             self._share_in_step(request, num_new)
             budget -= num_new
             i += 1
@@ -162,10 +174,20 @@ class Scheduler:
     def _share_in_step(self, request: Request, num_new: int) -> None:
         """Make the blocks this step fills findable now, so requests scheduled after it in the same step
         (a burst sharing a system prompt) hit them instead of computing the prefix again."""
-        if self.config.share_prefix_in_step:
-            self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
+        if self.config.share_prefix_in_step:  # known tokens only: speculative proposals may be rejected
+            self.kv.cache_blocks(request, min(request.num_computed_tokens + num_new, request.num_tokens))
+
+    def _num_lookahead(self, request: Request, num_new: int) -> int:
+        """Slots past this step that a draft model writes while proposing after it: only for a step that
+        reaches the end of the request's tokens, never past the longest the request can get."""
+        end = request.num_computed_tokens + num_new
+        if end < request.num_tokens + len(request.spec_token_ids):
+            return 0
+        return max(0, min(self.num_lookahead_tokens, request.num_prompt_tokens + request.max_tokens - end))
 
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids, request.spec_draft_probs = [], None
+        request.num_draft_computed_tokens = 0
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -186,20 +208,48 @@ class Scheduler:
             request = s.request
             if request.is_finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(request)
-            token = output.sampled_token_ids.get(request.request_id)
+            rid = request.request_id
+            accepted = output.accepted_token_ids.get(rid, []) if s.num_spec_tokens else []
+            # Rejected proposals are rolled back: their positions do not count as computed.
+            request.num_computed_tokens += s.num_new_tokens - (s.num_spec_tokens - len(accepted))
+            request.spec_token_ids, request.spec_draft_probs = [], None
+            token = output.sampled_token_ids.get(rid)
             if token is None:
+                self.kv.cache_blocks(request)
                 continue  # a prefill chunk that did not reach the end of the prompt
-            request.append_output_token(token)
+            if s.num_spec_tokens:
+                self._count_spec(s.num_spec_tokens, len(accepted))
+            stopped = self._append_tokens(request, accepted + [token], max_model_len)
+            self.kv.cache_blocks(request)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            if request.check_stop(max_model_len):
+            if stopped:
                 self.running.remove(request)
                 self._finish(request)
+            else:
+                request.spec_token_ids = list(output.spec_token_ids.get(rid, []))
+                request.spec_draft_probs = output.spec_draft_probs.get(rid)
+                self.kv.trim(request, request.num_tokens + len(request.spec_token_ids))
             updated.append(request)
         return updated
+
+    @staticmethod
+    def _append_tokens(request: Request, token_ids: list[int], max_model_len: int) -> bool:
+        """Append a step's tokens (accepted proposals, then the sampled one) up to the first that stops the
+        request; nothing after a stop is kept. Returns whether the request stopped."""
+        for t in token_ids:
+            request.append_output_token(t)
+            if request.check_stop(max_model_len):
+                # tokens past the stop were computed but are not the request's: never count them
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+                return True
+        return False
+
+    def _count_spec(self, num_draft: int, num_accepted: int) -> None:
+        self.spec_num_drafts_total += 1
+        self.spec_num_draft_tokens_total += num_draft
+        self.spec_num_accepted_tokens_total += num_accepted
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
@@ -216,4 +266,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries_total=self.prefix_cache_queries_total,
             prefix_cache_hits_total=self.prefix_cache_hits_total,
+            spec_num_drafts_total=self.spec_num_drafts_total,
+            spec_num_draft_tokens_total=self.spec_num_draft_tokens_total,
+            spec_num_accepted_tokens_total=self.spec_num_accepted_tokens_total,
         )

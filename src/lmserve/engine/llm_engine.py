@@ -57,7 +57,8 @@ class LLMEngine:
         # the model's generation_config.json sampling fields, for requests that leave them unset
         self.generation_defaults = sampling_defaults(config.model.path, config.generation_config)
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
+        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead)
         self.runner = ModelRunner(config)
         self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids)
         self._grammar_pending: list[_ParentRequest] = []  # parents whose grammar is still compiling
@@ -208,11 +209,12 @@ class LLMEngine:
         runner_out = self.runner.execute(sched)
         updated = self.scheduler.update_from_output(sched, runner_out, self.config.scheduler.max_model_len)
         self.counters.num_steps_total += 1
-        self.counters.generation_tokens_total += len(updated)
         self._record_prompt_logprobs(sched, runner_out.prompt_logprobs)
         parents: dict[str, _ParentRequest] = {}
         for req in updated:
-            self._process_new_token(req, runner_out.logprobs.get(req.request_id))
+            rid = req.request_id
+            logprobs = runner_out.accepted_logprobs.get(rid, []) + [runner_out.logprobs.get(rid)]
+            self.counters.generation_tokens_total += self._process_new_tokens(req, logprobs)
             parent = self._parents[self._child_to_parent[req.request_id]]
             parents[parent.request_id] = parent
             if req.is_finished:
@@ -249,21 +251,38 @@ class LLMEngine:
                 # positions already recorded (a recompute after preemption) are not added twice
                 req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first :])
 
-    def _process_new_token(self, req: Request, logprobs: Any) -> None:
-        """Detokenize the new token; a stop string finishes the request here (its blocks freed now)."""
-        req.num_delta_tokens += 1
+    def _process_new_tokens(self, req: Request, logprobs: list[Any]) -> int:
+        """Detokenize the step's new tokens (several when speculative proposals were accepted), one at a time so
+        that a stop string ends the request at the token that completed it: tokens after it are dropped, as if
+        never generated. The stop finishes the request here (its blocks freed now). Returns the tokens kept."""
+        new = req.output_token_ids[len(req.detokenizer.output_token_ids) :]
+        stop_str = None
+        for token in new:
+            update = req.detokenizer.update([token])
+            req.delta_text += update.delta_text
+            if update.stop_str is not None:
+                stop_str = update.stop_str
+                break
+        num_kept = len(new) - (len(req.output_token_ids) - len(req.detokenizer.output_token_ids))
+        del req.output_token_ids[len(req.detokenizer.output_token_ids) :]  # past a stop string
+        del req.all_token_ids[req.num_prompt_tokens + req.num_output_tokens :]
+        req.num_delta_tokens += num_kept
         if req.structured_output is not None and not req.is_finished:
+            assert num_kept == 1, "constrained requests get no speculative proposals"
             self._advance_grammar(req)
         if req.logprobs is not None:
-            req.logprobs.append(logprobs)
-            req.cumulative_logprob += logprobs.logprob
-        update = req.detokenizer.update(req.output_token_ids[-1:])
-        req.delta_text += update.delta_text
-        if update.stop_str is not None:
+            for lp in logprobs[:num_kept]:
+                req.logprobs.append(lp)
+                req.cumulative_logprob += lp.logprob
+        self._finish_on_stop(req, stop_str)
+        return num_kept
+
+    def _finish_on_stop(self, req: Request, stop_str: str | None) -> None:
+        if stop_str is not None:
             if req.is_finished:
-                req.finish_reason, req.stop_reason = FinishReason.STOP, update.stop_str
+                req.finish_reason, req.stop_reason = FinishReason.STOP, stop_str
             else:
-                self.scheduler.finish_requests([req.request_id], FinishReason.STOP, update.stop_str)
+                self.scheduler.finish_requests([req.request_id], FinishReason.STOP, stop_str)
         elif req.is_finished:
             req.delta_text += req.detokenizer.flush()
             if req.detokenizer.stop_str is not None:  # the held-back tail completed a stop string
@@ -357,7 +376,22 @@ class LLMEngine:
                 self.config.scheduler.max_model_len
             ),  # of max_model_len tokens each: the concurrency the pool buys
             "finished_requests_by_reason": dict(c.num_finished_by_reason),
+            **spec_decode_metrics(s),
         }
+
+
+def spec_decode_metrics(s: SchedulerStats) -> dict[str, float]:
+    """Speculative decoding counters, acceptance rate (accepted / proposed) and mean accepted length (tokens a
+    verification step emits: accepted proposals + the one the target samples; 0 before any verification)."""
+    drafts, proposed = s.spec_num_drafts_total, s.spec_num_draft_tokens_total
+    accepted = s.spec_num_accepted_tokens_total
+    return {
+        "spec_decode_num_drafts_total": drafts,
+        "spec_decode_num_draft_tokens_total": proposed,
+        "spec_decode_num_accepted_tokens_total": accepted,
+        "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+        "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+    }
 
 
 def _min_time(values) -> float | None:

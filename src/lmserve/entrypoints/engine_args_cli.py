@@ -63,6 +63,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, vLLM\'s keys: {"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": 4} or {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}; '
+        'also "disable_by_batch_size" (default 8)',
+    )
 
 
 ENGINE_ARG_NAMES = (
@@ -86,6 +93,7 @@ ENGINE_ARG_NAMES = (
     "share_prefix_in_step",
     "quantization",
     "quantization_group_size",
+    "speculative_config",
 )
 
 

@@ -18,6 +18,8 @@ from lmserve.model.layers import (
     round_linear_weights_to_bf16,
 )
 from lmserve.model.loader import load_model
+from lmserve.spec_decode.proposer import make_proposer, proposal_inputs
+from lmserve.spec_decode.rejection_sampler import verify
 from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
@@ -85,6 +87,7 @@ class ModelRunner:
                             config.quantization.method, mc.dtype)
         self.kv_caches: list[KVCache] = self._allocate_kv_caches()
         self.sampler = Sampler()
+        self.proposer = make_proposer(config)
 
     def _allocate_kv_caches(self) -> list[KVCache]:
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
@@ -137,19 +140,54 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )
-        # Only the last token of each request that reaches the end of its known tokens is sampled.
+        # Only the last token of each request that reaches the end of its known tokens is sampled; a request
+        # with proposals has all 1 + k of its last rows scored (verified after the plain rows are sampled).
         prompt_logprobs = self._prompt_logprobs(ordered, first_row, hidden)
-        sampling = [s for s in sched.scheduled if s.samples]  # rows in scheduled order
+        sampling = [s for s in sched.scheduled if s.samples and not s.num_spec_tokens]  # scheduled order
+        verifying = [s for s in sched.scheduled if s.samples and s.num_spec_tokens]
         sample_rows = [first_row[s.request.request_id] + s.num_new_tokens - 1 for s in sampling]
-        if not sampling:
+        for s in verifying:
+            last = first_row[s.request.request_id] + s.num_new_tokens
+            sample_rows += range(last - s.num_spec_tokens - 1, last)
+        if not sample_rows:
             return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        out = self.sampler(logits, self._sampling_metadata(sampling))
-        ids = [s.request.request_id for s in sampling]
-        logprobs = {}
-        if out.logprobs is not None:
-            logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None}
-        return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids, strict=True)), logits, logprobs, prompt_logprobs)
+        all_logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        logits = all_logits[: len(sampling)]
+        out = ModelRunnerOutput({}, logits, prompt_logprobs=prompt_logprobs)
+        if sampling:
+            sampled = self.sampler(logits, self._sampling_metadata(sampling))
+            ids = [s.request.request_id for s in sampling]
+            out.sampled_token_ids = dict(zip(ids, sampled.sampled_token_ids, strict=True))
+            if sampled.logprobs is not None:
+                out.logprobs = {rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None}
+        if verifying:
+            self._verify(verifying, all_logits[len(sampling) :], out)
+        if self.proposer is not None:
+            self._propose(sched, sampling + verifying, out)
+        return out
+
+    def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        for s, v in zip(verifying, verify(self.sampler, logits, verifying), strict=True):
+            rid = s.request.request_id
+            out.accepted_token_ids[rid], out.sampled_token_ids[rid] = v.token_ids[:-1], v.token_ids[-1]
+            if v.logprobs is not None:
+                out.accepted_logprobs[rid], out.logprobs[rid] = v.logprobs[:-1], v.logprobs[-1]
+
+    def _propose(self, sched: SchedulerOutput, sampled: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+        """Proposals for the next step, from the tokens this step produced (stop checks come later: the
+        scheduler drops the proposals of requests that finish)."""
+        assert self.proposer is not None and self.config.speculative is not None
+        new_tokens = []
+        for s in sampled:
+            rid = s.request.request_id
+            tokens = out.accepted_token_ids.get(rid, []) + [out.sampled_token_ids[rid]]
+            new_tokens.append((s, tokens))
+            # the draft's KV is valid only where the target's tokens are settled
+            n_settled = s.request.num_tokens + len(tokens) - 1
+            s.request.num_draft_computed_tokens = min(s.request.num_draft_computed_tokens, n_settled)
+        inputs = proposal_inputs(self.config.speculative, new_tokens, len(sched.scheduled), self.block_size)
+        if inputs:
+            out.spec_token_ids, out.spec_draft_probs = self.proposer.propose(inputs)
 
     def _prompt_logprobs(
         self, ordered: list[ScheduledRequest], first_row: dict[str, int], hidden: torch.Tensor
@@ -175,6 +213,8 @@ class ModelRunner:
         start, end = s.start, s.start + s.num_new_tokens
         bs = self.block_size
         ids = s.request.all_token_ids[start:end]
+        if s.num_spec_tokens:
+            ids += s.request.spec_token_ids[: s.num_spec_tokens]
         pos = list(range(start, end))
         slots = [s.block_ids[p // bs] * bs + p % bs for p in pos]
         return ids, pos, slots

@@ -1,0 +1,134 @@
+"""The draft model: its own weights and paged KV cache, proposing k tokens per request in one call.
+
+The draft's KV tensors have the target's block geometry (num_blocks x block_size, sized together by the KV
+ledger), so the scheduler's block tables are the one source of truth for both models: position p of a request
+lives in the same block and slot in the target's and in the draft's cache. What the draft has computed is its
+own counter, request.num_draft_computed_tokens (positions whose draft KV holds the request's tokens):
+
+    [ 0 ......................... draft computed )[ catch-up chunk ...... | last token ]→ d_1 → d_2 ... → d_n
+      valid draft KV (never past the target's      the draft's prefill: tokens the target   one batched decode
+      computed tokens; reset on preemption)        computed since (prompt, accepted ones)   forward per token
+
+The first forward feeds each request its catch-up chunk (its prefill after admission or preemption; usually
+just the last one or two tokens) and yields d_1; n - 1 batched decode forwards follow, all inside this call.
+The draft never trusts another request's prefix-cache blocks (their draft KV may not have been computed):
+after a prefix hit it computes its own prefill, writing the same values into the shared blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lmserve.config import EngineConfig, available_ram_bytes
+from lmserve.model.attention import AttentionMetadata, PrefillSegment, causal_mask_with_context
+from lmserve.model.kv_cache import KVCache
+from lmserve.model.layers import pack_linear_weights
+from lmserve.model.loader import load_model
+from lmserve.spec_decode.proposer import ProposalInput
+from lmserve.worker.sampler import _SAMPLING_EPS
+
+
+class DraftModelProposer:
+    def __init__(self, config: EngineConfig) -> None:
+        spec = config.speculative
+        assert spec is not None and spec.draft is not None, "the draft-model proposer needs a draft ModelConfig"
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        dc = spec.draft
+        self.model = load_model(dc, config.scheduler.max_model_len, config.device)
+        if self.device.type == "cpu":
+            pack_linear_weights(self.model, available_ram_bytes() // 16)
+        self.kv_caches: list[KVCache] = [  # in the draft's dtype (its KV is recomputable and small)
+            KVCache.allocate(
+                config.cache.num_blocks, self.block_size, dc.num_kv_heads, dc.head_dim, dc.dtype, self.device
+            )
+            for _ in range(dc.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def propose(self, inputs: list[ProposalInput]) -> tuple[dict[str, list[int]], dict[str, Any]]:
+        tokens: dict[str, list[int]] = {}
+        probs: dict[str, list[torch.Tensor]] = {}
+        # forward 1: each request's catch-up chunk, ending with its newest token
+        chunks = []
+        for item in inputs:
+            req = item.request
+            end = len(item.token_ids)
+            start = min(req.num_draft_computed_tokens, end - 1)
+            chunks.append((item.token_ids[start:end], start, item.block_ids))
+            req.num_draft_computed_tokens = end
+            tokens[req.request_id], probs[req.request_id] = [], []
+        active = list(inputs)
+        while True:
+            logits = self._forward(chunks)
+            for item, row in zip(active, logits, strict=True):
+                token, q = self._sample(row, item)
+                tokens[item.request.request_id].append(token)
+                if q is not None:
+                    probs[item.request.request_id].append(q)
+            active = [it for it in active if len(tokens[it.request.request_id]) < it.num_proposals]
+            if not active:
+                break
+            chunks = []
+            for item in active:  # decode: feed the last proposal at the next position
+                req = item.request
+                chunks.append(([tokens[req.request_id][-1]], req.num_draft_computed_tokens, item.block_ids))
+                req.num_draft_computed_tokens += 1
+        draft_probs = {rid: torch.stack(qs) for rid, qs in probs.items() if qs}
+        return tokens, draft_probs
+
+    def _sample(self, logits: torch.Tensor, item: ProposalInput) -> tuple[int, torch.Tensor | None]:
+        """Greedy requests take the draft's argmax (q one-hot, not stored); sampled ones draw from the draft's
+        temperature-scaled softmax, q kept for the rejection sampler."""
+        params = item.request.sampling_params
+        if params.temperature < _SAMPLING_EPS:
+            return int(logits.argmax()), None
+        q = torch.softmax(logits.float() / params.temperature, dim=-1)
+        return int(torch.multinomial(q, 1, generator=item.request.generator)), q
+
+    def _forward(self, chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """chunks: (token ids, first position, block table) per request → logits of each chunk's last token."""
+        bs, dev = self.block_size, self.device
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]) > 1)  # decodes first (stable)
+        ids, pos, slots, last_rows = [], [], [], [0] * len(chunks)
+        prefills = []
+        for i in order:
+            toks, start, table = chunks[i]
+            row0 = len(ids)
+            p = list(range(start, start + len(toks)))
+            ids += toks
+            pos += p
+            slots += [table[x // bs] * bs + x % bs for x in p]
+            last_rows[i] = len(ids) - 1
+            if len(toks) > 1:
+                prefills.append((row0, toks, start, table))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        decodes = [chunks[i] for i in order if len(chunks[i][0]) == 1]
+        if decodes:
+            context_lens = [start + 1 for _, start, _ in decodes]
+            max_blocks = -(-max(context_lens) // bs)
+            tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for _, _, t in decodes]
+            meta.num_decode_tokens = len(decodes)
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+            meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
+        for row0, toks, start, table in prefills:
+            n = len(toks)
+            num_blocks = -(-(start + n) // bs)
+            meta.prefills.append(
+                PrefillSegment(
+                    start=row0,
+                    end=row0 + n,
+                    num_context_tokens=start,
+                    block_table=torch.tensor(table[:num_blocks], dtype=torch.long, device=dev),
+                    mask=causal_mask_with_context(start, n, dev) if start else None,
+                )
+            )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)])

@@ -1,0 +1,103 @@
+"""Who proposes, for whom and how many: the n-gram proposer and the inputs every proposer gets.
+
+After a step's verification the model runner asks the configured proposer for up to k tokens per request that
+sampled (`proposal_inputs`); the scheduler schedules them next step as tentatively appended tokens. Imports no
+torch (the draft model's proposer lives in draft_runner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from lmserve.core.outputs import ScheduledRequest
+from lmserve.request import Request
+from lmserve.spec_decode.config import SpeculativeConfig
+
+
+@dataclass
+class ProposalInput:
+    """One request to propose for, as it stands after this step's tokens (not yet appended to the request)."""
+
+    request: Request
+    token_ids: list[int]  # prompt + output, this step's accepted and sampled tokens included
+    block_ids: list[int]  # its block table (the draft writes its KV through it)
+    num_proposals: int  # at most this many tokens (>= 1)
+
+
+class Proposer(Protocol):
+    def propose(self, inputs: list[ProposalInput]) -> tuple[dict[str, list[int]], dict[str, Any]]:
+        """request id → proposed token ids (may be empty), and request id → the draft's distributions
+        (num_proposed, vocab) they were drawn from (absent: one-hot)."""
+        ...
+
+
+def proposal_inputs(
+    config: SpeculativeConfig,
+    sampled: list[tuple[ScheduledRequest, list[int]]],
+    num_scheduled: int,
+    block_size: int,
+) -> list[ProposalInput]:
+    """Who gets proposals after this step: nobody when the step scheduled more than disable_by_batch_size
+    requests; else every request that sampled, with k capped so that proposals plus the token their
+    verification adds stay within max_tokens, and so that a draft's KV writes stay in the block table."""
+    if num_scheduled > config.disable_by_batch_size:
+        return []
+    out = []
+    for s, new_tokens in sampled:
+        req = s.request
+        if req.structured_output is not None:
+            continue  # a grammar constrains every token: proposals would need the matcher (not wired yet)
+        token_ids = req.all_token_ids + new_tokens
+        remaining = req.max_tokens - (req.num_output_tokens + len(new_tokens))
+        n = min(config.num_speculative_tokens, remaining - 1)
+        if config.num_lookahead_tokens:
+            # the draft writes positions len(token_ids) - 1 ... len(token_ids) + n - 2
+            n = min(n, len(s.block_ids) * block_size - len(token_ids) + 1)
+        if n >= 1:
+            out.append(ProposalInput(req, token_ids, s.block_ids, n))
+    return out
+
+
+class NgramProposer:
+    """Prompt lookup: find the most recent earlier occurrence of the request's last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) in its own tokens and propose what followed it."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, inputs: list[ProposalInput]) -> tuple[dict[str, list[int]], dict[str, Any]]:
+        found = {}
+        for item in inputs:
+            tokens = ngram_lookup(item.token_ids, self.min_n, self.max_n, item.num_proposals)
+            if tokens:
+                found[item.request.request_id] = tokens
+        return found, {}
+
+
+def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    """Up to num_tokens tokens that followed the latest earlier match of the longest suffix n-gram
+    (min_n <= n <= max_n); [] when none matches."""
+    length = len(token_ids)
+    last = token_ids[-1]
+    # candidate ends of an earlier match: positions e < length - 1 holding the last token
+    ends = [e for e in range(length - 2, -1, -1) if token_ids[e] == last]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = token_ids[length - n :]
+        for e in ends:
+            start = e - n + 1
+            if start >= 0 and token_ids[start : e + 1] == suffix:
+                return token_ids[e + 1 : e + 1 + num_tokens]
+    return []
+
+
+def make_proposer(config: Any) -> Proposer | None:
+    """The proposer an EngineConfig asks for (None without speculative decoding)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    from lmserve.spec_decode.draft_runner import DraftModelProposer
+
+    return DraftModelProposer(config)
