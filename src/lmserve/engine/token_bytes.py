@@ -10,12 +10,12 @@ Decoding a single token is wrong for this: with byte-level BPE a Chinese charact
 
 `token_text` is what the OpenAI API shows for a token: its text when its bytes are valid UTF-8, else
 `bytes:\\xe5\\x89` (OpenAI's spelling), so two partial-character tokens never share a name.
-`num_chars_started` counts the characters that begin in a token (UTF-8 lead bytes), which turns a run of
-tokens into character offsets in their decoded text without decoding anything.
+`TextOffsets` turns a run of tokens into character offsets in their decoded text, fed token by token.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from typing import Any
@@ -76,10 +76,6 @@ class TokenBytes:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def num_chars_started(self, token_id: int) -> int:
-        """Characters whose first byte is in this token (every byte but UTF-8 continuation bytes)."""
-        return sum(1 for b in self.bytes_of(token_id) if b & 0xC0 != 0x80)
-
     def _compute(self, token_id: int) -> bytes:
         if token_id in self._added:
             return self._added[token_id].encode("utf-8")
@@ -93,3 +89,25 @@ class TokenBytes:
                     return bytes([int(m.group(1), 16)])
                 return piece.replace("▁", " ").encode("utf-8")
         return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode("utf-8")
+
+
+class TextOffsets:
+    """Where each token of a sequence starts in the sequence's text, fed token by token (so a stream and a
+    whole response agree). The text is the tokens' bytes decoded as the detokenizer does (invalid UTF-8
+    → U+FFFD, special tokens dropped when `skip_special_tokens`), and a token's offset is the number of
+    characters begun before its first byte: text[offset[i]:offset[i+1]] are the characters that begin
+    in token i, and a token that only continues a character gets the offset of the next one."""
+
+    def __init__(self, token_bytes: TokenBytes, skip_special_tokens: bool) -> None:
+        self._token_bytes = token_bytes
+        self._skipped = token_bytes.special_ids if skip_special_tokens else frozenset()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._num_chars = 0  # characters completed (or replaced) so far
+
+    def add(self, token_id: int) -> int:
+        """The offset of `token_id`, which comes next in the sequence."""
+        pending, _ = self._decoder.getstate()
+        offset = self._num_chars + (1 if pending else 0)  # a character begun, waiting for its other bytes
+        if token_id not in self._skipped:
+            self._num_chars += len(self._decoder.decode(self._token_bytes.bytes_of(token_id)))
+        return offset

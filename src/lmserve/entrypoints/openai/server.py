@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from lmserve.engine.token_bytes import TokenBytes
+from lmserve.engine.token_bytes import TextOffsets, TokenBytes
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, from_value_error
 from lmserve.metrics import Metrics
@@ -582,7 +582,7 @@ class _Generation:
             p.CompletionChoice(
                 index=idx,
                 text=c.text,
-                logprobs=self._completion_logprobs(c.logprobs, 0)[0],
+                logprobs=self._completion_logprobs(c.logprobs, self._text_offsets()),
                 finish_reason=_reason(c),
                 stop_reason=c.stop_reason,
             )
@@ -592,18 +592,16 @@ class _Generation:
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def _completion_logprobs(
-        self, entries: list[Any] | None, num_chars: int
-    ) -> tuple[p.CompletionLogprobs | None, int]:
-        """Logprobs of `entries`, whose text starts `num_chars` characters into the choice's text; also
-        returns where the next token's text starts. text_offset[i] counts the characters that begin
-        before token i (from the tokens' bytes, so the same streamed or not, and partial characters do
-        not overshoot): the characters that begin in token i are text[text_offset[i]:text_offset[i+1]]."""
+    def _text_offsets(self) -> TextOffsets:
+        assert self.state.token_bytes is not None, "token_bytes is set with the engine"
+        return TextOffsets(self.state.token_bytes, self.params.skip_special_tokens)
+
+    def _completion_logprobs(self, entries: list[Any] | None, offsets: TextOffsets) -> p.CompletionLogprobs | None:
+        """`offsets` carries the choice's text position from one call to the next (one per choice)."""
         if entries is None:
-            return None, num_chars
+            return None
         tb = self.state.token_bytes
         assert tb is not None, "token_bytes is set with the engine"
-        skipped = tb.special_ids if self.params.skip_special_tokens else frozenset()
         out = p.CompletionLogprobs()
         for e in entries:
             if e is None:
@@ -611,14 +609,12 @@ class _Generation:
             s = tb.token_text(e.token_id)
             out.tokens.append(s)
             out.token_logprobs.append(_finite(e.logprob))
-            out.text_offset.append(num_chars)
-            if e.token_id not in skipped:  # a skipped special token adds nothing to the text
-                num_chars += tb.num_chars_started(e.token_id)
+            out.text_offset.append(offsets.add(e.token_id))
             # token_text is distinct per token (bytes:\x.. for partial characters), so no alternative is lost
             top = {tb.token_text(t): _finite(lp) for t, lp in e.top_logprobs}
-            top.setdefault(s, _finite(e.logprob))
+            top[s] = _finite(e.logprob)  # the chosen token is always there, with its own logprob (k + 1 keys)
             out.top_logprobs.append(top)
-        return out, num_chars
+        return out
 
     def _chat_logprobs(self, entries: list[Any] | None) -> p.ChatLogprobs | None:
         if entries is None:
@@ -649,7 +645,7 @@ class _Generation:
         n = self.params.n
         latest: list[RequestOutput | None] = [None] * len(self.streams)
         finished: set[int] = set()
-        offsets: dict[int, int] = {}
+        offsets: dict[int, TextOffsets] = {}  # per choice
         try:
             if self.chat:  # the role goes out at once, before any token
                 yield "".join(
@@ -682,7 +678,7 @@ class _Generation:
             yield _sse_json(APIError(500, f"internal server error: {type(e).__name__}: {e}").body())
         yield "data: [DONE]\n\n"
 
-    def _chunk_choice(self, idx: int, c: CompletionOutput, offsets: dict[int, int]) -> Any:
+    def _chunk_choice(self, idx: int, c: CompletionOutput, offsets: dict[int, TextOffsets]) -> Any:
         n_new = len(c.delta_token_ids)
         delta_lp = c.logprobs[len(c.logprobs) - n_new :] if c.logprobs is not None else None
         reason = _reason(c) if c.finished else None
@@ -695,7 +691,9 @@ class _Generation:
                 finish_reason=reason,
                 stop_reason=stop_reason,
             )
-        lp, offsets[idx] = self._completion_logprobs(delta_lp, offsets.get(idx, 0))
+        if idx not in offsets:
+            offsets[idx] = self._text_offsets()
+        lp = self._completion_logprobs(delta_lp, offsets[idx])
         return p.CompletionChoice(
             index=idx, text=c.delta_text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason
         )
