@@ -177,7 +177,7 @@ def test_num_unstartable() -> None:
     assert num_unstartable(100, 10, 20, 0) == 10
 
 
-def _gated(engine: AsyncEngine) -> threading.Event:
+def gate_steps(engine: AsyncEngine) -> threading.Event:
     """Hold the engine thread before its next step until the returned event is set: adds are applied to the
     scheduler's waiting queue, but nothing starts or finishes."""
     gate, real_step = threading.Event(), engine.engine.step
@@ -192,7 +192,7 @@ def _gated(engine: AsyncEngine) -> threading.Event:
 
 def _burst(engine: AsyncEngine, num: int, params: SamplingParams) -> tuple[int, int]:
     """Add `num` requests back to back; open the gate; every accepted one must complete. (accepted, refused)"""
-    gate = _gated(engine)
+    gate = gate_steps(engine)
 
     async def run() -> tuple[int, int]:
         accepted, refused = [], 0
