@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 from lmserve import SamplingParams
 from lmserve.config import EngineArgs
-from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, num_unstartable
 from lmserve.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -152,8 +153,8 @@ def test_waiting_queue_bound(llama_dir: Path) -> None:
                     accepted.append(engine.add_request(None, f"p{i}", params))
                 except QueueFullError as e:
                     rejected.append(e)
-            # one may already have been scheduled (running) before the loop finished: 2 or 3 accepted
-            assert 2 <= len(accepted) <= 3 and len(rejected) == 8 - len(accepted)
+            # one can start (max_num_seqs=1) and two may wait for it, whether or not it started yet
+            assert len(accepted) == 3 and len(rejected) == 5
             assert rejected[0].retry_after_s == 3 and "max_queued_requests=2" in str(rejected[0])
             results = [[o async for o in s][-1] for s in accepted]
             assert all(len(r.outputs[0].token_ids) == 30 for r in results)
@@ -162,6 +163,70 @@ def test_waiting_queue_bound(llama_dir: Path) -> None:
             assert [o async for o in again][-1].finished
 
         asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def test_num_unstartable() -> None:
+    assert num_unstartable(num_free_slots=8, num_queued_seqs=0, num_queued_blocks=0, num_free_blocks=0) == 0
+    assert num_unstartable(8, 8, 8, 8) == 0
+    assert num_unstartable(8, 10, 10, 100) == 2, "beyond the free sequence slots"
+    assert num_unstartable(0, 3, 3, 100) == 3, "the batch is full"
+    assert num_unstartable(-2, 3, 3, 100) == 3, "preemption can leave more running than max_num_seqs"
+    assert num_unstartable(100, 10, 20, 10) == 5, "blocks for 5 of them at their average 2 blocks each"
+    assert num_unstartable(100, 10, 20, 0) == 10
+
+
+def gate_steps(engine: AsyncEngine) -> threading.Event:
+    """Hold the engine thread before its next step until the returned event is set: adds are applied to the
+    scheduler's waiting queue, but nothing starts or finishes."""
+    gate, real_step = threading.Event(), engine.engine.step
+
+    def gated_step():
+        assert gate.wait(60), "the test did not open the gate"
+        return real_step()
+
+    engine.engine.step = gated_step  # type: ignore[method-assign]
+    return gate
+
+
+def _burst(engine: AsyncEngine, num: int, params: SamplingParams) -> tuple[int, int]:
+    """Add `num` requests back to back; open the gate; every accepted one must complete. (accepted, refused)"""
+    gate = gate_steps(engine)
+
+    async def run() -> tuple[int, int]:
+        accepted, refused = [], 0
+        for i in range(num):
+            try:
+                accepted.append(engine.add_request(None, f"p{i}", params))
+            except QueueFullError:
+                refused += 1
+            if i % 8 == 0:
+                await asyncio.sleep(0)  # let the engine thread apply adds between some of them
+        gate.set()
+        finals = [[o async for o in s][-1] for s in accepted]
+        assert all(len(c.token_ids) == params.max_tokens for f in finals for c in f.outputs)
+        return len(accepted), refused
+
+    return asyncio.run(run())
+
+
+def test_admission_counts_only_what_the_full_engine_cannot_start(llama_dir: Path) -> None:
+    engine = AsyncEngine(_engine(llama_dir, max_num_seqs=32), max_queued_requests=4).start()
+    try:
+        # 32 can start at once (free slots, blocks to spare) and 4 may wait: the rest are refused
+        assert _burst(engine, 50, SamplingParams(max_tokens=4, ignore_eos=True)) == (36, 14)
+        # n=3 is three sequences
+        assert _burst(engine, 20, SamplingParams(n=3, max_tokens=4, ignore_eos=True)) == (12, 8)
+    finally:
+        engine.shutdown()
+
+
+def test_admission_counts_kv_blocks(llama_dir: Path) -> None:
+    # each request needs one 16-token block to start; 8 blocks → 8 can start, 2 may wait
+    engine = AsyncEngine(_engine(llama_dir, num_kv_blocks=8, max_num_seqs=64), max_queued_requests=2).start()
+    try:
+        assert _burst(engine, 30, SamplingParams(max_tokens=4, ignore_eos=True)) == (10, 20)
     finally:
         engine.shutdown()
 

@@ -14,12 +14,14 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lmserve.config import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.entrypoints.openai.server import build_app
+from tests.test_async_engine import gate_steps
 from tests.test_server import make_chat_model
 
 MAX_MODEL_LEN = 48
@@ -186,6 +188,48 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None, str]] = [
     ("chat-unknown-model", CHAT, {"messages": MSG, "model": "x"}, 404, "model", "does not exist"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [-1, 3]}, 400, "tokens", "out of range"),
     ("tokenize-neither", "/tokenize", {}, 400, "prompt", "exactly one"),
+    (
+        "stream-options-without-stream",
+        C,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "only allowed when stream",
+    ),
+    (
+        "chat-stream-options-stream-false",
+        CHAT,
+        {"messages": MSG, "stream": False, "stream_options": {"include_usage": False}},
+        400,
+        "stream_options",
+        "only allowed when stream",
+    ),
+]
+
+# JSON may carry lone UTF-16 surrogates ("\ud800"), which are not Unicode text: 400 naming the field.
+# json.dumps escapes them (httpx's own encoder cannot), so these bodies are sent as raw bytes.
+S = "abc\ud800"
+SURROGATE_INPUTS: list[tuple[str, str, Any, str]] = [
+    ("prompt", C, {"prompt": S}, "prompt"),
+    ("prompt-list", C, {"prompt": ["ok", S]}, "prompt[1]"),
+    ("stop", C, {"prompt": "x", "stop": S}, "stop"),
+    ("stop-list", C, {"prompt": "x", "stop": ["ok", S]}, "stop[1]"),
+    ("user", C, {"prompt": "x", "user": S}, "user"),
+    ("model", C, {"prompt": "x", "model": S}, "model"),
+    ("chat-content", CHAT, {"messages": [{"role": "user", "content": S}]}, "messages[0].content"),
+    (
+        "chat-content-part",
+        CHAT,
+        {"messages": MSG + [{"role": "user", "content": [{"type": "text", "text": S}]}]},
+        "messages[1].content[0].text",
+    ),
+    ("chat-name", CHAT, {"messages": [{"role": "user", "content": "x", "name": S}]}, "messages[0].name"),
+    ("tokenize-prompt", "/tokenize", {"prompt": S}, "prompt"),
+    ("tokenize-messages", "/tokenize", {"messages": [{"role": "user", "content": S}]}, "messages[0].content"),
+]
+BAD_INPUTS += [
+    (f"surrogate-{name}", path, json.dumps(body).encode(), 400, param, "lone UTF-16 surrogate")
+    for name, path, body, param in SURROGATE_INPUTS
 ]
 
 
@@ -245,6 +289,10 @@ def test_api_key(engine: AsyncEngine) -> None:
     assert call(app, "GET", "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
     assert call(app, "POST", C, json=body, headers={"Authorization": "Bearer sekrit"}).status_code == 200
     assert call(app, "POST", "/tokenize", json={"prompt": "x"}).status_code == 401
+    for scheme in ("bearer sekrit", "BEARER sekrit", "Bearer  sekrit"):  # RFC 7235: the scheme in any case
+        assert call(app, "POST", C, json=body, headers={"Authorization": scheme}).status_code == 200, scheme
+    for bad in ("Basic sekrit", "Bearersekrit", "sekrit", "Bearer sekrit2", "Bearer"):
+        assert call(app, "POST", C, json=body, headers={"Authorization": bad}).status_code == 401, bad
     assert call(app, "GET", "/health").status_code == 200
     assert call(app, "GET", "/metrics").status_code == 200
 
@@ -397,6 +445,133 @@ def test_engine_error_on_one_request_fails_only_that_request(app: FastAPI, engin
     finally:
         engine.engine.add_request = real_add  # type: ignore[method-assign]
     assert call(app, "GET", "/health").status_code == 200
+
+
+# ---- bursts: the queue bound counts only what the full engine cannot start ----------------------------
+
+
+def burst(app: FastAPI, num: int, gate: threading.Event | None = None, num_refused: int = 0) -> list[httpx.Response]:
+    """`num` requests at once; with `gate` (the engine held before its next step), open it once
+    `num_refused` answers are in (those that cannot wait for the engine)."""
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            body = {"prompt": "burst", "max_tokens": 4, "ignore_eos": True}
+            tasks = [asyncio.ensure_future(c.post(C, json=dict(body, user=str(i)))) for i in range(num)]
+            if gate is not None:
+                deadline = time.monotonic() + 60
+                while sum(t.done() for t in tasks) < num_refused:
+                    assert time.monotonic() < deadline, "the refusals did not come"
+                    await asyncio.sleep(0.01)
+                gate.set()
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def burst_engine(chat_model: Path) -> Iterator[AsyncEngine]:
+    e = new_engine(chat_model, num_kv_blocks=512, max_num_seqs=256, max_queued_requests=16)
+    yield e
+    e.shutdown()
+
+
+def test_burst_that_fits_the_engine_is_admitted_whole(burst_engine: AsyncEngine) -> None:
+    responses = burst(build_app(burst_engine, served_model_name=NAME), 200)
+    assert [r.status_code for r in responses] == [200] * 200, "200 ≤ max_num_seqs: nobody has to queue"
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for r in responses)
+
+
+def test_burst_beyond_capacity_gets_429_and_the_admitted_complete(burst_engine: AsyncEngine) -> None:
+    # held before its first step, the engine can start max_num_seqs=256 of them and 16 may wait
+    responses = burst(build_app(burst_engine, served_model_name=NAME), 600, gate_steps(burst_engine), 600 - 272)
+    ok = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(ok) == 272 and len(refused) == 600 - 272
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for r in ok)
+    assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full" for r in refused)
+
+
+# ---- text that JSON allows but UTF-8 does not; tokenizers that fail; our own failures ------------------
+
+SURROGATE_FIELDS: list[tuple[str, Any, str]] = [  # (path, body around the text, param named)
+    (C, lambda t: {"prompt": t, "max_tokens": 1}, "prompt"),
+    (C, lambda t: {"prompt": ["a", t], "max_tokens": 1}, "prompt[1]"),
+    (C, lambda t: {"prompt": "x", "max_tokens": 1, "stop": [t]}, "stop[0]"),
+    (CHAT, lambda t: {"messages": [{"role": "user", "content": t}], "max_tokens": 1}, "messages[0].content"),
+    (
+        CHAT,
+        lambda t: {"messages": MSG + [{"role": "user", "content": [{"type": "text", "text": t}]}], "max_tokens": 1},
+        "messages[1].content[0].text",
+    ),
+    ("/tokenize", lambda t: {"prompt": t}, "prompt"),
+    ("/tokenize", lambda t: {"messages": [{"role": "user", "content": t}]}, "messages[0].content"),
+]
+surrogates = st.lists(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3)
+text_with_surrogates = st.tuples(st.text(max_size=6), surrogates.map("".join), st.text(max_size=6)).map("".join)
+
+
+@given(
+    field=st.sampled_from(SURROGATE_FIELDS),
+    text=st.one_of(text_with_surrogates, st.text(max_size=12)),
+    escaped=st.booleans(),
+)
+@settings(max_examples=40, deadline=None, derandomize=True)
+def test_fuzz_text_json_allows_but_utf8_does_not(app: FastAPI, field: tuple[str, Any, str], text: str, escaped: bool):
+    """JSON strings with lone surrogates, as \\u escapes or as raw (CESU-8) bytes, which Python's JSON parser
+    both accepts: a 400 naming the field, never a 5xx; valid text is served."""
+    path, make_body, param = field
+    body = make_body(text)
+    raw = (json.dumps(body) if escaped else json.dumps(body, ensure_ascii=False)).encode("utf-8", "surrogatepass")
+    try:  # as the server parses it: an escaped high + low surrogate pair is one valid character
+        json.dumps(json.loads(raw), ensure_ascii=False).encode("utf-8")
+        valid = True
+    except UnicodeEncodeError:
+        valid = False
+    r = call(app, "POST", path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code < 500, r.text
+    if valid:  # served, or refused for another reason (empty, longer than the tiny max_model_len)
+        assert r.status_code in (200, 400) and "surrogate" not in r.text, r.text
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "lone UTF-16 surrogate" in r.json()["error"]["message"]
+
+
+def test_tokenizer_exceptions_are_the_inputs_fault(app: FastAPI, engine: AsyncEngine, monkeypatch) -> None:
+    real_encode = engine.tokenizer.encode
+
+    def picky_encode(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        if "boom" in text:
+            raise RuntimeError("the tokenizer cannot take this")
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", picky_encode)
+    cases = [
+        (C, {"prompt": "boom"}, "prompt"),
+        (C, {"prompt": ["fine", "boom"]}, "prompt[1]"),
+        (CHAT, {"messages": [{"role": "user", "content": "boom"}]}, "messages"),
+        ("/tokenize", {"prompt": "boom"}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "boom"}]}, "messages"),
+    ]
+    for path, body, param in cases:
+        r = call(app, "POST", path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+        assert "cannot take this" in r.json()["error"]["message"]
+    assert call(app, "POST", C, json={"prompt": "fine", "max_tokens": 1}).status_code == 200
+
+
+def test_unhandled_error_is_answered_not_raised(app: FastAPI, engine: AsyncEngine, monkeypatch) -> None:
+    """Raised out of the app, an exception makes uvicorn drop the keep-alive connection after the 500; the
+    app answers it itself instead (httpx's ASGITransport re-raises anything the app raises)."""
+
+    def broken_decode(*args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("decode is broken")
+
+    monkeypatch.setattr(engine.tokenizer, "decode", broken_decode)
+    r = call(app, "POST", "/detokenize", json={"tokens": [1, 2]})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    assert "decode is broken" in r.json()["error"]["message"]
 
 
 # ---- a non-streaming client that leaves ----------------------------------------------------------

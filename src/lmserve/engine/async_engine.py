@@ -9,6 +9,14 @@
 The engine thread sleeps on an Event while it has no work. Everything the HTTP side may read about the
 engine (counters, queue lengths, KV usage) is an immutable EngineSnapshot published after each step.
 If the engine thread dies, every pending stream fails with EngineDeadError and new requests are refused.
+
+Admission (`max_queued_requests`) bounds the sequences that could not start now because the engine is
+full, not those merely waiting for the next step: a burst that fits the engine is admitted whole.
+Queued = the scheduler's waiting sequences + those in not-yet-applied adds + the new request's; the engine
+could start min(free sequence slots, how many of them the free KV blocks hold) of them, where free slots
+= max_num_seqs - running (0 while a static batch runs) and each queued sequence needs the blocks of its
+prompt + 1 token (the KV count uses their average size). The rest must wait for running requests to
+finish; a request is refused (QueueFullError → 429) when they would exceed `max_queued_requests`.
 """
 
 from __future__ import annotations
@@ -37,16 +45,42 @@ class EngineDeadError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue holds `max_queued_requests` sequences already; retry after `retry_after_s`."""
+    """Admitting the request would leave more than `max_queued_requests` sequences that cannot start
+    (the engine is full); retry after `retry_after_s`."""
 
-    def __init__(self, num_waiting: int, limit: int, retry_after_s: int = 1) -> None:
+    def __init__(self, num_queued: int, limit: int, retry_after_s: int = 1) -> None:
         super().__init__(
-            f"server is overloaded: {num_waiting} sequences are waiting (max_queued_requests={limit}); "
-            f"retry after {retry_after_s} s"
+            f"server is overloaded: {num_queued} sequences would wait for the running ones to finish "
+            f"(max_queued_requests={limit}); retry after {retry_after_s} s"
         )
-        self.num_waiting = num_waiting
+        self.num_queued = num_queued
         self.limit = limit
         self.retry_after_s = retry_after_s
+
+
+def num_unstartable(
+    num_free_slots: int, num_queued_seqs: int, num_queued_blocks: int, num_free_blocks: int
+) -> int:
+    """Queued sequences the engine could not start now: beyond the free sequence slots, or beyond what
+    the free KV blocks hold at the queued sequences' average size."""
+    if num_queued_seqs == 0:
+        return 0
+    fit_blocks = (
+        num_queued_seqs
+        if num_queued_blocks <= num_free_blocks
+        else num_free_blocks * num_queued_seqs // num_queued_blocks
+    )
+    return num_queued_seqs - min(max(0, num_free_slots), fit_blocks)
+
+
+@dataclass(frozen=True)
+class _Room:
+    """The scheduler's state that admission needs, measured on the engine thread."""
+
+    num_free_slots: int = 0  # sequences that could join the running batch
+    num_waiting_seqs: int = 0
+    num_waiting_blocks: int = 0  # blocks the waiting sequences need to start (prompt + 1 token each)
+    num_free_blocks: int = 0
 
 
 class StatLogger(Protocol):
@@ -112,6 +146,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     num_seqs: int
+    num_blocks: int  # to start all num_seqs (admission's estimate)
 
 
 @dataclass
@@ -159,9 +194,10 @@ class AsyncEngine:
         self.stat_loggers: list[StatLogger] = []
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Event()
-        self._lock = threading.Lock()  # guards _num_pending_seqs, _num_waiting_seqs, _dead
+        self._lock = threading.Lock()  # guards _num_pending_*, _room, _dead
         self._num_pending_seqs = 0  # sequences in queued _Add commands, not yet in the scheduler
-        self._num_waiting_seqs = 0  # scheduler's waiting queue as of the latest snapshot
+        self._num_pending_blocks = 0  # blocks those need to start
+        self._room = self._measure_room()  # the scheduler as of the latest step or applied commands
         self._dead: BaseException | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -235,16 +271,25 @@ class AsyncEngine:
         self.validate(prompt_ids, params)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         stream = RequestStream(self, request_id, loop)
-        cmd = _Add(
-            stream, prompt_ids, params, time.time() if arrival_time is None else arrival_time, params.actual_best_of
-        )
+        num_seqs = params.actual_best_of
+        num_blocks = num_seqs * -(-(len(prompt_ids) + 1) // self.config.cache.block_size)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        cmd = _Add(stream, prompt_ids, params, arrival_time, num_seqs, num_blocks)
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead!r}")
-            num_waiting = self._num_waiting_seqs + self._num_pending_seqs
-            if self.max_queued_requests is not None and num_waiting >= self.max_queued_requests:
-                raise QueueFullError(num_waiting, self.max_queued_requests, self.retry_after_s)
+            if self.max_queued_requests is not None:
+                room = self._room
+                num_queued = num_unstartable(
+                    room.num_free_slots,
+                    room.num_waiting_seqs + self._num_pending_seqs + num_seqs,
+                    room.num_waiting_blocks + self._num_pending_blocks + num_blocks,
+                    room.num_free_blocks,
+                )
+                if num_queued > self.max_queued_requests:
+                    raise QueueFullError(num_queued, self.max_queued_requests, self.retry_after_s)
             self._num_pending_seqs += cmd.num_seqs
+            self._num_pending_blocks += cmd.num_blocks
             self._commands.append(cmd)
         self._wakeup.set()
         return stream
@@ -290,13 +335,14 @@ class AsyncEngine:
 
     def _apply_commands(self) -> None:
         delivery: dict[asyncio.AbstractEventLoop, _Delivery] = {}
-        num_applied_seqs = 0
+        num_applied_seqs = num_applied_blocks = 0
         while self._commands:
             cmd = self._commands.popleft()
             if isinstance(cmd, _Abort):
                 self._apply_abort(cmd.request_id)
                 continue
             num_applied_seqs += cmd.num_seqs
+            num_applied_blocks += cmd.num_blocks
             rid = cmd.stream.request_id
             try:
                 self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.arrival_time)
@@ -305,9 +351,11 @@ class AsyncEngine:
                 continue
             self._streams[rid] = cmd.stream
         if num_applied_seqs:
-            with self._lock:
+            room = self._measure_room()
+            with self._lock:  # one update: the applied sequences move from pending to waiting
                 self._num_pending_seqs -= num_applied_seqs
-                self._num_waiting_seqs = self.engine.stats().num_waiting
+                self._num_pending_blocks -= num_applied_blocks
+                self._room = room
         self._send(delivery)
 
     def _apply_abort(self, request_id: str) -> None:
@@ -352,9 +400,23 @@ class AsyncEngine:
 
     def _publish_snapshot(self) -> None:
         snap = self._take_snapshot()
+        room = self._measure_room()
         with self._lock:
-            self._num_waiting_seqs = snap.metrics["num_requests_waiting"]
+            self._room = room
         self._snapshot = snap
+
+    def _measure_room(self) -> _Room:
+        """Engine thread (or before it starts). O(waiting), so only when admission is bounded."""
+        if self.max_queued_requests is None:
+            return _Room()
+        scheduler, kv = self.engine.scheduler, self.engine.kv
+        static_batch_running = scheduler.config.scheduling_policy == "static" and scheduler.running
+        return _Room(
+            num_free_slots=0 if static_batch_running else scheduler.config.max_num_seqs - len(scheduler.running),
+            num_waiting_seqs=len(scheduler.waiting),
+            num_waiting_blocks=sum(kv.num_blocks_for(r.num_tokens + 1) for r in scheduler.waiting),
+            num_free_blocks=kv.pool.num_free_blocks,
+        )
 
     def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         if cause is not None:

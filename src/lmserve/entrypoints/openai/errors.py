@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -54,7 +55,18 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+        return _ErrorJSON(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+class _ErrorJSON(JSONResponse):
+    """An error body that always serialises: text echoed from a request (a jinja error quoting a message)
+    could hold a lone surrogate, which UTF-8 cannot encode; JSON's \\u escapes can."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -86,7 +98,13 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
     """FastAPI/pydantic request-validation errors → one 400 naming the first bad field."""
     if not errors:
         return bad_request("invalid request body")
-    first = errors[0]
+    # A value refused by a validator (e.g. a lone surrogate) is the real fault; in a union pydantic lists it
+    # beside the members the value did not even match, so it is named rather than the union's first member.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    if first.get("type") == "value_error":
+        param = _format_loc([p for p in first.get("loc", ()) if p != "body"])
+        message = str((first.get("ctx") or {}).get("error", first.get("msg", "invalid value")))
+        return bad_request(f"{param}: {message}", param or None)
     loc = [p for p in first.get("loc", ()) if p != "body"]
     kind = first.get("type", "")
     if kind == "json_invalid":

@@ -8,9 +8,9 @@ by SamplingParams (see `to_sampling_params`), plus the server's own caps below.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 from lmserve.sampling_params import SamplingParams
 
@@ -27,6 +27,23 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
+def _unicode_text(s: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"), which are not Unicode text: no tokenizer takes them
+    and no UTF-8 response can echo them, so they are refused where they are parsed, naming the field."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate ({s[e.start]!r} at character {e.start}), which is not valid "
+            "Unicode text"
+        ) from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]
+"""A request string: any JSON string except one holding a lone surrogate."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -38,18 +55,18 @@ class StreamOptions(_Strict):
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -69,23 +86,23 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class TextContentPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
@@ -114,15 +131,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(_Strict):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Strict):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
@@ -364,6 +381,8 @@ def _check_caps(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     if req.logit_bias is not None and len(req.logit_bias) > MAX_LOGIT_BIAS:
         raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, ChatCompletionRequest):
         _check_chat_caps(req)
     else:

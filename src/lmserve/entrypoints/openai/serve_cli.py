@@ -28,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-queued-requests",
         type=int,
         default=None,
-        help="waiting sequences beyond which requests get 429 with Retry-After (default: unbounded)",
+        help="sequences that cannot start because the engine is full (max_num_seqs or KV blocks) beyond "
+        "which requests get 429 with Retry-After (default: unbounded)",
     )
     p.add_argument(
         "--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (default 4 MiB)"

@@ -3,8 +3,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize,
 GET /health, GET /metrics. Every refusal is an OpenAI-shaped error body (errors.py): 400 for bad input
 naming the field, 401 without the API key, 404 for an unknown model, 413 for an oversized body, 429 with
-Retry-After when the waiting queue is full, 503 while loading or after the engine loop died, 500 only for
-our own failures. A client that disconnects (streaming or not) aborts its engine requests at once.
+Retry-After when too many requests wait for the full engine (async_engine), 503 while loading or after the
+engine loop died, 500 only for our own failures. A client that disconnects (streaming or not) aborts its
+engine requests at once.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from lmserve.engine.token_bytes import TextOffsets, TokenBytes
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, from_value_error
@@ -53,6 +55,7 @@ class ServerState:
     api_key: str | None
     max_request_body_bytes: int
     engine: AsyncEngine | None = None
+    token_bytes: TokenBytes | None = None  # of the engine's tokenizer, for logprobs
     metrics: Metrics | None = None
     load_error: BaseException | None = None
 
@@ -94,6 +97,7 @@ def build_app(
     def attach(e: AsyncEngine) -> None:
         e.stat_loggers.append(state.metrics)  # type: ignore[arg-type]
         e.start()
+        state.token_bytes = TokenBytes(e.tokenizer)
         state.engine = e
         if on_ready is not None:
             on_ready(e)
@@ -127,7 +131,9 @@ def build_app(
 
 
 class _GuardMiddleware:
-    """Checks `Authorization: Bearer KEY` (when a key is set) and caps the request body (413)."""
+    """Checks `Authorization: Bearer KEY` (when a key is set; the scheme in any case, RFC 7235), caps the
+    request body (413), and answers an unhandled exception with a 500 body itself: raised further, it would
+    make the HTTP server drop the keep-alive connection under the client's next request."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -140,8 +146,9 @@ class _GuardMiddleware:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         key = self.state.api_key
         if key and not scope["path"].startswith(OPEN_PATHS):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            scheme, _, credentials = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            given = credentials.strip(" ").encode("latin-1") if scheme.lower() == "bearer" else b""
+            if not hmac.compare_digest(given, key.encode()):
                 err = APIError(
                     401,
                     "missing or invalid API key: send 'Authorization: Bearer KEY'",
@@ -151,7 +158,7 @@ class _GuardMiddleware:
                 await err.response()(scope, receive, send)
                 return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
+            await self._call_app(scope, receive, send)
             return
         limit = self.state.max_request_body_bytes
         too_large = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
@@ -181,7 +188,27 @@ class _GuardMiddleware:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()  # after the body: waits for http.disconnect
 
-        await self.app(scope, replay, send)
+        await self._call_app(scope, replay, send)
+
+    async def _call_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:
+            if started:
+                raise  # half a response went out: only closing the connection can end it
+            logger.exception("unhandled error on %s", scope.get("path"))
+            await _internal_error(e).response()(scope, receive, send)
+
+
+def _internal_error(e: Exception) -> APIError:
+    return APIError(500, f"internal server error: {type(e).__name__}: {e}")
 
 
 def _add_exception_handlers(app: FastAPI, state: ServerState) -> None:
@@ -210,7 +237,7 @@ def _add_exception_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+        return _internal_error(exc).response()
 
 
 # ---- routes -------------------------------------------------------------------------------------
@@ -252,7 +279,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if body.messages is not None:
             ids = _render_chat(engine, body.messages, body.add_generation_prompt)
         else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = _encode(engine.tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return p.TokenizeResponse(
             count=len(ids), max_model_len=engine.config.scheduler.max_model_len, tokens=ids
         )
@@ -369,10 +396,24 @@ def _completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
     if len(items) > p.MAX_PROMPTS:
         raise bad_request(f"at most {p.MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
     out = []
-    for item in items:
-        ids = engine.tokenize(item)
-        out.append(ids)
+    for i, item in enumerate(items):
+        field = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        out.append(_user_input(field, engine.tokenize, item))
     return out
+
+
+def _encode(tokenizer: Any, text: str, field: str, **kwargs: Any) -> list[int]:
+    return _user_input(field, tokenizer.encode, text, **kwargs)
+
+
+def _user_input(field: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args) on request text (tokenizer, chat template): whatever it raises is the input's fault → 400."""
+    try:
+        return fn(*args, **kwargs)
+    except APIError:
+        raise
+    except Exception as e:
+        raise bad_request(f"{field}: cannot be tokenized: {type(e).__name__}: {e}", field) from None
 
 
 def _render_chat(
@@ -403,7 +444,7 @@ def _render_chat(
         )
     except Exception as e:  # the template's own checks (role order, ...) raise jinja errors
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
-    return tok.encode(text, add_special_tokens=False)
+    return _encode(tok, text, "messages", add_special_tokens=False)
 
 
 def _check_lengths(
@@ -589,7 +630,7 @@ class _Generation:
             p.CompletionChoice(
                 index=idx,
                 text=c.text,
-                logprobs=self._completion_logprobs(c.logprobs, 0),
+                logprobs=self._completion_logprobs(c.logprobs, self._text_offsets()),
                 finish_reason=_reason(c),
                 stop_reason=c.stop_reason,
             )
@@ -599,46 +640,52 @@ class _Generation:
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def _completion_logprobs(self, entries: list[Any] | None, offset: int) -> p.CompletionLogprobs | None:
+    def _text_offsets(self) -> TextOffsets:
+        assert self.state.token_bytes is not None, "token_bytes is set with the engine"
+        return TextOffsets(self.state.token_bytes, self.params.skip_special_tokens)
+
+    def _completion_logprobs(self, entries: list[Any] | None, offsets: TextOffsets) -> p.CompletionLogprobs | None:
+        """`offsets` carries the choice's text position from one call to the next (one per choice)."""
         if entries is None:
             return None
+        tb = self.state.token_bytes
+        assert tb is not None, "token_bytes is set with the engine"
         out = p.CompletionLogprobs()
         for e in entries:
             if e is None:
                 continue
-            s = self._token_text(e.token_id)
+            s = tb.token_text(e.token_id)
             out.tokens.append(s)
             out.token_logprobs.append(_finite(e.logprob))
-            out.text_offset.append(offset)
-            offset += len(s)
-            top = {self._token_text(t): _finite(lp) for t, lp in e.top_logprobs}
-            top.setdefault(s, _finite(e.logprob))
+            out.text_offset.append(offsets.add(e.token_id))
+            # token_text is distinct per token (bytes:\x.. for partial characters), so no alternative is lost
+            top = {tb.token_text(t): _finite(lp) for t, lp in e.top_logprobs}
+            top[s] = _finite(e.logprob)  # the chosen token is always there, with its own logprob (k + 1 keys)
             out.top_logprobs.append(top)
         return out
 
     def _chat_logprobs(self, entries: list[Any] | None) -> p.ChatLogprobs | None:
         if entries is None:
             return None
+        tb = self.state.token_bytes
+        assert tb is not None, "token_bytes is set with the engine"
         content = []
         for e in entries:
             if e is None:
                 continue
-            s = self._token_text(e.token_id)
             top = [
-                p.TopLogprob(
-                    token=(t_s := self._token_text(t)), logprob=_finite(lp), bytes=list(t_s.encode())
-                )
+                p.TopLogprob(token=tb.token_text(t), logprob=_finite(lp), bytes=list(tb.bytes_of(t)))
                 for t, lp in e.top_logprobs
             ]
             content.append(
                 p.ChatTokenLogprob(
-                    token=s, logprob=_finite(e.logprob), bytes=list(s.encode()), top_logprobs=top
+                    token=tb.token_text(e.token_id),
+                    logprob=_finite(e.logprob),
+                    bytes=list(tb.bytes_of(e.token_id)),
+                    top_logprobs=top,
                 )
             )
         return p.ChatLogprobs(content=content)
-
-    def _token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
 
     # -- streaming
 
@@ -646,7 +693,7 @@ class _Generation:
         n = self.params.n
         latest: list[RequestOutput | None] = [None] * len(self.streams)
         finished: set[int] = set()
-        offsets: dict[int, int] = {}
+        offsets: dict[int, TextOffsets] = {}  # per choice
         try:
             if self.chat:  # the role goes out at once, before any token
                 yield "".join(
@@ -681,7 +728,7 @@ class _Generation:
             yield _sse_json(APIError(500, f"internal server error: {type(e).__name__}: {e}").body())
         yield "data: [DONE]\n\n"
 
-    def _chunk_choice(self, idx: int, c: CompletionOutput, offsets: dict[int, int]) -> Any:
+    def _chunk_choice(self, idx: int, c: CompletionOutput, offsets: dict[int, TextOffsets]) -> Any:
         n_new = len(c.delta_token_ids)
         delta_lp = c.logprobs[len(c.logprobs) - n_new :] if c.logprobs is not None else None
         reason = _reason(c) if c.finished else None
@@ -705,8 +752,9 @@ class _Generation:
                 finish_reason=reason,
                 stop_reason=stop_reason,
             )
-        lp = self._completion_logprobs(delta_lp, offsets.get(idx, 0))
-        offsets[idx] = offsets.get(idx, 0) + len(c.delta_text)
+        if idx not in offsets:
+            offsets[idx] = self._text_offsets()
+        lp = self._completion_logprobs(delta_lp, offsets[idx])
         return p.CompletionChoice(
             index=idx, text=c.delta_text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason
         )
