@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -603,6 +604,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--llama-cpp-dir", type=Path, default=None, help="built llama.cpp tree: llama-server at the same width as peer"
     )
+    ap.add_argument(
+        "--llama-cpp-args",
+        default="",
+        help="extra llama-server arguments, e.g. '--no-repack' (its AMX repacking crashed on one KVM host)",
+    )
     args = ap.parse_args(argv)
     if args.llama_cpp_dir and args.peer_url:
         ap.error("give --peer-url or --llama-cpp-dir, not both")
@@ -689,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
             gguf = llama_cpp_peer.convert(args.llama_cpp_dir.resolve(), model_dir, args.quantization)
             ctx = w.prompt_len + w.output_len + 16
             with llama_cpp_peer.llama_server(
-                args.llama_cpp_dir.resolve(), gguf, args.threads, w.concurrency, ctx, args.server_timeout
+                args.llama_cpp_dir.resolve(), gguf, args.threads, w.concurrency, ctx, args.server_timeout,
+                shlex.split(args.llama_cpp_args),
             ) as url:
                 res["peer"] = run_http(url, None, w, strict=False)
             res["peer"]["gguf"] = str(gguf)

@@ -74,14 +74,21 @@ def convert(llama_cpp_dir: Path, model_dir: Path, quantization: str | None, cach
 
 @contextlib.contextmanager
 def llama_server(
-    llama_cpp_dir: Path, gguf: Path, threads: int, parallel: int, ctx_per_slot: int, timeout_s: float
+    llama_cpp_dir: Path,
+    gguf: Path,
+    threads: int,
+    parallel: int,
+    ctx_per_slot: int,
+    timeout_s: float,
+    extra_args: list[str] | None = None,
 ) -> Iterator[str]:
     """`llama-server` on a free loopback port with `threads` threads and `parallel` slots of `ctx_per_slot`
-    tokens (continuous batching); yields its base URL, stops it after."""
+    tokens (continuous batching), plus `extra_args` (e.g. `--no-repack` where its AMX path crashes); yields
+    its base URL, stops it after."""
     port = free_loopback_port()
     cmd = [str(llama_cpp_dir / "build" / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(parallel)]
-    cmd += ["-c", str(parallel * ctx_per_slot), "--no-webui"]
+    cmd += ["-c", str(parallel * ctx_per_slot), "--no-webui", *(extra_args or [])]
     base_url = f"http://127.0.0.1:{port}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with tempfile.TemporaryFile() as log:
