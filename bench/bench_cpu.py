@@ -37,7 +37,6 @@ import gc
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -54,6 +53,7 @@ from typing import Any, cast
 import llama_cpp_peer
 import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from machine import machine_info
 
 from lmserve.bench.experiments import ServerError, free_loopback_port, stop_process
 from lmserve.model.gguf import GGUFCheckpoint, find_gguf_file
@@ -100,87 +100,6 @@ class Workloads:
         """A KV pool that holds `num_seqs` full requests at once (no preemption) and one max-length request."""
         per_seq = math.ceil((self.prompt_len + self.output_len) / BLOCK_SIZE) + 1
         return max(math.ceil(max_model_len / BLOCK_SIZE), num_seqs * per_seq)
-
-
-# ---- machine description ----------------------------------------------------------------------------------
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def cpu_model_name() -> str:
-    for line in _read("/proc/cpuinfo").splitlines():
-        if line.startswith(("model name", "Model Name", "Processor")) and ":" in line:
-            return line.split(":", 1)[1].strip()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def physical_cores() -> int | None:
-    """Distinct (physical id, core id) pairs of /proc/cpuinfo; None where it does not say."""
-    cores: set[tuple[str, str]] = set()
-    phys = core = None
-    for line in _read("/proc/cpuinfo").splitlines() + [""]:
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "physical id":
-            phys = value.strip()
-        elif key == "core id":
-            core = value.strip()
-        elif not line.strip():
-            if core is not None:
-                cores.add((phys or "0", core))
-            phys = core = None
-    return len(cores) or None
-
-
-def meminfo_gib(field: str) -> float | None:
-    for line in _read("/proc/meminfo").splitlines():
-        if line.startswith(field + ":"):
-            return round(int(line.split()[1]) * 1024 / 2**30, 2)
-    return None
-
-
-def git_commit() -> dict[str, Any]:
-    def git(*a: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
-
-
-def machine_info() -> dict[str, Any]:
-    import transformers
-
-    return {
-        "cpu_model": cpu_model_name(),
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "physical_cores": physical_cores(),
-        "mem_total_gib": meminfo_gib("MemTotal"),
-        "mem_available_gib": meminfo_gib("MemAvailable"),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "git": git_commit(),
-        "load_avg_1m_start": os.getloadavg()[0],
-    }
 
 
 # ---- lmserve in-process ------------------------------------------------------------------------------------

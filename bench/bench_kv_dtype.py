@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from machine import machine_info
 
 DTYPES = ("float32", "bfloat16", "int8", "fp8_e4m3")
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "kv_dtype",
         "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+        "machine": machine_info(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rows": rows,
     }

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from machine import machine_info
 
 
 def run_lmserve(model_dir: Path, prompts: list[list[int]], output_len: int) -> dict:
@@ -88,11 +88,7 @@ def main() -> None:
     result = {
         "benchmark": "offline",
         "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": torch.get_num_threads(),
-            "torch": torch.__version__,
-        },
+        "machine": machine_info(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rows": rows,
     }

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from machine import machine_info
 
 SHAKESPEARE = [
     "ROMEO: But soft, what light through yonder window breaks?",
@@ -156,7 +156,7 @@ def main() -> None:
     result = {
         "benchmark": "spec",
         "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": machine_info(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rows": rows,
         "verification_step": step,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from machine import machine_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.test_structured_output import ARITH_GBNF, CHOICES, CODES, DATE, ORDER, PERSON  # noqa: E402
@@ -150,6 +151,7 @@ def main() -> None:
     path = args.out / f"structured-{time.strftime('%Y%m%d-%H%M%S')}.json"
     result = {
         "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": machine_info(),
         "compile": compiled,
         "decode_step": {"unconstrained": plain, "json_schema": constrained, "overhead": overhead},
         "ttft_ms": {"never_seen": ttft_new, "cached": ttft_cached},

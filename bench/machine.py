@@ -1,0 +1,102 @@
+"""The machine description every bench/ JSON carries: CPU model, cores, memory, the instruction sets that
+pick lmserve's (and peers') kernels, versions, git commit and load average. Machines differ between sessions:
+a figure means nothing without this."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmserve.kernels import cpu_flags
+
+REPO = Path(__file__).resolve().parent.parent
+# the /proc/cpuinfo flags that decide which kernels run (vector width, int8 / bf16 dot products, AMX tiles)
+ISA_FLAGS = {
+    "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+    "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve",
+}  # fmt: skip
+
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def cpu_model_name() -> str:
+    for line in _read("/proc/cpuinfo").splitlines():
+        if line.startswith(("model name", "Model Name", "Processor")) and ":" in line:
+            return line.split(":", 1)[1].strip()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def physical_cores() -> int | None:
+    """Distinct (physical id, core id) pairs of /proc/cpuinfo; None where it does not say."""
+    cores: set[tuple[str, str]] = set()
+    phys = core = None
+    for line in _read("/proc/cpuinfo").splitlines() + [""]:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "physical id":
+            phys = value.strip()
+        elif key == "core id":
+            core = value.strip()
+        elif not line.strip():
+            if core is not None:
+                cores.add((phys or "0", core))
+            phys = core = None
+    return len(cores) or None
+
+
+def meminfo_gib(field: str) -> float | None:
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith(field + ":"):
+            return round(int(line.split()[1]) * 1024 / 2**30, 2)
+    return None
+
+
+def git_commit() -> dict[str, Any]:
+    def git(*a: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def machine_info() -> dict[str, Any]:
+    import transformers
+
+    return {
+        "cpu_model": cpu_model_name(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "physical_cores": physical_cores(),
+        "mem_total_gib": meminfo_gib("MemTotal"),
+        "mem_available_gib": meminfo_gib("MemAvailable"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_isa_flags": sorted(cpu_flags() & ISA_FLAGS),
+        "git": git_commit(),
+        "load_avg_1m_start": os.getloadavg()[0],
+    }
