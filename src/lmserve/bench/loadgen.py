@@ -205,7 +205,10 @@ async def run_load(
     cfg.validate()
     offsets_s = arrival_offsets_s(len(requests), cfg.request_rate_rps, cfg.burstiness, cfg.seed)
     raw = [RawResponse(i, s) for i, s in enumerate(offsets_s)]
-    connector = aiohttp.TCPConnector(limit=0)  # the semaphore is the cap; the pool must not add queueing
+    # The semaphore is the cap; the pool must not add queueing. One connection per request: a server that
+    # closes an idle keep-alive connection (llama-server does) would otherwise race the next request on it
+    # ("Server disconnected"); a loopback connect costs well under a millisecond.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
         try:
