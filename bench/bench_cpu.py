@@ -39,12 +39,8 @@ import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +51,7 @@ import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 from machine import machine_info
 
-from lmserve.bench.experiments import ServerError, free_loopback_port, stop_process
+from lmserve.bench.experiments import ServerError, free_loopback_port, running_server
 from lmserve.model.gguf import GGUFCheckpoint, find_gguf_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -252,32 +248,8 @@ def lmserve_server(
     cmd += ["--no-prefix-caching", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
     cmd += ["--num-kv-blocks", str(num_kv_blocks), *engine_flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    base_url = f"http://127.0.0.1:{port}"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-
-        def tail() -> str:
-            log.seek(0)
-            return log.read().decode(errors="replace")[-2000:]
-
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise ServerError(f"lmserve serve exited with code {proc.returncode} during start-up:\n{tail()}")
-                try:
-                    with opener.open(base_url + "/health", timeout=2) as resp:
-                        if resp.status == 200:
-                            break
-                except (urllib.error.URLError, OSError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise ServerError(f"lmserve serve not healthy within {timeout_s:g} s:\n{tail()}")
-                time.sleep(0.25)
-            yield base_url
-        finally:
-            stop_process(proc)
+    with running_server(cmd, f"http://127.0.0.1:{port}", "lmserve serve", timeout_s, env=env) as base_url:
+        yield base_url
 
 
 def _bench_request(ids: list[int], output_len: int) -> Any:

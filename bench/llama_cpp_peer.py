@@ -18,14 +18,10 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from lmserve.bench.experiments import ServerError, free_loopback_port, stop_process
+from lmserve.bench.experiments import ServerError, free_loopback_port, running_server
 
 CACHE = Path(__file__).resolve().parent / ".cache" / "gguf"
 GGUF_TYPES = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}  # lmserve --quantization -> llama.cpp weight type
@@ -89,29 +85,5 @@ def llama_server(
     cmd = [str(llama_cpp_dir / "build" / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(parallel)]
     cmd += ["-c", str(parallel * ctx_per_slot), "--no-webui", *(extra_args or [])]
-    base_url = f"http://127.0.0.1:{port}"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-        def tail() -> str:
-            log.seek(0)
-            return log.read().decode(errors="replace")[-2000:]
-
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise ServerError(f"llama-server exited with code {proc.returncode} during start-up:\n{tail()}")
-                try:
-                    with opener.open(base_url + "/health", timeout=2) as resp:
-                        if resp.status == 200:
-                            break
-                except (urllib.error.URLError, OSError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise ServerError(f"llama-server not healthy within {timeout_s:g} s:\n{tail()}")
-                time.sleep(0.25)
-            yield base_url
-        finally:
-            stop_process(proc)
+    with running_server(cmd, f"http://127.0.0.1:{port}", "llama-server", timeout_s) as base_url:
+        yield base_url

@@ -24,6 +24,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -153,12 +154,45 @@ def lmserve_server(
     cmd = [sys.executable, "-m", "lmserve.entrypoints.cli", "serve", "--model", model_dir]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning", *flags]
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        base_url = f"http://127.0.0.1:{port}"
+    with running_server(cmd, f"http://127.0.0.1:{port}", "lmserve serve", startup_timeout_s, log_path=log_path) as url:
+        yield url, cmd
+
+
+@contextlib.contextmanager
+def running_server(
+    cmd: list[str],
+    base_url: str,
+    what: str,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+) -> Iterator[str]:
+    """Start `cmd`, a server listening at `base_url` (loopback), wait until its GET /health answers 200, yield
+    `base_url`; stop it on exit. Its output goes to `log_path` (else a temporary file), whose tail a start-up
+    failure quotes."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    with open(log_path, "w+b") if log_path is not None else tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+        def tail() -> str:
+            log.seek(0)
+            return log.read().decode(errors="replace")[-2000:]
+
         try:
-            _wait_healthy(base_url, proc, log_path, startup_timeout_s)
-            yield base_url, cmd
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise ServerError(f"{what} exited with code {proc.returncode} during start-up:\n{tail()}")
+                try:
+                    with opener.open(base_url + "/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerError(f"{what} not healthy within {timeout_s:g} s:\n{tail()}")
+                time.sleep(0.25)
+            yield base_url
         finally:
             stop_process(proc)
 
@@ -172,22 +206,6 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
-
-
-def _wait_healthy(base_url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-1500:]
-            raise ServerError(f"lmserve serve exited with code {proc.returncode} during start-up:\n{tail}")
-        try:
-            with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.25)
-    raise ServerError(f"lmserve serve did not become healthy within {timeout_s:g} s (log: {log_path})")
 
 
 class Harness:
