@@ -336,3 +336,22 @@ def test_cli_flag_reaches_the_engine_config(llama_dir) -> None:
     args = parser.parse_args(["--num-kv-blocks", "8", "--speculative-config", json.dumps(NGRAM)])
     config = EngineArgs.from_kwargs(str(llama_dir), **engine_kwargs(args)).create_engine_config()
     assert config.speculative.method == "ngram" and config.speculative.num_speculative_tokens == 3
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
+def test_bundled_pair_with_a_quantized_kv_cache(kv_cache_dtype: str) -> None:
+    """Speculation over a 16- or 8-bit target cache: blocks (values and scales) all free after the run, proposals
+    accepted, and greedy output equal to the same cache without speculation up to a near-tie: verification reads
+    its own rows in full precision where a plain decode step reads them back quantized, so the first difference,
+    if any, must come late (the draft's cache stays in the draft's dtype)."""
+    prompts = ["ROMEO: But soft, what light through yonder window breaks?", "床前明月光，疑是地上霜。"]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    engine = dict(num_kv_blocks=32, kv_cache_dtype=kv_cache_dtype)
+    ref, _ = generate(default_model_path(), prompts, params, **engine)
+    outs, llm = generate(default_model_path(), prompts, params, speculative_config={"method": "draft_model"}, **engine)
+    m = llm.get_metrics()
+    assert m["kv_cache_dtype"] == kv_cache_dtype
+    assert m["spec_decode_num_accepted_tokens_total"] > 0
+    for got, want in zip(token_ids(outs), token_ids(ref), strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+        assert same >= min(12, len(want), len(got)), (kv_cache_dtype, got, want)
