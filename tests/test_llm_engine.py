@@ -321,3 +321,10 @@ def test_config_shape_errors_name_the_field(tmp_path: Path, llama_dir: Path) -> 
         (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ValueError, match=pattern):
             EngineArgs(model=str(tmp_path)).create_engine_config()
+
+
+def test_lone_surrogate_prompt_is_a_value_error_naming_the_prompt() -> None:
+    llm = LLM(num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt: the tokenizer cannot encode it"):
+        llm.generate(["fine", "abc\ud800"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks  # nothing was queued

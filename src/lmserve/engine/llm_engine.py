@@ -89,7 +89,10 @@ class LLMEngine:
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            try:
+                return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            except Exception as e:  # e.g. a lone UTF-16 surrogate, which no UTF-8 tokenizer can take
+                raise ValueError(f"prompt: the tokenizer cannot encode it ({type(e).__name__}: {e})") from None
         if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be a string or a list of token ids (ints)")
         return None, list(prompt)
