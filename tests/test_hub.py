@@ -215,3 +215,21 @@ def test_cli_positional_hub_id_offline(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "'tiny-org/absent' (revision 'v3') is not in the Hugging Face cache" in proc.stderr
     assert str(tmp_path / "hf_home" / "hub") in proc.stderr
+
+
+def test_memory_cli_takes_a_hub_id(
+    hf_cache: Path, llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmserve memory --model org/name` reads the shape from the cached config.json, as a directory's."""
+    from huggingface_hub import constants
+
+    from lmserve.entrypoints.cli import main
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    lay_out_cache(hf_cache, "tiny-org/tiny-llama", llama_dir, COMMIT)
+    assert main(["memory", "--model", str(llama_dir), "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert main(["memory", "--model", "tiny-org/tiny-llama", "--json"]) == 0
+    hub = json.loads(capsys.readouterr().out)
+    assert hub["shape"] == local["shape"] and hub["kv_bytes_per_token"] == local["kv_bytes_per_token"] > 0
+    assert main(["memory", "--model", "tiny-org/absent"]) == 2  # not cached, offline: a clear error, exit 2

@@ -37,7 +37,7 @@ def is_repo_id(model: str) -> bool:
     return bool(_REPO_ID.match(model)) and "--" not in model and ".." not in model and model.count("/") == 1
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> str:
+def resolve_model_path(model: str, revision: str | None = None, patterns: tuple[str, ...] = MODEL_FILE_PATTERNS) -> str:
     """The local path of `model`: the directory (or a file, such as a .gguf) itself if it exists, else the Hub snapshot
     (downloaded into the HF cache unless HF_HUB_OFFLINE=1). Raises ValueError naming id and revision."""
     local = Path(model).expanduser()
@@ -60,7 +60,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
         path = snapshot_download(
             model,
             revision=revision,
-            allow_patterns=list(MODEL_FILE_PATTERNS),
+            allow_patterns=list(patterns),  # `lmserve memory` needs config.json alone
             local_files_only=offline,
             endpoint=os.environ.get("HF_ENDPOINT") or None,
         )

@@ -92,6 +92,11 @@ def _resolve_shape(args: argparse.Namespace) -> tuple[ModelShape, str]:
     if flag == "--preset":
         preset = get_preset(value)
         return preset.shape(), preset.name
+    if flag == "--model" and not Path(value).exists():
+        from lmserve.hub import is_repo_id, resolve_model_path
+
+        if is_repo_id(value):  # a Hub id: its config.json alone, through the HF cache
+            return load_model_shape(resolve_model_path(value, patterns=("config.json",))), str(value)
     return load_model_shape(value), str(value)
 
 
