@@ -366,13 +366,15 @@ def test_mismatched_or_corrupt_checkpoint_is_refused(int4_checkpoint: Path, tmp_
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_memory_ledger_counts_quantized_bytes_exactly(llama_dir: Path, method: str) -> None:
+@pytest.mark.parametrize("name", ["llama-gqa", "llama3-rope-untied"])  # tied (int8 head: an extra copy), untied
+def test_memory_ledger_counts_quantized_bytes_exactly(model_dirs: dict[str, Path], name: str, method: str) -> None:
     from lmserve.memory import load_model_shape, memory_report
 
+    llama_dir = model_dirs[name]
     llm = LLM(str(llama_dir), num_kv_blocks=16, quantization=method)
     llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False)  # decode steps build the int8 row sums
     model = llm.engine.runner.model
-    held = sum(p.nbytes for p in model.parameters())  # embeddings (tied LM head once), norms: float32
+    held = sum(p.nbytes for p in model.parameters())  # embeddings, norms (int4: the LM head): float32
     held += sum(b.nbytes for n, b in model.named_buffers() if n.endswith((".qweight", ".scales")))
     row_sums = [m._row_sums for m in model.modules() if isinstance(m, Linear) and m._row_sums is not None]
     assert len(row_sums) == (2 * 4 + 1 if method == "int8" else 0)  # 2 layers x qkv, o, gate_up, down; head
