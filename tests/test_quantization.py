@@ -293,9 +293,7 @@ def test_int8_quantizes_the_lm_head_and_keeps_a_tied_embedding_float32(llama_dir
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "llama3-rope-untied"])
-def test_int8_checkpoint_round_trip_carries_the_lm_head(
-    model_dirs: dict[str, Path], name: str, tmp_path: Path
-) -> None:
+def test_int8_checkpoint_round_trip_carries_the_lm_head(model_dirs: dict[str, Path], name: str, tmp_path: Path) -> None:
     from safetensors import safe_open
 
     from lmserve.entrypoints.cli import main
