@@ -161,12 +161,15 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def quantized_reference(model_dir: Path, method: str, group: int = 32):
     """HF's model with every projection's weight replaced by its dequantized form, and (int8) each
-    projection's input rounded to its per-token int8 grid first."""
+    projection's input rounded to its per-token int8 grid first. int8 treats the LM head the same way; a
+    tied head gets its own weight first, so the token lookup keeps the float32 embedding table."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if method == "int8":
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     for name, mod in model.named_modules():
-        if not name.endswith(PROJECTIONS):
+        if not (name.endswith(PROJECTIONS) or (method == "int8" and name == "lm_head")):
             continue
         w = mod.weight.data
         if method == "int8":
@@ -272,6 +275,48 @@ def test_quantized_checkpoint_loads_without_a_flag(model_dirs: dict[str, Path], 
         LLM(str(int4_checkpoint), num_kv_blocks=64, quantization="int8")
 
 
+def test_int8_quantizes_the_lm_head_and_keeps_a_tied_embedding_float32(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), num_kv_blocks=16, quantization="int8")
+    model = llm.engine.runner.model
+    assert model.config.tie_word_embeddings
+    head, embed = model.lm_head, model.model.embed_tokens.weight
+    assert head.quant_method == "int8" and head.weight is None and head.qweight.dtype == torch.int8
+    assert embed.dtype == torch.float32
+    torch.testing.assert_close(head.dequantized_weight(), embed, atol=float(head.scales.max()) / 2 + 1e-7, rtol=0)
+    hidden = torch.randn(3, model.config.hidden_size)
+    assert head.fast_path(hidden[:1]) == "int8_kernel" or not kernels.available()
+    assert head.fast_path(hidden) == "int8_gemm"
+    ref = Q.fake_quantize_activations(hidden) @ head.dequantized_weight().t()
+    torch.testing.assert_close(model.compute_logits(hidden), ref, atol=1e-4, rtol=1e-5)
+    int4 = LLM(str(llama_dir), num_kv_blocks=16, quantization="int4").engine.runner.model
+    assert int4.lm_head.quant_method is None and int4.lm_head.weight is int4.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama3-rope-untied"])
+def test_int8_checkpoint_round_trip_carries_the_lm_head(model_dirs: dict[str, Path], name: str, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from lmserve.entrypoints.cli import main
+
+    out = tmp_path / "q8"
+    assert main(["quantize", "--model", str(model_dirs[name]), "--out", str(out), "--method", "int8"]) == 0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"lm_head.qweight", "lm_head.scales", "model.embed_tokens.weight"} <= names
+    assert "lm_head.weight" not in names
+    llm = LLM(str(out), num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert llm.engine.config.quantization.prequantized and model.lm_head.quant_method == "int8"
+    on_the_fly = LLM(str(model_dirs[name]), num_kv_blocks=64, quantization="int8")
+    fresh = on_the_fly.engine.runner.model
+    assert torch.equal(model.lm_head.qweight, fresh.lm_head.qweight)
+    assert torch.equal(model.lm_head.scales, fresh.lm_head.scales)
+    assert torch.equal(model.model.embed_tokens.weight, fresh.model.embed_tokens.weight)
+    a = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    b = on_the_fly.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
 def _rewrite(src: Path, dst: Path, edit) -> Path:
     from safetensors.torch import load_file, save_file
 
@@ -319,16 +364,18 @@ def test_mismatched_or_corrupt_checkpoint_is_refused(int4_checkpoint: Path, tmp_
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_memory_ledger_counts_quantized_bytes_exactly(llama_dir: Path, method: str) -> None:
+@pytest.mark.parametrize("name", ["llama-gqa", "llama3-rope-untied"])  # tied (int8 head: an extra copy), untied
+def test_memory_ledger_counts_quantized_bytes_exactly(model_dirs: dict[str, Path], name: str, method: str) -> None:
     from lmserve.memory import load_model_shape, memory_report
 
+    llama_dir = model_dirs[name]
     llm = LLM(str(llama_dir), num_kv_blocks=16, quantization=method)
     llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False)  # decode steps build the int8 row sums
     model = llm.engine.runner.model
-    held = sum(p.nbytes for p in model.parameters())  # embeddings (tied LM head once), norms: float32
+    held = sum(p.nbytes for p in model.parameters())  # embeddings, norms (int4: the LM head): float32
     held += sum(b.nbytes for n, b in model.named_buffers() if n.endswith((".qweight", ".scales")))
     row_sums = [m._row_sums for m in model.modules() if isinstance(m, Linear) and m._row_sums is not None]
-    assert len(row_sums) == (2 * 4 if method == "int8" else 0)  # 2 layers x qkv, o, gate_up, down
+    assert len(row_sums) == (2 * 4 + 1 if method == "int8" else 0)  # 2 layers x qkv, o, gate_up, down; head
     held += sum(r.nbytes for r in row_sums)
     report = memory_report(load_model_shape(llama_dir), weight_dtype="fp32", quantization=method)
     assert report.weight_bytes == held

@@ -408,6 +408,7 @@ def num_parameters(shape: ModelShape) -> int:
 
 
 QUANTIZATION_METHODS = ("int8", "int4")
+LM_HEAD_QUANTIZATION_METHODS = ("int8",)  # methods that quantize the LM head too (lmserve.model.quantization)
 
 
 def projection_shapes_per_rank(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
@@ -441,15 +442,22 @@ def weight_bytes_per_rank(
     shape: ModelShape, weight_dtype_bytes: float, tp: int = 1, quantization: str | None = None, group_size: int = 32
 ) -> int:
     """Weight bytes on one rank: everything at `weight_dtype_bytes`, except that with `quantization` the
-    projections are int8 / int4 (embeddings, LM head, norms and biases stay at `weight_dtype_bytes`)."""
+    projections are int8 / int4 (embeddings, norms and biases stay at `weight_dtype_bytes`). int8 quantizes
+    the LM head too, laid out as a projection: an untied head is replaced by it; a tied model keeps its
+    embedding table for the token lookup and holds the int8 head as an extra copy. int4 keeps the head."""
     params = num_parameters_per_rank(shape, tp)
     if quantization is None:
         return math.ceil(params * weight_dtype_bytes)
     projections = projection_shapes_per_rank(shape, tp)
-    num_projection_params = shape.num_layers * sum(o * k for o, k in projections)
+    num_float_params = params - shape.num_layers * sum(o * k for o, k in projections)
     per_layer = sum(quantized_projection_bytes(o, k, quantization, group_size) for o, k in projections)
     quantized = shape.num_layers * per_layer
-    return math.ceil((params - num_projection_params) * weight_dtype_bytes) + quantized
+    if quantization in LM_HEAD_QUANTIZATION_METHODS:
+        vocab = math.ceil(shape.vocab_size / tp)
+        quantized += quantized_projection_bytes(vocab, shape.hidden_size, quantization, group_size)
+        if not shape.tie_word_embeddings:
+            num_float_params -= vocab * shape.hidden_size
+    return math.ceil(num_float_params * weight_dtype_bytes) + quantized
 
 
 def max_num_kv_blocks(budget_bytes: int, block_size: int, kv_bytes_per_token: int) -> int:
@@ -560,7 +568,8 @@ class MemoryReport:
         rows.append(("parameters", params))
         label = f"weights ({self.weight_dtype})"
         if self.quantization == "int8":
-            label = f"weights (int8 projections + {self.weight_dtype} embeddings/LM head/norms)"
+            head = "int8 copy of the tied" if s.tie_word_embeddings else "int8"
+            label = f"weights (int8 projections + {head} LM head + {self.weight_dtype} embeddings/norms)"
         elif self.quantization == "int4":
             label = (
                 f"weights (int4 g{self.quantization_group_size} projections + {self.weight_dtype} "

@@ -117,13 +117,15 @@ class Linear(nn.Linear):
         return nn.functional.linear(x, w, self.bias)
 
 
-def quantizable_linears(model: nn.Module) -> list[tuple[str, Linear]]:
-    """The decoder's projections (qkv, o, gate_up, down); the LM head and the embeddings stay float."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and n != "lm_head"]
+def quantizable_linears(model: nn.Module, method: str) -> list[tuple[str, Linear]]:
+    """The decoder's projections (qkv, o, gate_up, down), and with int8 the LM head; the embeddings stay
+    float (a tied head's weight is the embedding table: quantizing the head gives it its own int8 copy)."""
+    head = quant.quantizes_lm_head(method)
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and (head or n != "lm_head")]
 
 
 def quantize_linear_weights(model: nn.Module, config: QuantizationConfig) -> None:
-    for _, m in quantizable_linears(model):
+    for _, m in quantizable_linears(model, config.method):
         m.quantize(config.method, config.group_size)
 
 

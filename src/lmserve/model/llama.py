@@ -175,9 +175,9 @@ class CausalLM(nn.Module):
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight
         if self.lm_head.fast_path(hidden) is not None:
-            return self.lm_head(hidden)  # C kernel or packed oneDNN weight: one call, already float32
+            return self.lm_head(hidden)  # C kernel, packed oneDNN or int8 weight: one call, already float32
+        weight = self.lm_head.weight
         if hidden.shape[0] < LOGITS_SLICE_MIN_ROWS or weight.shape[0] <= LOGITS_SLICE:
             return self.lm_head(hidden).float()
         out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)

@@ -49,13 +49,13 @@ def load_model(
         from lmserve.model.layers import quantizable_linears
 
         assert dtype == torch.float32, "quantized checkpoints compute in float32"
-        for _, m in quantizable_linears(model):
+        for _, m in quantizable_linears(model, quantization.method):
             m.prepare_quantized(quantization.method, quantization.group_size)
     model = model.to_empty(device=device)
     # The rotary tables are buffers computed, not loaded: rebuild them on the real device.
     with torch.device(device):
         model.model.build_rotary(cfg, max_positions)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and model.lm_head.quant_method is None:  # (a quantized head has its own copy)
         model.lm_head.weight = model.model.embed_tokens.weight
     if dtype != torch.float32:  # (float32 already; .to() would also turn float16 int4 scales into float32)
         model = model.to(dtype)
@@ -117,10 +117,10 @@ def _open_checkpoint(file: Path):  # noqa: ANN202 (safetensors' handle type is p
 
 
 def _check_scales(model: CausalLM) -> None:
-    from lmserve.model.layers import quantizable_linears
+    from lmserve.model.layers import Linear
 
-    for name, m in quantizable_linears(model):
-        if not bool(torch.isfinite(m.scales).all()):
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.quant_method is not None and not bool(torch.isfinite(m.scales).all()):
             raise ValueError(f"checkpoint tensor {name}.scales holds non-finite scales (corrupt file?)")
 
 

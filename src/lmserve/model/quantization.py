@@ -10,8 +10,10 @@ Two methods (EngineArgs.quantization):
   symmetric with no zero point (llama.cpp's Q4_0 rule): d = m / -8 where m is the group's value of
   largest magnitude, code = clamp(round(w / d), -8, 7) + 8, w ≈ (code - 8) * d. Activations stay float32.
 
-Only the decoder's projections are quantized (qkv, o, gate_up, down); embeddings, the LM head (tied or
-not) and the norms stay float32.
+The decoder's projections are quantized (qkv, o, gate_up, down), and with int8 the LM head too (as
+llama.cpp's Q8_0 does; it is half the bytes a float32-head int8 decode step reads). A tied model keeps its
+float32 embedding table for the token lookup and gives the head its own int8 copy (1 B per weight + its
+scales and row sums, extra). Embeddings and the norms stay float32; with int4 the head stays float32 too.
 
 Layouts (what the C kernels read):
   int8  qweight (O, K) int8, scales (O,) float32, row_sums (O,) int32 (sum of each qweight row; not saved)
@@ -29,6 +31,11 @@ import torch
 from lmserve.config import QUANTIZATION_FORMAT, QuantizationConfig
 
 INT4_BLOCK = 32  # inputs per packed run (16 bytes); group sizes are multiples of it
+HEAD_QUANTIZED_METHODS = ("int8",)  # methods that quantize the LM head as well as the projections
+
+
+def quantizes_lm_head(method: str) -> bool:
+    return method in HEAD_QUANTIZED_METHODS
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +119,8 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 # ---- checkpoint format ----------------------------------------------------------------------------------
 # `lmserve quantize` writes config.json (the source's, plus `quantization_config`) and model.safetensors in
 # which every quantized projection is saved under its fused name (qkv_proj, gate_up_proj) as
-# `<name>.qweight` and `<name>.scales`; everything else keeps the source's tensors (float32).
+# `<name>.qweight` and `<name>.scales` (int8: `lm_head.qweight` / `lm_head.scales` as well, tied or not);
+# everything else keeps the source's tensors (float32).
 
 
 def quantized_tensor_specs(
