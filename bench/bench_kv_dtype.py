@@ -11,14 +11,13 @@ Prints a table and writes bench/results/kv-dtype-<timestamp>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
-from machine import machine_info
+from machine import write_result
 
 DTYPES = ("float32", "bfloat16", "int8", "fp8_e4m3")
 
@@ -125,17 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             str(r["capacity"]["kv_bytes_per_token"]), str(r["capacity"]["max_concurrent_requests"]),
         )  # fmt: skip
         print(" | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "benchmark": "kv_dtype",
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": machine_info(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "rows": rows,
-    }
-    path = args.out / f"kv-dtype-{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(args.out, "kv_dtype", args, {"rows": rows}, "-quick" if args.quick else "")
     return 0
 
 

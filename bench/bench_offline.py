@@ -9,13 +9,12 @@ same invocation; absolute times on a shared machine drift.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
-from machine import machine_info
+from machine import write_result
 
 
 def run_lmserve(model_dir: Path, prompts: list[list[int]], output_len: int) -> dict:
@@ -84,17 +83,7 @@ def main() -> None:
             f"{r['ratio_tok_s']:>5.2f}x | {1000 * r['lmserve']['ttft_mean_s']:>15.0f} | "
             f"{1000 * r['hf']['ttft_mean_s']:>10.0f}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "benchmark": "offline",
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": machine_info(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "rows": rows,
-    }
-    path = args.out / f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(args.out, "offline", args, {"rows": rows})
 
 
 if __name__ == "__main__":

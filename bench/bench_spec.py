@@ -15,13 +15,12 @@ Prints tables and writes bench/results/spec-<timestamp>.json. Ratios compare run
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from machine import machine_info
+from machine import write_result
 
 SHAKESPEARE = [
     "ROMEO: But soft, what light through yonder window breaks?",
@@ -152,18 +151,7 @@ def main() -> None:
         f"\nbenchmark model, batch 1: decode step {step['decode_step_ms']:.1f} ms, k=4 verification step "
         f"{step['verify_k4_step_ms']:.1f} ms = {step['ratio']:.2f}x (target <= 1.3x)"
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "benchmark": "spec",
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": machine_info(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "rows": rows,
-        "verification_step": step,
-    }
-    path = args.out / f"spec-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(args.out, "spec", args, {"rows": rows, "verification_step": step})
 
 
 if __name__ == "__main__":

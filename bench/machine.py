@@ -100,3 +100,23 @@ def machine_info() -> dict[str, Any]:
         "git": git_commit(),
         "load_avg_1m_start": os.getloadavg()[0],
     }
+
+
+def write_result(out_dir: Path, name: str, args: Any, payload: dict[str, Any], suffix: str = "") -> Path:
+    """bench/results-style JSON: {benchmark, args, machine, time, **payload} as `<name>-<timestamp><suffix>.json`
+    under out_dir; prints and returns the path."""
+    import json
+    import time
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": name,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": machine_info(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **payload,
+    }
+    path = out_dir / f"{name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}{suffix}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return path
