@@ -29,6 +29,20 @@ class PrefillSegment:
     block_table: torch.Tensor  # (num_blocks,) long: blocks covering context + chunk
     mask: torch.Tensor | None  # (chunk_len, context + chunk_len) bool; None: plain causal, no context
 
+    @classmethod
+    def for_chunk(
+        cls, start: int, num_tokens: int, num_context_tokens: int, block_ids: list[int], block_size: int, device
+    ) -> PrefillSegment:
+        """A request's chunk of `num_tokens` rows from flat row `start`, after `num_context_tokens` cached ones."""
+        num_blocks = -(-(num_context_tokens + num_tokens) // block_size)
+        return cls(
+            start=start,
+            end=start + num_tokens,
+            num_context_tokens=num_context_tokens,
+            block_table=torch.tensor(block_ids[:num_blocks], dtype=torch.long, device=device),
+            mask=causal_mask_with_context(num_context_tokens, num_tokens, device) if num_context_tokens else None,
+        )
+
 
 @dataclass
 class AttentionMetadata:
@@ -37,6 +51,16 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_num_blocks) long
     decode_context_lens: torch.Tensor | None = None  # (num_decodes,) long: tokens each decode query sees
     prefills: list[PrefillSegment] = field(default_factory=list)
+
+    def set_decodes(self, context_lens: list[int], block_tables: list[list[int]], block_size: int) -> None:
+        """One query token per decode: each sees `context_lens[i]` tokens through its block table (padded with
+        block 0 to the longest)."""
+        max_blocks = -(-max(context_lens) // block_size)
+        tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables]
+        device = self.slot_mapping.device
+        self.num_decode_tokens = len(context_lens)
+        self.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
+        self.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=device)
     _decode_mask: torch.Tensor | None = None
     _window_masks: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lmserve.config import EngineConfig, available_ram_bytes
-from lmserve.model.attention import AttentionMetadata, PrefillSegment, causal_mask_with_context
+from lmserve.model.attention import AttentionMetadata, PrefillSegment
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import pack_linear_weights
 from lmserve.model.loader import load_model
@@ -107,24 +107,9 @@ class DraftModelProposer:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         decodes = [chunks[i] for i in order if len(chunks[i][0]) == 1]
         if decodes:
-            context_lens = [start + 1 for _, start, _ in decodes]
-            max_blocks = -(-max(context_lens) // bs)
-            tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for _, _, t in decodes]
-            meta.num_decode_tokens = len(decodes)
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-            meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
+            meta.set_decodes([start + 1 for _, start, _ in decodes], [t for _, _, t in decodes], bs)
         for row0, toks, start, table in prefills:
-            n = len(toks)
-            num_blocks = -(-(start + n) // bs)
-            meta.prefills.append(
-                PrefillSegment(
-                    start=row0,
-                    end=row0 + n,
-                    num_context_tokens=start,
-                    block_table=torch.tensor(table[:num_blocks], dtype=torch.long, device=dev),
-                    mask=causal_mask_with_context(start, n, dev) if start else None,
-                )
-            )
+            meta.prefills.append(PrefillSegment.for_chunk(row0, len(toks), start, table, bs, dev))
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),

@@ -9,7 +9,7 @@ import torch
 from lmserve import kernels
 from lmserve.config import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from lmserve.model.attention import AttentionMetadata, PrefillSegment, causal_mask_with_context
+from lmserve.model.attention import AttentionMetadata, PrefillSegment
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import (
     KERNEL_MAX_ROWS,
@@ -121,18 +121,11 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         if decodes:
-            self._decode_metadata(decodes, meta)
+            meta.set_decodes([s.start + 1 for s in decodes], [s.block_ids for s in decodes], self.block_size)
         for s in prefills:
-            n, ctx, start = s.num_new_tokens, s.start, first_row[s.request.request_id]
-            num_blocks = -(-(ctx + n) // self.block_size)
+            row0 = first_row[s.request.request_id]
             meta.prefills.append(
-                PrefillSegment(
-                    start=start,
-                    end=start + n,
-                    num_context_tokens=ctx,
-                    block_table=torch.tensor(s.block_ids[:num_blocks], dtype=torch.long, device=dev),
-                    mask=causal_mask_with_context(ctx, n, dev) if ctx else None,
-                )
+                PrefillSegment.for_chunk(row0, s.num_new_tokens, s.start, s.block_ids, self.block_size, dev)
             )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -218,16 +211,6 @@ class ModelRunner:
         pos = list(range(start, end))
         slots = [s.block_ids[p // bs] * bs + p % bs for p in pos]
         return ids, pos, slots
-
-    def _decode_metadata(self, decodes: list[ScheduledRequest], meta: AttentionMetadata) -> None:
-        bs = self.block_size
-        context_lens = [s.start + 1 for s in decodes]
-        max_blocks = -(-max(context_lens) // bs)
-        tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes]
-        dev = self.device
-        meta.num_decode_tokens = len(decodes)
-        meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-        meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
 
     def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
         reqs = [s.request for s in sampling]
