@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from benchmark_model import CONFIG, build_benchmark_model, random_prompts, timed_generate
 from machine import write_result
 
 DTYPES = ("float32", "bfloat16", "int8", "fp8_e4m3")
@@ -49,13 +49,7 @@ def run_dtype(model_dir: Path, kv_dtype: str, prompts: list[list[int]], output_l
         str(model_dir), kv_cache_dtype=kv_dtype, num_kv_blocks=blocks, max_num_seqs=n, enable_prefix_caching=False,
         max_model_len=min(CONFIG["max_position_embeddings"], prompt_len + output_len + 16),
     )  # fmt: skip
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert n_out == n * output_len, "every request must produce exactly output_len tokens"
+    outs, wall, n_out = timed_generate(llm, prompts, output_len)
 
     # decode step time with all n requests decoding: run the prefills, then time whole-batch decode steps
     engine = llm.engine

@@ -13,21 +13,15 @@ import time
 from pathlib import Path
 
 import torch
-from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from benchmark_model import CONFIG, build_benchmark_model, random_prompts, timed_generate
 from machine import write_result
 
 
 def run_lmserve(model_dir: Path, prompts: list[list[int]], output_len: int) -> dict:
-    from lmserve import LLM, SamplingParams
+    from lmserve import LLM
 
     llm = LLM(str(model_dir), max_model_len=1024, enable_prefix_caching=False)
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert n_out == len(prompts) * output_len, "every request must produce exactly output_len tokens"
+    outs, wall, n_out = timed_generate(llm, prompts, output_len)
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
     return {"wall_s": wall, "output_tok_s": n_out / wall, "ttft_mean_s": sum(ttfts) / len(ttfts)}
 

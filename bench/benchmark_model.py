@@ -54,3 +54,20 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> lis
     """Unique prompts of exactly `length` token ids (different prompts: no accidental prefix hits)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab_size, (length,), generator=g).tolist() for _ in range(num)]
+
+
+def timed_generate(llm, prompts: list[list[int]], output_len: int) -> tuple[list, float, int]:
+    """Greedy `output_len` tokens for every prompt (EOS ignored) after a short untimed warm-up: (outputs, wall
+    seconds, output tokens). Asserts every request produced exactly output_len tokens."""
+    import time
+
+    from lmserve import SamplingParams
+
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == len(prompts) * output_len, "every request must produce exactly output_len tokens"
+    return outs, wall, n_out
