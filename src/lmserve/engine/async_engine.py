@@ -83,6 +83,59 @@ class _Room:
     num_free_blocks: int = 0
 
 
+def measure_room(engine: LLMEngine) -> _Room:
+    """The engine's _Room, on the thread that owns it. O(waiting), so only when admission is bounded."""
+    scheduler, kv = engine.scheduler, engine.kv
+    static_batch_running = scheduler.config.scheduling_policy == "static" and scheduler.running
+    return _Room(
+        num_free_slots=0 if static_batch_running else scheduler.config.max_num_seqs - len(scheduler.running),
+        num_waiting_seqs=len(scheduler.waiting),
+        num_waiting_blocks=sum(kv.num_blocks_for(r.num_tokens + 1) for r in scheduler.waiting),
+        num_free_blocks=kv.pool.num_free_blocks,
+    )
+
+
+class Admission:
+    """The `max_queued_requests` bound of one engine: the room measured after its latest step plus the
+    sequences added since but not yet applied by the engine (pending). Used by AsyncEngine (room from the
+    engine thread) and by EngineCoreClient (room from each engine core's snapshots).
+
+    `lock` guards the counters; callers hold it around `reserve` together with their own check that the
+    engine is alive and the enqueueing of the add, so that a failing engine sees every reserved request."""
+
+    def __init__(self, max_queued_requests: int | None, retry_after_s: int = 1) -> None:
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self.max_queued_requests = max_queued_requests
+        self.retry_after_s = retry_after_s
+        self.lock = threading.Lock()
+        self.room = _Room()
+        self.num_pending_seqs = 0  # sequences in adds the engine has not applied yet
+        self.num_pending_blocks = 0  # blocks those need to start
+
+    def reserve(self, num_seqs: int, num_blocks: int) -> None:
+        """Count a new add as pending, or raise QueueFullError. Call with `lock` held."""
+        if self.max_queued_requests is not None:
+            num_queued = num_unstartable(
+                self.room.num_free_slots,
+                self.room.num_waiting_seqs + self.num_pending_seqs + num_seqs,
+                self.room.num_waiting_blocks + self.num_pending_blocks + num_blocks,
+                self.room.num_free_blocks,
+            )
+            if num_queued > self.max_queued_requests:
+                raise QueueFullError(num_queued, self.max_queued_requests, self.retry_after_s)
+        self.num_pending_seqs += num_seqs
+        self.num_pending_blocks += num_blocks
+
+    def applied(self, num_seqs: int, num_blocks: int, room: _Room | None) -> None:
+        """The engine applied adds (they moved from pending to its waiting queue) and measured `room`."""
+        with self.lock:
+            self.num_pending_seqs -= num_seqs
+            self.num_pending_blocks -= num_blocks
+            if room is not None:
+                self.room = room
+
+
 class StatLogger(Protocol):
     """Receives per-request events on the engine thread (must be cheap and thread-safe)."""
 
@@ -99,6 +152,21 @@ class EngineSnapshot:
     num_batched_tokens: int  # tokens in the latest step
     num_aborted_requests_total: int
     time: float
+    room: _Room | None = None  # what admission needs (measured only when max_queued_requests bounds it)
+    # With several engine cores (EngineCoreClient, data parallel): the aggregate carries each core's own
+    # snapshot here, in core order (() for a single engine).
+    engines: tuple[EngineSnapshot, ...] = ()
+
+
+def take_snapshot(engine: LLMEngine, num_aborted: int, room: _Room | None = None) -> EngineSnapshot:
+    """The engine's snapshot now, on the thread that owns it (AsyncEngine's engine thread or an engine core)."""
+    return EngineSnapshot(
+        metrics=engine.get_metrics(),
+        num_batched_tokens=engine.stats().num_batched_tokens,
+        num_aborted_requests_total=num_aborted,
+        time=time.time(),
+        room=room,
+    )
 
 
 class RequestStream:
@@ -176,8 +244,7 @@ class AsyncEngine:
         tokenizer: Any = None,
         num_threads: int | None = None,
     ) -> None:
-        if max_queued_requests is not None and max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self._admission = Admission(max_queued_requests, retry_after_s)  # raises on a bad bound
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         # torch intra-op threads of the engine thread (None: leave torch's setting). See serve_cli: the
@@ -194,10 +261,8 @@ class AsyncEngine:
         self.stat_loggers: list[StatLogger] = []
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Event()
-        self._lock = threading.Lock()  # guards _num_pending_*, _room, _dead
-        self._num_pending_seqs = 0  # sequences in queued _Add commands, not yet in the scheduler
-        self._num_pending_blocks = 0  # blocks those need to start
-        self._room = self._measure_room()  # the scheduler as of the latest step or applied commands
+        self._lock = self._admission.lock  # guards the admission counters and _dead
+        self._admission.room = self._measure_room()  # the scheduler as of the latest step or applied commands
         self._dead: BaseException | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -234,6 +299,11 @@ class AsyncEngine:
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's generation_config.json sampling fields (for requests that leave them unset)."""
+        return self.engine.generation_defaults
 
     # ---- requests (event-loop side) ---------------------------------------------------------
 
@@ -278,18 +348,7 @@ class AsyncEngine:
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead!r}")
-            if self.max_queued_requests is not None:
-                room = self._room
-                num_queued = num_unstartable(
-                    room.num_free_slots,
-                    room.num_waiting_seqs + self._num_pending_seqs + num_seqs,
-                    room.num_waiting_blocks + self._num_pending_blocks + num_blocks,
-                    room.num_free_blocks,
-                )
-                if num_queued > self.max_queued_requests:
-                    raise QueueFullError(num_queued, self.max_queued_requests, self.retry_after_s)
-            self._num_pending_seqs += cmd.num_seqs
-            self._num_pending_blocks += cmd.num_blocks
+            self._admission.reserve(num_seqs, num_blocks)
             self._commands.append(cmd)
         self._wakeup.set()
         return stream
@@ -350,12 +409,8 @@ class AsyncEngine:
                 delivery.setdefault(cmd.stream._loop, _Delivery()).items.append((cmd.stream, e))
                 continue
             self._streams[rid] = cmd.stream
-        if num_applied_seqs:
-            room = self._measure_room()
-            with self._lock:  # one update: the applied sequences move from pending to waiting
-                self._num_pending_seqs -= num_applied_seqs
-                self._num_pending_blocks -= num_applied_blocks
-                self._room = room
+        if num_applied_seqs:  # one update: the applied sequences move from pending to waiting
+            self._admission.applied(num_applied_seqs, num_applied_blocks, self._measure_room())
         self._send(delivery)
 
     def _apply_abort(self, request_id: str) -> None:
@@ -391,32 +446,18 @@ class AsyncEngine:
                 pass
 
     def _take_snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot(
-            metrics=self.engine.get_metrics(),
-            num_batched_tokens=self.engine.stats().num_batched_tokens,
-            num_aborted_requests_total=self._num_aborted,
-            time=time.time(),
-        )
+        return take_snapshot(self.engine, self._num_aborted)
 
     def _publish_snapshot(self) -> None:
         snap = self._take_snapshot()
         room = self._measure_room()
         with self._lock:
-            self._room = room
+            self._admission.room = room
         self._snapshot = snap
 
     def _measure_room(self) -> _Room:
-        """Engine thread (or before it starts). O(waiting), so only when admission is bounded."""
-        if self.max_queued_requests is None:
-            return _Room()
-        scheduler, kv = self.engine.scheduler, self.engine.kv
-        static_batch_running = scheduler.config.scheduling_policy == "static" and scheduler.running
-        return _Room(
-            num_free_slots=0 if static_batch_running else scheduler.config.max_num_seqs - len(scheduler.running),
-            num_waiting_seqs=len(scheduler.waiting),
-            num_waiting_blocks=sum(kv.num_blocks_for(r.num_tokens + 1) for r in scheduler.waiting),
-            num_free_blocks=kv.pool.num_free_blocks,
-        )
+        """Engine thread (or before it starts)."""
+        return _Room() if self.max_queued_requests is None else measure_room(self.engine)
 
     def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         if cause is not None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
 
 from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs, model_path
 from lmserve.memory import format_bytes
+
+CPU_POLICY_NAMES = ("bounded", "passive", "spin")  # lmserve.engine.core_client.CPU_POLICIES (kept import-free)
 
 logger = logging.getLogger("lmserve.serve")
 
@@ -38,7 +41,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--num-threads",
         type=int,
         default=None,
-        help="torch threads for the engine (default: torch's default, i.e. $OMP_NUM_THREADS or the core count)",
+        help="torch threads PER engine core (default: $OMP_NUM_THREADS or the usable cores, divided by "
+        "--data-parallel-size, at least 1)",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine-core processes, each with its own KV pool and threads (pinned to its own CPUs when > 1); "
+        "requests are routed by load with prefix affinity (default 1)",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="how engine cores run: local processes (mp, default) or Ray actors (ray: a local Ray, or the "
+        "cluster at $RAY_ADDRESS; needs pip install 'lmserve[ray]')",
+    )
+    p.add_argument(
+        "--cpu-wait-policy",
+        choices=sorted(CPU_POLICY_NAMES),
+        default="bounded",
+        help="how the engine's OpenMP workers wait between operations: bounded (default: spin briefly, then "
+        "sleep; keeps throughput when another process competes for the cores), spin (libgomp's long spins), "
+        "passive (sleep at once)",
+    )
+    p.add_argument(
+        "--in-process-engine",
+        action="store_true",
+        help="run the engine on a thread of the API process (no engine-core process; for comparisons)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log each request")
@@ -65,9 +96,25 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.num_threads is not None and args.num_threads < 1:
         print("lmserve serve: error: --num-threads must be >= 1", file=sys.stderr)
         return 2
+    if args.data_parallel_size < 1:
+        print("lmserve serve: error: --data-parallel-size must be >= 1", file=sys.stderr)
+        return 2
+    if args.in_process_engine and (args.data_parallel_size > 1 or args.distributed_executor_backend != "mp"):
+        print("lmserve serve: error: --in-process-engine runs one engine thread (no data parallel, no Ray)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+        print("lmserve serve: error: --distributed-executor-backend ray needs Ray: pip install 'lmserve[ray]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
     import torch
 
-    threads = args.num_threads or torch.get_num_threads()
+    from lmserve.engine.core_client import EngineCoreClient, default_num_threads
+
+    if args.in_process_engine:
+        threads = args.num_threads or torch.get_num_threads()
+    else:
+        threads = args.num_threads or default_num_threads(args.data_parallel_size)
     try:  # cheap checks (config files, argument ranges) before binding the port
         config = EngineArgs.from_kwargs(model_path(args), **engine_kwargs(args)).create_engine_config()
     except (ValueError, OSError) as e:
@@ -77,28 +124,40 @@ def run_serve(args: argparse.Namespace) -> int:
     url = f"http://{_host_for_url(args.host)}:{args.port}"
     server: uvicorn.Server | None = None
 
-    def load() -> AsyncEngine:
+    def load() -> AsyncEngine | EngineCoreClient:
         # One OpenMP team per process: libgomp keeps a worker pool per thread that ever ran a parallel
         # region, and with more pooled threads than cores its workers stop spinning between regions, so
         # every short op pays a futex wake-up (measured: a 128-token prefill 185 -> 270 ms on the engine
         # thread). This loading thread therefore runs torch with 1 thread; the engine thread gets them all.
+        # With engine-core processes, the API process does no torch compute at all.
         torch.set_num_threads(1)
         try:
+            if not args.in_process_engine:
+                return EngineCoreClient(
+                    config,
+                    data_parallel_size=args.data_parallel_size,
+                    backend=args.distributed_executor_backend,
+                    num_threads=threads,
+                    cpu_policy=args.cpu_wait_policy,
+                    max_queued_requests=args.max_queued_requests,
+                ).start()
             return AsyncEngine(LLMEngine(config), max_queued_requests=args.max_queued_requests, num_threads=threads)
         except BaseException:
             if server is not None:
                 server.should_exit = True  # a server that can never serve should not linger
             raise
 
-    def ready(engine: AsyncEngine) -> None:
+    def ready(engine: AsyncEngine | EngineCoreClient) -> None:
         c = engine.config
+        where = "in-process engine thread" if args.in_process_engine else (
+            f"{args.data_parallel_size} engine core(s) ({args.distributed_executor_backend})")
         logger.info(
             "serving %r (%s) dtype=%s device=%s KV pool %s %d blocks × %d = %d tokens (%s, %s/token) "
-            "max_model_len=%d (%d concurrent) at %s",
+            "max_model_len=%d (%d concurrent) on %s × %d thread(s) at %s",
             name, c.model.path, c.model.dtype, c.device, c.cache.kv_cache_dtype, c.cache.num_blocks,
             c.cache.block_size, c.cache.num_tokens, format_bytes(c.cache.pool_bytes),
             format_bytes(c.cache.kv_bytes_per_token), c.scheduler.max_model_len,
-            c.cache.max_concurrent_requests(c.scheduler.max_model_len), url,
+            c.cache.max_concurrent_requests(c.scheduler.max_model_len), where, threads, url,
         )  # fmt: skip
 
     app = build_app(

@@ -83,11 +83,11 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     on_ready: Callable[[AsyncEngine], None] | None = None,
 ) -> FastAPI:
-    """The server for `engine`: a started-or-not AsyncEngine, or a loader called in a background thread at
-    start-up (then /health is 503 until it returns; `served_model_name` is required). The engine thread
-    is started here (or after loading); a loaded engine is shut down when the app's lifespan ends, one
-    passed in is left to its owner."""
-    loader = None if isinstance(engine, AsyncEngine) else engine
+    """The server for `engine`: a started-or-not engine client (AsyncEngine, or EngineCoreClient with the
+    engine in separate processes), or a loader called in a background thread at start-up (then /health is
+    503 until it returns; `served_model_name` is required). The engine is started here (or after loading);
+    a loaded engine is shut down when the app's lifespan ends, one passed in is left to its owner."""
+    loader = None if hasattr(engine, "add_request") else engine
     if loader is not None and not served_model_name:
         raise ValueError("served_model_name is required when the engine is loaded in the background")
     name = served_model_name or engine.config.model.path  # type: ignore[union-attr]
@@ -252,6 +252,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": status}, status_code=503)
         if engine.dead_error is not None:
             return JSONResponse({"status": "dead", "error": str(engine.dead_error)}, status_code=503)
+        degraded = getattr(engine, "degraded_error", None)  # some of several engine cores died
+        if degraded is not None:
+            return JSONResponse({"status": "degraded", "error": degraded})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -340,7 +343,7 @@ def _sampling_params(
     engine: AsyncEngine, body: p.CompletionRequest | p.ChatCompletionRequest, rename: dict[str, str]
 ) -> SamplingParams:
     try:
-        params = p.to_sampling_params(body, engine.engine.generation_defaults)
+        params = p.to_sampling_params(body, engine.generation_defaults)
     except p.RequestError as e:
         raise bad_request(str(e), e.param) from None
     except ValueError as e:

@@ -1,0 +1,163 @@
+"""The engine core: one LLMEngine in its own process (or Ray actor), a busy loop fed over ZeroMQ.
+
+    loop:  drain the input socket (poll 0 ms while requests run, up to IDLE_POLL_MS when idle)
+           → apply AddRequest / AbortRequests (Shutdown: leave the loop)
+           → engine.step()
+           → send ONE StepOutputs: the adds applied, the step's RequestOutputs, a fresh EngineSnapshot
+
+Detokenization and stop strings stay inside LLMEngine (exact; a stop string frees its KV in the step that
+completed it). The process exits when its parent changes (the API process died: no orphans) or after
+Shutdown; an exception in the loop is reported as CoreFailed before the process exits with status 1.
+The OpenMP environment comes from the parent (set before the process starts); the affinity and the torch
+thread count are set first thing here, before torch starts any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import zmq
+
+from lmserve.engine.async_engine import EngineSnapshot, measure_room, take_snapshot
+from lmserve.engine.messages import (
+    AbortRequests,
+    AddFailure,
+    AddRequest,
+    Codec,
+    CoreFailed,
+    CoreReady,
+    Shutdown,
+    StepOutputs,
+)
+
+if TYPE_CHECKING:
+    from lmserve.config import EngineConfig
+    from lmserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 100  # an idle core wakes this often to check that its parent is alive
+
+
+@dataclass(frozen=True)
+class CoreLaunch:
+    """Everything one engine core needs to start (handed over by multiprocessing or Ray, never a socket)."""
+
+    config: EngineConfig
+    engine_index: int
+    input_address: str  # the core connects a PULL socket here (the client binds the PUSH end)
+    output_address: str  # the core connects a PUSH socket here (the client binds one PULL for all cores)
+    num_threads: int  # torch intra-op threads of this core
+    cpus: tuple[int, ...] | None = None  # pin the process to these CPUs (data parallel slices)
+    measure_room: bool = False  # admission is bounded: put the scheduler's room in every snapshot
+    parent_pid: int | None = None  # exit as soon as the parent is no longer this pid (None: do not check)
+
+
+def run_engine_core(launch: CoreLaunch) -> None:
+    """Process (or Ray actor method) entry point: load the model, serve until Shutdown or the parent's death."""
+    if launch.parent_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
+    if launch.cpus:
+        os.sched_setaffinity(0, launch.cpus)
+    import torch
+
+    torch.set_num_threads(launch.num_threads)
+    from lmserve.engine.llm_engine import LLMEngine
+
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    out = ctx.socket(zmq.PUSH)
+    for sock in (inp, out):
+        sock.setsockopt(zmq.LINGER, 2000)  # a final CoreFailed still goes out
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # 0 = unbounded: an output is never dropped or blocks the loop
+    inp.connect(launch.input_address)
+    out.connect(launch.output_address)
+    codec = Codec()
+    try:
+        engine = LLMEngine(launch.config)
+        EngineCore(engine, launch, inp, out, codec).run()
+    except BaseException as e:
+        logger.exception("engine core %d failed", launch.engine_index)
+        out.send(codec.encode(CoreFailed(launch.engine_index, f"{type(e).__name__}: {e}")))
+        raise SystemExit(1) from None
+    finally:
+        inp.close()
+        out.close()
+        ctx.term()
+
+
+class EngineCore:
+    """The loop around one LLMEngine (which nothing else touches)."""
+
+    def __init__(self, engine: LLMEngine, launch: CoreLaunch, inp: zmq.Socket, out: zmq.Socket, codec: Codec) -> None:
+        self.engine = engine
+        self.launch = launch
+        self.index = launch.engine_index
+        self._in, self._out, self._codec = inp, out, codec
+        self._live: set[str] = set()  # added, not finished or aborted
+        self._num_aborted = 0
+        self._added: list[str] = []
+        self._failed: list[AddFailure] = []
+        self._changed = False  # something was applied since the last message
+
+    def run(self) -> None:
+        self._out.send(self._codec.encode(CoreReady(self.index, os.getpid(), self._snapshot())))
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            if not self._drain(0 if busy else IDLE_POLL_MS):
+                return  # Shutdown
+            if self.launch.parent_pid is not None and os.getppid() != self.launch.parent_pid:
+                logger.warning("engine core %d: the API process is gone; exiting", self.index)
+                return
+            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            if not (busy or self._changed or outputs):
+                continue
+            for o in outputs:
+                if o.finished:
+                    self._live.discard(o.request_id)
+                o.prompt_token_ids = []  # the client has it
+            msg = StepOutputs(self.index, outputs, self._snapshot(), self._added, self._failed)
+            self._out.send(self._codec.encode(msg))
+            self._added, self._failed, self._changed = [], [], False
+
+    def _snapshot(self) -> EngineSnapshot:
+        room = measure_room(self.engine) if self.launch.measure_room else None
+        return take_snapshot(self.engine, self._num_aborted, room)
+
+    def _drain(self, timeout_ms: int) -> bool:
+        """Apply every queued message; False on Shutdown."""
+        if not self._in.poll(timeout_ms):
+            return True
+        while True:
+            try:
+                data = self._in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            msg = self._codec.decode_input(data)
+            self._changed = True
+            if isinstance(msg, AddRequest):
+                self._add(msg)
+            elif isinstance(msg, AbortRequests):
+                for rid in msg.request_ids:
+                    if rid in self._live:
+                        self._live.discard(rid)
+                        self.engine.abort_request(rid)
+                        self._num_aborted += 1
+            else:
+                assert isinstance(msg, Shutdown), f"unknown message {msg!r}"
+                return False
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time)
+        except Exception as e:  # one bad request fails alone, not the engine
+            kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
+            self._failed.append(AddFailure(msg.request_id, kind, str(e)))
+            return
+        self._live.add(msg.request_id)
+        self._added.append(msg.request_id)

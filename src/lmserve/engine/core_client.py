@@ -1,0 +1,704 @@
+"""EngineCoreClient: AsyncEngine's interface, with the engine in separate engine-core processes.
+
+    API process (FastAPI, this client)                              engine core i (engine/core.py)
+    ─────────────────────────────────                               ──────────────────────────────
+    add_request: tokenize, validate, route, admit ── AddRequest ──▶ PULL   busy loop: apply, step()
+    abort ─────────────────────────────────────── AbortRequests ──▶        one StepOutputs per step
+    receiver thread ◀── StepOutputs (outputs, snapshot, acks) ─── PUSH ─┘
+      → loop.call_soon_threadsafe(deliver) to the RequestStreams
+    watcher thread per core: its process sentinel (or Ray ObjectRef) → the core's streams fail at once
+
+The API process loads the tokenizer and the config, never the weights, and runs no torch compute (1 thread).
+Validation (LLMEngine.validate / tokenize on a facade holding only the config, tokenizer and KV geometry) and
+grammar compilation happen here, so bad requests get their 400 before queueing, exactly as with AsyncEngine.
+
+Data parallel routing (N cores, each with its own KV pool and threads): a request goes to the live core with
+the lowest load = running + waiting sequences (latest snapshot) + sequences added but not yet acknowledged;
+ties go to the lower KV usage. Prefix affinity overrides that: the hash of the prompt's first full KV block
+maps (bounded LRU) to the core that served it last, and the request goes there unless that core's load
+exceeds the minimum by more than AFFINITY_SLACK sequences. Admission (max_queued_requests) is per core,
+with AsyncEngine's code (Admission) and the room each core reports in its snapshots.
+
+A core that dies is noticed within milliseconds: its requests fail with EngineDeadError, it leaves the
+routing; while another core lives the client keeps serving (`degraded_error` says what died), with none left
+`dead_error` is set and every new request is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from lmserve.config import EngineConfig
+from lmserve.core.outputs import RequestOutput
+from lmserve.engine.async_engine import (
+    Admission,
+    EngineDeadError,
+    EngineSnapshot,
+    RequestStream,
+    StatLogger,
+    _deliver,
+    _Delivery,
+)
+from lmserve.engine.core import CoreLaunch, run_engine_core
+from lmserve.engine.llm_engine import LLMEngine, Prompt
+from lmserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Codec,
+    CoreFailed,
+    CoreReady,
+    Shutdown,
+    StepOutputs,
+)
+from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+AFFINITY_SLACK = 4  # sequences: a prefix-affine core is used unless its load exceeds the minimum by more
+AFFINITY_ENTRIES = 4096  # first-block hashes remembered (least recently used dropped)
+BACKENDS = ("mp", "ray")
+
+# CPU-sharing policies: the OpenMP environment an engine core starts with (see docs/architecture.md).
+# "bounded" (default): workers spin briefly between parallel regions, then sleep, so a competing CPU-bound
+# process takes only the cores' time, not our workers' spinning time; "spin": libgomp's default (long spins,
+# best on a machine of its own); "passive": workers sleep at once (every region pays a futex wake-up).
+CPU_POLICIES: dict[str, dict[str, str]] = {
+    "bounded": {"GOMP_SPINCOUNT": "10000"},
+    "spin": {},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+}
+DEFAULT_CPU_POLICY = "bounded"
+
+
+class _Facts:
+    """What LLMEngine.tokenize / validate read (config, tokenizer, KV geometry), without the weights."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        from lmserve.core.kv_cache_manager import KVCacheManager
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.kv = KVCacheManager(1, config.cache.block_size, False)  # num_blocks_for only
+
+
+@dataclass
+class _Stream:
+    stream: RequestStream
+    core: _Core
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class _Core:
+    """The client's view of one engine core."""
+
+    index: int
+    handle: Any  # _ProcessHandle | _RayHandle
+    socket: zmq.Socket  # PUSH: requests to the core
+    admission: Admission
+    num_threads: int
+    snapshot: EngineSnapshot | None = None
+    pid: int | None = None
+    alive: bool = True
+    error: str | None = None  # why it died (CoreFailed message or exit status)
+    pending: dict[str, tuple[int, int]] = field(default_factory=dict)  # unacknowledged adds: seqs, blocks
+    streams: set[str] = field(default_factory=set)
+
+    def load(self) -> tuple[int, float]:
+        m = self.snapshot.metrics if self.snapshot is not None else {}
+        queued = m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0)
+        return queued + sum(s for s, _ in self.pending.values()), m.get("kv_cache_usage", 0.0)
+
+
+class EngineCoreClient:
+    """The engine client over N engine-core processes (or Ray actors). Same members as AsyncEngine.
+
+    add_request must be called from a running event loop; abort / snapshot from any thread."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        data_parallel_size: int = 1,
+        backend: str = "mp",
+        num_threads: int | None = None,
+        cpu_policy: str = DEFAULT_CPU_POLICY,
+        max_queued_requests: int | None = None,
+        retry_after_s: int = 1,
+        tokenizer: Any = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        from lmserve.generation_defaults import sampling_defaults
+        from lmserve.structured_output import StructuredOutputManager
+        from lmserve.tokenizer import load_tokenizer
+
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        if backend not in BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, got {backend!r}")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if cpu_policy not in CPU_POLICIES:
+            raise ValueError(f"cpu_policy must be one of {sorted(CPU_POLICIES)}, got {cpu_policy!r}")
+        Admission(max_queued_requests)  # checks the bound
+        self.config = config
+        self.data_parallel_size = data_parallel_size
+        self.backend = backend
+        self.num_threads = num_threads or default_num_threads(data_parallel_size)
+        self.cpu_policy = cpu_policy
+        self.max_queued_requests = max_queued_requests
+        self.retry_after_s = retry_after_s
+        self.startup_timeout_s = startup_timeout_s
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+        self.generation_defaults: dict[str, Any] = sampling_defaults(config.model.path, config.generation_config)
+        self._facts = _Facts(config, copy.deepcopy(self.tokenizer))
+        eos = LLMEngine._resolve_eos(self._facts)  # type: ignore[arg-type]
+        self._structured = StructuredOutputManager(self._facts.tokenizer, config.model.vocab_size, eos)
+        self.stat_loggers: list[StatLogger] = []
+        self._lock = threading.Lock()  # guards _streams, the cores' pending / streams / alive, _affinity, _dead
+        self._send_lock = threading.Lock()  # zmq sockets and the encoder are not thread-safe
+        self._codec = Codec()
+        self._cores: list[_Core] = []
+        self._streams: dict[str, _Stream] = {}
+        self._affinity: OrderedDict[int, int] = OrderedDict()  # first-block hash → core index
+        self._dead: EngineDeadError | None = None
+        self._started = False
+        self._stopping = False
+        self._ids = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._ctx: zmq.Context | None = None
+        self._pull: zmq.Socket | None = None
+        self._ipc_dir: str | None = None
+        self._ray_started = False
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> EngineCoreClient:
+        """Start the cores and wait until every one has loaded its model (raises if one fails to)."""
+        if self._started:
+            return self
+        self._started = True
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop every core (Shutdown, then terminate / kill after `timeout_s`) and join it; fail what is left."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for core in self._cores:
+            if core.alive:
+                self._send(core, Shutdown())
+        deadline = time.monotonic() + timeout_s
+        for core in self._cores:
+            core.handle.stop(max(0.1, deadline - time.monotonic()))
+        with self._lock:
+            if self._dead is None:
+                self._dead = EngineDeadError("engine was shut down")
+            victims = list(self._streams.values())
+            self._streams.clear()
+        self._fail([v.stream for v in victims], self._dead)
+        for t in self._threads:
+            t.join(2.0)
+        for core in self._cores:
+            core.socket.close(linger=0)
+        if self._pull is not None:
+            self._pull.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._ray_started:
+            import ray
+
+            ray.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._started and not self._stopping and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def degraded_error(self) -> str | None:
+        """Why some (not all) engine cores died; None while all live."""
+        dead = [f"engine core {c.index}: {c.error}" for c in self._cores if not c.alive]
+        return "; ".join(dead) if dead and self._dead is None else None
+
+    @property
+    def core_pids(self) -> list[int | None]:
+        return [c.pid for c in self._cores]
+
+    def snapshot(self) -> EngineSnapshot:
+        snaps = [c.snapshot for c in self._cores if c.snapshot is not None]
+        assert snaps, "snapshot() before start()"
+        if len(snaps) == 1:
+            return snaps[0]
+        return aggregate_snapshots(snaps)
+
+    # ---- requests (event-loop side) ---------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, as LLMEngine.tokenize does it."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return LLMEngine.tokenize(self._facts, prompt)[1]  # type: ignore[arg-type]
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """LLMEngine.validate: resolved max_tokens, or ValueError."""
+        return LLMEngine.validate(self._facts, prompt_token_ids, params)  # type: ignore[arg-type]
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a constraint here (raises GrammarError if refused), before the request is queued."""
+        await asyncio.wrap_future(self._structured.compile(params))
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Validate, route and queue a request; returns its stream at once.
+
+        Raises ValueError (bad input), QueueFullError (the chosen core's queue at its bound) or EngineDeadError.
+        """
+        loop = asyncio.get_running_loop()
+        if not self._started:
+            self.start()
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        stream = RequestStream(self, request_id, loop)  # type: ignore[arg-type]
+        num_seqs = params.actual_best_of
+        num_blocks = num_seqs * -(-(len(prompt_ids) + 1) // self.config.cache.block_size)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine is not running: {self._dead}")
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            core = self._route(prompt_ids)
+            with core.admission.lock:
+                core.admission.reserve(num_seqs, num_blocks)
+            core.pending[request_id] = (num_seqs, num_blocks)
+            core.streams.add(request_id)
+            self._streams[request_id] = _Stream(stream, core, prompt_ids)
+        self._send(core, AddRequest(request_id, prompt_ids, params, arrival_time))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (idempotent; unknown or finished ids are ignored). Callable from any thread."""
+        with self._lock:
+            entry = self._streams.pop(request_id, None)
+            if entry is None:
+                return
+            entry.core.streams.discard(request_id)
+        if entry.core.alive:
+            self._send(entry.core, AbortRequests([request_id]))
+        for stat in self.stat_loggers:
+            stat.on_request_aborted()
+
+    def _send(self, core: _Core, message: Any) -> None:
+        with self._send_lock:
+            try:
+                core.socket.send(self._codec.encode(message), zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # closed at shutdown; a dead core is handled by its watcher
+                logger.debug("send to engine core %d failed: %s", core.index, e)
+
+    # ---- routing ----------------------------------------------------------------------------
+
+    def _route(self, prompt_ids: list[int]) -> _Core:
+        """The core for a new request (with _lock held): least loaded, or prefix-affine unless overloaded."""
+        live = [c for c in self._cores if c.alive]
+        assert live, "routing with no live core (dead_error is set first)"
+        if len(live) == 1:
+            return live[0]
+        loads = {c.index: c.load() for c in live}
+        best = min(live, key=lambda c: loads[c.index])
+        bs = self.config.cache.block_size
+        if len(prompt_ids) < bs:
+            return best
+        key = hash(tuple(prompt_ids[:bs]))
+        affine = self._affinity.get(key)
+        chosen = best
+        if affine is not None and self._cores[affine].alive:
+            if loads[affine][0] <= loads[best.index][0] + AFFINITY_SLACK:
+                chosen = self._cores[affine]
+        self._affinity[key] = chosen.index
+        self._affinity.move_to_end(key)
+        if len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return chosen
+
+    # ---- start-up ---------------------------------------------------------------------------
+
+    def _launch(self) -> None:
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        if self.backend == "ray":
+            host = _ray_init(self)
+            output_address = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{_bind_host(host)}')}"
+        else:
+            self._ipc_dir = tempfile.mkdtemp(prefix="lmserve-")
+            output_address = f"ipc://{self._ipc_dir}/out"
+            self._pull.bind(output_address)
+        slices = cpu_slices(self.data_parallel_size, self.num_threads)
+        env = {"OMP_NUM_THREADS": str(self.num_threads), **CPU_POLICIES[self.cpu_policy]}
+        for i in range(self.data_parallel_size):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            if self.backend == "ray":
+                input_address = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{_bind_host(host)}')}"
+            else:
+                input_address = f"ipc://{self._ipc_dir}/in-{i}"
+                sock.bind(input_address)
+            launch = CoreLaunch(
+                config=self.config,
+                engine_index=i,
+                input_address=input_address,
+                output_address=output_address,
+                num_threads=self.num_threads,
+                cpus=slices[i] if slices else None,
+                measure_room=self.max_queued_requests is not None,
+                parent_pid=os.getpid() if self.backend == "mp" else None,
+            )
+            handle = _RayHandle(launch, env) if self.backend == "ray" else _ProcessHandle(launch, env)
+            admission = Admission(self.max_queued_requests, self.retry_after_s)
+            self._cores.append(_Core(i, handle, sock, admission, self.num_threads))
+        self._wait_ready()
+        for core in self._cores:
+            t = threading.Thread(target=self._watch, args=(core,), name=f"lmserve-watch-{core.index}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        t = threading.Thread(target=self._receive, name="lmserve-receive", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while any(c.snapshot is None for c in self._cores):
+            for core in self._cores:
+                if core.snapshot is None and core.handle.exited():
+                    why = core.error or core.handle.status()
+                    raise RuntimeError(f"engine core {core.index} exited during start-up: {why}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine cores not ready after {self.startup_timeout_s:.0f} s")
+            if not self._pull.poll(100):  # type: ignore[union-attr]
+                continue
+            msg = self._codec.decode_output(self._pull.recv())  # type: ignore[union-attr]
+            core = self._cores[msg.engine_index]
+            if isinstance(msg, CoreReady):
+                core.snapshot, core.pid = msg.snapshot, msg.pid
+                core.admission.applied(0, 0, msg.snapshot.room)
+            elif isinstance(msg, CoreFailed):
+                core.error = msg.error
+        logger.info(
+            "%d engine core(s) ready (%s backend, %d thread(s) each, pids %s)",
+            len(self._cores), self.backend, self.num_threads, self.core_pids,
+        )  # fmt: skip
+
+    # ---- the receiver and watcher threads -----------------------------------------------------
+
+    def _receive(self) -> None:
+        codec = Codec()  # this thread's own decoder
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stopping:
+            try:
+                if not poller.poll(200):
+                    continue
+                data = self._pull.recv(zmq.NOBLOCK)  # type: ignore[union-attr]
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                return  # closed at shutdown
+            msg = codec.decode_output(data)
+            core = self._cores[msg.engine_index]
+            if isinstance(msg, StepOutputs):
+                self._on_step(core, msg)
+            elif isinstance(msg, CoreFailed):
+                core.error = msg.error
+
+    def _on_step(self, core: _Core, msg: StepOutputs) -> None:
+        now = time.time()
+        delivery: dict[asyncio.AbstractEventLoop, _Delivery] = {}
+        num_seqs = num_blocks = 0
+        with self._lock:
+            for rid in itertools.chain(msg.added, (f.request_id for f in msg.failed)):
+                s, b = core.pending.pop(rid, (0, 0))
+                num_seqs, num_blocks = num_seqs + s, num_blocks + b
+            core.snapshot = msg.snapshot
+            for f in msg.failed:
+                entry = self._streams.pop(f.request_id, None)
+                core.streams.discard(f.request_id)
+                if entry is not None:
+                    err = _add_error(f.error_type, f.message)
+                    delivery.setdefault(entry.stream._loop, _Delivery()).items.append((entry.stream, err))
+            items: list[tuple[_Stream, RequestOutput]] = []
+            for out in msg.outputs:
+                entry = self._streams.get(out.request_id)
+                if entry is None:
+                    continue  # aborted while this step ran
+                if out.finished:
+                    del self._streams[out.request_id]
+                    core.streams.discard(out.request_id)
+                items.append((entry, out))
+        core.admission.applied(num_seqs, num_blocks, msg.snapshot.room)
+        for entry, out in items:
+            out.prompt_token_ids = entry.prompt_token_ids
+            stream = entry.stream
+            for stat in self.stat_loggers:
+                stat.on_request_output(out, stream.last_token_time, now)
+            stream.last_token_time = out.metrics.last_token_time
+            delivery.setdefault(stream._loop, _Delivery()).items.append((stream, out))
+        _send_delivery(delivery)
+
+    def _watch(self, core: _Core) -> None:
+        """Blocks until the core's process (actor) ends; unless shutting down, that is a failure."""
+        status = core.handle.wait_exit()
+        if self._stopping:
+            return
+        reason = core.error or status
+        logger.error("engine core %d (pid %s) died: %s", core.index, core.pid, reason)
+        error = EngineDeadError(f"engine core {core.index} died: {reason}")
+        with self._lock:
+            core.alive = False
+            core.error = reason
+            victims = [self._streams.pop(rid) for rid in core.streams if rid in self._streams]
+            core.streams.clear()
+            if not any(c.alive for c in self._cores):
+                self._dead = error
+        self._fail([v.stream for v in victims], error)
+
+    @staticmethod
+    def _fail(streams: list[RequestStream], error: BaseException) -> None:
+        delivery: dict[asyncio.AbstractEventLoop, _Delivery] = {}
+        for stream in streams:
+            delivery.setdefault(stream._loop, _Delivery()).items.append((stream, error))
+        _send_delivery(delivery)
+
+
+def _add_error(error_type: str, message: str) -> Exception:
+    """The exception of an add the core refused: ValueError stays the input's fault (a 400)."""
+    return ValueError(message) if error_type == "ValueError" else RuntimeError(f"{error_type}: {message}")
+
+
+def _send_delivery(delivery: dict[asyncio.AbstractEventLoop, _Delivery]) -> None:
+    for loop, d in delivery.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, d.items)
+        except RuntimeError:  # that event loop is closed; its consumers are gone
+            pass
+
+
+# ---- threads, CPUs, aggregation -------------------------------------------------------------------
+
+
+def default_num_threads(data_parallel_size: int) -> int:
+    """Threads per engine core when --num-threads is not given: torch's default ($OMP_NUM_THREADS or the
+    usable cores) split evenly over the cores, at least 1."""
+    import torch
+
+    return max(1, _torch_default_threads(torch) // data_parallel_size)
+
+
+def _torch_default_threads(torch: Any) -> int:
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) or torch.get_num_threads()
+
+
+def cpu_slices(data_parallel_size: int, num_threads: int) -> list[tuple[int, ...]] | None:
+    """Disjoint CPU sets for N > 1 cores: `num_threads` CPUs each when they fit, else the usable CPUs split
+    evenly; None (no pinning) for one core or more cores than CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    n = data_parallel_size
+    if n <= 1 or n > len(cpus):
+        return None
+    per = num_threads if n * num_threads <= len(cpus) else len(cpus) // n
+    return [tuple(cpus[i * per : (i + 1) * per]) for i in range(n)]
+
+
+SUMMED_RATIOS = {"kv_cache_usage": "num_kv_blocks"}  # averaged, weighted by the other key
+SAME_ON_EVERY_CORE = {
+    "kv_cache_bytes_per_token",
+    "kv_cache_scale_bytes_per_token",
+    "kv_cache_dtype",
+}
+
+
+def aggregate_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
+    """One snapshot for N cores: counters and gauges summed (dicts per key), ratios recomputed, per-core
+    constants taken from the first; `engines` keeps each core's own."""
+    from lmserve.engine.llm_engine import spec_decode_metrics
+
+    first = snaps[0].metrics
+    metrics: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [s.metrics.get(key, value) for s in snaps]
+        if key in SAME_ON_EVERY_CORE or not isinstance(value, int | float | dict):
+            metrics[key] = value
+        elif key in SUMMED_RATIOS:
+            weights = [s.metrics.get(SUMMED_RATIOS[key], 1) for s in snaps]
+            metrics[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / max(1, sum(weights))
+        elif isinstance(value, dict):
+            merged: dict[str, Any] = {}
+            for v in values:
+                for k, x in v.items():
+                    merged[k] = merged.get(k, 0) + x
+            metrics[key] = merged
+        else:
+            metrics[key] = sum(values)
+    if "spec_decode_num_drafts_total" in metrics:
+        from lmserve.core.outputs import SchedulerStats
+
+        stats = SchedulerStats(
+            0, 0, 0, 0.0, 0, 0, 0,
+            spec_num_drafts_total=metrics["spec_decode_num_drafts_total"],
+            spec_num_draft_tokens_total=metrics["spec_decode_num_draft_tokens_total"],
+            spec_num_accepted_tokens_total=metrics["spec_decode_num_accepted_tokens_total"],
+        )  # fmt: skip
+        metrics.update(spec_decode_metrics(stats))
+    return EngineSnapshot(
+        metrics=metrics,
+        num_batched_tokens=sum(s.num_batched_tokens for s in snaps),
+        num_aborted_requests_total=sum(s.num_aborted_requests_total for s in snaps),
+        time=max(s.time for s in snaps),
+        engines=tuple(snaps),
+    )
+
+
+# ---- how a core runs: a local process or a Ray actor ---------------------------------------------
+
+
+class _ProcessHandle:
+    """An engine core in a spawned process (daemonic: multiprocessing also ends it at interpreter exit)."""
+
+    _env_lock = threading.Lock()
+
+    def __init__(self, launch: CoreLaunch, env: dict[str, str]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(
+            target=run_engine_core, args=(launch,), name=f"lmserve-core-{launch.engine_index}", daemon=True
+        )
+        with self._env_lock:  # the child's OpenMP reads its environment before anything of ours runs
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                self.process.start()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+
+    def exited(self) -> bool:
+        return not self.process.is_alive()
+
+    def status(self) -> str:
+        code = self.process.exitcode
+        if code is None:
+            return "running"
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+    def wait_exit(self) -> str:
+        multiprocessing.connection.wait([self.process.sentinel])  # does not reap: stop() joins
+        self.process.join(1.0)
+        return self.status()
+
+    def stop(self, timeout_s: float) -> None:
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            logger.warning("engine core %s did not stop in time; terminating", self.process.pid)
+            self.process.terminate()
+            self.process.join(5.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+
+
+class _RayHandle:
+    """An engine core as a Ray actor (num_cpus = its threads) whose run() is the same core loop."""
+
+    def __init__(self, launch: CoreLaunch, env: dict[str, str]) -> None:
+        import ray
+
+        actor_cls = ray.remote(num_cpus=launch.num_threads, max_restarts=0)(_EngineCoreActor)
+        self.actor = actor_cls.options(name=None, runtime_env={"env_vars": env}, lifetime=None).remote()
+        self.ref = self.actor.run.remote(launch)
+        self._status: str | None = None
+
+    def exited(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return bool(ready)
+
+    def status(self) -> str:
+        return self._status or "running"
+
+    def wait_exit(self) -> str:
+        import ray
+
+        try:
+            ray.get(self.ref)
+            self._status = "the actor's loop returned"
+        except Exception as e:  # RayActorError when the actor process died
+            self._status = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return self._status
+
+    def stop(self, timeout_s: float) -> None:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=timeout_s)
+        if not ready:
+            ray.kill(self.actor)
+
+
+class _EngineCoreActor:
+    """Ray actor body (wrapped with ray.remote at launch, so Ray stays an optional import)."""
+
+    def run(self, launch: CoreLaunch) -> None:
+        run_engine_core(launch)
+
+
+def _ray_init(client: EngineCoreClient) -> str:
+    """Connect to RAY_ADDRESS's cluster, or start a local Ray (shut down with the client); returns the IP
+    the cores reach this process at."""
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--distributed-executor-backend ray needs Ray: pip install 'lmserve[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
+        client._ray_started = True
+    return ray.util.get_node_ip_address()
+
+
+def _bind_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,113 @@
+"""The messages between the API process (EngineCoreClient) and its engine-core processes, and their encoding.
+
+    API process ── AddRequest / AbortRequests / Shutdown ──▶ engine core i   (one PUSH socket per core)
+    API process ◀── CoreReady, then one StepOutputs per step ── every core    (one PULL socket for all cores)
+
+msgpack via msgspec with typed decoders: the engine's own dataclasses (SamplingParams, RequestOutput,
+EngineSnapshot, ...) are encoded field by field and decoded into the same classes (their __post_init__
+checks run again), so a field added to one of them later crosses without code here. Nothing is unpickled
+from a socket. The one exception to "typed" is what the dataclasses annotate as Any: the TokenLogprobs of
+CompletionOutput.logprobs and RequestOutput.prompt_logprobs, rebuilt by `_restore_logprobs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from lmserve.core.outputs import RequestOutput
+from lmserve.engine.async_engine import EngineSnapshot
+from lmserve.sampling_params import SamplingParams
+from lmserve.worker.sampler import TokenLogprobs
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Finish at once: the core exits its loop (requests still running are dropped) and its process ends."""
+
+
+CoreInput = AddRequest | AbortRequests | Shutdown
+
+
+class AddFailure(msgspec.Struct):
+    """An add the engine refused (LLMEngine.add_request raised): the request fails alone."""
+
+    request_id: str
+    error_type: str  # "ValueError" (the request's fault, a 400) or another exception's name
+    message: str
+
+
+class CoreReady(msgspec.Struct, tag=True):
+    """The core loaded its model and listens; sent once, before any StepOutputs."""
+
+    engine_index: int
+    pid: int
+    snapshot: EngineSnapshot
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    """Everything one pass of the core loop produced: the adds it applied (`added`, acknowledging them to
+    admission, and `failed`), the step's outputs, and the engine's snapshot after the step.
+
+    `outputs[*].prompt_token_ids` is left empty: the client has every prompt and puts it back."""
+
+    engine_index: int
+    outputs: list[RequestOutput]
+    snapshot: EngineSnapshot
+    added: list[str] = []
+    failed: list[AddFailure] = []
+
+
+class CoreFailed(msgspec.Struct, tag=True):
+    """The core loop raised: the process exits right after sending this."""
+
+    engine_index: int
+    error: str
+
+
+CoreOutput = CoreReady | StepOutputs | CoreFailed
+
+
+class Codec:
+    """Encoder plus typed decoders for both directions (one per thread that uses it: not thread-safe)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._input_decoder = msgspec.msgpack.Decoder(CoreInput)
+        self._output_decoder = msgspec.msgpack.Decoder(CoreOutput)
+
+    def encode(self, message: CoreInput | CoreOutput) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode_input(self, data: bytes) -> CoreInput:
+        return self._input_decoder.decode(data)
+
+    def decode_output(self, data: bytes) -> CoreOutput:
+        message = self._output_decoder.decode(data)
+        if isinstance(message, StepOutputs):
+            for out in message.outputs:
+                _restore_logprobs(out)
+        return message
+
+
+def _restore_logprobs(out: RequestOutput) -> None:
+    if out.prompt_logprobs is not None:
+        out.prompt_logprobs = _token_logprobs(out.prompt_logprobs)
+    for c in out.outputs:
+        if c.logprobs is not None:
+            c.logprobs = _token_logprobs(c.logprobs)
+
+
+def _token_logprobs(entries: list[Any]) -> list[TokenLogprobs | None]:
+    return [None if e is None else msgspec.convert(e, TokenLogprobs) for e in entries]
