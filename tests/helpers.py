@@ -91,3 +91,19 @@ def build_model(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0, 
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out_dir / f.name)
     return out_dir
+
+
+def require_extra(module: str, extra: str):
+    """Import an optional extra's module, or skip the test that needs it; with LMSERVE_REQUIRE_EXTRAS=1 (CI,
+    which installs every extra) a missing module fails instead."""
+    import importlib
+    import os
+
+    import pytest
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if os.environ.get("LMSERVE_REQUIRE_EXTRAS") == "1":
+            raise
+        pytest.skip(f"needs the {extra!r} extra: pip install 'lmserve[{extra}]'")

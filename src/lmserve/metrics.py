@@ -4,7 +4,8 @@ Two sources, one registry per server:
 - per-request histograms, observed on the engine thread from each RequestOutput (StatLogger protocol of
   lmserve.engine.async_engine), and counters the HTTP layer bumps (rejected requests);
 - engine counters and gauges, read at scrape time from the latest EngineSnapshot (the engine keeps the
-  running totals; we never double-count them here).
+  running totals; we never double-count them here). With several engine cores the snapshot is their
+  aggregate, and every engine family also has one sample per core labelled `engine="i"`.
 
 Every name is prefixed `lmserve:`; counters carry the `_total` suffix on the wire.
 """
@@ -45,6 +46,15 @@ class _EngineCollector(Collector):
         snap = self._snapshot_fn()
         if snap is None:
             return
+        families = list(self._families(snap))
+        # Several engine cores (data parallel): each family also carries every core's own samples, labelled
+        # engine="i", after the aggregate (which has no engine label; sum over one or the other, not both).
+        for i, engine_snap in enumerate(snap.engines):
+            for family, per_engine in zip(families, self._families(engine_snap), strict=True):
+                family.samples.extend(s._replace(labels={**s.labels, "engine": str(i)}) for s in per_engine.samples)
+        yield from families
+
+    def _families(self, snap: Any) -> Iterator[Metric]:
         m = snap.metrics
         labels, values = ["model_name"], [self._model_name]
 
