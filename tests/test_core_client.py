@@ -34,7 +34,8 @@ BLOCK = 16
 def _snap(running: int = 0, waiting: int = 0, usage: float = 0.0, **extra) -> EngineSnapshot:
     metrics = {"num_requests_running": running, "num_requests_waiting": waiting, "kv_cache_usage": usage,
                "num_kv_blocks": 64, "prefix_cache_hits_total": 0, "kv_cache_dtype": "float32",
-               "kv_cache_bytes_per_token": 512, "finished_requests_by_reason": {"stop": 1, "abort": 0}, **extra}  # fmt: skip
+               "kv_cache_bytes_per_token": 512, "finished_requests_by_reason": {"stop": 1, "abort": 0}}  # fmt: skip
+    metrics.update(extra)
     return EngineSnapshot(metrics, num_batched_tokens=3, num_aborted_requests_total=1, time=1.0)
 
 
