@@ -37,6 +37,7 @@ __all__ = [
     "dtype_bytes",
     "format_bytes",
     "kv_bytes_per_token",
+    "kv_blocks_held",
     "kv_bytes_per_token_per_layer",
     "kv_cache_bytes_per_token",
     "kv_scale_bytes_per_token",
@@ -476,13 +477,28 @@ def blocks_per_request(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
 
+def kv_blocks_held(seq_len: int, block_size: int, sliding_window: int | None = None, num_new_tokens: int = 1) -> int:
+    """Blocks a request of ``seq_len`` tokens holds at most while a step computes ``num_new_tokens`` of them
+    (1: decoding). Without a freeing window: all of its blocks. When the engine frees KV blocks outside a
+    sliding window W (every layer slides; core/kv_cache_manager.py), a step after c computed tokens holds the
+    blocks from the one with position c - W + 1 to the one with position c + n - 1: at most
+    ceil((W + block_size - 2 + n) / block_size), i.e. the window plus one block of slack when decoding."""
+    full = blocks_per_request(seq_len, block_size)
+    if sliding_window is None:
+        return full
+    _positive("sliding_window", sliding_window)
+    _positive("num_new_tokens", num_new_tokens)
+    return min(full, -(-(sliding_window + block_size - 2 + num_new_tokens) // block_size))
+
+
 def max_concurrent_requests(
-    kv_budget_bytes: int, seq_len: int, kv_bytes_per_token: int, block_size: int = 16
+    kv_budget_bytes: int, seq_len: int, kv_bytes_per_token: int, block_size: int = 16, sliding_window: int | None = None
 ) -> int:
     """Requests of ``seq_len`` tokens whose KV fits in the budget at once. Each request holds
-    whole blocks, so it costs ceil(seq_len / block_size) * block_size tokens of KV."""
+    whole blocks, so it costs ceil(seq_len / block_size) * block_size tokens of KV (with a freeing
+    sliding window, only the blocks of kv_blocks_held)."""
     blocks = max_num_kv_blocks(kv_budget_bytes, block_size, kv_bytes_per_token)
-    return blocks // blocks_per_request(seq_len, block_size)
+    return blocks // kv_blocks_held(seq_len, block_size, sliding_window)
 
 
 # ---------------------------------------------------------------------------------------------
