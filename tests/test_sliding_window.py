@@ -12,8 +12,8 @@ import pytest
 from lmserve import LLM, SamplingParams, kernels
 from lmserve.config import EngineArgs
 from lmserve.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
-from tests.hf_reference import hf_greedy
 from tests.helpers import build_model
+from tests.hf_reference import hf_greedy
 
 WINDOW = 8
 
@@ -53,7 +53,9 @@ def _prompts(n: int, length: int) -> list[list[int]]:
 
 
 def _assert_greedy(llm: LLM, model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list:
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, max_tokens)
     return outs
@@ -124,7 +126,11 @@ def test_hybrid_model_reads_only_its_windows_but_frees_nothing(
 
 def test_pool_too_small_for_window_and_chunk_is_refused(swa_dirs: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="num_kv_blocks: .* sliding window"):
-        EngineArgs(str(swa_dirs["mistral"]), num_kv_blocks=4, block_size=4, max_num_batched_tokens=16).create_engine_config()
-    cfg = EngineArgs(str(swa_dirs["mistral"]), num_kv_blocks=8, block_size=4, max_num_batched_tokens=16).create_engine_config()
+        EngineArgs(
+            str(swa_dirs["mistral"]), num_kv_blocks=4, block_size=4, max_num_batched_tokens=16
+        ).create_engine_config()
+    cfg = EngineArgs(
+        str(swa_dirs["mistral"]), num_kv_blocks=8, block_size=4, max_num_batched_tokens=16
+    ).create_engine_config()
     assert cfg.scheduler.max_model_len > cfg.cache.num_tokens, "max_model_len is not capped by the pool"
     assert cfg.cache.max_concurrent_requests(cfg.scheduler.max_model_len) == 8 // 3  # 8 + 4 - 1 tokens: 3 blocks
