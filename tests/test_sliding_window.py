@@ -134,3 +134,19 @@ def test_pool_too_small_for_window_and_chunk_is_refused(swa_dirs: dict[str, Path
     ).create_engine_config()
     assert cfg.scheduler.max_model_len > cfg.cache.num_tokens, "max_model_len is not capped by the pool"
     assert cfg.cache.max_concurrent_requests(cfg.scheduler.max_model_len) == 8 // 3  # 8 + 4 - 1 tokens: 3 blocks
+
+
+def test_engine_and_ledger_agree_on_concurrency(swa_dirs: dict[str, Path]) -> None:
+    from lmserve.memory import load_model_shape, memory_report
+
+    model_dir = swa_dirs["mistral"]
+    llm = LLM(str(model_dir), num_kv_blocks=40, block_size=4, max_num_batched_tokens=8)
+    cache, max_len = llm.engine.config.cache, llm.engine.config.scheduler.max_model_len
+    shape = load_model_shape(model_dir)
+    weights = memory_report(shape, weight_dtype="fp32").weight_bytes
+    report = memory_report(
+        shape, seq_len=max_len, block_size=4, kv_dtype="fp32", weight_dtype="fp32",
+        memory_bytes=weights + 40 * 4 * cache.kv_bytes_per_token,
+    )  # fmt: skip
+    assert report.num_kv_blocks == 40 and report.kv_freed_outside_window
+    assert report.max_concurrent_requests == llm.get_metrics()["kv_cache_max_concurrent_requests"] == 40 // 3

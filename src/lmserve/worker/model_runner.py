@@ -102,6 +102,9 @@ class ModelRunner:
             cc.kv_cache_dtype, cc.num_blocks, cc.block_size, cc.num_tokens, cc.pool_bytes / 2**20,
             cc.kv_bytes_per_token, scales, cc.max_concurrent_requests(sc.max_model_len), sc.max_model_len,
         )  # fmt: skip
+        if cc.sliding_window is not None:
+            logger.info("every layer slides (window %d): KV blocks outside the window are freed while requests run",
+                        cc.sliding_window)
         return caches
 
     @torch.inference_mode()
