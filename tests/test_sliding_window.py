@@ -124,16 +124,17 @@ def test_hybrid_model_reads_only_its_windows_but_frees_nothing(
     assert held.num_freed_seen == 0 and held.max_live == 12
 
 
-def test_pool_too_small_for_window_and_chunk_is_refused(swa_dirs: dict[str, Path]) -> None:
-    with pytest.raises(ValueError, match="num_kv_blocks: .* sliding window"):
-        EngineArgs(
-            str(swa_dirs["mistral"]), num_kv_blocks=4, block_size=4, max_num_batched_tokens=16
-        ).create_engine_config()
-    cfg = EngineArgs(
-        str(swa_dirs["mistral"]), num_kv_blocks=8, block_size=4, max_num_batched_tokens=16
-    ).create_engine_config()
-    assert cfg.scheduler.max_model_len > cfg.cache.num_tokens, "max_model_len is not capped by the pool"
-    assert cfg.cache.max_concurrent_requests(cfg.scheduler.max_model_len) == 8 // 3  # 8 + 4 - 1 tokens: 3 blocks
+def test_pool_fit_of_max_model_len_counts_the_freed_blocks(swa_dirs: dict[str, Path]) -> None:
+    """max_model_len need not fit the pool when the window plus one prefill chunk does (8 + 16 tokens: 7 blocks
+    of 4); a smaller pool falls back to capping max_model_len at what it holds, as without a window."""
+    args = dict(block_size=4, max_num_batched_tokens=16)
+    cfg = EngineArgs(str(swa_dirs["mistral"]), num_kv_blocks=7, **args).create_engine_config()
+    assert cfg.scheduler.max_model_len > cfg.cache.num_tokens == 28, "max_model_len is not capped by the pool"
+    assert cfg.cache.max_concurrent_requests(cfg.scheduler.max_model_len) == 7 // 3  # 8 + 4 - 1 tokens: 3 blocks
+    small = EngineArgs(str(swa_dirs["mistral"]), num_kv_blocks=6, **args).create_engine_config()
+    assert small.scheduler.max_model_len == small.cache.num_tokens == 24
+    with pytest.raises(ValueError, match="max_model_len=100 does not fit the KV pool"):
+        EngineArgs(str(swa_dirs["mistral"]), num_kv_blocks=6, max_model_len=100, **args).create_engine_config()
 
 
 def test_engine_and_ledger_agree_on_concurrency(swa_dirs: dict[str, Path]) -> None:

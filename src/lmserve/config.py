@@ -427,8 +427,14 @@ class EngineArgs:
         )  # fmt: skip
         fitted = ""
         # the pool must hold a whole request, unless blocks outside the window are freed as a chunked prefill goes
-        whole_request = free_window is None or not self.enable_chunked_prefill
-        if whole_request and cache.num_tokens < max_model_len:
+        # and the window plus one chunk fit
+        chunk = min(self.max_num_batched_tokens or 2048, max_model_len)
+        frees = (
+            free_window is not None
+            and self.enable_chunked_prefill
+            and memory.kv_blocks_held(max_model_len, self.block_size, free_window, chunk) <= num_blocks
+        )
+        if not frees and cache.num_tokens < max_model_len:
             if self.max_model_len is not None:
                 raise ValueError(
                     f"max_model_len={max_model_len} does not fit the KV pool: {num_blocks} blocks x "
@@ -446,14 +452,6 @@ class EngineArgs:
                 f"with enable_chunked_prefill=False, max_num_batched_tokens ({budget}) must be >= "
                 f"max_model_len ({max_model_len}{fitted}) so every prompt fits one step"
             )
-        if not whole_request:
-            peak = memory.kv_blocks_held(max_model_len, self.block_size, free_window, min(budget, max_model_len))
-            if peak > num_blocks:
-                raise ValueError(
-                    f"num_kv_blocks: the KV pool's {num_blocks} blocks x {self.block_size} tokens cannot hold one "
-                    f"request's sliding window ({free_window} tokens) plus a {budget}-token prefill chunk "
-                    f"({peak} blocks); lower max_num_batched_tokens or raise num_kv_blocks / kv_cache_memory_gib"
-                )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,
