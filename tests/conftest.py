@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -7,6 +8,10 @@ import pytest
 import torch
 
 from tests.helpers import build_model, train_tokenizer
+
+# Tests that count kernel calls need the C kernel on the 1-2 row path, not a choice timed on a busy machine;
+# tests/test_small_m_linear.py sets the other modes itself.
+os.environ.setdefault("LMSERVE_SMALL_M_LINEAR", "kernel")
 
 MODEL_SPECS = {
     "llama-gqa": ("llama", {}),

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmserve.core.block_pool import BlockPool, block_key
-from lmserve.core.kv_cache_manager import KVCacheManager
+from lmserve.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from lmserve.request import Request
 from lmserve.sampling_params import SamplingParams
 
@@ -118,9 +118,14 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 24))
-def test_random_operations_keep_invariants(ops, block_size: int, num_blocks: int) -> None:
-    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+@given(
+    ops=ops,
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(1, 24),
+    window=st.sampled_from([None, None, 1, 3, 8]),
+)
+def test_random_operations_keep_invariants(ops, block_size: int, num_blocks: int, window: int | None) -> None:
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, sliding_window=window)
     live: dict[str, Request] = {}
     counter = 0
     for op, which, length in ops:
@@ -143,14 +148,75 @@ def test_random_operations_keep_invariants(ops, block_size: int, num_blocks: int
         elif op == "free" and live:
             req = live.pop(list(live)[which % len(live)])
             kv.free(req)
-        kv.pool.check_invariants(list(kv.req_to_blocks.values()))
+        kv.pool.check_invariants(kv.live_tables())
         # every indexed block holds the tokens its key names: check through the tables that own them
         for rid, table in kv.req_to_blocks.items():
             req = live[rid]
             for i, blk in enumerate(table):
                 if blk.key is not None:
                     assert blk.key[1] == tuple(req.all_token_ids[i * block_size : (i + 1) * block_size])
+            # freed entries are exactly the leading blocks outside the window of the next query (none without one)
+            num_freed = sum(b is NULL_BLOCK for b in table)
+            assert all(b is NULL_BLOCK for b in table[:num_freed]), "freed entries form a prefix of the table"
+            assert num_freed <= (max(0, req.num_computed_tokens - window + 1) // block_size if window else 0)
     for req in list(live.values()):
         kv.free(req)
     assert kv.pool.num_free_blocks == num_blocks
     kv.pool.check_invariants([])
+
+
+# ---- sliding windows: blocks outside every future query's window go back to the pool ---------------------
+
+
+def test_blocks_outside_the_window_are_freed_and_stay_cached() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=8)
+    a = make_request("a", list(range(20)))
+    table, _ = admit(kv, a)  # 5 blocks, 20 computed
+    first_blocks = table[:3]
+    assert kv.pool.num_free_blocks == 11
+    a.append_output_token(99)
+    table = kv.allocate_slots(a, 1)  # query at position 20 reads keys 13..20: blocks 0-2 (positions 0..11) are dead
+    assert table is not None and table[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in table[3:]
+    assert kv.block_ids(a)[:4] == [-1, -1, -1, table[3].block_id]
+    assert kv.pool.num_free_blocks == 11 + 3 - 1, "three freed, one taken for position 20"
+    assert all(b.ref_cnt == 0 and b.key is not None for b in first_blocks), "freed, still in the prefix index"
+    kv.pool.check_invariants(kv.live_tables())
+    kv.free(a)
+    assert kv.pool.num_free_blocks == 16
+    kv.pool.check_invariants([])
+
+
+def test_prefix_hit_outside_the_window_is_not_claimed() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=8)
+    admit(kv, make_request("a", list(range(24))))
+    b = make_request("b", list(range(24)) + [7, 7])
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 24
+    table = kv.allocate_slots(b, 2, hits)
+    # b's first query is at position 24 and reads keys 17..: its blocks 0-3 are not needed
+    assert table is not None and table[:4] == [NULL_BLOCK] * 4 and table[4] is hits[4] and hits[4].ref_cnt == 2
+    assert all(h.ref_cnt == 1 for h in hits[:4]), "only a holds them"
+    kv.pool.check_invariants(kv.live_tables())
+
+
+def test_prefix_hit_stops_at_a_block_evicted_from_the_middle_of_a_chain() -> None:
+    """a frees its first three blocks out of the window; another request then takes one of them (its cached
+    contents evicted). A later request with a's prefix hits only the blocks before the gap, never the ones after
+    it, although those are still indexed (and held by a)."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, sliding_window=8)
+    a = make_request("a", list(range(20)))
+    table, _ = admit(kv, a)
+    keys = [blk.key for blk in table]
+    a.append_output_token(99)
+    kv.allocate_slots(a, 1)  # frees blocks 0-2 of a (tail-first: block 2 is evicted first)
+    held_by_a = [blk for blk in kv.req_to_blocks["a"] if blk is not NULL_BLOCK]
+    assert kv.pool.num_free_blocks == 5  # 2 never used, then a's blocks 2, 1, 0
+    other = make_request("other", [500 + i for i in range(12)])
+    admit(kv, other)  # 3 blocks: the 2 unused ones, then a's block 2
+    assert kv.pool.lookup(keys[2]) is None, "a's block 2 was handed out: its contents are gone"
+    assert all(kv.pool.lookup(k) is blk for k, blk in zip(keys, table, strict=True) if k is not keys[2])
+    b = make_request("b", list(range(20)) + [1])
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert hits == table[:2] and num_hit == 8, "the chain stops at the evicted block"
+    assert not set(map(id, hits)) & set(map(id, held_by_a))
+    kv.pool.check_invariants(kv.live_tables())

@@ -108,15 +108,17 @@ def test_rope_write_kv_matches_torch(tokens: int) -> None:
     torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0)
 
 
-def _reference_decode_attention(q, k_cache, v_cache, tables, lens):
-    """Per sequence: gather its first lens[b] tokens through the block table, plain softmax attention."""
+def _reference_decode_attention(q, k_cache, v_cache, tables, lens, window=None):
+    """Per sequence: gather its first lens[b] tokens through the block table (the last `window` of them with a
+    sliding window), plain softmax attention."""
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     outs = []
     for b in range(q.shape[0]):
         n = int(lens[b])
-        k = k_cache[tables[b]].reshape(-1, *k_cache.shape[2:])[:n].repeat_interleave(group, dim=1)  # (n, H, D)
-        v = v_cache[tables[b]].reshape(-1, *v_cache.shape[2:])[:n].repeat_interleave(group, dim=1)
+        first = max(0, n - window) if window else 0
+        k = k_cache[tables[b]].reshape(-1, *k_cache.shape[2:])[first:n].repeat_interleave(group, dim=1)  # (n, H, D)
+        v = v_cache[tables[b]].reshape(-1, *v_cache.shape[2:])[first:n].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b], k) / q.shape[-1] ** 0.5
         outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
         assert tables.shape[1] * block_size >= n
@@ -136,6 +138,34 @@ def test_paged_decode_attention_matches_reference(heads: int, kv_heads: int, bat
     q = torch.randn(batch, heads, head_dim, generator=g)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
     expected = _reference_decode_attention(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 9, 64])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_paged_decode_attention_reads_only_the_window(window: int, kv_dtype: str) -> None:
+    """With a sliding window the kernel starts at the first block inside it: table entries before that block are
+    -1 here (a freed block's sentinel), which would crash or corrupt a kernel that read them."""
+    from lmserve.model.kv_cache import KVCache, dequantize
+
+    g = torch.Generator().manual_seed(window)
+    block_size, heads, kv_heads, head_dim, num_blocks = 4, 8, 2, 16, 128
+    cache = KVCache.allocate(num_blocks, block_size, kv_heads, head_dim, kv_dtype, torch.device("cpu"))
+    slots = torch.arange(num_blocks * block_size)
+    rows = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=g)
+    cache.write(rows[0], rows[1], slots)
+    k_ref = dequantize(cache.k, cache.k_scale, torch.float32)
+    v_ref = dequantize(cache.v, cache.v_scale, torch.float32)
+    lens = torch.tensor([1, 4, 5, 37, 2, 16, 9, 30, 3, 8, 21], dtype=torch.long)
+    batch, max_blocks = len(lens), -(-int(lens.max()) // block_size)
+    tables = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).contiguous()
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    expected = _reference_decode_attention(q, k_ref, v_ref, tables, lens, window)
+    for b, n in enumerate(lens.tolist()):
+        tables[b, : max(0, n - window) // block_size] = -1  # blocks wholly before the window
+    out = kernels.paged_decode_attention(
+        q, cache.k, cache.v, tables, lens, head_dim**-0.5, cache.k_scale, cache.v_scale, sliding_window=window
+    )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 

@@ -202,6 +202,34 @@ def test_decode_kernel_matches_torch_path_on_the_same_cache(kv_dtype: str) -> No
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernels_on_off", [True, False], indirect=True, ids=["kernel", "torch"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("window", [1, 15, 16, 40])
+def test_sliding_window_decode_reads_only_the_window(kernels_on_off: None, kv_dtype: str, window: int) -> None:
+    """A sliding-window layer's decode (C kernel and PyTorch gather) reads from the first block inside the window:
+    the table entries before it are -1 (freed blocks), which no gather or kernel could read. Same result as
+    masking the whole history."""
+    q, caches, _ = _decode_case(seed=2)
+    cache, block_size = caches[kv_dtype], caches[kv_dtype].block_size
+    lens = [1, 17, 100, 255, 64]
+    g = torch.Generator().manual_seed(3)
+    tables = [torch.randperm(128, generator=g)[: -(-n // block_size)].tolist() for n in lens]
+    freed = [[-1] * (max(0, n - window) // block_size) + t[max(0, n - window) // block_size :]
+             for t, n in zip(tables, lens, strict=True)]  # fmt: skip
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long))
+    meta.set_decodes(lens, freed, block_size)
+    out = _decode_attention(q, cache, meta, _Spec(q.shape[-1] ** -0.5, sliding_window=window))
+    k_all = dequantize(cache.k, cache.k_scale, torch.float32).flatten(0, 1)  # (slots, KVH, D)
+    v_all = dequantize(cache.v, cache.v_scale, torch.float32).flatten(0, 1)
+    for b, n in enumerate(lens):
+        slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size for p in range(n)])
+        keep = slots[max(0, n - window) :]
+        k, v = (x[keep].repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k_all, v_all))  # (n, H, D)
+        scores = torch.einsum("hd,nhd->hn", q[b], k) * q.shape[-1] ** -0.5
+        expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+        torch.testing.assert_close(out[b], expected, atol=2e-5, rtol=1e-4)
+
+
 # ---- ledger and engine -----------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from lmserve.memory import (
     ModelShape,
     dtype_bytes,
     format_bytes,
+    kv_blocks_held,
     kv_bytes_per_token,
     kv_bytes_per_token_per_layer,
     kv_cache_bytes_per_token,
@@ -374,11 +375,13 @@ def test_max_num_kv_blocks_is_tight(budget: int, per_token: int, block_size: int
 def test_report_is_consistent(preset: str, seq_len: int, batch: int, memory_gib: int) -> None:
     s = get_preset(preset).shape()
     r = memory_report(s, seq_len=seq_len, batch=batch, memory_bytes=memory_gib * GiB)
-    assert r.kv_bytes_batch == r.kv_bytes_per_token * seq_len * batch
+    tokens = r.kv_tokens_per_request  # seq_len, or (all layers sliding) at most the window + a block
+    assert tokens == seq_len or (r.kv_freed_outside_window and tokens < seq_len)
+    assert r.kv_bytes_batch == r.kv_bytes_per_token * tokens * batch
     assert r.kv_bytes_per_token == s.num_layers * r.kv_bytes_per_token_per_layer
     assert r.mha_kv_bytes_per_token * s.num_kv_heads == r.kv_bytes_per_token * s.num_attention_heads
     assert r.max_concurrent_requests is not None and r.max_kv_tokens is not None
-    assert r.max_kv_tokens >= r.max_concurrent_requests * seq_len
+    assert r.max_kv_tokens >= r.max_concurrent_requests * tokens
     assert r.weights_fit == (r.weight_bytes <= memory_gib * GiB)
     assert r.batch_fits == (r.max_concurrent_requests >= batch)
     json.dumps(r.to_dict())
@@ -477,3 +480,88 @@ def test_unknown_preset_lists_known() -> None:
     with pytest.raises(ValueError, match="unknown preset 'gpt-5'") as exc:
         get_preset("gpt-5")
     assert "llama-2-7b" in str(exc.value) and "qwen2.5-0.5b" in str(exc.value)
+
+
+# --- sliding windows ----------------------------------------------------------------------------
+
+
+def _cfg(**overrides) -> dict:
+    base = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=100)  # fmt: skip
+    return {**base, **overrides}
+
+
+def test_sliding_layers_read_as_the_engine_reads_them() -> None:
+    mistral = model_shape_from_hf_config(_cfg(architectures=["MistralForCausalLM"], sliding_window=64))
+    assert (mistral.sliding_window, mistral.num_sliding_layers, mistral.kv_free_window) == (64, 4, 64)
+    q_all = _cfg(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=32, max_window_layers=0)
+    assert model_shape_from_hf_config(q_all).kv_free_window == 32
+    q_some = {**q_all, "max_window_layers": 2}  # layers 2, 3 slide: hybrid
+    some = model_shape_from_hf_config(q_some)
+    assert (some.num_sliding_layers, some.kv_free_window) == (2, None)
+    q_off = {**q_all, "use_sliding_window": False}
+    assert model_shape_from_hf_config(q_off).num_sliding_layers == 0
+    gemma2 = model_shape_from_hf_config(_cfg(architectures=["Gemma2ForCausalLM"], sliding_window=16, head_dim=16))
+    assert (gemma2.num_sliding_layers, gemma2.kv_free_window) == (2, None), "every 2nd layer is global"
+    unknown = model_shape_from_hf_config(_cfg(sliding_window=64))  # no architectures: counted in full
+    assert unknown.num_sliding_layers == 0
+
+
+def test_all_sliding_model_counts_the_window_plus_a_block() -> None:
+    s = get_preset("mistral-7b-v0.1").shape()
+    assert s.kv_free_window == 4096
+    r = memory_report(s, seq_len=32768, batch=4, block_size=16, kv_dtype="bf16", memory_bytes=24 * GiB)
+    assert r.kv_freed_outside_window and r.blocks_per_request == 257 == kv_blocks_held(32768, 16, 4096)
+    assert r.kv_tokens_per_request == 257 * 16
+    assert r.kv_bytes_per_request == 128 * KiB * 257 * 16  # 32 layers x 8 KV heads x 128 x 2 B x 2 (K, V)
+    assert r.max_concurrent_requests == r.num_kv_blocks // 257
+    short = memory_report(s, seq_len=1000, block_size=16)  # shorter than the window: all of it
+    assert short.kv_tokens_per_request == 1000 and short.blocks_per_request == 63
+    text = r.format_table()
+    assert "4,112 tokens held: sliding window 4,096 + a block" in text and "frees KV blocks outside" in text
+    full = memory_report(get_preset("mistral-7b").shape(), seq_len=32768, block_size=16)  # v0.2: no window
+    assert not full.kv_freed_outside_window and full.kv_tokens_per_request == 32768
+
+
+def test_hybrid_model_counts_in_full_and_says_why() -> None:
+    s = model_shape_from_hf_config(_cfg(architectures=["Gemma2ForCausalLM"], sliding_window=16, head_dim=16))
+    r = memory_report(s, seq_len=1000, block_size=16)
+    assert not r.kv_freed_outside_window and r.kv_tokens_per_request == 1000
+    assert r.kv_bytes_per_request == r.kv_bytes_per_token * 1000
+    assert any("2 of 4 layers slide" in n and "counted in full" in n for n in r.notes)
+
+
+@given(
+    window=st.integers(1, 40),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    seq_len=st.integers(1, 160),
+    chunk=st.integers(1, 24),
+)
+def test_blocks_held_is_what_the_engine_holds(window: int, block_size: int, seq_len: int, chunk: int) -> None:
+    """kv_blocks_held against KVCacheManager itself: a prefill in chunks of `chunk` tokens, then decode to seq_len
+    tokens; the most blocks the request ever holds is at most the ledger's bound for that chunk, and exactly the
+    decode figure once the decode phase is long enough to see every offset within a block."""
+    from lmserve.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
+    from lmserve.request import Request
+    from lmserve.sampling_params import SamplingParams
+
+    kv = KVCacheManager(num_blocks=1000, block_size=block_size, sliding_window=window)
+    prompt_len = max(1, seq_len // 2)
+    req = Request("r", list(range(prompt_len)), SamplingParams(max_tokens=seq_len), max_tokens=seq_len)
+    held_prefill = held_decode = 0
+    while req.num_computed_tokens < seq_len:
+        if req.num_computed_tokens >= prompt_len:
+            req.append_output_token(1)
+        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+        table = kv.allocate_slots(req, num_new)
+        assert table is not None
+        held = sum(b is not NULL_BLOCK for b in table)
+        if num_new > 1 or req.num_computed_tokens < prompt_len:
+            held_prefill = max(held_prefill, held)
+        else:
+            held_decode = max(held_decode, held)
+        req.num_computed_tokens += num_new
+    assert max(held_prefill, held_decode) <= kv_blocks_held(seq_len, block_size, window, chunk)
+    assert held_decode <= kv_blocks_held(seq_len, block_size, window)
+    if seq_len - prompt_len >= window + 2 * block_size:
+        assert held_decode == kv_blocks_held(seq_len, block_size, window), "the decode bound is reached"

@@ -127,6 +127,15 @@ class ModelConfig:
     rope_local: RopeConfig | None = None  # Gemma 3: the sliding layers' rotary base
     rotary_dim: int | None = None  # None: head_dim; Phi-4-mini rotates only the first part of each head
 
+    @property
+    def kv_free_window(self) -> int | None:
+        """The sliding window outside which KV blocks can be freed while a request runs: set only when every
+        layer slides (a block holds all layers' K/V; one full-attention layer, as in Gemma 2/3, keeps them all)."""
+        windows = self.layer_sliding_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
     @staticmethod
     def from_hf(path: str | os.PathLike, dtype: str = "auto", device: str = "cpu") -> ModelConfig:
         from lmserve.memory import model_shape_from_hf_config
@@ -288,6 +297,7 @@ class CacheConfig:
     kv_cache_dtype: str = "float32"  # resolved: float32 | bfloat16 | float16 | int8 | fp8_e4m3
     kv_scale_bytes_per_token: int = 0  # the part of kv_bytes_per_token that is scales
     draft_kv_bytes_per_token: int = 0  # a speculative draft model's KV, kept in blocks of the same table
+    sliding_window: int | None = None  # blocks outside this window are freed while a request runs (all layers slide)
 
     @property
     def num_tokens(self) -> int:
@@ -300,8 +310,11 @@ class CacheConfig:
         return self.num_tokens * (self.kv_bytes_per_token + self.draft_kv_bytes_per_token)
 
     def max_concurrent_requests(self, num_tokens: int) -> int:
-        """Requests of num_tokens tokens whose blocks the pool holds at once."""
-        return self.num_blocks // -(-num_tokens // self.block_size)
+        """Requests of num_tokens tokens whose blocks the pool holds at once (decoding, with a freeing sliding
+        window: the window's blocks plus one)."""
+        from lmserve.memory import kv_blocks_held
+
+        return self.num_blocks // kv_blocks_held(num_tokens, self.block_size, self.sliding_window)
 
 
 @dataclass(frozen=True)
@@ -405,12 +418,23 @@ class EngineArgs:
             spec = SpeculativeConfig.from_dict(self.speculative_config, model, max_model_len, self.dtype, self.device)
         draft_bpt = spec.draft_kv_bytes_per_token if spec is not None else 0
         num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt)
+        # a draft model's KV shares the block tables and may attend to everything: no freeing beside one
+        free_window = model.kv_free_window if spec is None or spec.draft is None else None
         cache = CacheConfig(
             self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token, kv_dtype,
             memory.kv_scale_bytes_per_token(model.num_layers, model.num_kv_heads, kv_dtype), draft_bpt,
+            free_window,
         )  # fmt: skip
         fitted = ""
-        if cache.num_tokens < max_model_len:
+        # the pool must hold a whole request, unless blocks outside the window are freed as a chunked prefill goes
+        # and the window plus one chunk fit
+        chunk = min(self.max_num_batched_tokens or 2048, max_model_len)
+        frees = (
+            free_window is not None
+            and self.enable_chunked_prefill
+            and memory.kv_blocks_held(max_model_len, self.block_size, free_window, chunk) <= num_blocks
+        )
+        if not frees and cache.num_tokens < max_model_len:
             if self.max_model_len is not None:
                 raise ValueError(
                     f"max_model_len={max_model_len} does not fit the KV pool: {num_blocks} blocks x "

@@ -16,8 +16,11 @@ Conventions
   across ranks; norms are replicated. If ``num_kv_heads < tp`` each KV head is replicated on
   ``tp / num_kv_heads`` ranks, so every rank holds exactly one KV head (as vLLM does); this
   requires ``tp % num_kv_heads == 0``. The memory budget is per device (per rank).
-* Attention is treated as full (no sliding window), so KV figures are an upper bound for
-  sliding-window models.
+* Sliding windows: when every layer slides (Mistral v0.1, Qwen2 with use_sliding_window over all layers) the
+  engine frees the blocks that fall out of the window while a request runs, so a request holds at most
+  ``kv_blocks_held`` blocks: the window plus one block of slack (per layer: min(len, window) + a block). When
+  only some layers slide (Gemma 2/3 interleave global layers) every block stays (a block holds all layers'
+  K/V) and the KV is counted in full; the report says which applies.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "dtype_bytes",
     "format_bytes",
     "kv_bytes_per_token",
+    "kv_blocks_held",
     "kv_bytes_per_token_per_layer",
     "kv_cache_bytes_per_token",
     "kv_scale_bytes_per_token",
@@ -174,6 +178,13 @@ class ModelShape:
     model_type: str = "llama"
     rope_theta: float | None = None
     max_position_embeddings: int | None = None
+    sliding_window: int | None = None  # the largest window of the sliding layers
+    num_sliding_layers: int = 0  # layers attending within sliding_window (0: all attend to everything)
+
+    @property
+    def kv_free_window(self) -> int | None:
+        """The window outside which the engine frees KV blocks: only when every layer slides."""
+        return self.sliding_window if self.num_sliding_layers == self.num_layers else None
 
     def __post_init__(self) -> None:
         for name in (
@@ -247,11 +258,13 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
             )
         head_dim = hidden // heads
     model_type = str(cfg.get("model_type") or "llama")
+    num_layers = _int("num_hidden_layers", cfg["num_hidden_layers"])
+    sliding_window, num_sliding = _sliding_layers(cfg, num_layers)
     attention_bias = bool(cfg.get("attention_bias", False))
     max_pos = cfg.get("max_position_embeddings")
     rope_theta = cfg.get("rope_theta")
     return ModelShape(
-        num_layers=_int("num_hidden_layers", cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         hidden_size=hidden,
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
@@ -267,7 +280,23 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
         model_type=model_type,
         rope_theta=float(rope_theta) if rope_theta is not None else None,
         max_position_embeddings=int(max_pos) if max_pos is not None else None,
+        sliding_window=sliding_window,
+        num_sliding_layers=num_sliding,
     )
+
+
+def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, int]:
+    """(window, number of sliding layers) as the engine reads them (config.layer_sliding_windows); (None, 0)
+    for architectures the engine does not know (the ledger still counts their KV, in full)."""
+    from lmserve.config import layer_sliding_windows
+    from lmserve.model.registry import resolve_architecture
+
+    try:
+        family = resolve_architecture(cfg.get("architectures"))
+    except ValueError:
+        return None, 0
+    windows = [w for w in layer_sliding_windows(family, cfg, num_layers) if w]
+    return (max(windows) if windows else None), len(windows)
 
 
 def load_model_shape(path: str | Path) -> ModelShape:
@@ -476,13 +505,28 @@ def blocks_per_request(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
 
+def kv_blocks_held(seq_len: int, block_size: int, sliding_window: int | None = None, num_new_tokens: int = 1) -> int:
+    """Blocks a request of ``seq_len`` tokens holds at most while a step computes ``num_new_tokens`` of them
+    (1: decoding). Without a freeing window: all of its blocks. When the engine frees KV blocks outside a
+    sliding window W (every layer slides; core/kv_cache_manager.py), a step after c computed tokens holds the
+    blocks from the one with position c - W + 1 to the one with position c + n - 1: at most
+    ceil((W + block_size - 2 + n) / block_size), i.e. the window plus one block of slack when decoding."""
+    full = blocks_per_request(seq_len, block_size)
+    if sliding_window is None:
+        return full
+    _positive("sliding_window", sliding_window)
+    _positive("num_new_tokens", num_new_tokens)
+    return min(full, -(-(sliding_window + block_size - 2 + num_new_tokens) // block_size))
+
+
 def max_concurrent_requests(
-    kv_budget_bytes: int, seq_len: int, kv_bytes_per_token: int, block_size: int = 16
+    kv_budget_bytes: int, seq_len: int, kv_bytes_per_token: int, block_size: int = 16, sliding_window: int | None = None
 ) -> int:
     """Requests of ``seq_len`` tokens whose KV fits in the budget at once. Each request holds
-    whole blocks, so it costs ceil(seq_len / block_size) * block_size tokens of KV."""
+    whole blocks, so it costs ceil(seq_len / block_size) * block_size tokens of KV (with a freeing
+    sliding window, only the blocks of kv_blocks_held)."""
     blocks = max_num_kv_blocks(kv_budget_bytes, block_size, kv_bytes_per_token)
-    return blocks // blocks_per_request(seq_len, block_size)
+    return blocks // kv_blocks_held(seq_len, block_size, sliding_window)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,6 +579,9 @@ class MemoryReport:
     notes: tuple[str, ...] = field(default=())
     quantization: str | None = None  # "int8" | "int4": projections quantized, the rest at weight_dtype
     quantization_group_size: int | None = None
+    # sliding windows: the tokens of KV a request holds (seq_len, or the window + a block when freed)
+    kv_tokens_per_request: int | None = None
+    kv_freed_outside_window: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict (for ``--json``)."""
@@ -606,10 +653,13 @@ class MemoryReport:
                 ),
             )
         )
+        held = ""
+        if self.kv_freed_outside_window:
+            held = f"   [{self.kv_tokens_per_request:,} tokens held: sliding window {s.sliding_window:,} + a block]"
         rows.append(
             (
                 f"  per request ({self.seq_len:,} tokens)",
-                both(self.kv_bytes_per_request, self.kv_bytes_per_request_per_rank),
+                both(self.kv_bytes_per_request, self.kv_bytes_per_request_per_rank) + held,
             )
         )
         batch_text = _fmt(self.kv_bytes_batch)
@@ -696,9 +746,23 @@ def memory_report(
     per_layer = kv_cache_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, kv_dtype)
     mha = kv_cache_bytes_per_token(layers, shape.num_attention_heads, shape.head_dim, kv_dtype)
     per_token_rank = kv_cache_bytes_per_token(layers, heads_rank, shape.head_dim, kv_dtype)
-    n_blocks_req = blocks_per_request(seq_len, block_size)
+    free_window = shape.kv_free_window
+    n_blocks_req = kv_blocks_held(seq_len, block_size, free_window)
+    tokens = seq_len if free_window is None else min(seq_len, n_blocks_req * block_size)
 
     notes: list[str] = []
+    if free_window is not None:
+        notes.append(
+            f"every layer slides (window {free_window:,}): the engine frees KV blocks outside the window while a "
+            f"request runs, so a request holds at most {n_blocks_req:,} blocks ({tokens:,} tokens) of KV, "
+            "counted so here"
+        )
+    elif shape.num_sliding_layers:
+        notes.append(
+            f"{shape.num_sliding_layers} of {layers} layers slide (window {shape.sliding_window:,}), the others "
+            "attend to everything: a block holds every layer's K/V, so the engine keeps all blocks (the sliding "
+            "layers only stop reading outside their window); KV counted in full"
+        )
     if shape.num_kv_heads < tp:
         notes.append(
             f"{shape.num_kv_heads} KV heads < tp={tp}: each KV head is replicated on "
@@ -752,14 +816,16 @@ def memory_report(
         kv_bytes_per_token_per_layer=per_layer,
         mha_kv_bytes_per_token=mha,
         gqa_factor=shape.gqa_ratio,
-        kv_bytes_per_request=per_token * seq_len,
-        kv_bytes_batch=per_token * seq_len * batch,
+        kv_bytes_per_request=per_token * tokens,
+        kv_bytes_batch=per_token * tokens * batch,
         kv_heads_per_rank=heads_rank,
         kv_bytes_per_token_per_rank=per_token_rank,
-        kv_bytes_per_request_per_rank=per_token_rank * seq_len,
-        kv_bytes_batch_per_rank=per_token_rank * seq_len * batch,
-        kv_bytes_batch_total=per_token_rank * seq_len * batch * tp,
+        kv_bytes_per_request_per_rank=per_token_rank * tokens,
+        kv_bytes_batch_per_rank=per_token_rank * tokens * batch,
+        kv_bytes_batch_total=per_token_rank * tokens * batch * tp,
         blocks_per_request=n_blocks_req,
+        kv_tokens_per_request=tokens,
+        kv_freed_outside_window=free_window is not None,
         notes=tuple(notes),
         quantization=quantization,
         quantization_group_size=quantization_group_size if quantization == "int4" else None,

@@ -121,7 +121,8 @@ class BlockPool:
             counts = [0] * self.num_blocks
             for table in block_tables:
                 for block in table:
-                    counts[block.block_id] += 1
+                    if block.block_id >= 0:  # -1: a table entry freed outside a sliding window (holds no block)
+                        counts[block.block_id] += 1
             for block in self.blocks:
                 assert counts[block.block_id] == block.ref_cnt, (
                     f"block {block.block_id}: ref_cnt={block.ref_cnt} but {counts[block.block_id]} tables hold it"

@@ -1,18 +1,43 @@
-"""Per-request block tables over the BlockPool: prefix lookup, slot allocation, caching, freeing."""
+"""Per-request block tables over the BlockPool: prefix lookup, slot allocation, caching, freeing.
+
+Sliding windows (`sliding_window`, set only when every layer of the model slides: a block holds the K/V of
+all layers, so a single full-attention layer keeps every block alive). A query at position p reads keys
+p - W + 1 .. p, and future queries sit at positions >= num_computed_tokens, so once
+`num_computed_tokens - W + 1` passes the end of a leading block nobody reads it again. `allocate_slots` hands
+such blocks back to the pool (vLLM's SlidingWindowManager idea) before taking new ones, and puts NULL_BLOCK
+(block id -1) in their place, so table indices stay positions // block_size:
+
+    positions  0..3   4..7   8..11  12..15  16..19       W = 8, block_size 4, num_computed_tokens = 17
+    table      [ -1 ][ -1 ][ b7  ][ b2   ][ b9  ]        first live block: (17 - 8 + 1) // 4 = 2
+
+The attention of a sliding layer starts at the first block inside its window and never reads a -1 entry
+(model/attention.py, the C decode kernel). A freed block keeps its prefix-index entry like any freed block
+(findable until handed out again); prefix lookups walk the chain from block 0, so they stop at the first
+block no longer cached and never claim blocks past a gap. A prefix hit's blocks that are already outside the
+new request's window are not claimed at all (NULL_BLOCK in its table).
+"""
 
 from __future__ import annotations
 
 from lmserve.core.block_pool import BlockPool, KVCacheBlock, block_key, hash_blocks
+from lmserve.memory import kv_blocks_held
 from lmserve.request import Request
+
+NULL_BLOCK = KVCacheBlock(-1)  # a table entry whose block was freed: outside every future query's window
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
+        assert sliding_window is None or sliding_window > 0, f"sliding_window {sliding_window} must be positive"
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # None: every block stays until the request ends
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self._num_skipped_blocks: dict[str, int] = {}  # leading NULL_BLOCK entries per request
 
     @property
     def usage(self) -> float:
@@ -20,6 +45,17 @@ class KVCacheManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def num_blocks_held(self, num_tokens: int, num_new_tokens: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once when steps compute up to
+        num_new_tokens of them (all its blocks unless blocks outside a sliding window are freed)."""
+        return kv_blocks_held(num_tokens, self.block_size, self.sliding_window, num_new_tokens)
+
+    def _num_skippable(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query at a position >= num_computed_tokens reads (0 without a sliding window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks that prefixes the request's tokens, and how many tokens it
@@ -43,7 +79,8 @@ class KVCacheManager:
         """Whether a new request whose prefix hits are computed_blocks could get blocks for num_tokens
         tokens now (hits on the free list count against it, as in allocate_slots)."""
         num_fresh = max(0, self.num_blocks_for(num_tokens) - len(computed_blocks))
-        return num_fresh + sum(1 for b in computed_blocks if b.ref_cnt == 0) <= self.pool.num_free_blocks
+        live = computed_blocks[self._num_skippable(len(computed_blocks) * self.block_size) :]
+        return num_fresh + sum(1 for b in live if b.ref_cnt == 0) <= self.pool.num_free_blocks
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None
@@ -56,19 +93,41 @@ class KVCacheManager:
             existing + computed_blocks  ────────  + fresh blocks from the pool
         """
         computed_blocks = computed_blocks or []
-        table = self.req_to_blocks.get(request.request_id, [])
+        rid = request.request_id
+        table = self.req_to_blocks.get(rid, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        table = self._free_outside_window(rid, table, num_computed)  # before taking new blocks: reusable now
         num_needed = self.num_blocks_for(num_computed + num_new_tokens)
         num_fresh = max(0, num_needed - len(table) - len(computed_blocks))
-        # Hits sitting on the free list stop being free once touched.
-        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        # Hits already outside the window are not claimed; the others stop being free once touched.
+        num_skipped_hits = max(0, self._num_skippable(num_computed) - len(table))
+        live_hits = computed_blocks[num_skipped_hits:]
+        num_free_hits = sum(1 for b in live_hits if b.ref_cnt == 0)
         if num_fresh + num_free_hits > self.pool.num_free_blocks:
             return None
-        self.pool.touch(computed_blocks)
-        table = table + computed_blocks + self.pool.get_new_blocks(num_fresh)
-        self.req_to_blocks[request.request_id] = table
+        self.pool.touch(live_hits)
+        table = table + [NULL_BLOCK] * num_skipped_hits + live_hits + self.pool.get_new_blocks(num_fresh)
+        self.req_to_blocks[rid] = table
+        if num_skipped_hits:
+            self._num_skipped_blocks[rid] = num_skipped_hits
         if computed_blocks:
-            self._num_cached_blocks[request.request_id] = len(table) - num_fresh
+            self._num_cached_blocks[rid] = len(table) - num_fresh
+        return table
+
+    def _free_outside_window(self, rid: str, table: list[KVCacheBlock], num_computed: int) -> list[KVCacheBlock]:
+        """Return the request's leading blocks that no future query reads to the pool; the new table has
+        NULL_BLOCK in their entries. They were registered in the prefix index when computed (if caching), so
+        they stay findable until handed out again."""
+        start = self._num_skipped_blocks.get(rid, 0)
+        end = min(self._num_skippable(num_computed), len(table))
+        if end <= start:
+            return table
+        dead = table[start:end]
+        assert NULL_BLOCK not in dead, f"request {rid}: block table has a gap before block {end}"
+        self.pool.free_blocks(list(reversed(dead)))
+        self._num_skipped_blocks[rid] = end
+        table = table[:start] + [NULL_BLOCK] * (end - start) + table[end:]
+        self.req_to_blocks[rid] = table
         return table
 
     def cache_blocks(self, request: Request, num_tokens: int | None = None) -> None:
@@ -86,6 +145,8 @@ class KVCacheManager:
             return
         request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes)
         for i in range(start, num_full):
+            # blocks are freed out of the window only after they were computed, hence cached here
+            assert table[i] is not NULL_BLOCK, f"request {request.request_id}: block {i} freed before it was cached"
             parent = request.block_hashes[i - 1] if i else None
             tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
             self.pool.cache_block(table[i], block_key(parent, tokens))
@@ -99,6 +160,7 @@ class KVCacheManager:
             return
         keep = self.num_blocks_for(num_tokens)
         assert keep >= self._num_cached_blocks.get(request.request_id, 0), "trim would drop a cached block"
+        assert keep >= self._num_skipped_blocks.get(request.request_id, 0), "trim would reach freed blocks"
         if len(table) > keep:
             self.pool.free_blocks(list(reversed(table[keep:])))
             self.req_to_blocks[request.request_id] = table[:keep]
@@ -106,7 +168,12 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         table = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(list(reversed(table)))
+        num_skipped = self._num_skipped_blocks.pop(request.request_id, 0)
+        self.pool.free_blocks(list(reversed(table[num_skipped:])))
+
+    def live_tables(self) -> list[list[KVCacheBlock]]:
+        """Every request's table without its NULL_BLOCK entries (for BlockPool.check_invariants)."""
+        return [[b for b in t if b is not NULL_BLOCK] for t in self.req_to_blocks.values()]
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]

@@ -56,7 +56,10 @@ class LLMEngine:
         self.eos_token_ids = self._resolve_eos()
         # the model's generation_config.json sampling fields, for requests that leave them unset
         self.generation_defaults = sampling_defaults(config.model.path, config.generation_config)
-        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            config.cache.sliding_window,
+        )  # fmt: skip
         lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead)
         self.runner = ModelRunner(config)
@@ -119,7 +122,7 @@ class LLMEngine:
             )
         room = sc.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        num_blocks = self.kv.num_blocks_for(n + max_tokens)
+        num_blocks = self.kv.num_blocks_held(n + max_tokens, sc.max_num_batched_tokens)  # freed out of a window
         if num_blocks > cc.num_blocks:
             raise ValueError(
                 f"request needs up to {n + max_tokens} tokens ({n} prompt + {max_tokens} max_tokens) = "

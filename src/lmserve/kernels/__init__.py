@@ -102,7 +102,9 @@ def _load() -> ctypes.CDLL | None:
     lib.linear_f32.restype = None
     lib.linear_bf16w_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.linear_bf16w_f32.restype = None
-    lib.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+    lib.paged_decode_attention.argtypes = [
+        _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int,
+    ]  # fmt: skip
     lib.paged_decode_attention.restype = None
     lib.rmsnorm_f32.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
     lib.rmsnorm_f32.restype = None
@@ -111,7 +113,7 @@ def _load() -> ctypes.CDLL | None:
     lib.rope_write_kv_f32.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
     lib.rope_write_kv_f32.restype = None
     lib.paged_decode_attention_q.argtypes = [
-        _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+        _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
     lib.paged_decode_attention_q.restype = None
     lib.rope_write_kv_q.argtypes = [
@@ -183,9 +185,12 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q (B, H, D) against K/V caches (num_blocks, block_size, KVH, D) through block_tables (B, max_blocks)
-    int64, each row attending to its first context_lens[b] tokens. Returns (B, H, D) float32.
+    int64, each row attending to its first context_lens[b] tokens (with a sliding_window W, to the last
+    min(W, context_lens[b]) of them: blocks before those are never read, so their table entries may be freed
+    blocks or the -1 sentinel). Returns (B, H, D) float32.
     The caches are float32, bfloat16, or int8 / float8_e4m3fn with k_scale, v_scale (num_blocks, block_size,
     KVH) float32 (lmserve/model/kv_cache.py); values are converted in registers, never copied."""
     assert _lib is not None, "kernels not loaded: call available() first"
@@ -198,17 +203,19 @@ def paged_decode_attention(
     _, block_size, kvh, dk = k_cache.shape
     assert dk == d and h % kvh == 0 and h <= MAX_HEADS, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
     assert block_tables.shape[0] == b and context_lens.shape == (b,), "one block table and length per query"
+    assert sliding_window is None or sliding_window > 0, f"sliding_window {sliding_window} must be positive"
     out = torch.empty_like(q)
     args = (block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, block_size)
+    window = sliding_window or 0
     if kind < 0:
         _lib.paged_decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *args, block_tables.shape[1], scale,
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *args, block_tables.shape[1], scale, window,
             torch.get_num_threads(),
         )  # fmt: skip
     else:
         _lib.paged_decode_attention_q(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _ptr(k_scale), _ptr(v_scale), *args,
-            block_tables.shape[1], scale, kind, torch.get_num_threads(),
+            block_tables.shape[1], scale, window, kind, torch.get_num_threads(),
         )  # fmt: skip
     return out
 

@@ -89,20 +89,24 @@ void linear_bf16w_f32(const float *x, const uint16_t *w, const float *b, float *
     }
 }
 
-/* Attention of the query heads of kv heads [kh0, kh1) of one sequence. Token t's K (and V) row holds all
- * kv heads contiguously, so walking the tokens once for a range of heads reads whole cache lines. */
+/* Attention of the query heads of kv heads [kh0, kh1) of one sequence over its tokens [t_begin, L) (t_begin > 0:
+ * a sliding window; the blocks before it are never read). Token t's K (and V) row holds all kv heads
+ * contiguously, so walking the tokens once for a range of heads reads whole cache lines. */
 static void decode_attention_heads(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                                   int64_t L, float *out, int64_t kh0, int64_t kh1, int64_t G, int64_t D,
-                                   int64_t block_size, int64_t row, float scale, float *scores) {
-    int64_t nq = (kh1 - kh0) * G; /* query heads handled here, scores laid out (nq, L) */
+                                   int64_t t_begin, int64_t L, float *out, int64_t kh0, int64_t kh1, int64_t G,
+                                   int64_t D, int64_t block_size, int64_t row, float scale, float *scores) {
+    int64_t nq = (kh1 - kh0) * G; /* query heads handled here, scores laid out (nq, N) */
+    int64_t N = L - t_begin;
     const float *q0 = q + kh0 * G * D;
     float *o0 = out + kh0 * G * D;
     float mx[MAX_GROUP_HEADS];
     for (int64_t h = 0; h < nq; h++) mx[h] = -INFINITY;
-    for (int64_t t0 = 0; t0 < L; t0 += block_size) { /* block by block: contiguous rows, no division */
+    /* block by block from the one holding t_begin: contiguous rows, no division */
+    for (int64_t t0 = t_begin - t_begin % block_size; t0 < L; t0 += block_size) {
         const float *kb = k_cache + table[t0 / block_size] * block_size * row;
+        int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
         int64_t n = L - t0 < block_size ? L - t0 : block_size;
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = j0; j < n; j++) {
             const float *kr = kb + j * row;
             for (int64_t h = 0; h < nq; h++) {
                 const float *qr = q0 + h * D, *kh = kr + (kh0 + h / G) * D;
@@ -110,32 +114,33 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
 #pragma omp simd reduction(+ : s)
                 for (int64_t d = 0; d < D; d++) s += qr[d] * kh[d];
                 s *= scale;
-                scores[h * L + t0 + j] = s;
+                scores[h * N + t0 + j - t_begin] = s;
                 mx[h] = s > mx[h] ? s : mx[h];
             }
         }
     }
     for (int64_t h = 0; h < nq; h++) {
-        float *sh = scores + h * L, m = mx[h], tot = 0.f;
+        float *sh = scores + h * N, m = mx[h], tot = 0.f;
 #pragma omp simd reduction(+ : tot)
-        for (int64_t t = 0; t < L; t++) {
+        for (int64_t t = 0; t < N; t++) {
             float e = exp_f32(sh[t] - m);
             sh[t] = e;
             tot += e;
         }
         float inv = 1.f / tot;
 #pragma omp simd
-        for (int64_t t = 0; t < L; t++) sh[t] *= inv;
+        for (int64_t t = 0; t < N; t++) sh[t] *= inv;
         for (int64_t d = 0; d < D; d++) o0[h * D + d] = 0.f;
     }
-    for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    for (int64_t t0 = t_begin - t_begin % block_size; t0 < L; t0 += block_size) {
         const float *vb = v_cache + table[t0 / block_size] * block_size * row;
+        int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
         int64_t n = L - t0 < block_size ? L - t0 : block_size;
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = j0; j < n; j++) {
             const float *vr = vb + j * row;
             for (int64_t h = 0; h < nq; h++) {
                 const float *vh = vr + (kh0 + h / G) * D;
-                float p = scores[h * L + t0 + j], *oh = o0 + h * D;
+                float p = scores[h * N + t0 + j - t_begin], *oh = o0 + h * D;
 #pragma omp simd
                 for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
             }
@@ -143,14 +148,20 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
     }
 }
 
+/* First token a decode query over L tokens reads: L - window with a sliding window (window > 0) shorter than L
+ * (the query at position L - 1 sees keys > L - 1 - window, as HF's sliding-window mask), else 0. */
+static inline int64_t window_begin(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
+
 /* Decode attention over a paged cache.
  * q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); block_tables: (B, max_blocks);
- * context_lens: (B,) tokens each query attends to (its own K/V already written); out: (B, H, D).
+ * context_lens: (B,) tokens each query attends to (its own K/V already written); window: 0, or a sliding window
+ * (only the last `window` tokens are read: table entries of earlier blocks may be anything, even freed);
+ * out: (B, H, D).
  * Query head h reads kv head h / (H / KVH) (GQA). With many sequences a work item is one sequence (all
  * heads, whole K/V rows); with few, one (sequence, kv head) pair so every thread has work. */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
                             const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                            int64_t block_size, int64_t max_blocks, float scale, int nthreads) {
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t window, int nthreads) {
     int64_t G = H / KVH;
     int64_t row = KVH * D; /* floats between consecutive tokens of a block */
     int64_t split = B < 4 * nthreads ? KVH : 1; /* items per sequence */
@@ -162,13 +173,13 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < B * split; item++) {
             int64_t bi = item / split, kh0 = (item % split) * heads_per_item;
-            int64_t L = context_lens[bi], nq = heads_per_item * G;
-            if (L * nq > cap) {
+            int64_t L = context_lens[bi], t_begin = window_begin(L, window), nq = heads_per_item * G;
+            if ((L - t_begin) * nq > cap) {
                 free(scores);
-                cap = L * nq;
+                cap = (L - t_begin) * nq;
                 scores = (float *)malloc(sizeof(float) * cap);
             }
-            decode_attention_heads(q + bi * H * D, k_cache, v_cache, block_tables + bi * max_blocks, L,
+            decode_attention_heads(q + bi * H * D, k_cache, v_cache, block_tables + bi * max_blocks, t_begin, L,
                                    out + bi * H * D, kh0, kh0 + heads_per_item, G, D, block_size, row, scale,
                                    scores);
         }
@@ -358,17 +369,18 @@ void rope_write_kv_q(float *q, int64_t q_stride, float *k, int64_t k_stride, con
  * compiled separately with the conversion inlined). Scales: NULL for bf16. */
 static inline __attribute__((always_inline)) void decode_attention_heads_q(
     const float *q, const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
-    const int64_t *table, int64_t L, float *out, int64_t kh0, int64_t kh1, int64_t G, int64_t KVH, int64_t D,
-    int64_t block_size, float scale, float *scores, int kind) {
-    int64_t nq = (kh1 - kh0) * G, row = KVH * D;
+    const int64_t *table, int64_t t_begin, int64_t L, float *out, int64_t kh0, int64_t kh1, int64_t G, int64_t KVH,
+    int64_t D, int64_t block_size, float scale, float *scores, int kind) {
+    int64_t nq = (kh1 - kh0) * G, row = KVH * D, N = L - t_begin;
     const float *q0 = q + kh0 * G * D;
     float *o0 = out + kh0 * G * D;
     float mx[MAX_GROUP_HEADS];
     for (int64_t h = 0; h < nq; h++) mx[h] = -INFINITY;
-    for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    for (int64_t t0 = t_begin - t_begin % block_size; t0 < L; t0 += block_size) {
         int64_t slot0 = table[t0 / block_size] * block_size;
+        int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
         int64_t n = L - t0 < block_size ? L - t0 : block_size;
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = j0; j < n; j++) {
             int64_t slot = slot0 + j;
             for (int64_t h = 0; h < nq; h++) {
                 int64_t kh = kh0 + h / G, base = slot * row + kh * D;
@@ -377,32 +389,34 @@ static inline __attribute__((always_inline)) void decode_attention_heads_q(
 #pragma omp simd reduction(+ : s)
                 for (int64_t d = 0; d < D; d++) s += qr[d] * kv_value(k_cache, base + d, kind);
                 s *= (k_scale ? k_scale[slot * KVH + kh] : 1.f) * scale;
-                scores[h * L + t0 + j] = s;
+                scores[h * N + t0 + j - t_begin] = s;
                 mx[h] = s > mx[h] ? s : mx[h];
             }
         }
     }
     for (int64_t h = 0; h < nq; h++) {
-        float *sh = scores + h * L, m = mx[h], tot = 0.f;
+        float *sh = scores + h * N, m = mx[h], tot = 0.f;
 #pragma omp simd reduction(+ : tot)
-        for (int64_t t = 0; t < L; t++) {
+        for (int64_t t = 0; t < N; t++) {
             float e = exp_f32(sh[t] - m);
             sh[t] = e;
             tot += e;
         }
         float inv = 1.f / tot;
 #pragma omp simd
-        for (int64_t t = 0; t < L; t++) sh[t] *= inv;
+        for (int64_t t = 0; t < N; t++) sh[t] *= inv;
         for (int64_t d = 0; d < D; d++) o0[h * D + d] = 0.f;
     }
-    for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    for (int64_t t0 = t_begin - t_begin % block_size; t0 < L; t0 += block_size) {
         int64_t slot0 = table[t0 / block_size] * block_size;
+        int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
         int64_t n = L - t0 < block_size ? L - t0 : block_size;
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = j0; j < n; j++) {
             int64_t slot = slot0 + j;
             for (int64_t h = 0; h < nq; h++) {
                 int64_t kh = kh0 + h / G, base = slot * row + kh * D;
-                float p = scores[h * L + t0 + j] * (v_scale ? v_scale[slot * KVH + kh] : 1.f), *oh = o0 + h * D;
+                float p = scores[h * N + t0 + j - t_begin] * (v_scale ? v_scale[slot * KVH + kh] : 1.f);
+                float *oh = o0 + h * D;
 #pragma omp simd
                 for (int64_t d = 0; d < D; d++) oh[d] += p * kv_value(v_cache, base + d, kind);
             }
@@ -411,11 +425,11 @@ static inline __attribute__((always_inline)) void decode_attention_heads_q(
 }
 
 /* paged_decode_attention over a bf16 / int8 / fp8 cache (kind), dequantizing in registers: the same work
- * split and the same arguments, plus the scale tensors (NULL for bf16). */
+ * split and the same arguments (the sliding window included), plus the scale tensors (NULL for bf16). */
 void paged_decode_attention_q(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
                               const float *v_scale, const int64_t *block_tables, const int64_t *context_lens,
                               float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                              int64_t max_blocks, float scale, int kind, int nthreads) {
+                              int64_t max_blocks, float scale, int64_t window, int kind, int nthreads) {
     int64_t G = H / KVH;
     int64_t split = B < 4 * nthreads ? KVH : 1;
     int64_t heads_per_item = KVH / split;
@@ -426,10 +440,10 @@ void paged_decode_attention_q(const float *q, const void *k_cache, const void *v
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < B * split; item++) {
             int64_t bi = item / split, kh0 = (item % split) * heads_per_item;
-            int64_t L = context_lens[bi], nq = heads_per_item * G;
-            if (L * nq > cap) {
+            int64_t L = context_lens[bi], t0 = window_begin(L, window), nq = heads_per_item * G;
+            if ((L - t0) * nq > cap) {
                 free(scores);
-                cap = L * nq;
+                cap = (L - t0) * nq;
                 scores = (float *)malloc(sizeof(float) * cap);
             }
             const float *qb = q + bi * H * D;
@@ -437,14 +451,14 @@ void paged_decode_attention_q(const float *q, const void *k_cache, const void *v
             float *ob = out + bi * H * D;
             int64_t kh1 = kh0 + heads_per_item;
             if (kind == KV_BF16)
-                decode_attention_heads_q(qb, k_cache, v_cache, NULL, NULL, table, L, ob, kh0, kh1, G, KVH, D,
+                decode_attention_heads_q(qb, k_cache, v_cache, NULL, NULL, table, t0, L, ob, kh0, kh1, G, KVH, D,
                                          block_size, scale, scores, KV_BF16);
             else if (kind == KV_INT8)
-                decode_attention_heads_q(qb, k_cache, v_cache, k_scale, v_scale, table, L, ob, kh0, kh1, G, KVH, D,
-                                         block_size, scale, scores, KV_INT8);
+                decode_attention_heads_q(qb, k_cache, v_cache, k_scale, v_scale, table, t0, L, ob, kh0, kh1, G, KVH,
+                                         D, block_size, scale, scores, KV_INT8);
             else
-                decode_attention_heads_q(qb, k_cache, v_cache, k_scale, v_scale, table, L, ob, kh0, kh1, G, KVH, D,
-                                         block_size, scale, scores, KV_FP8_E4M3);
+                decode_attention_heads_q(qb, k_cache, v_cache, k_scale, v_scale, table, t0, L, ob, kh0, kh1, G, KVH,
+                                         D, block_size, scale, scores, KV_FP8_E4M3);
         }
         free(scores);
     }

@@ -61,36 +61,65 @@ class AttentionMetadata:
         self.num_decode_tokens = len(context_lens)
         self.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
         self.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=device)
-    _decode_mask: torch.Tensor | None = None
-    _window_masks: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+        self._decode_lists = (list(context_lens), [list(t) for t in block_tables])
 
-    def decode_mask(self, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
+    _decode_mask: torch.Tensor | None = None
+    _decode_lists: tuple[list[int], list[list[int]]] | None = None
+    _window_cache: dict[tuple[str, int, int], tuple] = field(default_factory=dict)
+
+    def decode_mask(self, block_size: int) -> torch.Tensor:
         """(num_decodes, 1, 1, max_num_blocks * block_size) bool for SDPA over gathered blocks; built once
-        per step, and only when the PyTorch path runs (the C kernel reads the lengths directly). With a
-        sliding window a query sees only its last `sliding_window` positions (itself included)."""
-        if sliding_window is not None:
-            key = ("decode", sliding_window, 0)
-            if key not in self._window_masks:
-                assert self.decode_context_lens is not None
-                key_pos = torch.arange(self.decode_mask(block_size).shape[-1], device=self.slot_mapping.device)
-                in_window = key_pos[None, :] >= self.decode_context_lens[:, None] - sliding_window
-                self._window_masks[key] = self.decode_mask(block_size) & in_window[:, None, None, :]
-            return self._window_masks[key]
+        per step, and only when the PyTorch path runs (the C kernel reads the lengths directly)."""
         if self._decode_mask is None:
             assert self.decode_block_tables is not None and self.decode_context_lens is not None
             key_pos = torch.arange(self.decode_block_tables.shape[1] * block_size, device=self.slot_mapping.device)
             self._decode_mask = (key_pos[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
         return self._decode_mask
 
-    def prefill_window_mask(self, seg: PrefillSegment, sliding_window: int) -> torch.Tensor:
-        """seg's causal mask restricted to the window, built once per step and segment."""
-        key = ("prefill", sliding_window, seg.start)
-        if key not in self._window_masks:
-            n = seg.end - seg.start
-            self._window_masks[key] = causal_mask_with_context(
-                seg.num_context_tokens, n, self.slot_mapping.device, sliding_window
+    def decode_window(self, block_size: int, sliding_window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' block tables cut to the blocks inside a sliding window, and their SDPA mask: query i
+        (position L_i - 1) reads blocks from the one holding position L_i - W on, and sees keys L_i - W ..
+        L_i - 1. Blocks before the window are never gathered (they may be freed: -1 entries). Built once per
+        step and window, from the host-side lists (no device sync)."""
+        key = ("decode", sliding_window, 0)
+        if key not in self._window_cache:
+            assert self._decode_lists is not None, "decode metadata missing"
+            lens, tables = self._decode_lists
+            firsts = [max(0, n - sliding_window) // block_size for n in lens]
+            cut = [t[f : -(-n // block_size)] for t, f, n in zip(tables, firsts, lens, strict=True)]
+            width = max(len(t) for t in cut)
+            device = self.slot_mapping.device
+            table = torch.tensor([t + [0] * (width - len(t)) for t in cut], dtype=torch.long, device=device)
+            key_pos = torch.arange(width * block_size, device=device)[None, :] + (
+                torch.tensor(firsts, dtype=torch.long, device=device)[:, None] * block_size
             )
-        return self._window_masks[key]
+            ends = torch.tensor(lens, dtype=torch.long, device=device)[:, None]
+            mask = (key_pos < ends) & (key_pos >= ends - sliding_window)
+            self._window_cache[key] = (table, mask[:, None, None, :])
+        return self._window_cache[key]
+
+    def prefill_window(self, seg: PrefillSegment, block_size: int, sliding_window: int) -> tuple[int, torch.Tensor]:
+        """For seg with cached context under a sliding window: the first block any of its queries reads (the
+        one holding position num_context - W + 1) and the causal window mask over keys from that block's
+        first position on. Built once per step, segment and window."""
+        key = ("prefill", sliding_window, seg.start)
+        if key not in self._window_cache:
+            first_block = max(0, seg.num_context_tokens - sliding_window + 1) // block_size
+            mask = causal_mask_with_context(
+                seg.num_context_tokens, seg.end - seg.start, self.slot_mapping.device, sliding_window,
+                key_start=first_block * block_size,
+            )  # fmt: skip
+            self._window_cache[key] = (first_block, mask)
+        return self._window_cache[key]
+
+    def prefill_window_mask(self, seg: PrefillSegment, sliding_window: int) -> torch.Tensor:
+        """seg's causal mask restricted to the window (no cached context: keys are the chunk's own), built once
+        per step and segment."""
+        key = ("prefill-self", sliding_window, seg.start)
+        if key not in self._window_cache:
+            n = seg.end - seg.start
+            self._window_cache[key] = (causal_mask_with_context(0, n, self.slot_mapping.device, sliding_window),)
+        return self._window_cache[key][0]
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -133,8 +162,9 @@ class _Spec:
     logit_softcap: float | None = None
 
     @property
-    def plain(self) -> bool:
-        return self.sliding_window is None and self.logit_softcap is None
+    def kernel_ok(self) -> bool:
+        """The C decode kernel has no soft-capping (sliding windows it reads in place)."""
+        return self.logit_softcap is None
 
 
 def _attend(
@@ -159,16 +189,21 @@ def _attend(
 
 def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, spec: _Spec) -> torch.Tensor:
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None, "decode metadata missing"
-    if spec.plain and kernels.usable(q) and kv_cache.k.dtype in kernels.KV_CACHE_DTYPES:
-        # Reads each sequence's blocks in place (dequantizing in registers): no gather copy, no padding.
+    if spec.kernel_ok and kernels.usable(q) and kv_cache.k.dtype in kernels.KV_CACHE_DTYPES:
+        # Reads each sequence's blocks in place (dequantizing in registers): no gather copy, no padding; with a
+        # sliding window only the blocks inside it.
         return kernels.paged_decode_attention(
             q, kv_cache.k, kv_cache.v, meta.decode_block_tables, meta.decode_context_lens, spec.scale,
-            kv_cache.k_scale, kv_cache.v_scale,
+            kv_cache.k_scale, kv_cache.v_scale, spec.sliding_window,
         )  # fmt: skip
-    k, v = kv_cache.gather(meta.decode_block_tables, q.dtype)
+    if spec.sliding_window is None:
+        tables, mask = meta.decode_block_tables, meta.decode_mask(kv_cache.block_size)
+    else:  # gather only the blocks inside each query's window
+        tables, mask = meta.decode_window(kv_cache.block_size, spec.sliding_window)
+    k, v = kv_cache.gather(tables, q.dtype)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, KVH, L, D)
     qb = q.unsqueeze(2)  # (B, H, 1, D)
-    o = _attend(qb, k, v, meta.decode_mask(kv_cache.block_size, spec.sliding_window), spec)
+    o = _attend(qb, k, v, mask, spec)
     return o.squeeze(2)
 
 
@@ -184,14 +219,18 @@ def _prefill_attention(
     # 4-D (1, heads, tokens, D) operands: the CPU dispatcher sends those to the flash kernel, 3-D ones
     # to the math path (a 512-token prompt: 4.2 ms instead of 17.7 ms per layer, benchmark model shape).
     qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-    mask = seg.mask if spec.sliding_window is None else meta.prefill_window_mask(seg, spec.sliding_window)
     if seg.num_context_tokens == 0:
+        mask = seg.mask if spec.sliding_window is None else meta.prefill_window_mask(seg, spec.sliding_window)
         ks = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
         vs = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
     else:
-        # Reads the cache after this layer wrote the whole step's K/V (blocks shared within the step included).
-        total = seg.num_context_tokens + (seg.end - seg.start)
-        kc, vc = kv_cache.gather(seg.block_table, q.dtype)  # context dequantized (the chunk's own rows too)
+        # Reads the cache after this layer wrote the whole step's K/V (blocks shared within the step included);
+        # under a sliding window from the first block inside the earliest query's window only.
+        first_block, mask = 0, seg.mask
+        if spec.sliding_window is not None:
+            first_block, mask = meta.prefill_window(seg, kv_cache.block_size, spec.sliding_window)
+        total = seg.num_context_tokens + (seg.end - seg.start) - first_block * kv_cache.block_size
+        kc, vc = kv_cache.gather(seg.block_table[first_block:], q.dtype)  # context dequantized (chunk's rows too)
         ks = kc[:total].transpose(0, 1).unsqueeze(0)  # (1, KVH, total, D)
         vs = vc[:total].transpose(0, 1).unsqueeze(0)
     o = _attend(qs, ks, vs, mask, spec)
@@ -199,12 +238,13 @@ def _prefill_attention(
 
 
 def causal_mask_with_context(
-    num_context: int, num_new: int, device: torch.device, sliding_window: int | None = None
+    num_context: int, num_new: int, device: torch.device, sliding_window: int | None = None, key_start: int = 0
 ) -> torch.Tensor:
-    """(num_new, num_context + num_new) bool: query i (position num_context + i) sees keys <= its position
-    (and, with a sliding window W, keys > its position - W: HF's sliding_window_overlay)."""
+    """(num_new, num_context + num_new - key_start) bool: query i (position num_context + i) sees keys (positions
+    key_start ..) <= its position (and, with a sliding window W, keys > its position - W: HF's
+    sliding_window_overlay)."""
     q_pos = torch.arange(num_new, device=device)[:, None] + num_context
-    k_pos = torch.arange(num_context + num_new, device=device)[None, :]
+    k_pos = torch.arange(key_start, num_context + num_new, device=device)[None, :]
     if sliding_window is None:
         return k_pos <= q_pos
     return (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)

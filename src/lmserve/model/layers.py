@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import time
 
 import torch
 from torch import nn
@@ -13,6 +16,12 @@ from lmserve.model import quantization as quant
 
 KERNEL_MAX_ROWS = 2  # up to this many rows the C kernel (weight streamed once) beats oneDNN and BLAS
 PACK_HINT_ROWS = 32  # batch size oneDNN lays the packed weights out for (any row count works)
+SMALL_M_ENV = "LMSERVE_SMALL_M_LINEAR"  # 1-2 row linears: auto (measured per weight shape) | kernel | torch
+SMALL_M_MODES = ("auto", "kernel", "torch")
+SMALL_M_PASS_BYTES = 64 * 2**20  # weights read per timed pass: past the L3 cache, as a decode step reads them
+SMALL_M_MARGIN = 0.9  # another path replaces the C kernel only when at least 10% faster
+
+logger = logging.getLogger(__name__)
 
 
 def onednn_packing_available() -> bool:
@@ -35,6 +44,9 @@ class Linear(nn.Linear):
     quant_method: str | None = None
     group_size: int | None = None
     _row_sums: torch.Tensor | None = None  # int8: sum of each qweight row (the VNNI kernel's correction)
+    # 1-2 rows: None = the C kernel; "onednn" / "torch" (float) or "int8_gemm" where choose_small_m_paths measured
+    # them faster on this CPU, or LMSERVE_SMALL_M_LINEAR=torch forced them
+    _small_m_path: str | None = None
 
     def quantize(self, method: str, group_size: int | None) -> None:
         """Replace the float weight with its quantized form (int8 per channel / int4 per group)."""
@@ -82,12 +94,16 @@ class Linear(nn.Linear):
         if self.quant_method is not None:
             assert x.dim() == 2 and x.dtype == torch.float32, f"quantized Linear: 2-D float32 input, got {x.dtype}"
             if self.quant_method == "int8":
-                return "int8_kernel" if x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x) else "int8_gemm"
+                small = x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x) and self._small_m_path is None
+                return "int8_kernel" if small else "int8_gemm"
             return "int4_kernel" if x.shape[0] <= kernels.I4_MAX_ROWS and kernels.usable(x) else "int4_dequant"
         if x.dim() != 2 or x.dtype != self.weight.dtype:
             return None
         if x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x):
-            return "kernel"
+            if self._small_m_path is None:
+                return "kernel"
+            if self._small_m_path == "torch":
+                return None
         return "onednn" if self._packed is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +151,83 @@ def round_linear_weights_to_bf16(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, Linear):
             m.round_weights_to_bf16()
+
+
+def small_m_mode() -> str:
+    """LMSERVE_SMALL_M_LINEAR: "auto" (default), "kernel" or "torch"."""
+    mode = os.environ.get(SMALL_M_ENV, "auto").strip().lower() or "auto"
+    if mode not in SMALL_M_MODES:
+        raise ValueError(f"{SMALL_M_ENV} must be one of {list(SMALL_M_MODES)}, got {mode!r}")
+    return mode
+
+
+def _small_m_candidates(m: Linear) -> list[str | None]:
+    """The paths a 1-2 row input can take through m (None: the C kernel)."""
+    if m.quant_method == "int8":
+        return [None, "int8_gemm"]
+    return [None, "onednn", "torch"] if m._packed is not None else [None, "torch"]
+
+
+def _time_passes(layers: list[Linear], x: torch.Tensor, candidates: list[str | None], reps: int) -> dict:
+    """Best time of `reps` passes of one M=1 product through each of layers (weights streamed, not cached) per
+    candidate path. Candidates take turns within each round, so a busy moment of the machine slows them alike."""
+    best = dict.fromkeys(candidates, math.inf)
+    for i in range(reps + 1):  # round 0 warms up (and is not counted)
+        for path in candidates:
+            for m in layers:
+                m._small_m_path = path
+            t0 = time.perf_counter()
+            for m in layers:
+                m(x)
+            if i:
+                best[path] = min(best[path], time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def choose_small_m_paths(model: nn.Module, mode: str | None = None, reps: int = 5) -> dict[tuple, str]:
+    """Pick, per distinct weight shape, what 1-2 row inputs (decode) run through: the C kernel, oneDNN / torch.mm
+    (float32, bf16-stored weights too) or torch._int_mm (int8). "auto" times one M=1 pass over that shape's
+    layers (enough of them to stream SMALL_M_PASS_BYTES, as a decode step streams weights from DRAM) per
+    candidate and keeps the fastest (the kernel unless another is 10% faster): the C kernel wins on some CPUs
+    and loses to oneDNN on others (docs/performance.md). "kernel" / "torch" force a side. Every path computes
+    the same product to float32 rounding. Call with the thread count the engine runs with. Returns
+    {(out, in, kind): chosen path}."""
+    mode = small_m_mode() if mode is None else mode
+    assert mode in SMALL_M_MODES, f"small-M mode {mode!r}"
+    groups: dict[tuple, list[Linear]] = {}
+    for m in model.modules():
+        if not isinstance(m, Linear) or m.quant_method == "int4":
+            continue
+        w = m.qweight if m.quant_method is not None else m.weight
+        if w.device.type != "cpu" or (m.quant_method is None and w.dtype != torch.float32):
+            continue
+        kind = m.quant_method or ("bf16-stored" if m._weight_bf16 is not None else "float32")
+        groups.setdefault((m.out_features, m.in_features, kind), []).append(m)
+    if not kernels.available() or not groups:
+        return {}
+    chosen: dict[tuple, str] = {}
+    for key, layers in groups.items():
+        candidates = _small_m_candidates(layers[0])
+        if mode == "kernel":
+            path, times = None, {}
+        elif mode == "torch":
+            path, times = candidates[1], {}
+        else:
+            nbytes = (layers[0].qweight if layers[0].quant_method else layers[0].weight).nbytes
+            sample = layers[: max(1, min(len(layers), -(-SMALL_M_PASS_BYTES // max(1, nbytes))))]
+            x = torch.randn(1, key[1])
+            times = _time_passes(sample, x, candidates, reps)
+            path = min(times, key=times.get)
+            if times[path] > SMALL_M_MARGIN * times[None]:
+                path = None  # the kernel unless another path is clearly faster (timings on a busy machine wobble)
+        for m in layers:
+            m._small_m_path = path
+        chosen[key] = path or "kernel"
+        measured = ", ".join(f"{c or 'kernel'} {t * 1e3:.2f} ms" for c, t in times.items())
+        logger.info("1-2 row linear %d x %d (%s, %d layers): %s%s", key[0], key[1], key[2], len(layers),
+                    path or "kernel", f" (M=1 pass: {measured})" if times else f" ({SMALL_M_ENV}={mode})")
+    return chosen
 
 
 def pack_linear_weights(model: nn.Module, max_extra_bytes: int) -> int:

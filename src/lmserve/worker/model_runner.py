@@ -13,6 +13,7 @@ from lmserve.model.attention import AttentionMetadata, PrefillSegment
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import (
     KERNEL_MAX_ROWS,
+    choose_small_m_paths,
     pack_linear_weights,
     quantize_linear_weights,
     round_linear_weights_to_bf16,
@@ -86,6 +87,9 @@ class ModelRunner:
                 logger.info("projections quantized to %s (embeddings, LM head, norms: %s)",
                             config.quantization.method, mc.dtype)
         self.kv_caches: list[KVCache] = self._allocate_kv_caches()
+        # 1-2 row linears: C kernel or oneDNN / torch.mm, measured before the first step, in the thread (and
+        # OpenMP team) that runs the steps: `serve` loads the model with one thread
+        self._small_m_pending = self.device.type == "cpu"
         self.sampler = Sampler()
         self.proposer = make_proposer(config)
 
@@ -102,10 +106,16 @@ class ModelRunner:
             cc.kv_cache_dtype, cc.num_blocks, cc.block_size, cc.num_tokens, cc.pool_bytes / 2**20,
             cc.kv_bytes_per_token, scales, cc.max_concurrent_requests(sc.max_model_len), sc.max_model_len,
         )  # fmt: skip
+        if cc.sliding_window is not None:
+            logger.info("every layer slides (window %d): KV blocks outside the window are freed while requests run",
+                        cc.sliding_window)
         return caches
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self._small_m_pending:
+            self._small_m_pending = False
+            choose_small_m_paths(self.model)
         # Decodes (one query token) first, then prefill chunks: the attention backend batches the former.
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
