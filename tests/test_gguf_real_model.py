@@ -36,7 +36,7 @@ COMPLETIONS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon
 MAX_TOKENS = 16
 TOOL_QUESTION = "What is the weather like in Paris today? Answer in celsius."
 TOOL_ARGUMENTS = {"city": "Paris", "unit": "celsius"}
-ACCEPTANCE_FLOOR = 0.5  # n-gram drafts accepted on the repeating prompts (measured 0.72 over 64 tokens)
+ACCEPTANCE_FLOOR = 0.5  # n-gram drafts accepted on the repeating prompts (measured: 0.65 here, 0.72 at 64 tokens)
 
 
 @pytest.fixture(scope="module")
