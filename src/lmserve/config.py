@@ -257,16 +257,29 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """Quantized projection weights (lmserve.model.quantization): "int8" W8A8 or "int4" weight-only."""
+    """Quantized projection weights (lmserve.model.quantization): "int8" W8A8 or "int4" weight-only, or
+    "gguf": a GGUF file's block-32 tensors (Q8_0 / Q4_0 / Q4_1) kept as they are (group 32)."""
 
     method: str
-    group_size: int | None  # int4: inputs per scale; None for int8 (one scale per output channel)
+    group_size: int | None  # int4 / gguf: inputs per scale; None for int8 (one scale per output channel)
     prequantized: bool = False  # the checkpoint already holds the quantized tensors (`lmserve quantize`)
 
     def to_hf(self) -> dict[str, Any]:
         """The `quantization_config` entry of a checkpoint's config.json."""
         return {"quant_method": "lmserve", "format": QUANTIZATION_FORMAT, "method": self.method,
                 "group_size": self.group_size}
+
+
+def _gguf_quantization(model: ModelConfig, device: str, weight_dtype: str | None) -> QuantizationConfig | None:
+    """A GGUF file with Q8_0 / Q4_0 / Q4_1 tensors keeps them as they are on the CPU float32 path (else, and
+    with quantization="none", every quantized tensor is dequantized at load, logged)."""
+    from lmserve.model.gguf import BLOCK32_TYPES, GGUFCheckpoint
+
+    if model.dtype != "float32" or not device.startswith("cpu") or weight_dtype is not None:
+        return None
+    if not set(GGUFCheckpoint(model.path).bytes_by_type()) & set(BLOCK32_TYPES):
+        return None
+    return QuantizationConfig("gguf", 32, prequantized=True)
 
 
 def checkpoint_quantization(model_dir: str | os.PathLike) -> QuantizationConfig | None:
@@ -364,7 +377,9 @@ class EngineArgs:
     revision: str | None = None  # Hub revision (branch, tag or commit) when `model` is a Hub id
     generation_config: str = "auto"  # "auto" | "vllm" (ignore the model's generation_config.json)
     share_prefix_in_step: bool = True  # False: a burst's shared prefix is computed once per request (bench A/B)
-    quantization: str | None = None  # "int8" | "int4"; a checkpoint written by `lmserve quantize` needs none
+    # "int8" | "int4"; a checkpoint written by `lmserve quantize` needs none; a GGUF file's Q8_0 / Q4_0 / Q4_1
+    # tensors are kept as they are unless "none" (dequantized at load)
+    quantization: str | None = None
     quantization_group_size: int = 32  # int4: inputs sharing one scale
     speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
 
@@ -468,9 +483,17 @@ class EngineArgs:
     def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:
         """The checkpoint's quantization, else the requested one, validated against the model's shapes."""
         saved = checkpoint_quantization(model.path)
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in (*QUANTIZATION_METHODS, "none"):
+            raise ValueError(
+                f"quantization must be one of {[*QUANTIZATION_METHODS, 'none']}, got {self.quantization!r}"
+            )
         _check_positive("quantization_group_size", self.quantization_group_size)
+        if self.quantization == "none":
+            if saved is not None:
+                raise ValueError(f"quantization='none' but {self.model!r} is an {saved.method} checkpoint")
+            return None
+        if self.quantization is None and model.path.endswith(".gguf"):
+            return _gguf_quantization(model, self.device, weight_dtype)
         if saved is not None:
             if self.quantization is not None and self.quantization != saved.method:
                 raise ValueError(

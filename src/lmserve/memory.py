@@ -617,6 +617,8 @@ class MemoryReport:
         if self.quantization == "int8":
             head = "int8 copy of the tied" if s.tie_word_embeddings else "int8"
             label = f"weights (int8 projections + {head} LM head + {self.weight_dtype} embeddings/norms)"
+        elif self.quantization == "gguf":
+            label = f"weights (GGUF blocks as in the file + {self.weight_dtype} dequantized rest)"
         elif self.quantization == "int4":
             label = (
                 f"weights (int4 g{self.quantization_group_size} projections + {self.weight_dtype} "
@@ -711,9 +713,11 @@ def memory_report(
     name: str | None = None,
     quantization: str | None = None,
     quantization_group_size: int = 32,
+    exact_weight_bytes: int | None = None,
 ) -> MemoryReport:
     """Weights, KV per token/request/batch, and (given a per-device ``memory_bytes``) how many
-    ``seq_len``-token requests fit after weights and ``reserve_bytes``."""
+    ``seq_len``-token requests fit after weights and ``reserve_bytes``. ``exact_weight_bytes``: the weights'
+    bytes when the checkpoint fixes them (a GGUF file's blocks kept as they are; tp=1)."""
     _positive("seq_len", seq_len)
     _positive("batch", batch)
     _positive("block_size", block_size)
@@ -732,7 +736,11 @@ def memory_report(
 
     params = num_parameters(shape)
     params_rank = num_parameters_per_rank(shape, tp)
-    if quantization is None:
+    if exact_weight_bytes is not None:
+        if tp != 1:
+            raise ValueError("exact weight bytes (a GGUF file's kept blocks) are known for tp=1 only")
+        weight_bytes = weight_bytes_rank = exact_weight_bytes
+    elif quantization is None:
         weight_bytes = math.ceil(params * w_b)
         weight_bytes_rank = math.ceil(params_rank * w_b)
     else:

@@ -40,10 +40,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "none"],
         help="int8: W8A8 (int8 weights per output channel, int8 activations per token); int4: weight-only, "
         "group-wise scales. CPU, float32 compute; embeddings and LM head stay float32. A checkpoint written "
-        "by `lmserve quantize` needs no flag",
+        "by `lmserve quantize` needs no flag; a GGUF file's Q8_0/Q4_0/Q4_1 tensors run as they are unless "
+        "none (dequantized to float32 at load)",
     )
     g.add_argument("--quantization-group-size", type=int, default=32, help="int4: inputs per scale (default 32)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,14 +48,15 @@ def add_memory_parser(subparsers: Any) -> None:
     p.add_argument(
         "--weight-dtype",
         default=None,
-        help="weight dtype in memory (default bf16; fp32 for a GGUF, which lmserve dequantizes at load)",
+        help="weight dtype in memory (default bf16; fp32 for a GGUF: its Q8_0/Q4_0/Q4_1 projections stay as in "
+        "the file, the rest is dequantized to fp32)",
     )
     p.add_argument(
         "--quantization",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "none"],
         default=None,
         help="projections quantized (scales included); the rest stays at --weight-dtype. Default: a "
-        "checkpoint's own (`lmserve quantize`), else none",
+        "checkpoint's own (`lmserve quantize`, a GGUF file's block-32 tensors), else none",
     )
     p.add_argument("--quantization-group-size", type=int, default=32, help="int4: inputs per scale (default 32)")
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 80GB")
@@ -148,10 +148,18 @@ def run_memory(args: argparse.Namespace) -> int:
         if memory_bytes is not None and reserve_bytes > memory_bytes:
             raise ValueError(f"--reserve ({reserve_bytes:,} B) is larger than --memory ({memory_bytes:,} B)")
         quantization, group_size = _quantization(args)
+        exact = None
+        keep = getattr(args, "quantization", None) is None and getattr(args, "tp", 1) == 1
+        if gguf_file is not None and keep and _keeps_gguf_blocks(gguf_file, weight_dtype):
+            from lmserve.model.gguf import GGUFCheckpoint, resident_weight_bytes
+
+            exact, _ = resident_weight_bytes(GGUFCheckpoint(gguf_file), dtype_bytes(weight_dtype), True)
+            quantization = "gguf"
         report = memory_report(
             shape,
             quantization=quantization,
             quantization_group_size=group_size,
+            exact_weight_bytes=exact,
             kv_dtype=kv_dtype,
             weight_dtype=weight_dtype,
             memory_bytes=memory_bytes,
@@ -160,7 +168,8 @@ def run_memory(args: argparse.Namespace) -> int:
             **ints,
         )
         if gguf_file is not None:
-            report = dataclasses.replace(report, notes=report.notes + gguf_notes(gguf_file, weight_dtype))
+            notes = gguf_notes(gguf_file, weight_dtype, keep=quantization == "gguf")
+            report = dataclasses.replace(report, notes=report.notes + notes)
     except (ValueError, OSError) as e:
         return _error(str(e))
 
@@ -178,20 +187,35 @@ def _gguf_file(args: argparse.Namespace) -> Path | None:
     return find_gguf_file(model) if model else None
 
 
-def gguf_notes(gguf_file: Path, weight_dtype: str) -> tuple[str, ...]:
-    """What the GGUF file holds per tensor type, and what its weights take once lmserve has loaded them."""
-    from lmserve.model.gguf import UNQUANTIZED_TYPES, GGUFCheckpoint
+def _keeps_gguf_blocks(gguf_file: Path, weight_dtype: str) -> bool:
+    """Whether the engine keeps this GGUF's block-32 tensors as they are (float32 weights, no --quantization)."""
+    from lmserve.model.gguf import BLOCK32_TYPES, GGUFCheckpoint
 
-    by_type = GGUFCheckpoint(gguf_file).bytes_by_type()
+    return dtype_bytes(weight_dtype) == 4 and bool(set(GGUFCheckpoint(gguf_file).bytes_by_type()) & set(BLOCK32_TYPES))
+
+
+def gguf_notes(gguf_file: Path, weight_dtype: str, keep: bool = False) -> tuple[str, ...]:
+    """What the GGUF file holds per tensor type, and what its weights take once lmserve has loaded them
+    (`keep`: its Q8_0 / Q4_0 / Q4_1 projections and LM head stay as they are, the rest is dequantized)."""
+    from lmserve.model.gguf import UNQUANTIZED_TYPES, GGUFCheckpoint, resident_weight_bytes
+
+    ckpt = GGUFCheckpoint(gguf_file)
+    by_type = ckpt.bytes_by_type()
     file_bytes = sum(b for _, b, _ in by_type.values())
-    resident = math.ceil(sum(e for _, _, e in by_type.values()) * dtype_bytes(weight_dtype))
+    resident, kept = resident_weight_bytes(ckpt, dtype_bytes(weight_dtype), keep)
     parts = ", ".join(f"{n} {t} tensors {format_bytes(b)}" for t, (n, b, _) in sorted(by_type.items()))
     quantized = sorted(t for t in by_type if t not in UNQUANTIZED_TYPES)
     notes = [f"GGUF file: {format_bytes(file_bytes)} of tensors ({parts})"]
-    if quantized:
+    if keep:
+        notes.append(
+            f"lmserve keeps {format_bytes(kept)} of block-32 tensors as they are (projections, LM head) and "
+            f"dequantizes the rest to {weight_dtype}: the weights take {format_bytes(resident)} in memory "
+            f"({resident / file_bytes:.1f}x the file; --quantization none dequantizes everything)"
+        )
+    elif quantized:
         notes.append(
             f"lmserve dequantizes {', '.join(quantized)} at load: the weights take {format_bytes(resident)} in memory "
-            f"at {weight_dtype} ({resident / file_bytes:.1f}x the file; no quantized weight kernel runs them yet)"
+            f"at {weight_dtype} ({resident / file_bytes:.1f}x the file)"
         )
     else:
         notes.append(f"the weights take {format_bytes(resident)} in memory at {weight_dtype}")
@@ -209,6 +233,8 @@ def _quantization(args: argparse.Namespace) -> tuple[str | None, int]:
     """--quantization, else the one a `lmserve quantize` checkpoint given as --model was written with."""
     method = getattr(args, "quantization", None)
     group = getattr(args, "quantization_group_size", 32)
+    if method == "none":
+        return None, group
     if method is None and getattr(args, "model", None):
         from lmserve.config import checkpoint_quantization
 

@@ -335,10 +335,14 @@ def _declare_quantized(lib: ctypes.CDLL) -> None:
     lib.quantize_rows_i8.restype = None
     lib.linear_i8_f32.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.linear_i8_f32.restype = None
-    lib.linear_i4_f32.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
+    lib.linear_i4_f32.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
     lib.linear_i4_f32.restype = None
-    lib.dequant_i4_f32.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.dequant_i4_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.dequant_i4_f32.restype = None
+    lib.linear_i8w_f32.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
+    lib.linear_i8w_f32.restype = None
+    lib.dequant_i8w_f32.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.dequant_i8w_f32.restype = None
 
 
 def cpu_flags() -> set[str]:
@@ -358,6 +362,7 @@ def quantized_kernel_names() -> dict[str, str]:
     return {
         "int8": I8_KERNEL_NAMES[_lib.i8_kernel_isa()],
         "int4": "AVX-512" if _lib.i4_kernel_isa() else "portable C",
+        "int8w": "AVX-512" if _lib.i4_kernel_isa() else "portable C",  # compiled with the int4 kernel's paths
     }
 
 
@@ -398,42 +403,95 @@ def linear_i8(
     return y
 
 
-def _check_i4(qweight: torch.Tensor, scales: torch.Tensor, k: int) -> int:
-    _check(qweight, "qweight", torch.uint8)
-    _check(scales, "scales", torch.float16)
-    o = qweight.shape[0]
-    assert qweight.shape == (o, k // 2) and k % 32 == 0, f"int4 codes {tuple(qweight.shape)} for {k} inputs"
-    assert scales.shape[0] == o and k % scales.shape[1] == 0, f"scales {tuple(scales.shape)} for ({o}, {k})"
+def _check_groups(scales: torch.Tensor, o: int, k: int, name: str = "scales") -> int:
+    _check(scales, name, torch.float16)
+    assert scales.shape[0] == o and k % scales.shape[1] == 0, f"{name} {tuple(scales.shape)} for ({o}, {k})"
     group = k // scales.shape[1]
     assert group % 32 == 0, f"group size {group} must be a multiple of 32"
     return group
 
 
-def linear_i4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _check_i4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, k: int) -> int:
+    _check(qweight, "qweight", torch.uint8)
+    o = qweight.shape[0]
+    assert qweight.shape == (o, k // 2) and k % 32 == 0, f"int4 codes {tuple(qweight.shape)} for {k} inputs"
+    group = _check_groups(scales, o, k)
+    if mins is not None:
+        _check(mins, "mins", torch.float16)
+        assert mins.shape == scales.shape, f"mins {tuple(mins.shape)} vs scales {tuple(scales.shape)}"
+    return group
+
+
+def linear_i4(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    mins: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Weight-only int4 for up to I4_MAX_ROWS rows: x (M, K) float32, qweight (O, K/2) uint8 codes, scales
-    (O, K/G) float16. Returns (M, O) float32."""
+    (O, K/G) float16, mins (O, K/G) float16 or None (asymmetric: w = code * scale + min). Returns (M, O) float32."""
     assert _lib is not None, "kernels not loaded: call available() first"
     x = x.contiguous()
     _check(x, "x")
     m, k = x.shape
     assert m <= I4_MAX_ROWS, f"linear_i4 takes at most {I4_MAX_ROWS} rows, got {m}"
-    group = _check_i4(qweight, scales, k)
+    group = _check_i4(qweight, scales, mins, k)
     if bias is not None:
         _check(bias, "bias")
     o = qweight.shape[0]
     y = torch.empty(m, o, dtype=torch.float32)
     _lib.linear_i4_f32(
-        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), bias.data_ptr() if bias is not None else None,
-        y.data_ptr(), m, o, k, group, torch.get_num_threads(),
-    )
+        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), _ptr(bias), y.data_ptr(), m, o, k, group,
+        torch.get_num_threads(),
+    )  # fmt: skip
     return y
 
 
-def dequant_i4(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 (O, K) matrix of int4 codes and group scales (exactly lmserve.model.quantization's)."""
+def dequant_i4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 (O, K) matrix of int4 codes, group scales and mins (exactly lmserve.model.quantization's)."""
     assert _lib is not None, "kernels not loaded: call available() first"
     o, k = qweight.shape[0], qweight.shape[1] * 2
-    group = _check_i4(qweight, scales, k)
+    group = _check_i4(qweight, scales, mins, k)
     out = torch.empty(o, k, dtype=torch.float32)
-    _lib.dequant_i4_f32(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), o, k, group, torch.get_num_threads())
+    _lib.dequant_i4_f32(
+        qweight.data_ptr(), scales.data_ptr(), _ptr(mins), out.data_ptr(), o, k, group, torch.get_num_threads()
+    )
+    return out
+
+
+def _check_i8w(qweight: torch.Tensor, scales: torch.Tensor) -> int:
+    _check(qweight, "qweight", torch.int8)
+    o, k = qweight.shape
+    return _check_groups(scales, o, k)
+
+
+def linear_i8w(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Weight-only int8 with group scales (GGUF Q8_0) for up to I4_MAX_ROWS rows: x (M, K) float32, qweight
+    (O, K) int8, scales (O, K/G) float16. Returns (M, O) float32."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    _check(x, "x")
+    m, k = x.shape
+    assert m <= I4_MAX_ROWS, f"linear_i8w takes at most {I4_MAX_ROWS} rows, got {m}"
+    assert qweight.dim() == 2 and qweight.shape[1] == k, f"x has {k} features, weight {tuple(qweight.shape)}"
+    group = _check_i8w(qweight, scales)
+    if bias is not None:
+        _check(bias, "bias")
+    o = qweight.shape[0]
+    y = torch.empty(m, o, dtype=torch.float32)
+    _lib.linear_i8w_f32(
+        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), m, o, k, group,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def dequant_i8w(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 (O, K) matrix of group-scaled int8 weights (exactly lmserve.model.quantization's)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    group = _check_i8w(qweight, scales)
+    o, k = qweight.shape
+    out = torch.empty(o, k, dtype=torch.float32)
+    _lib.dequant_i8w_f32(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), o, k, group, torch.get_num_threads())
     return out

@@ -483,7 +483,13 @@ void paged_decode_attention_q(const float *q, const void *k_cache, const void *v
  *                      inputs along a row: w = (code - 8) * scale (symmetric, no zero point). Within a row
  *                      each run of 32 inputs is 16 bytes: byte i holds input i (low nibble) and input
  *                      i + 16 (high nibble), so one load and two masks unpack it.
+ *                      With mins (O, K / G) float16 (GGUF Q4_1's per-block minimum; NULL otherwise) the
+ *                      codes are not offset: w = code * scale + min, and each group adds min * sum(x) of
+ *                      its inputs to its scaled code sum.
  *   dequant_i4_f32     the same codes to a float32 (O, K) matrix (larger batches: dequantize, then GEMM).
+ *   linear_i8w_f32     weight-only int8 with one float16 scale per group of G inputs (GGUF Q8_0 blocks as
+ *                      they are in the file): w = q * scale, x float32; per group the float sum of q * x,
+ *                      then one multiply by its scale. dequant_i8w_f32: the float32 matrix.
  */
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__AVXVNNI__)
 #include <immintrin.h>
@@ -612,48 +618,138 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Dequantized row o of an int4 matrix: out[i] = (code_i - 8) * scale[i / G]. */
-static void dequant_i4_row(const uint8_t *wr, const uint16_t *sr, float *out, int64_t K, int64_t G) {
+/* Dequantized row o of an int4 matrix: out[i] = (code_i - 8) * scale[i / G], or with mins
+ * code_i * scale[i / G] + min[i / G] (code * scale is exact in float32, so one rounding, as gguf's). */
+static void dequant_i4_row(const uint8_t *wr, const uint16_t *sr, const uint16_t *mr, float *out, int64_t K,
+                           int64_t G) {
+    const int32_t off = mr ? 0 : 8;
     for (int64_t j = 0; j < K; j += 32) {
         const uint8_t *blk = wr + j / 2;
         float d = f16_to_f32(sr[j / G]);
         for (int64_t i = 0; i < 16; i++) {
-            out[j + i] = (float)((int32_t)(blk[i] & 0x0f) - 8) * d;
-            out[j + 16 + i] = (float)((int32_t)(blk[i] >> 4) - 8) * d;
+            out[j + i] = (float)((int32_t)(blk[i] & 0x0f) - off) * d;
+            out[j + 16 + i] = (float)((int32_t)(blk[i] >> 4) - off) * d;
+        }
+        if (mr) {
+            float mn = f16_to_f32(mr[j / G]);
+            for (int64_t i = 0; i < 32; i++) out[j + i] += mn;
         }
     }
 }
 
-void dequant_i4_f32(const uint8_t *w, const uint16_t *scales, float *out, int64_t O, int64_t K, int64_t G,
-                    int nthreads) {
+void dequant_i4_f32(const uint8_t *w, const uint16_t *scales, const uint16_t *mins, float *out, int64_t O, int64_t K,
+                    int64_t G, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t o = 0; o < O; o++) dequant_i4_row(w + o * (K / 2), scales + o * (K / G), out + o * K, K, G);
+    for (int64_t o = 0; o < O; o++)
+        dequant_i4_row(w + o * (K / 2), scales + o * (K / G), mins ? mins + o * (K / G) : NULL, out + o * K, K, G);
 }
 
 #define I4_MAX_ROWS 8 /* rows of x one pass over the weights serves (the caller asserts M <= this) */
 
-/* x (M, K) float32, M <= I4_MAX_ROWS; w (O, K / 2) codes; scales (O, K / G) float16 bits; y (M, O).
- * Per group: the float sum of code * x over its inputs, then one multiply by the group's scale. */
-void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, const float *b, float *y, int64_t M,
-                   int64_t O, int64_t K, int64_t G, int nthreads) {
+/* x (M, K) float32, M <= I4_MAX_ROWS; w (O, K / 2) codes; scales (O, K / G) float16 bits; mins (O, K / G)
+ * float16 bits or NULL; y (M, O). Per group: the float sum of code * x over its inputs, then one multiply by
+ * the group's scale (and with mins, + min * the group's sum of x). */
+void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *b,
+                   float *y, int64_t M, int64_t O, int64_t K, int64_t G, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t o = 0; o < O; o++) {
         const uint8_t *wr = w + o * (K / 2);
         const uint16_t *sr = scales + o * (K / G);
+        const uint16_t *mr = mins ? mins + o * (K / G) : NULL;
         float bias = b ? b[o] : 0.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         __m512 tot[I4_MAX_ROWS];
         for (int64_t m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
         const __m128i low = _mm_set1_epi8(0x0f);
-        const __m512i eight = _mm512_set1_epi32(8);
+        const __m512i off = _mm512_set1_epi32(mr ? 0 : 8);
+        for (int64_t g = 0; g < K; g += G) {
+            __m512 acc[I4_MAX_ROWS], xsum[I4_MAX_ROWS];
+            for (int64_t m = 0; m < M; m++) acc[m] = xsum[m] = _mm512_setzero_ps();
+            for (int64_t j = g; j < g + G; j += 32) {
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + j / 2));
+                __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+                __m512 w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), off));
+                __m512 w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), off));
+                for (int64_t m = 0; m < M; m++) {
+                    const float *xm = x + m * K + j;
+                    __m512 x0 = _mm512_loadu_ps(xm), x1 = _mm512_loadu_ps(xm + 16);
+                    acc[m] = _mm512_fmadd_ps(w0, x0, acc[m]);
+                    acc[m] = _mm512_fmadd_ps(w1, x1, acc[m]);
+                    if (mr) xsum[m] = _mm512_add_ps(xsum[m], _mm512_add_ps(x0, x1));
+                }
+            }
+            __m512 d = _mm512_set1_ps(f16_to_f32(sr[g / G]));
+            for (int64_t m = 0; m < M; m++) tot[m] = _mm512_fmadd_ps(acc[m], d, tot[m]);
+            if (mr) {
+                __m512 mn = _mm512_set1_ps(f16_to_f32(mr[g / G]));
+                for (int64_t m = 0; m < M; m++) tot[m] = _mm512_fmadd_ps(xsum[m], mn, tot[m]);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * O + o] = _mm512_reduce_add_ps(tot[m]) + bias;
+#else
+        const int32_t off = mr ? 0 : 8;
+        float tot[I4_MAX_ROWS] = {0};
+        for (int64_t g = 0; g < K; g += G) {
+            float acc[I4_MAX_ROWS] = {0}, xsum[I4_MAX_ROWS] = {0};
+            for (int64_t j = g; j < g + G; j += 32) {
+                const uint8_t *blk = wr + j / 2;
+                float w0[16], w1[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    w0[i] = (float)((int32_t)(blk[i] & 0x0f) - off);
+                    w1[i] = (float)((int32_t)(blk[i] >> 4) - off);
+                }
+                for (int64_t m = 0; m < M; m++) {
+                    const float *xm = x + m * K + j;
+                    float a = 0.f, sx = 0.f;
+#pragma omp simd reduction(+ : a, sx)
+                    for (int64_t i = 0; i < 16; i++) {
+                        a += w0[i] * xm[i] + w1[i] * xm[16 + i];
+                        sx += xm[i] + xm[16 + i];
+                    }
+                    acc[m] += a;
+                    xsum[m] += sx;
+                }
+            }
+            float d = f16_to_f32(sr[g / G]), mn = mr ? f16_to_f32(mr[g / G]) : 0.f;
+            for (int64_t m = 0; m < M; m++) tot[m] += acc[m] * d + (mr ? xsum[m] * mn : 0.f);
+        }
+        for (int64_t m = 0; m < M; m++) y[m * O + o] = tot[m] + bias;
+#endif
+    }
+}
+
+/* Dequantized row o of a group-scaled int8 matrix: out[i] = q_i * scale[i / G] (exact in float32). */
+static void dequant_i8w_row(const int8_t *wr, const uint16_t *sr, float *out, int64_t K, int64_t G) {
+    for (int64_t g = 0; g < K; g += G) {
+        float d = f16_to_f32(sr[g / G]);
+        for (int64_t i = g; i < g + G; i++) out[i] = (float)wr[i] * d;
+    }
+}
+
+void dequant_i8w_f32(const int8_t *w, const uint16_t *scales, float *out, int64_t O, int64_t K, int64_t G,
+                     int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t o = 0; o < O; o++) dequant_i8w_row(w + o * K, scales + o * (K / G), out + o * K, K, G);
+}
+
+/* x (M, K) float32, M <= I4_MAX_ROWS; w (O, K) int8; scales (O, K / G) float16 bits (G a multiple of 32);
+ * y (M, O). Per group: the float sum of q * x, then one multiply by the group's scale. */
+void linear_i8w_f32(const float *x, const int8_t *w, const uint16_t *scales, const float *b, float *y, int64_t M,
+                    int64_t O, int64_t K, int64_t G, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t o = 0; o < O; o++) {
+        const int8_t *wr = w + o * K;
+        const uint16_t *sr = scales + o * (K / G);
+        float bias = b ? b[o] : 0.f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 tot[I4_MAX_ROWS];
+        for (int64_t m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
         for (int64_t g = 0; g < K; g += G) {
             __m512 acc[I4_MAX_ROWS];
             for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
             for (int64_t j = g; j < g + G; j += 32) {
-                __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + j / 2));
-                __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-                __m512 w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), eight));
-                __m512 w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), eight));
+                __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + j))));
+                __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + j + 16))));
                 for (int64_t m = 0; m < M; m++) {
                     const float *xm = x + m * K + j;
                     acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[m]);
@@ -668,20 +764,12 @@ void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, con
         float tot[I4_MAX_ROWS] = {0};
         for (int64_t g = 0; g < K; g += G) {
             float acc[I4_MAX_ROWS] = {0};
-            for (int64_t j = g; j < g + G; j += 32) {
-                const uint8_t *blk = wr + j / 2;
-                float w0[16], w1[16];
-                for (int64_t i = 0; i < 16; i++) {
-                    w0[i] = (float)((int32_t)(blk[i] & 0x0f) - 8);
-                    w1[i] = (float)((int32_t)(blk[i] >> 4) - 8);
-                }
-                for (int64_t m = 0; m < M; m++) {
-                    const float *xm = x + m * K + j;
-                    float a = 0.f;
+            for (int64_t m = 0; m < M; m++) {
+                const float *xm = x + m * K;
+                float a = 0.f;
 #pragma omp simd reduction(+ : a)
-                    for (int64_t i = 0; i < 16; i++) a += w0[i] * xm[i] + w1[i] * xm[16 + i];
-                    acc[m] += a;
-                }
+                for (int64_t i = g; i < g + G; i++) a += (float)wr[i] * xm[i];
+                acc[m] = a;
             }
             float d = f16_to_f32(sr[g / G]);
             for (int64_t m = 0; m < M; m++) tot[m] += acc[m] * d;

@@ -5,16 +5,20 @@ from an HF directory: the config keys `ModelConfig.from_hf` parses, the HF param
 (`loader.STACKED_PARAMS`), and weights with llama.cpp's RoPE row permutation of q/k undone. It imports no
 torch, so `lmserve memory --model file.gguf` stays torch-free.
 
-Tensor types: F32/F16 arrive as they are, BF16 widened exactly to float32; every quantized type is
-dequantized at load to float32 by gguf's own dequantizer (the loader then casts to the compute dtype).
-The block-32 types (Q8_0, Q4_0, Q4_1) are the ones an int8/int4 weight kernel can take as they are:
-`GGUFTensor.blocks()` hands their raw blocks (rows already un-permuted) and `unpack_block32` splits
-them into scales / mins / integer values, the hook a quantized weight path plugs into.
+Tensor types: F32/F16 arrive as they are, BF16 widened exactly to float32. The block-32 types (Q8_0,
+Q4_0, Q4_1) of the projections and the LM head are kept as they are in the file by default
+(`kept_block32`: the loader claims them through `iter_hf_tensors`' hook and hands `GGUFTensor.blocks()`,
+rows already un-permuted, to lmserve.model.quantization's int8w / int4 layouts, whose kernels run the same
+block math). Everything else quantized (K-quants, the token embedding's lookup table, a projection fused
+with a part of another type, or all of them with quantization="none") is dequantized at load to float32
+by gguf's own dequantizer (the loader then casts to the compute dtype), logged with what it costs.
+`unpack_block32` splits blocks into scales / mins / integer values (the reference the tests check).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +63,11 @@ LAYER_TENSOR_NAMES = {
 }
 
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
-BLOCK32_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # same block-32 scales as the int8/int4 weight kernels
+BLOCK32_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # same block-32 scales as the int8w / int4 weight kernels
+# HF weights of the decoder's Linear layers (the ones a quantized layout can hold), and the parts the model
+# fuses into one matrix (loader.STACKED_PARAMS): those are kept as blocks only when every part has one type.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def find_gguf_file(path: str | Path) -> Path | None:
@@ -267,15 +275,40 @@ def _open_reader(path: Path):
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
 
 
+def kept_block32(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dict[str, GGUFTensor]:
+    """HF weight name → block-32 tensor the quantized weight path keeps as it is: every projection whose
+    fused parts share one block-32 type, and the LM head (`output.weight`, or for a tied model the token
+    embedding's tensor as "lm_head.weight": the embedding itself is still dequantized for its lookup)."""
+    tensors = {t.hf_name: t for t in checkpoint.tensors()}
+    kept = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if t.type_name not in BLOCK32_TYPES or parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
+            continue
+        group = next((g for g in FUSED_PARTS if parts[-2] in g), (parts[-2],))
+        siblings = [tensors.get(".".join([*parts[:-2], p, "weight"])) for p in group]
+        if all(s is not None and s.type_name == t.type_name for s in siblings):
+            kept[name] = t
+    head = tensors.get("lm_head.weight") or (tensors.get("model.embed_tokens.weight") if tie_word_embeddings else None)
+    if head is not None and head.type_name in BLOCK32_TYPES:
+        kept["lm_head.weight"] = head
+    return kept
+
+
 # A quantized weight path's claim on a block-32 tensor: (HF name, tensor) → True when it keeps the blocks
 # itself (`GGUFTensor.blocks()` / `unpack_block32`); the tensor is then not dequantized nor yielded.
 Block32Hook = Callable[[str, GGUFTensor], bool]
 
 
 def iter_hf_tensors(
-    checkpoint: GGUFCheckpoint, compute_dtype: str, dtype_bytes: int, take_block32: Block32Hook | None = None
+    checkpoint: GGUFCheckpoint,
+    compute_dtype: str,
+    dtype_bytes: int,
+    take_block32: Block32Hook | None = None,
+    why_block32: str = "quantization='none', or an engine that is not CPU float32",
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array) for every tensor not claimed by `take_block32`, dequantizing what needs it (logged)."""
+    """(HF name, array) for every tensor not claimed by `take_block32`, dequantizing what needs it (logged;
+    `why_block32`: why the block-32 ones that were not claimed are dequantized)."""
     tensors = checkpoint.tensors()
     claimed = {
         t.gguf_name
@@ -283,13 +316,15 @@ def iter_hf_tensors(
         if t.type_name in BLOCK32_TYPES and take_block32 is not None and take_block32(t.hf_name, t)
     }
     dequantized = [t for t in tensors if t.type_name not in UNQUANTIZED_TYPES and t.gguf_name not in claimed]
-    log_dequantized(dequantized, compute_dtype, dtype_bytes)
+    log_dequantized(dequantized, compute_dtype, dtype_bytes, why_block32)
     for t in tensors:
         if t.gguf_name not in claimed:
             yield t.hf_name, t.to_numpy()
 
 
-def log_dequantized(tensors: list[GGUFTensor], compute_dtype: str, dtype_bytes: int) -> None:
+def log_dequantized(
+    tensors: list[GGUFTensor], compute_dtype: str, dtype_bytes: int, why_block32: str = "no kernel takes it here"
+) -> None:
     """One log line per quantized type dequantized at load: how many tensors, file bytes → resident bytes."""
     by_type: dict[str, list[GGUFTensor]] = {}
     for t in tensors:
@@ -297,10 +332,35 @@ def log_dequantized(tensors: list[GGUFTensor], compute_dtype: str, dtype_bytes: 
     for type_name, group in sorted(by_type.items()):
         file_bytes = sum(t.num_bytes for t in group)
         resident = sum(int(np.prod(t.shape)) for t in group) * dtype_bytes
-        why = "no quantized weight kernel takes it yet" if type_name in BLOCK32_TYPES else "no kernel for this type"
+        why = why_block32 if type_name in BLOCK32_TYPES else "no kernel for this type"
         logger.info(
             "GGUF: %d %s tensors dequantized to %s at load (%s): "
             "%.1f MiB in the file -> %.1f MiB in memory (+%.1f MiB)",
             len(group), type_name, compute_dtype, why, file_bytes / 2**20, resident / 2**20,
             (resident - file_bytes) / 2**20,
         )  # fmt: skip
+
+
+def log_kept(kept: dict[str, GGUFTensor]) -> None:
+    """One log line per block-32 type kept as it is in the file: how many tensors, the bytes they hold."""
+    by_type: dict[str, list[GGUFTensor]] = {}
+    for t in kept.values():
+        by_type.setdefault(t.type_name, []).append(t)
+    for type_name, group in sorted(by_type.items()):
+        logger.info(
+            "GGUF: %d %s tensors kept as they are in the file (their block-32 kernels run them): %.1f MiB",
+            len(group), type_name, sum(t.num_bytes for t in group) / 2**20,
+        )  # fmt: skip
+
+
+def resident_weight_bytes(checkpoint: GGUFCheckpoint, dtype_bytes: float, keep_block32: bool) -> tuple[int, int]:
+    """(bytes the loaded weights take, of which kept block-32 bytes): kept tensors hold exactly their bytes in
+    the file (lmserve.model.quantization's int4 / int8w layouts are the blocks regrouped: Q4_0 18, Q4_1 20,
+    Q8_0 34 bytes per 32 weights), a tied head kept from the token embedding is one more copy of it, and
+    everything else is dequantized to `dtype_bytes` per element."""
+    hf = checkpoint.hf_config()
+    kept = kept_block32(checkpoint, hf["tie_word_embeddings"]) if keep_block32 else {}
+    kept_bytes = sum(t.num_bytes for t in kept.values())
+    kept_names = {t.gguf_name for name, t in kept.items() if name == t.hf_name}
+    rest = sum(int(np.prod(t.shape)) for t in checkpoint.tensors() if t.gguf_name not in kept_names)
+    return math.ceil(rest * dtype_bytes) + kept_bytes, kept_bytes

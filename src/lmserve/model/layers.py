@@ -40,7 +40,8 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _weight_bf16: torch.Tensor | None = None  # set by round_weights_to_bf16: what the C kernel reads
-    # Quantized (lmserve.model.quantization): `weight` is None and buffers `qweight`, `scales` hold it.
+    # Quantized (lmserve.model.quantization): `weight` is None and buffers `qweight`, `scales` (and for GGUF
+    # Q4_1 blocks `mins`) hold it; quant_method "int8" | "int4" | "int8w" (GGUF Q8_0 blocks).
     quant_method: str | None = None
     group_size: int | None = None
     _row_sums: torch.Tensor | None = None  # int8: sum of each qweight row (the VNNI kernel's correction)
@@ -54,25 +55,26 @@ class Linear(nn.Linear):
         q, s = quant.quantize_int8(w) if method == "int8" else quant.quantize_int4(w, group_size)
         self._set_quantized(method, group_size, q, s)
 
-    def prepare_quantized(self, method: str, group_size: int | None) -> None:
+    def prepare_quantized(self, method: str, group_size: int | None, mins: bool = False) -> None:
         """Empty quantized buffers of the shapes a checkpoint holds (the loader fills them)."""
-        specs = quant.quantized_tensor_specs(method, group_size, self.out_features, self.in_features)
+        specs = quant.quantized_tensor_specs(method, group_size, self.out_features, self.in_features, mins)
         dev = self.weight.device
-        q, s = (torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in specs.values())
-        self._set_quantized(method, group_size, q, s)
+        q, s, *m = (torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in specs.values())
+        self._set_quantized(method, group_size, q, s, m[0] if m else None)
 
-    def _set_quantized(self, method: str, group_size: int | None, q: torch.Tensor, s: torch.Tensor) -> None:
+    def _set_quantized(
+        self, method: str, group_size: int | None, q: torch.Tensor, s: torch.Tensor, mins: torch.Tensor | None = None
+    ) -> None:
         self.register_parameter("weight", None)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s)
+        self.register_buffer("mins", mins)  # None (not saved) unless the layout has mins
         self.quant_method, self.group_size = method, group_size
         self._packed = self._weight_bf16 = self._row_sums = None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the quantized one stands for (the reference the tests compare with)."""
-        if self.quant_method == "int8":
-            return quant.dequantize_int8(self.qweight, self.scales)
-        return quant.dequantize_int4(self.qweight, self.scales)
+        return quant.dequantize_layout(self.quant_method, self.qweight, self.scales, self.mins)
 
     def round_weights_to_bf16(self) -> None:
         """Round the weight to bfloat16 in place (still a float32 tensor, so every path computes the same
@@ -90,13 +92,15 @@ class Linear(nn.Linear):
         """Which CPU fast path forward(x) takes: "kernel", "onednn", or None for nn.Linear's. Both fast
         paths return float32 (they only exist for float32 weights and inputs). Quantized weights:
         "int8_kernel" / "int4_kernel" (C, few rows, weights streamed once), "int8_gemm" (torch._int_mm),
-        "int4_dequant" (weights dequantized, then the float32 GEMM)."""
+        "int4_dequant" (weights dequantized, then the float32 GEMM); GGUF Q8_0 blocks: "int8w_kernel" /
+        "int8w_dequant" likewise."""
         if self.quant_method is not None:
             assert x.dim() == 2 and x.dtype == torch.float32, f"quantized Linear: 2-D float32 input, got {x.dtype}"
             if self.quant_method == "int8":
                 small = x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x) and self._small_m_path is None
                 return "int8_kernel" if small else "int8_gemm"
-            return "int4_kernel" if x.shape[0] <= kernels.I4_MAX_ROWS and kernels.usable(x) else "int4_dequant"
+            few = x.shape[0] <= kernels.I4_MAX_ROWS and kernels.usable(x)
+            return f"{self.quant_method}_kernel" if few else f"{self.quant_method}_dequant"
         if x.dim() != 2 or x.dtype != self.weight.dtype:
             return None
         if x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x):
@@ -126,10 +130,17 @@ class Linear(nn.Linear):
             xq, xs = kernels.quantize_rows_i8(x) if kernels.usable(x) else quant.quantize_activations(x)
             return quant.int8_linear(xq, xs, self.qweight, self.scales, self.bias)
         if path == "int4_kernel":
-            return kernels.linear_i4(x, self.qweight, self.scales, self.bias)
-        assert path == "int4_dequant", f"unknown path {path}"
-        dequantize = kernels.dequant_i4 if kernels.usable(x) else quant.dequantize_int4
-        w = dequantize(self.qweight, self.scales)  # the whole matrix as one tile: float32 GEMM beyond 8 rows
+            return kernels.linear_i4(x, self.qweight, self.scales, self.bias, self.mins)
+        if path == "int8w_kernel":
+            return kernels.linear_i8w(x, self.qweight, self.scales, self.bias)
+        assert path in ("int4_dequant", "int8w_dequant"), f"unknown path {path}"
+        # the whole matrix as one tile: float32 GEMM beyond 8 rows
+        if not kernels.usable(x):
+            w = self.dequantized_weight()
+        elif path == "int4_dequant":
+            w = kernels.dequant_i4(self.qweight, self.scales, self.mins)
+        else:
+            w = kernels.dequant_i8w(self.qweight, self.scales)
         return nn.functional.linear(x, w, self.bias)
 
 
@@ -197,7 +208,7 @@ def choose_small_m_paths(model: nn.Module, mode: str | None = None, reps: int = 
     assert mode in SMALL_M_MODES, f"small-M mode {mode!r}"
     groups: dict[tuple, list[Linear]] = {}
     for m in model.modules():
-        if not isinstance(m, Linear) or m.quant_method == "int4":
+        if not isinstance(m, Linear) or m.quant_method not in (None, "int8"):
             continue
         w = m.qweight if m.quant_method is not None else m.weight
         if w.device.type != "cpu" or (m.quant_method is None and w.dtype != torch.float32):

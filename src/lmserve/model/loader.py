@@ -45,7 +45,10 @@ def load_model(
     dtype = TORCH_DTYPES[cfg.dtype]
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
-    if quantization is not None and quantization.prequantized:
+    kept = None  # GGUF: HF weight name → the block-32 tensor kept as it is
+    if quantization is not None and quantization.method == "gguf":
+        kept = _prepare_gguf_blocks(model, cfg)
+    elif quantization is not None and quantization.prequantized:
         from lmserve.model.layers import quantizable_linears
 
         assert dtype == torch.float32, "quantized checkpoints compute in float32"
@@ -60,9 +63,9 @@ def load_model(
     if dtype != torch.float32:  # (float32 already; .to() would also turn float16 int4 scales into float32)
         model = model.to(dtype)
     params = dict(model.named_parameters())
-    params.update((n, b) for n, b in model.named_buffers() if n.endswith((".qweight", ".scales")))
+    params.update((n, b) for n, b in model.named_buffers() if n.endswith((".qweight", ".scales", ".mins")))
     loaded: set[str] = set()
-    for file_name, name, tensor in _checkpoint_tensors(cfg):
+    for file_name, name, tensor in _checkpoint_tensors(cfg, kept):
         if name.endswith(IGNORED_SUFFIXES):
             continue
         target, shard = _map_name(name)
@@ -83,14 +86,45 @@ def load_model(
     return model.eval()
 
 
-def _checkpoint_tensors(cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file name, HF tensor name, tensor) for every tensor of the checkpoint, read lazily."""
+def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig) -> dict:
+    """Give every Linear whose GGUF tensors are kept as blocks (gguf.kept_block32) the empty buffers of its
+    layout (Q8_0 → int8w, Q4_0 → int4, Q4_1 → int4 with mins; group 32); returns the kept tensors."""
+    from lmserve.model.gguf import GGUFCheckpoint, kept_block32, log_kept
+    from lmserve.model.quantization import GGUF_GROUP_SIZE, GGUF_LAYOUTS
+
+    assert TORCH_DTYPES[cfg.dtype] == torch.float32, "GGUF blocks compute in float32"
+    kept = kept_block32(GGUFCheckpoint(cfg.path), cfg.tie_word_embeddings)
+    modules = dict(model.named_modules())
+    for name, tensor in kept.items():
+        module = modules[_map_name(name)[0].removesuffix(".weight")]
+        layout, mins = GGUF_LAYOUTS[tensor.type_name]
+        if module.quant_method is None:  # (fused parts: the first one sets the layout they share)
+            module.prepare_quantized(layout, GGUF_GROUP_SIZE, mins)
+    log_kept(kept)
+    return kept
+
+
+def _checkpoint_tensors(cfg: ModelConfig, kept: dict | None = None) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file name, HF tensor name, tensor) for every tensor of the checkpoint, read lazily. GGUF tensors in
+    `kept` come as their layout's buffers (`<name>.qweight`, `.scales`, `.mins`) instead of `<name>.weight`."""
     if cfg.path.endswith(".gguf"):
         from lmserve.model.gguf import GGUFCheckpoint, iter_hf_tensors
+        from lmserve.model.quantization import gguf_block32_tensors
 
+        file_name = Path(cfg.path).name
+        ckpt = GGUFCheckpoint(cfg.path)
         dtype_bytes = TORCH_DTYPES[cfg.dtype].itemsize
-        for name, array in iter_hf_tensors(GGUFCheckpoint(cfg.path), cfg.dtype, dtype_bytes):
-            yield Path(cfg.path).name, name, torch.from_numpy(np.array(array))  # a copy: the file map is read-only
+        kept = kept or {}
+        claimed = {t.gguf_name for name, t in kept.items() if name == t.hf_name}  # (not the tied head's copy)
+        why = "the token embedding's lookup table, or a fused part of another type" if kept else None
+        tensors = iter_hf_tensors(
+            ckpt, cfg.dtype, dtype_bytes, lambda _, t: t.gguf_name in claimed, *([why] if why else [])
+        )
+        for name, array in tensors:
+            yield file_name, name, torch.from_numpy(np.array(array))  # a copy: the file map is read-only
+        for name, t in kept.items():
+            for suffix, tensor in gguf_block32_tensors(t.type_name, t.blocks()).items():
+                yield file_name, f"{name.removesuffix('.weight')}.{suffix}", tensor
         return
     for file in checkpoint_files(Path(cfg.path)):
         with _open_checkpoint(file) as f:

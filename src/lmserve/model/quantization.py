@@ -15,10 +15,20 @@ llama.cpp's Q8_0 does; it is half the bytes a float32-head int8 decode step read
 float32 embedding table for the token lookup and gives the head its own int8 copy (1 B per weight + its
 scales and row sums, extra). Embeddings and the norms stay float32; with int4 the head stays float32 too.
 
+A GGUF checkpoint's block-32 tensors load as they are in the file (QuantizationConfig method "gguf"; the
+same bytes, no re-quantization), into two more per-Linear layouts of the same family:
+  Q4_0 → "int4", group 32, no mins: llama.cpp's Q4_0 block *is* the int4 layout below (same nibble order,
+         same (code - 8) * d).
+  Q4_1 → "int4", group 32, with mins: w = code * d + m (codes 0..15 not offset, one float16 min per group).
+  Q8_0 → "int8w", weight-only int8 with one float16 scale per group of 32: w = q * d; activations float32
+         (not the W8A8 path: that would re-quantize the weights per channel).
+
 Layouts (what the C kernels read):
   int8  qweight (O, K) int8, scales (O,) float32, row_sums (O,) int32 (sum of each qweight row; not saved)
   int4  qweight (O, K / 2) uint8: each run of 32 inputs is 16 bytes, byte i holding input i in its low
-        nibble and input i + 16 in its high nibble; scales (O, K / group_size) float16
+        nibble and input i + 16 in its high nibble; scales (O, K / group_size) float16; optional mins
+        (O, K / group_size) float16 (then w = code * scale + min)
+  int8w qweight (O, K) int8, scales (O, K / group_size) float16
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lmserve.config import QUANTIZATION_FORMAT, QuantizationConfig
@@ -105,15 +116,59 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 0x0F, b >> 4), dim=2).reshape(o, half * 2)
 
 
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(O, K) float32 weights: (code - 8) * scale of the code's group (kernels.dequant_i4 is bit-identical)."""
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """(O, K) float32 weights: (code - 8) * scale of the code's group, or with mins code * scale + min
+    (GGUF Q4_1; code * scale is exact in float32, so one rounding, as gguf's dequantizer). kernels.dequant_i4
+    is bit-identical."""
     codes = unpack_int4(qweight)
     group_size = codes.shape[1] // scales.shape[1]
-    return (codes.to(torch.int32) - 8).float() * scales.float().repeat_interleave(group_size, dim=1)
+    if mins is None:
+        return (codes.to(torch.int32) - 8).float() * scales.float().repeat_interleave(group_size, dim=1)
+    w = codes.float() * scales.float().repeat_interleave(group_size, dim=1)
+    return w + mins.float().repeat_interleave(group_size, dim=1)
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return qweight.float() * scales[:, None]
+
+
+def dequantize_int8w(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(O, K) float32 weights of the group-scaled int8 layout (GGUF Q8_0): q * scale of its group (exact)."""
+    group_size = qweight.shape[1] // scales.shape[1]
+    return qweight.float() * scales.float().repeat_interleave(group_size, dim=1)
+
+
+# ---- GGUF block-32 tensors, as they are in the file ---------------------------------------------------------
+
+# GGML type → (Linear layout, whether it carries mins)
+GGUF_LAYOUTS = {"Q8_0": ("int8w", False), "Q4_0": ("int4", False), "Q4_1": ("int4", True)}
+GGUF_GROUP_SIZE = 32
+
+
+def gguf_block32_tensors(type_name: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """A Q8_0 / Q4_0 / Q4_1 tensor's raw blocks (rows, row bytes) uint8 (rows in HF order,
+    `GGUFTensor.blocks()`) → the layout's buffers {"qweight", "scales"[, "mins"]}: the file's bytes, regrouped
+    (a block is [d f16][m f16, Q4_1 only][32 int8 | 16 bytes of nibbles])."""
+    rows = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(rows, -1, {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[type_name])
+    head = 4 if type_name == "Q4_1" else 2
+    out = {"scales": torch.from_numpy(b[..., :2].copy().view(np.float16)[..., 0])}
+    if type_name == "Q4_1":
+        out["mins"] = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0])
+    body = b[..., head:].reshape(rows, -1).copy()
+    out["qweight"] = torch.from_numpy(body.view(np.int8) if type_name == "Q8_0" else body)
+    return out
+
+
+def dequantize_layout(
+    method: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float32 weight any layout stands for (the PyTorch reference of what its kernels compute)."""
+    if method == "int8":
+        return dequantize_int8(qweight, scales)
+    if method == "int8w":
+        return dequantize_int8w(qweight, scales)
+    return dequantize_int4(qweight, scales, mins)
 
 
 # ---- checkpoint format ----------------------------------------------------------------------------------
@@ -124,15 +179,16 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def quantized_tensor_specs(
-    method: str, group_size: int, out_features: int, in_features: int
+    method: str, group_size: int, out_features: int, in_features: int, mins: bool = False
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Suffix → (shape, dtype) a checkpoint must hold for one quantized projection."""
     if method == "int8":
         return {"qweight": ((out_features, in_features), torch.int8), "scales": ((out_features,), torch.float32)}
-    return {
-        "qweight": ((out_features, in_features // 2), torch.uint8),
-        "scales": ((out_features, in_features // group_size), torch.float16),
-    }
+    groups = ((out_features, in_features // group_size), torch.float16)
+    if method == "int8w":
+        return {"qweight": ((out_features, in_features), torch.int8), "scales": groups}
+    specs = {"qweight": ((out_features, in_features // 2), torch.uint8), "scales": groups}
+    return {**specs, "mins": groups} if mins else specs
 
 
 def write_quantized_checkpoint(model: torch.nn.Module, src_dir: Path, out_dir: Path, quant: QuantizationConfig) -> int:

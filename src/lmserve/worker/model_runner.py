@@ -32,10 +32,11 @@ def _log_quantized_kernels(method: str) -> None:
     """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo)."""
     flags = kernels.cpu_flags()
     relevant = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "avx512_bf16", "avx512bw", "avx2"})
-    decode = kernels.quantized_kernel_names()[method] if kernels.available() else "PyTorch ops (no C kernels)"
-    batched = "torch._int_mm (oneDNN int8)" if method == "int8" else "dequantize + float32 GEMM"
-    logger.info("%s weights: 1-%d row kernel %s; batched rows %s; CPU flags %s", method,
-                KERNEL_MAX_ROWS if method == "int8" else kernels.I4_MAX_ROWS, decode, batched, relevant or "none")
+    for layout in ("int4", "int8w") if method == "gguf" else (method,):  # GGUF blocks: Q4_0/Q4_1, Q8_0
+        decode = kernels.quantized_kernel_names()[layout] if kernels.available() else "PyTorch ops (no C kernels)"
+        batched = "torch._int_mm (oneDNN int8)" if layout == "int8" else "dequantize + float32 GEMM"
+        logger.info("%s weights: 1-%d row kernel %s; batched rows %s; CPU flags %s", layout,
+                    KERNEL_MAX_ROWS if layout == "int8" else kernels.I4_MAX_ROWS, decode, batched, relevant or "none")
     if method == "int8" and not flags & {"avx512_vnni", "avx_vnni"}:
         logger.warning("int8: this CPU has no VNNI instructions; the int8 kernels run a portable (slower) loop")
 
@@ -83,7 +84,10 @@ class ModelRunner:
                 f"{self.packed_weight_bytes / 2**20:.0f} MiB" if self.packed_weight_bytes else "off",
                 config.weight_dtype or mc.dtype,
             )
-            if config.quantization is not None:
+            if config.quantization is not None and config.quantization.method == "gguf":
+                logger.info("GGUF blocks kept as they are in %d Linear layers (embeddings, norms: %s)",
+                            sum(getattr(m, "quant_method", None) is not None for m in self.model.modules()), mc.dtype)
+            elif config.quantization is not None:
                 logger.info("projections quantized to %s (embeddings, LM head, norms: %s)",
                             config.quantization.method, mc.dtype)
         self.kv_caches: list[KVCache] = self._allocate_kv_caches()
