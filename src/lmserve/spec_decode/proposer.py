@@ -24,6 +24,11 @@ class ProposalInput:
     block_ids: list[int]  # its block table (the draft writes its KV through it)
     num_proposals: int  # at most this many tokens (>= 1)
 
+    @property
+    def new_token_ids(self) -> list[int]:
+        """This step's accepted and sampled tokens (a grammar matcher has not consumed them yet)."""
+        return self.token_ids[self.request.num_tokens :]
+
 
 class Proposer(Protocol):
     def propose(self, inputs: list[ProposalInput]) -> tuple[dict[str, list[int]], dict[str, Any]]:
@@ -46,8 +51,6 @@ def proposal_inputs(
     out = []
     for s, new_tokens in sampled:
         req = s.request
-        if req.structured_output is not None:
-            continue  # a grammar constrains every token: proposals would need the matcher (not wired yet)
         token_ids = req.all_token_ids + new_tokens
         remaining = req.max_tokens - (req.num_output_tokens + len(new_tokens))
         n = min(config.num_speculative_tokens, remaining - 1)
@@ -57,6 +60,18 @@ def proposal_inputs(
         if n >= 1:
             out.append(ProposalInput(req, token_ids, s.block_ids, n))
     return out
+
+
+def cut_at_grammar(inputs: list[ProposalInput], proposals: dict[str, list[int]]) -> None:
+    """In place: a constrained request's proposals end before the first token its grammar refuses (after this
+    step's new tokens), so verification can mask every verified position. Exact for n-gram lookup and greedy
+    drafts, whose proposals are a function of the tokens alone; a sampling draft draws from the grammar-masked
+    distribution, so it never proposes a refused token and nothing is cut."""
+    for item in inputs:
+        grammar = item.request.structured_output
+        rid = item.request.request_id
+        if grammar is not None and proposals.get(rid):
+            proposals[rid] = grammar.valid_proposals(item.new_token_ids, proposals[rid])
 
 
 class NgramProposer:

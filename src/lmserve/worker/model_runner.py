@@ -18,7 +18,7 @@ from lmserve.model.layers import (
     round_linear_weights_to_bf16,
 )
 from lmserve.model.loader import load_model
-from lmserve.spec_decode.proposer import make_proposer, proposal_inputs
+from lmserve.spec_decode.proposer import cut_at_grammar, make_proposer, proposal_inputs
 from lmserve.spec_decode.rejection_sampler import verify
 from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.host_memory import tune_malloc_for_tensors
@@ -181,6 +181,7 @@ class ModelRunner:
         inputs = proposal_inputs(self.config.speculative, new_tokens, len(sched.scheduled), self.block_size)
         if inputs:
             out.spec_token_ids, out.spec_draft_probs = self.proposer.propose(inputs)
+            cut_at_grammar(inputs, out.spec_token_ids)
 
     def _prompt_logprobs(
         self, ordered: list[ScheduledRequest], first_row: dict[str, int], hidden: torch.Tensor
