@@ -6,6 +6,8 @@
     waiting while `is_ready` is False (plain Python, no torch in core/).
     every step:  fill_bitmasks(constrained rows) ─▶ TokenBitmask ─▶ Sampler masks those rows before temperature
     every token: StructuredOutputRequest.accept_token(); grammar complete → the engine stops the sequence.
+    speculative decoding: proposals cut at the first refused token (valid_proposals), the draft masked while
+    drafting, verification rows masked per position (fill_verification_bitmasks); tentative moves roll back.
 
 The grammar engine is llguidance (Rust; lazy lexer + Earley parser, masks computed on demand): no
 dependencies of its own, JSON schema / regex / Lark / GBNF front ends, and `validate_tokens` / `rollback` for
@@ -124,10 +126,10 @@ class StructuredOutputManager:
 class StructuredOutputRequest:
     """The grammar state of one sequence. `is_ready` is what the scheduler reads (a plain bool).
 
-    The matcher is advanced on every accepted token. Preemption needs nothing: recompute keeps the output
+    The matcher is advanced on every kept token. Preemption needs nothing: recompute keeps the output
     tokens, the matcher has consumed them, and the next token is sampled after them. For speculative decoding,
-    `validate_tokens` says how many proposed tokens the grammar accepts without advancing, and `rollback`
-    undoes accepted ones.
+    `valid_proposals` cuts proposals at the first refused token, and `advance_tentatively` /
+    `rollback_tentative` move over proposals within one call (drafting, verification masks).
     """
 
     def __init__(self, future: Future, kind: str) -> None:
