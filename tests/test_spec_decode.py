@@ -536,3 +536,59 @@ def test_constrained_second_token_follows_the_masked_target_distribution(llama_d
     observed = torch.bincount(second, minlength=len(expected)).float() / n_samples
     tv, floor = _tv(observed, expected), _noise_floor(expected, n_samples)
     assert tv <= floor * 1.1, f"TV {tv:.4f} vs noise floor {floor:.4f}"
+
+
+# ---- per-request adaptive speculation ------------------------------------------------------------------------
+
+
+def test_acceptance_tracker_sets_k_from_recent_acceptance_and_backs_off() -> None:
+    from lmserve.spec_decode.acceptance import BACKOFF_STEPS, MAX_BACKOFF_STEPS, AcceptanceTracker
+
+    t = AcceptanceTracker()
+    assert t.num_proposals(4, 0.3) == 4, "no history: the full k"
+    t.record(4, 4)
+    assert t.rate == 1.0 and t.num_proposals(4, 0.3) == 4
+    t = AcceptanceTracker()
+    t.record(4, 1)  # one accepted, the second rejected: rate 1/2
+    assert t.rate == 0.5 and t.num_proposals(4, 0.3) == 1 and t.num_proposals(4, 0.2) == 2
+    assert t.num_proposals(4, 0.0) == 4, "threshold 0: adaptation off"
+    t.record(4, 0)
+    t.record(4, 0)  # mostly rejected now
+    assert t.rate < 0.3
+    waits = []
+    for _ in range(3):  # skip, probe with one token, the probe rejected, skip twice as long
+        skipped = 0
+        while (n := t.num_proposals(4, 0.3)) == 0:
+            skipped += 1
+        assert n == 1
+        waits.append(skipped)
+        t.record(1, 0)
+    assert waits == [BACKOFF_STEPS, 2 * BACKOFF_STEPS, 4 * BACKOFF_STEPS]
+    for _ in range(10):
+        t.record(1, 0)
+        while t.num_proposals(4, 0.3) == 0:
+            pass
+    assert t.backoff == MAX_BACKOFF_STEPS
+    for _ in range(3):
+        t.record(1, 1)  # good probes again: speculation comes back, k grows with the rate
+    assert t.num_proposals(4, 0.3) >= 1 and t.backoff == 0
+
+
+def test_adaptive_speculation_proposes_less_where_the_draft_is_rejected() -> None:
+    """The bundled draft on Chinese text is mostly rejected: adaptation proposes far fewer tokens than fixed k
+    (at a higher acceptance rate); the greedy output is the same with either and without speculation."""
+    prompts = ["床前明月光，疑是地上霜。"]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    ref, _ = generate(default_model_path(), prompts, params, num_kv_blocks=32)
+    fixed, llm_fixed = generate(default_model_path(), prompts, params, num_kv_blocks=32,
+                                speculative_config={"method": "draft_model", "adaptive_threshold": 0})  # fmt: skip
+    adaptive, llm = generate(default_model_path(), prompts, params, num_kv_blocks=32,
+                             speculative_config={"method": "draft_model"})  # fmt: skip
+    assert token_ids(fixed) == token_ids(adaptive) == token_ids(ref)
+    f, a = llm_fixed.get_metrics(), llm.get_metrics()
+    assert f["spec_decode_acceptance_rate"] < 0.5, "the premise: a poorly predicted prompt"
+    assert 0 < a["spec_decode_num_draft_tokens_total"] < f["spec_decode_num_draft_tokens_total"] / 2
+    assert a["spec_decode_acceptance_rate"] > f["spec_decode_acceptance_rate"]
+    assert llm.engine.config.speculative.adaptive_threshold == 0.3
+    with pytest.raises(ValueError, match="adaptive_threshold"):
+        LLM(num_kv_blocks=16, speculative_config={"method": "ngram", "adaptive_threshold": 1.5})

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from lmserve.core.outputs import ScheduledRequest
 from lmserve.request import Request
+from lmserve.spec_decode.acceptance import AcceptanceTracker
 from lmserve.spec_decode.config import SpeculativeConfig
 
 
@@ -44,8 +45,9 @@ def proposal_inputs(
     block_size: int,
 ) -> list[ProposalInput]:
     """Who gets proposals after this step: nobody when the step scheduled more than disable_by_batch_size
-    requests; else every request that sampled, with k capped so that proposals plus the token their
-    verification adds stay within max_tokens, and so that a draft's KV writes stay in the block table."""
+    requests; else every request that sampled, with k set by its recent acceptance (AcceptanceTracker; 0 while
+    it backs off), capped so that proposals plus the token their verification adds stay within max_tokens, and
+    so that a draft's KV writes stay in the block table."""
     if num_scheduled > config.disable_by_batch_size:
         return []
     out = []
@@ -53,7 +55,12 @@ def proposal_inputs(
         req = s.request
         token_ids = req.all_token_ids + new_tokens
         remaining = req.max_tokens - (req.num_output_tokens + len(new_tokens))
-        n = min(config.num_speculative_tokens, remaining - 1)
+        if remaining <= 1:
+            continue
+        if req.spec_acceptance is None:
+            req.spec_acceptance = AcceptanceTracker()
+        n = min(req.spec_acceptance.num_proposals(config.num_speculative_tokens, config.adaptive_threshold),
+                remaining - 1)  # fmt: skip
         if config.num_lookahead_tokens:
             # the draft writes positions len(token_ids) - 1 ... len(token_ids) + n - 2
             n = min(n, len(s.block_ids) * block_size - len(token_ids) + 1)

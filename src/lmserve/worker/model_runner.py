@@ -162,6 +162,8 @@ class ModelRunner:
     def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         for s, v in zip(verifying, verify(self.sampler, logits, verifying), strict=True):
             rid = s.request.request_id
+            if s.request.spec_acceptance is not None:
+                s.request.spec_acceptance.record(s.num_spec_tokens, len(v.token_ids) - 1)
             out.accepted_token_ids[rid], out.sampled_token_ids[rid] = v.token_ids[:-1], v.token_ids[-1]
             if v.logprobs is not None:
                 out.accepted_logprobs[rid], out.logprobs[rid] = v.logprobs[:-1], v.logprobs[-1]
