@@ -1,6 +1,6 @@
 """Speculative decoding: tok/s with and without speculation, acceptance rate and mean accepted length.
 
-    python bench/bench_spec.py [--quick] [--threads N] [--sweep]
+    python bench/bench_spec.py [--quick] [--threads N] [--sweep] [--no-adaptive]
 
 1. bundled target + bundled draft (k=4), greedy, one stream, Shakespeare and Chinese prompts (target >= 1.5x);
 2. n-gram lookup (k=4) on the bundled target with prompts whose continuation repeats earlier text;
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: few tokens, one prompt per set")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--sweep", action="store_true", help="also batch 1..32 with speculation always on")
+    ap.add_argument("--no-adaptive", action="store_true", help="fixed k (adaptive_threshold 0), not per-request k")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -118,6 +119,8 @@ def main() -> None:
     take = (lambda xs: xs[:1]) if args.quick else (lambda xs: xs)
     draft = {"method": "draft_model", "num_speculative_tokens": 4}
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    if args.no_adaptive:
+        draft["adaptive_threshold"] = ngram["adaptive_threshold"] = 0
     rows = []
 
     def compare(name: str, prompts: list[str], spec: dict, n_streams: int = 1) -> None:

@@ -355,3 +355,240 @@ def test_bundled_pair_with_a_quantized_kv_cache(kv_cache_dtype: str) -> None:
     for got, want in zip(token_ids(outs), token_ids(ref), strict=True):
         same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
         assert same >= min(12, len(want), len(got)), (kv_cache_dtype, got, want)
+
+
+# ---- structured outputs under speculation ---------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["king", "queen", "fool"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+DATE = r"\d{4}-\d{2}-\d{2}"
+CHOICES = ["Montague", "Capulet", "neither house"]
+CONSTRAINTS = [{"json": PERSON}, {"regex": DATE}, {"choice": CHOICES}]
+SPEC_METHODS = [{"method": "draft_model"}, {"method": "ngram", "prompt_lookup_min": 1}]
+
+
+def _constrained(so: dict, **kw) -> SamplingParams:
+    from lmserve import StructuredOutputsParams
+
+    return SamplingParams(structured_outputs=StructuredOutputsParams(**so), **kw)
+
+
+def _check_valid(so: dict, text: str) -> None:
+    import re
+
+    import jsonschema
+
+    if "json" in so:
+        jsonschema.validate(json.loads(text), so["json"])
+    elif "regex" in so:
+        assert re.fullmatch(so["regex"], text), text
+    else:
+        assert text in so["choice"], text
+
+
+@pytest.mark.parametrize("cfg", SPEC_METHODS, ids=["draft", "ngram"])
+def test_constrained_greedy_identical_under_speculation_and_proposals_verified(cfg) -> None:
+    """JSON schema, regex and choice requests under speculation: proposals are verified for them (draft tokens
+    counted), and greedy outputs, finish reasons and the unconstrained rows of a mixed batch are token for token
+    those without speculation."""
+    prompts = ["ROMEO:", "JULIET: Give me my Romeo; and, when he shall die,", "ROMEO:"]
+    constrained = [
+        (p, _constrained(so, temperature=0.0, max_tokens=64), so) for p, so in zip(prompts, CONSTRAINTS, strict=True)
+    ]
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    mixed = constrained[:2] + [(p, plain, None) for p in prompts[:2]]
+    ref = LLM(num_kv_blocks=64)
+    llm = LLM(num_kv_blocks=64, speculative_config=cfg)
+    for batch in (constrained, mixed):
+        want = ref.generate([p for p, _, _ in batch], [sp for _, sp, _ in batch], use_tqdm=False)
+        got = llm.generate([p for p, _, _ in batch], [sp for _, sp, _ in batch], use_tqdm=False)
+        assert token_ids(got) == token_ids(want)
+        assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+        if batch is constrained:
+            assert llm.get_metrics()["spec_decode_num_draft_tokens_total"] > 0, "constrained requests got proposals"
+        for (_, _, so), o in zip(batch, got, strict=True):
+            if so is not None:
+                assert o.outputs[0].finish_reason == "stop"
+                _check_valid(so, o.outputs[0].text)
+    pool = llm.engine.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_invariants([])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", SPEC_METHODS, ids=["draft", "ngram"])
+def test_constrained_sampling_under_speculation_always_valid(cfg) -> None:
+    """Temperature 1, 20 sequences per constraint: 20/20 parse and validate, with proposals accepted."""
+    llm = LLM(num_kv_blocks=256, speculative_config=dict(cfg, disable_by_batch_size=64))
+    n = 20
+    params = [_constrained(so, temperature=1.0, seed=5, n=n, max_tokens=96) for so in CONSTRAINTS]
+    outs = llm.generate(["ROMEO:"] * len(params), params, use_tqdm=False)
+    for so, o in zip(CONSTRAINTS, outs, strict=True):
+        assert len(o.outputs) == n
+        for c in o.outputs:
+            assert c.finish_reason == "stop", (so, c.text)
+            _check_valid(so, c.text)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_accepted_tokens_total"] > 0
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
+def test_constrained_speculation_under_preemption_keeps_the_matcher_in_step() -> None:
+    """A pool too small for the batch: sequences are preempted and recomputed mid-output while proposals are
+    verified; the matcher only ever holds the kept output tokens, so greedy outputs equal the unconstrained
+    pool's and seeded samples stay valid."""
+    prompts = ["ROMEO: " + "But soft, what light through yonder window breaks? " * 2 + str(i) for i in range(4)]
+    greedy = _constrained({"json": PERSON}, temperature=0.0, max_tokens=80)
+    engine = dict(num_kv_blocks=10, max_num_batched_tokens=32)
+    ref, _ = generate(default_model_path(), prompts, greedy, num_kv_blocks=64)
+    outs, llm = generate(default_model_path(), prompts, greedy, speculative_config={"method": "draft_model"}, **engine)
+    m = llm.get_metrics()
+    assert m["num_preemptions_total"] > 0 and m["spec_decode_num_draft_tokens_total"] > 0
+    assert token_ids(outs) == token_ids(ref)
+    sampled = _constrained({"json": PERSON}, temperature=1.0, seed=3, n=3, max_tokens=80)
+    outs, llm = generate(default_model_path(), prompts[:2], sampled, speculative_config={"method": "draft_model"},
+                         **engine)  # fmt: skip
+    assert llm.get_metrics()["num_preemptions_total"] > 0
+    for o in outs:
+        for c in o.outputs:
+            assert c.finish_reason == "stop", c.text
+            _check_valid({"json": PERSON}, c.text)
+
+
+def test_constrained_stop_string_and_max_tokens_inside_an_accepted_run() -> None:
+    """A self-draft accepts nearly everything, so runs are long: a stop string, max_tokens and the grammar's end
+    all fall inside accepted runs, and output, finish reason and stop reason equal those without speculation."""
+    target = str(default_model_path("target"))
+    cases = [
+        _constrained({"regex": DATE}, temperature=0.0, max_tokens=40, stop=["-"]),
+        _constrained({"json": PERSON}, temperature=0.0, max_tokens=7),
+        _constrained({"json": PERSON}, temperature=0.0, max_tokens=60, stop=['"age"']),
+        _constrained({"choice": CHOICES}, temperature=0.0, max_tokens=40),
+    ]
+    self_draft = {"method": "draft_model", "model": target, "num_speculative_tokens": 6}
+    ref, _ = generate(target, ["ROMEO:"] * len(cases), cases, num_kv_blocks=64)
+    outs, llm = generate(target, ["ROMEO:"] * len(cases), cases, num_kv_blocks=64, speculative_config=self_draft)
+    assert llm.get_metrics()["spec_decode_acceptance_rate"] > 0.9
+    for a, b in zip(ref, outs, strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert (cb.token_ids, cb.text, cb.finish_reason, cb.stop_reason) == (
+            ca.token_ids, ca.text, ca.finish_reason, ca.stop_reason)  # fmt: skip
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop", "length", "stop", "stop"]
+    assert llm.get_metrics()["generation_tokens_total"] == sum(len(o.outputs[0].token_ids) for o in ref)
+
+
+@pytest.mark.slow
+def test_constrained_second_token_follows_the_masked_target_distribution(llama_dir, draft_dirs) -> None:
+    """Token 2 of a constrained request comes out of verification against a random draft that drafts from the
+    grammar-masked distribution. Its marginal must be sum_t1 p(t1) p(t2 | t1), each p the target renormalised
+    over what the grammar allows in that state (t1's mask from the start, t2's after t1)."""
+    from transformers import AutoModelForCausalLM
+
+    from lmserve import StructuredOutputsParams
+    from lmserve.structured_output import TokenBitmask, fill_bitmasks
+    from lmserve.worker.sampler import Sampler, SamplingMetadata
+
+    prompt, so = "def fib(n):", StructuredOutputsParams(regex="[a-h]+")
+    n_samples = 3000
+    cfg = {"model": str(draft_dirs["small"]), "num_speculative_tokens": 2, "disable_by_batch_size": 10**6}
+    llm = LLM(str(llama_dir), num_kv_blocks=2048, max_num_seqs=n_samples, speculative_config=cfg)
+    params = SamplingParams(temperature=1.0, max_tokens=3, n=n_samples, structured_outputs=so)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_draft_tokens_total"] >= n_samples, "every sequence verified a proposal"
+    assert 0 < m["spec_decode_num_accepted_tokens_total"] < m["spec_decode_num_draft_tokens_total"]
+    second = torch.tensor([c.token_ids[1] for c in out.outputs])
+
+    engine = llm.engine
+    vocab = engine.config.model.vocab_size
+    grammar = engine.structured.new_request(so)
+    one = SamplingParams(temperature=1.0)
+    ids = llm.get_tokenizer().encode(prompt)
+
+    def probs(logits: torch.Tensor, outputs: list[list[int]], mask: TokenBitmask) -> torch.Tensor:
+        rows = len(outputs)
+        meta = SamplingMetadata([one] * rows, [None] * rows, [ids] * rows, outputs, list(engine.eos_token_ids), mask)
+        return Sampler().compute_probs(logits, meta)
+
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    with torch.no_grad():
+        p1 = probs(hf(torch.tensor([ids])).logits[:, -1].float(), [[]], fill_bitmasks([0], [grammar], vocab))[0]
+        firsts = torch.nonzero(p1).squeeze(1).tolist()
+        masks = []
+        for t in firsts:
+            grammar.advance_tentatively([t])
+            masks.append(fill_bitmasks([0], [grammar], vocab).bits)
+            grammar.rollback_tentative()
+        mask2 = TokenBitmask(list(range(len(firsts))), torch.cat(masks))
+        batch = torch.cat([torch.tensor([ids] * len(firsts)), torch.tensor(firsts)[:, None]], dim=1)
+        p2 = probs(hf(batch).logits[:, -1].float(), [[t] for t in firsts], mask2)
+    assert 3 <= len(firsts) < 100, "the grammar allows a small known set"
+    expected = (p1[firsts, None] * p2).sum(0)
+    assert set(second.tolist()) <= set(torch.nonzero(expected).squeeze(1).tolist()), "only allowed tokens"
+    observed = torch.bincount(second, minlength=len(expected)).float() / n_samples
+    tv, floor = _tv(observed, expected), _noise_floor(expected, n_samples)
+    assert tv <= floor * 1.1, f"TV {tv:.4f} vs noise floor {floor:.4f}"
+
+
+# ---- per-request adaptive speculation ------------------------------------------------------------------------
+
+
+def test_acceptance_tracker_sets_k_from_recent_acceptance_and_backs_off() -> None:
+    from lmserve.spec_decode.acceptance import BACKOFF_STEPS, MAX_BACKOFF_STEPS, AcceptanceTracker
+
+    t = AcceptanceTracker()
+    assert t.num_proposals(4, 0.3) == 4, "no history: the full k"
+    t.record(4, 4)
+    assert t.rate == 1.0 and t.num_proposals(4, 0.3) == 4
+    t = AcceptanceTracker()
+    t.record(4, 1)  # one accepted, the second rejected: rate 1/2
+    assert t.rate == 0.5 and t.num_proposals(4, 0.3) == 1 and t.num_proposals(4, 0.2) == 2
+    assert t.num_proposals(4, 0.0) == 4, "threshold 0: adaptation off"
+    t.record(4, 0)
+    t.record(4, 0)  # mostly rejected now
+    assert t.rate < 0.3
+    waits = []
+    for _ in range(3):  # skip, probe with one token, the probe rejected, skip twice as long
+        skipped = 0
+        while (n := t.num_proposals(4, 0.3)) == 0:
+            skipped += 1
+        assert n == 1
+        waits.append(skipped)
+        t.record(1, 0)
+    assert waits == [BACKOFF_STEPS, 2 * BACKOFF_STEPS, 4 * BACKOFF_STEPS]
+    for _ in range(10):
+        t.record(1, 0)
+        while t.num_proposals(4, 0.3) == 0:
+            pass
+    assert t.backoff == MAX_BACKOFF_STEPS
+    for _ in range(3):
+        t.record(1, 1)  # good probes again: speculation comes back, k grows with the rate
+    assert t.num_proposals(4, 0.3) >= 1 and t.backoff == 0
+
+
+def test_adaptive_speculation_proposes_less_where_the_draft_is_rejected() -> None:
+    """The bundled draft on Chinese text is mostly rejected: adaptation proposes far fewer tokens than fixed k
+    (at a higher acceptance rate); the greedy output is the same with either and without speculation."""
+    prompts = ["床前明月光，疑是地上霜。"]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    ref, _ = generate(default_model_path(), prompts, params, num_kv_blocks=32)
+    fixed, llm_fixed = generate(default_model_path(), prompts, params, num_kv_blocks=32,
+                                speculative_config={"method": "draft_model", "adaptive_threshold": 0})  # fmt: skip
+    adaptive, llm = generate(default_model_path(), prompts, params, num_kv_blocks=32,
+                             speculative_config={"method": "draft_model"})  # fmt: skip
+    assert token_ids(fixed) == token_ids(adaptive) == token_ids(ref)
+    f, a = llm_fixed.get_metrics(), llm.get_metrics()
+    assert f["spec_decode_acceptance_rate"] < 0.5, "the premise: a poorly predicted prompt"
+    assert 0 < a["spec_decode_num_draft_tokens_total"] < f["spec_decode_num_draft_tokens_total"] / 2
+    assert a["spec_decode_acceptance_rate"] > f["spec_decode_acceptance_rate"]
+    assert llm.engine.config.speculative.adaptive_threshold == 0.3
+    with pytest.raises(ValueError, match="adaptive_threshold"):
+        LLM(num_kv_blocks=16, speculative_config={"method": "ngram", "adaptive_threshold": 1.5})

@@ -18,7 +18,13 @@ from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.scheduler import Scheduler
 from lmserve.default_model import default_model_path
 from lmserve.request import Request
-from lmserve.structured_output import GrammarError, StructuredOutputManager, TokenBitmask, fill_bitmasks
+from lmserve.structured_output import (
+    GrammarError,
+    StructuredOutputManager,
+    TokenBitmask,
+    fill_bitmasks,
+    fill_verification_bitmasks,
+)
 from lmserve.worker.sampler import Sampler, SamplingMetadata
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -295,6 +301,33 @@ def test_matcher_checks_several_proposed_tokens_and_rolls_back(manager: Structur
     assert req.accept_tokens(good[:3]) == 3
     req.rollback(3)
     assert req.accept_tokens(good) == len(good) and req.is_accepting
+
+
+def test_verification_masks_follow_the_proposals_and_leave_the_matcher_unchanged(
+    manager: StructuredOutputManager,
+) -> None:
+    """Row j of a verification mask is the mask after proposals d_1..d_j (compared with a matcher that consumed
+    them for real); proposals are cut at the first refused token; tentative moves, also over EOS after the end of
+    the grammar (which llguidance does not record), roll back to the sequence's own state."""
+    tok = AutoTokenizer.from_pretrained(default_model_path("target"))
+    so = StructuredOutputsParams(regex=r"\d{2}-\d{2}")
+    req, ref = manager.new_request(so), manager.new_request(so)
+    req._future.result()
+    digits = tok.encode("12-34", add_special_tokens=False)
+    assert req.valid_proposals(digits[:1], digits[1:] + [5, 6]) == digits[1:]
+    assert req.valid_proposals(digits, [0, 7]) == [0], "EOS is the only token after the end"
+    masks = fill_verification_bitmasks([3, 9], [req, ref], [digits, []], 8000)
+    assert masks.rows == [3 + j for j in range(len(digits) + 1)] + [9]
+    for j in range(len(digits) + 1):
+        assert torch.equal(masks.bits[j], fill_bitmasks([0], [ref], 8000).bits[0]), j
+        if j < len(digits):
+            assert ref.accept_token(digits[j])
+    assert torch.equal(masks.bits[-1], fill_bitmasks([0], [req], 8000).bits[0]), "the empty run: the start mask"
+    assert req.validate_tokens(digits) == len(digits), "the matcher is back at the start"
+    req.advance_tentatively(digits + [0, 0])  # complete, then EOS twice
+    assert req.is_terminated
+    req.rollback_tentative()
+    assert req.validate_tokens(digits) == len(digits) and not req.is_accepting
 
 
 def test_sampling_within_the_allowed_set_is_exact(manager: StructuredOutputManager) -> None:

@@ -77,6 +77,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Any = None
     num_draft_computed_tokens: int = 0
+    spec_acceptance: Any = None  # AcceptanceTracker (spec_decode/acceptance.py): how many tokens to propose
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

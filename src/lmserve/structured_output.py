@@ -6,6 +6,8 @@
     waiting while `is_ready` is False (plain Python, no torch in core/).
     every step:  fill_bitmasks(constrained rows) ─▶ TokenBitmask ─▶ Sampler masks those rows before temperature
     every token: StructuredOutputRequest.accept_token(); grammar complete → the engine stops the sequence.
+    speculative decoding: proposals cut at the first refused token (valid_proposals), the draft masked while
+    drafting, verification rows masked per position (fill_verification_bitmasks); tentative moves roll back.
 
 The grammar engine is llguidance (Rust; lazy lexer + Earley parser, masks computed on demand): no
 dependencies of its own, JSON schema / regex / Lark / GBNF front ends, and `validate_tokens` / `rollback` for
@@ -124,16 +126,17 @@ class StructuredOutputManager:
 class StructuredOutputRequest:
     """The grammar state of one sequence. `is_ready` is what the scheduler reads (a plain bool).
 
-    The matcher is advanced on every accepted token. Preemption needs nothing: recompute keeps the output
+    The matcher is advanced on every kept token. Preemption needs nothing: recompute keeps the output
     tokens, the matcher has consumed them, and the next token is sampled after them. For speculative decoding,
-    `validate_tokens` says how many proposed tokens the grammar accepts without advancing, and `rollback`
-    undoes accepted ones.
+    `valid_proposals` cuts proposals at the first refused token, and `advance_tentatively` /
+    `rollback_tentative` move over proposals within one call (drafting, verification masks).
     """
 
     def __init__(self, future: Future, kind: str) -> None:
         self._future = future
         self.kind = kind
         self._matcher: Any = None
+        self._num_tentative = 0  # tokens consumed by advance_tentatively, not yet rolled back
 
     @property
     def is_ready(self) -> bool:
@@ -174,6 +177,26 @@ class StructuredOutputRequest:
 
     def rollback(self, num_tokens: int) -> None:
         assert self.matcher.rollback(num_tokens), f"cannot roll back {num_tokens} tokens"
+
+    # ---- speculative decoding: tentative moves over tokens that are not the sequence's yet ----------------
+
+    def advance_tentatively(self, token_ids: list[int]) -> None:
+        """Consume tokens the grammar accepts (this step's new tokens, proposals) until `rollback_tentative`."""
+        for t in token_ids:
+            recorded = not self.matcher.is_stopped()  # llguidance takes EOS after the end without recording it
+            assert self.matcher.consume_token(t), f"tentative token {t} violates the grammar"
+            self._num_tentative += recorded
+
+    def rollback_tentative(self) -> None:
+        """Back to the state after the sequence's own tokens (undo every `advance_tentatively`)."""
+        if self._num_tentative:
+            self.rollback(self._num_tentative)
+            self._num_tentative = 0
+
+    def valid_proposals(self, new_token_ids: list[int], proposals: list[int]) -> list[int]:
+        """The longest prefix of `proposals` the grammar accepts after the not yet consumed `new_token_ids`."""
+        num_valid = self.validate_tokens(new_token_ids + proposals) - len(new_token_ids)
+        return proposals[: max(0, num_valid)]
 
     @property
     def is_terminated(self) -> bool:
@@ -220,4 +243,24 @@ def fill_bitmasks(rows: list[int], requests: list[StructuredOutputRequest], voca
         _parallel_executor().unsafe_compute_mask_ptr(
             [(m, j) for j, m in enumerate(matchers)], bits.data_ptr(), row_bytes, len(matchers)
         )
+    return TokenBitmask(rows, bits)
+
+
+def fill_verification_bitmasks(
+    first_rows: list[int], requests: list[StructuredOutputRequest], proposals: list[list[int]], vocab_size: int
+) -> TokenBitmask:
+    """Masks for verifying proposals: request i with proposals d_1..d_k scores rows first_rows[i] + j,
+    j = 0..k, and row j gets the mask of the grammar state after d_1..d_j (the matcher moves over the
+    proposals, which the grammar accepts, and back)."""
+    rows = [r + j for r, d in zip(first_rows, proposals, strict=True) for j in range(len(d) + 1)]
+    bits = torch.empty((len(rows), (vocab_size + 31) // 32), dtype=torch.int32)
+    row_bytes = bits.shape[1] * bits.element_size()
+    out = 0
+    for req, drafts in zip(requests, proposals, strict=True):
+        for j in range(len(drafts) + 1):
+            req.matcher.unsafe_compute_mask_ptr(bits.data_ptr() + out * row_bytes, row_bytes)
+            out += 1
+            if j < len(drafts):
+                req.advance_tentatively(drafts[j : j + 1])
+        req.rollback_tentative()
     return TokenBitmask(rows, bits)

@@ -260,22 +260,25 @@ class LLMEngine:
     def _process_new_tokens(self, req: Request, logprobs: list[Any]) -> int:
         """Detokenize the step's new tokens (several when speculative proposals were accepted), one at a time so
         that a stop string ends the request at the token that completed it: tokens after it are dropped, as if
-        never generated. The stop finishes the request here (its blocks freed now). Returns the tokens kept."""
+        never generated. The stop finishes the request here (its blocks freed now). A constrained request's
+        matcher consumes the kept tokens (not the one the scheduler finished the request on: EOS or max_tokens,
+        as without speculation); a complete grammar ends the run likewise. Returns the tokens kept."""
         new = req.output_token_ids[len(req.detokenizer.output_token_ids) :]
-        stop_str = None
-        for token in new:
+        stop_str, grammar_done = None, False
+        for i, token in enumerate(new):
             update = req.detokenizer.update([token])
             req.delta_text += update.delta_text
-            if update.stop_str is not None:
+            if req.structured_output is not None and not (req.is_finished and i == len(new) - 1):
+                grammar_done = self._advance_grammar(req, token)
+            if update.stop_str is not None or grammar_done:
                 stop_str = update.stop_str
                 break
         num_kept = len(new) - (len(req.output_token_ids) - len(req.detokenizer.output_token_ids))
-        del req.output_token_ids[len(req.detokenizer.output_token_ids) :]  # past a stop string
+        del req.output_token_ids[len(req.detokenizer.output_token_ids) :]  # past a stop string / complete grammar
         del req.all_token_ids[req.num_prompt_tokens + req.num_output_tokens :]
         req.num_delta_tokens += num_kept
-        if req.structured_output is not None and not req.is_finished:
-            assert num_kept == 1, "constrained requests get no speculative proposals"
-            self._advance_grammar(req)
+        if grammar_done:
+            self._finish_request(req, FinishReason.STOP, None)
         if req.logprobs is not None:
             for lp in logprobs[:num_kept]:
                 req.logprobs.append(lp)
@@ -283,26 +286,30 @@ class LLMEngine:
         self._finish_on_stop(req, stop_str)
         return num_kept
 
+    def _finish_request(self, req: Request, reason: FinishReason, stop_reason: str | None) -> None:
+        """Finish a request at its last kept token (the scheduler may have finished it at a later one)."""
+        if req.is_finished:
+            req.finish_reason, req.stop_reason = reason, stop_reason
+        else:
+            self.scheduler.finish_requests([req.request_id], reason, stop_reason)
+
     def _finish_on_stop(self, req: Request, stop_str: str | None) -> None:
         if stop_str is not None:
-            if req.is_finished:
-                req.finish_reason, req.stop_reason = FinishReason.STOP, stop_str
-            else:
-                self.scheduler.finish_requests([req.request_id], FinishReason.STOP, stop_str)
+            self._finish_request(req, FinishReason.STOP, stop_str)
         elif req.is_finished:
             req.delta_text += req.detokenizer.flush()
             if req.detokenizer.stop_str is not None:  # the held-back tail completed a stop string
                 req.finish_reason, req.stop_reason = FinishReason.STOP, req.detokenizer.stop_str
 
-    def _advance_grammar(self, req: Request) -> None:
-        """The matcher consumes the accepted token; a complete grammar stops the sequence (STOP)."""
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> bool:
+        """The matcher consumes a kept token; returns whether the grammar is complete (the sequence stops
+        there, STOP, and later tokens of the run are dropped)."""
         grammar = req.structured_output
-        token = req.output_token_ids[-1]
         assert grammar.accept_token(token), (
             f"request {req.request_id}: token {token} violates its grammar ({grammar.matcher.get_error()})"
         )
-        if grammar.is_terminated:
-            self.scheduler.finish_requests([req.request_id], FinishReason.STOP)
+        return grammar.is_terminated
 
     def _make_output(self, parent: _ParentRequest) -> RequestOutput | None:
         """The parent's output for this step; with best_of > n, only once all sequences finished (the n

@@ -14,11 +14,15 @@ SPEC_KEYS = (
     "prompt_lookup_min",
     "prompt_lookup_max",
     "disable_by_batch_size",
+    "adaptive_threshold",
 )
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # Above this many requests in a step, verification stops being nearly free on a CPU (the step turns compute
 # bound) and speculation is switched off for that step; see docs/performance.md.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# Per-request adaptive k (spec_decode/acceptance.py): propose token j while acceptance^j >= this, roughly a
+# proposal's cost relative to a target step: a draft forward costs much more than an n-gram lookup.
+DEFAULT_ADAPTIVE_THRESHOLD = {"draft_model": 0.3, "ngram": 0.1}
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int  # no proposals in a step that schedules more requests than this
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    adaptive_threshold: float = 0.0  # per-request k from recent acceptance; 0 = always k (vLLM's behaviour)
     draft: Any = None  # ModelConfig of the draft model (method "draft_model")
     draft_kv_bytes_per_token: int = 0  # the draft's KV bytes per token (0 for ngram)
 
@@ -61,6 +66,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {method!r}")
         k = _positive_int(raw, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
         threshold = _positive_int(raw, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        adaptive = raw.get("adaptive_threshold", DEFAULT_ADAPTIVE_THRESHOLD[method])
+        if not isinstance(adaptive, int | float) or isinstance(adaptive, bool) or not 0 <= adaptive < 1:
+            raise ValueError(f"speculative_config.adaptive_threshold must be a number in [0, 1), got {adaptive!r}")
         if method == "ngram":
             if raw.get("model") is not None:
                 raise ValueError("speculative_config.model: the 'ngram' method takes no model")
@@ -68,7 +76,7 @@ class SpeculativeConfig:
             hi = _positive_int(raw, "prompt_lookup_max", max(lo, 4))
             if lo > hi:
                 raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-            return SpeculativeConfig("ngram", k, threshold, lo, hi)
+            return SpeculativeConfig("ngram", k, threshold, lo, hi, float(adaptive))
         for key in ("prompt_lookup_min", "prompt_lookup_max"):
             if key in raw:
                 raise ValueError(f"speculative_config.{key} applies to the 'ngram' method only")
@@ -78,7 +86,10 @@ class SpeculativeConfig:
         draft_bpt = memory.kv_bytes_per_token(
             draft.num_layers, draft.num_kv_heads, draft.head_dim, memory.dtype_bytes(draft.dtype)
         )
-        return SpeculativeConfig("draft_model", k, threshold, draft=draft, draft_kv_bytes_per_token=draft_bpt)
+        return SpeculativeConfig(
+            "draft_model", k, threshold, adaptive_threshold=float(adaptive), draft=draft,
+            draft_kv_bytes_per_token=draft_bpt,
+        )  # fmt: skip
 
 
 def _positive_int(raw: dict[str, Any], key: str, default: int) -> int:

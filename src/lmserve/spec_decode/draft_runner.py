@@ -27,7 +27,14 @@ from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import pack_linear_weights
 from lmserve.model.loader import load_model
 from lmserve.spec_decode.proposer import ProposalInput
-from lmserve.worker.sampler import _SAMPLING_EPS
+from lmserve.structured_output import fill_bitmasks
+from lmserve.worker.sampler import _SAMPLING_EPS, apply_token_bitmask
+
+
+def _ended(item: ProposalInput) -> bool:
+    """The grammar is complete after the proposals so far: the request ends there, nothing to add."""
+    grammar = item.request.structured_output
+    return grammar is not None and grammar.is_terminated
 
 
 class DraftModelProposer:
@@ -36,6 +43,7 @@ class DraftModelProposer:
         assert spec is not None and spec.draft is not None, "the draft-model proposer needs a draft ModelConfig"
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
+        self.vocab_size = config.model.vocab_size
         dc = spec.draft
         self.model = load_model(dc, config.scheduler.max_model_len, config.device)
         if self.device.type == "cpu":
@@ -49,6 +57,17 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, inputs: list[ProposalInput]) -> tuple[dict[str, list[int]], dict[str, Any]]:
+        grammars = [it.request.structured_output for it in inputs if it.request.structured_output is not None]
+        for item in inputs:  # a constrained request drafts from the grammar state after this step's tokens
+            if item.request.structured_output is not None:
+                item.request.structured_output.advance_tentatively(item.new_token_ids)
+        try:
+            return self._propose(inputs)
+        finally:
+            for grammar in grammars:
+                grammar.rollback_tentative()
+
+    def _propose(self, inputs: list[ProposalInput]) -> tuple[dict[str, list[int]], dict[str, Any]]:
         tokens: dict[str, list[int]] = {}
         probs: dict[str, list[torch.Tensor]] = {}
         # forward 1: each request's catch-up chunk, ending with its newest token
@@ -63,12 +82,15 @@ class DraftModelProposer:
         active = list(inputs)
         while True:
             logits = self._forward(chunks)
+            self._mask_by_grammar(logits, active)
             for item, row in zip(active, logits, strict=True):
                 token, q = self._sample(row, item)
                 tokens[item.request.request_id].append(token)
                 if q is not None:
                     probs[item.request.request_id].append(q)
-            active = [it for it in active if len(tokens[it.request.request_id]) < it.num_proposals]
+                if item.request.structured_output is not None:
+                    item.request.structured_output.advance_tentatively([token])
+            active = [it for it in active if len(tokens[it.request.request_id]) < it.num_proposals and not _ended(it)]
             if not active:
                 break
             chunks = []
@@ -78,6 +100,14 @@ class DraftModelProposer:
                 req.num_draft_computed_tokens += 1
         draft_probs = {rid: torch.stack(qs) for rid, qs in probs.items() if qs}
         return tokens, draft_probs
+
+    def _mask_by_grammar(self, logits: torch.Tensor, active: list[ProposalInput]) -> None:
+        """Constrained rows draft only tokens their grammar allows (from the state after the tokens so far):
+        q is then the masked distribution, so rejection sampling stays exact and no proposal is wasted."""
+        rows = [i for i, it in enumerate(active) if it.request.structured_output is not None]
+        if rows:
+            grammars = [active[i].request.structured_output for i in rows]
+            apply_token_bitmask(logits, fill_bitmasks(rows, grammars, self.vocab_size))
 
     def _sample(self, logits: torch.Tensor, item: ProposalInput) -> tuple[int, torch.Tensor | None]:
         """Greedy requests take the draft's argmax (q one-hot, not stored); sampled ones draw from the draft's

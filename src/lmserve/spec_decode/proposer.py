@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from lmserve.core.outputs import ScheduledRequest
 from lmserve.request import Request
+from lmserve.spec_decode.acceptance import AcceptanceTracker
 from lmserve.spec_decode.config import SpeculativeConfig
 
 
@@ -23,6 +24,11 @@ class ProposalInput:
     token_ids: list[int]  # prompt + output, this step's accepted and sampled tokens included
     block_ids: list[int]  # its block table (the draft writes its KV through it)
     num_proposals: int  # at most this many tokens (>= 1)
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        """This step's accepted and sampled tokens (a grammar matcher has not consumed them yet)."""
+        return self.token_ids[self.request.num_tokens :]
 
 
 class Proposer(Protocol):
@@ -39,24 +45,40 @@ def proposal_inputs(
     block_size: int,
 ) -> list[ProposalInput]:
     """Who gets proposals after this step: nobody when the step scheduled more than disable_by_batch_size
-    requests; else every request that sampled, with k capped so that proposals plus the token their
-    verification adds stay within max_tokens, and so that a draft's KV writes stay in the block table."""
+    requests; else every request that sampled, with k set by its recent acceptance (AcceptanceTracker; 0 while
+    it backs off), capped so that proposals plus the token their verification adds stay within max_tokens, and
+    so that a draft's KV writes stay in the block table."""
     if num_scheduled > config.disable_by_batch_size:
         return []
     out = []
     for s, new_tokens in sampled:
         req = s.request
-        if req.structured_output is not None:
-            continue  # a grammar constrains every token: proposals would need the matcher (not wired yet)
         token_ids = req.all_token_ids + new_tokens
         remaining = req.max_tokens - (req.num_output_tokens + len(new_tokens))
-        n = min(config.num_speculative_tokens, remaining - 1)
+        if remaining <= 1:
+            continue
+        if req.spec_acceptance is None:
+            req.spec_acceptance = AcceptanceTracker()
+        n = min(req.spec_acceptance.num_proposals(config.num_speculative_tokens, config.adaptive_threshold),
+                remaining - 1)  # fmt: skip
         if config.num_lookahead_tokens:
             # the draft writes positions len(token_ids) - 1 ... len(token_ids) + n - 2
             n = min(n, len(s.block_ids) * block_size - len(token_ids) + 1)
         if n >= 1:
             out.append(ProposalInput(req, token_ids, s.block_ids, n))
     return out
+
+
+def cut_at_grammar(inputs: list[ProposalInput], proposals: dict[str, list[int]]) -> None:
+    """In place: a constrained request's proposals end before the first token its grammar refuses (after this
+    step's new tokens), so verification can mask every verified position. Exact for n-gram lookup and greedy
+    drafts, whose proposals are a function of the tokens alone; a sampling draft draws from the grammar-masked
+    distribution, so it never proposes a refused token and nothing is cut."""
+    for item in inputs:
+        grammar = item.request.structured_output
+        rid = item.request.request_id
+        if grammar is not None and proposals.get(rid):
+            proposals[rid] = grammar.valid_proposals(item.new_token_ids, proposals[rid])
 
 
 class NgramProposer:

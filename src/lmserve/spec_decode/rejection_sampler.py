@@ -9,6 +9,10 @@ drawn from the normalised residual max(0, p_j - q_j) and the rest are dropped; w
 bonus token is drawn from p_{k+1}. Each emitted token is then distributed exactly as p (Leviathan et al.,
 2023; Chen et al., 2023). Greedy requests reduce to: accept while d_j is the processed argmax, then emit the
 argmax. Draws use the request's own torch.Generator when seeded.
+
+A constrained request (structured outputs) is verified against its grammar too: p_j includes the token mask
+of the grammar state after d_1..d_j (the proposals were cut at the first token the grammar refuses, so the
+matcher can move over them), exactly the mask the sampler would apply had d_1..d_j been sampled one by one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from lmserve.core.outputs import ScheduledRequest
+from lmserve.structured_output import fill_verification_bitmasks
 from lmserve.worker.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, TokenLogprobs, token_logprobs
 
 
@@ -29,7 +34,7 @@ class Verified:
 
 def verify(sampler: Sampler, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> list[Verified]:
     """logits: (sum of 1 + num_spec_tokens, vocab) raw target rows, request by request in `scheduled` order."""
-    meta = _expanded_metadata(scheduled)
+    meta = _expanded_metadata(scheduled, logits.shape[1])
     assert logits.shape[0] == len(meta.params), "one logits row per verified position"
     raw = logits.float()
     processed = sampler.apply_logits_processors(raw, meta) if Sampler._needs_processing(meta) else raw
@@ -61,19 +66,31 @@ def verify(sampler: Sampler, logits: torch.Tensor, scheduled: list[ScheduledRequ
     return out
 
 
-def _expanded_metadata(scheduled: list[ScheduledRequest]) -> SamplingMetadata:
-    """One sampler row per verified position; row j's output so far includes the proposals before it."""
+def _expanded_metadata(scheduled: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
+    """One sampler row per verified position; row j's output so far includes the proposals before it, and so
+    does its grammar state (a constrained request's row j is masked as after d_1..d_j)."""
     params, gens, prompts, outputs = [], [], [], []
+    constrained: list[tuple[int, ScheduledRequest]] = []
     for s in scheduled:
         req = s.request
         drafts = req.spec_token_ids[: s.num_spec_tokens]
+        if req.structured_output is not None:
+            constrained.append((len(params), s))
         for j in range(len(drafts) + 1):
             params.append(req.sampling_params)
             gens.append(req.generator)
             prompts.append(req.prompt_token_ids)
             outputs.append(req.output_token_ids + drafts[:j] if j else req.output_token_ids)
     eos = list(scheduled[0].request.eos_token_ids)
-    return SamplingMetadata(params, gens, prompts, outputs, eos)
+    bitmask = None
+    if constrained:
+        bitmask = fill_verification_bitmasks(
+            [row for row, _ in constrained],
+            [s.request.structured_output for _, s in constrained],
+            [s.request.spec_token_ids[: s.num_spec_tokens] for _, s in constrained],
+            vocab_size,
+        )
+    return SamplingMetadata(params, gens, prompts, outputs, eos, bitmask)
 
 
 def _greedy(drafts: list[int], argmax: list[int]) -> list[int]:

@@ -19,7 +19,7 @@ from lmserve.model.layers import (
     round_linear_weights_to_bf16,
 )
 from lmserve.model.loader import load_model
-from lmserve.spec_decode.proposer import make_proposer, proposal_inputs
+from lmserve.spec_decode.proposer import cut_at_grammar, make_proposer, proposal_inputs
 from lmserve.spec_decode.rejection_sampler import verify
 from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.host_memory import tune_malloc_for_tensors
@@ -176,6 +176,8 @@ class ModelRunner:
     def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         for s, v in zip(verifying, verify(self.sampler, logits, verifying), strict=True):
             rid = s.request.request_id
+            if s.request.spec_acceptance is not None:
+                s.request.spec_acceptance.record(s.num_spec_tokens, len(v.token_ids) - 1)
             out.accepted_token_ids[rid], out.sampled_token_ids[rid] = v.token_ids[:-1], v.token_ids[-1]
             if v.logprobs is not None:
                 out.accepted_logprobs[rid], out.logprobs[rid] = v.logprobs[:-1], v.logprobs[-1]
@@ -195,6 +197,7 @@ class ModelRunner:
         inputs = proposal_inputs(self.config.speculative, new_tokens, len(sched.scheduled), self.block_size)
         if inputs:
             out.spec_token_ids, out.spec_draft_probs = self.proposer.propose(inputs)
+            cut_at_grammar(inputs, out.spec_token_ids)
 
     def _prompt_logprobs(
         self, ordered: list[ScheduledRequest], first_row: dict[str, int], hidden: torch.Tensor
