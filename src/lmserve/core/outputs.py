@@ -32,6 +32,12 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted_ids: list[str] = field(default_factory=list)
+    num_decode_tokens: int = 0  # of num_batched_tokens, those of requests past their prompt (1 + proposals each)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens computed this step (prefill chunks, recompute after preemption)."""
+        return self.num_batched_tokens - self.num_decode_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -71,6 +77,8 @@ class SchedulerStats:
     spec_num_drafts_total: int = 0  # verifications of at least one proposed token
     spec_num_draft_tokens_total: int = 0  # proposed tokens verified
     spec_num_accepted_tokens_total: int = 0  # of those, accepted
+    num_prefill_tokens: int = 0  # of num_batched_tokens in the latest step: prompt (prefill) tokens
+    num_decode_tokens: int = 0  # and decode tokens
 
 
 @dataclass
