@@ -48,8 +48,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
             result = dx.diagnose_report(args.report, th)
         else:
             before = dx.scrape_url(args.url, args.api_key)
-            if not args.json:
-                print(f"scraped {args.url}/metrics; again in {args.window:g} s ...", file=sys.stderr)
+            print(f"scraped {args.url}/metrics; again in {args.window:g} s ...", file=sys.stderr, flush=True)
             time.sleep(args.window)
             after = dx.scrape_url(args.url, args.api_key)
             if not after.samples.get(dx.PREFIX + "num_steps_total"):
