@@ -296,9 +296,14 @@ def test_report_window(tmp_path: Path) -> None:
     doc = {
         "args": {},
         "summary": dict(
-            duration_s=10.0, total_prompt_tokens=3000, total_output_tokens=1500,
-            ttft_ms=dist(900, 800, 1500, 1700), tpot_ms=dist(20, 20, 25, 30), itl_ms=dist(20, 20, 25, 30),
-            e2e_ms=dist(2000, 1900, 2500, 2600), prompt_len=dist(100, 100, 110, 120),
+            duration_s=10.0,
+            total_prompt_tokens=3000,
+            total_output_tokens=1500,
+            ttft_ms=dist(900, 800, 1500, 1700),
+            tpot_ms=dist(20, 20, 25, 30),
+            itl_ms=dist(20, 20, 25, 30),
+            e2e_ms=dist(2000, 1900, 2500, 2600),
+            prompt_len=dist(100, 100, 110, 120),
             output_len=dist(50, 50, 50, 50),
         ),  # fmt: skip
         "requests": requests,

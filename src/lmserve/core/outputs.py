@@ -82,6 +82,21 @@ class SchedulerStats:
 
 
 @dataclass
+class BlockMap:
+    """The KV pool at one moment, one entry per block (plain ints, for the dashboard). A block held by several
+    requests (a shared prefix, n > 1) lists the first holder as its owner and its ref count says how many."""
+
+    owners: list[int]  # per block: index into request_ids of a request holding it, -1 when free
+    ref_counts: list[int]  # per block: how many requests' tables hold it
+    cached: list[int]  # per block: 1 while registered in the prefix index (reusable even once free), else 0
+    request_ids: list[str]  # the owner table
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.owners)
+
+
+@dataclass
 class CompletionOutput:
     """One sequence of a request. text / token_ids / logprobs are cumulative; the delta_* fields hold
     what this step added (what a stream sends)."""

@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lmserve.config import EngineArgs
-from lmserve.core.outputs import RequestOutput
+from lmserve.core.outputs import BlockMap, RequestOutput
 from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+BLOCK_MAP_INTERVAL_S = 1.0  # a watched block map is rebuilt at most this often (on the engine thread)
 
 
 class EngineDeadError(RuntimeError):
@@ -99,6 +101,7 @@ class EngineSnapshot:
     num_batched_tokens: int  # tokens in the latest step
     num_aborted_requests_total: int
     time: float
+    block_map: BlockMap | None = None  # only while someone watches (watch_block_map); at most BLOCK_MAP_INTERVAL_S old
 
 
 class RequestStream:
@@ -155,6 +158,11 @@ class _Abort:
 
 
 @dataclass
+class _Watch:
+    on: bool
+
+
+@dataclass
 class _Delivery:
     """Items to hand to streams living on one event loop, sent in one call_soon_threadsafe."""
 
@@ -192,7 +200,7 @@ class AsyncEngine:
         # a GGUF tokenizer is converted from the file's metadata, which takes seconds.
         self.tokenizer = tokenizer or copy.deepcopy(engine.tokenizer)
         self.stat_loggers: list[StatLogger] = []
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Watch] = deque()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # guards _num_pending_*, _room, _dead
         self._num_pending_seqs = 0  # sequences in queued _Add commands, not yet in the scheduler
@@ -203,6 +211,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._num_aborted = 0  # engine thread only
+        self._num_block_map_watchers = 0  # engine thread only
+        self._block_map: BlockMap | None = None  # engine thread only: the latest, while watched
+        self._block_map_time = 0.0
         self._ids = itertools.count()
         self._snapshot = self._take_snapshot()
 
@@ -299,6 +310,13 @@ class AsyncEngine:
         self._commands.append(_Abort(request_id))
         self._wakeup.set()
 
+    def watch_block_map(self, on: bool) -> None:
+        """Subscribe (on=True) or unsubscribe one watcher of the KV block map: while any watches, snapshots carry
+        `block_map`, rebuilt on the engine thread at most every BLOCK_MAP_INTERVAL_S; otherwise it costs nothing.
+        Callable from any thread; pair every on with an off."""
+        self._commands.append(_Watch(on))
+        self._wakeup.set()
+
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -340,6 +358,11 @@ class AsyncEngine:
             cmd = self._commands.popleft()
             if isinstance(cmd, _Abort):
                 self._apply_abort(cmd.request_id)
+                continue
+            if isinstance(cmd, _Watch):
+                self._num_block_map_watchers += 1 if cmd.on else -1
+                assert self._num_block_map_watchers >= 0, "watch_block_map(False) without a matching True"
+                self._block_map = None  # rebuilt (or dropped) with the next snapshot
                 continue
             num_applied_seqs += cmd.num_seqs
             num_applied_blocks += cmd.num_blocks
@@ -391,12 +414,21 @@ class AsyncEngine:
                 pass
 
     def _take_snapshot(self) -> EngineSnapshot:
+        now = time.time()
         return EngineSnapshot(
             metrics=self.engine.get_metrics(),
             num_batched_tokens=self.engine.stats().num_batched_tokens,
             num_aborted_requests_total=self._num_aborted,
-            time=time.time(),
+            time=now,
+            block_map=self._watched_block_map(now),
         )
+
+    def _watched_block_map(self, now: float) -> BlockMap | None:
+        if not self._num_block_map_watchers:
+            return None
+        if self._block_map is None or now - self._block_map_time >= BLOCK_MAP_INTERVAL_S:
+            self._block_map, self._block_map_time = self.engine.block_map(), now
+        return self._block_map
 
     def _publish_snapshot(self) -> None:
         snap = self._take_snapshot()

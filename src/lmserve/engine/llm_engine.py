@@ -12,7 +12,7 @@ import torch
 
 from lmserve.config import EngineArgs, EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
-from lmserve.core.outputs import CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from lmserve.core.outputs import BlockMap, CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from lmserve.core.prefix_shadow import SharedPrefixCounter
 from lmserve.core.scheduler import Scheduler
 from lmserve.engine.detokenizer import IncrementalDetokenizer
@@ -389,6 +389,10 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def block_map(self) -> BlockMap:
+        """The KV pool's blocks: owner (a sequence id; `parent#i` for n > 1), ref count, cached (the dashboard)."""
+        return self.kv.block_map()
 
     def get_metrics(self) -> dict[str, Any]:
         s = self.scheduler.stats()
