@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP server: `build_app(engine)` → a FastAPI app.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize,
-GET /health, GET /metrics; the web pages and the dashboard feed (dashboard.py). Every refusal is an OpenAI-shaped error body (errors.py): 400 for bad input
-naming the field, 401 without the API key, 404 for an unknown model, 413 for an oversized body, 429 with
-Retry-After when too many requests wait for the full engine (async_engine), 503 while loading or after the
-engine loop died, 500 only for our own failures. A client that disconnects (streaming or not) aborts its
-engine requests at once.
+GET /health, GET /metrics; the web pages and the dashboard feed (dashboard.py). Every refusal is an
+OpenAI-shaped error body (errors.py): 400 for bad input naming the field, 401 without the API key, 404 for an
+unknown model, 413 for an oversized body, 429 with Retry-After when too many requests wait for the full engine
+(async_engine), 503 while loading or after the engine loop died, 500 only for our own failures. A client that
+disconnects (streaming or not) aborts its engine requests at once.
 """
 
 from __future__ import annotations
