@@ -91,3 +91,19 @@ def build_model(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0, 
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out_dir / f.name)
     return out_dir
+
+
+def require_extra(module: str, what: str | None = None):
+    """Import an optional extra's module for a test module: skip when it is missing, unless
+    LMSERVE_REQUIRE_EXTRAS=1 (CI installs every extra: there a missing one is a failure)."""
+    import importlib
+    import os
+
+    import pytest
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if os.environ.get("LMSERVE_REQUIRE_EXTRAS") == "1":
+            raise
+        pytest.skip(f"{what or module} is not installed ({e})", allow_module_level=True)

@@ -214,6 +214,7 @@ class AsyncEngine:
         self._num_block_map_watchers = 0  # engine thread only
         self._block_map: BlockMap | None = None  # engine thread only: the latest, while watched
         self._block_map_time = 0.0
+        self._block_map_steps = 0  # engine steps when it was built
         self._ids = itertools.count()
         self._snapshot = self._take_snapshot()
 
@@ -340,7 +341,7 @@ class AsyncEngine:
                 self._wakeup.clear()  # before draining, so a command queued after the drain wakes us
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
-                    self._publish_snapshot()
+                    self._publish_snapshot(idle=True)
                     self._wakeup.wait()
                     continue
                 outputs = self.engine.step()
@@ -413,25 +414,29 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed; its consumers are gone
                 pass
 
-    def _take_snapshot(self) -> EngineSnapshot:
+    def _take_snapshot(self, idle: bool = False) -> EngineSnapshot:
         now = time.time()
         return EngineSnapshot(
             metrics=self.engine.get_metrics(),
             num_batched_tokens=self.engine.stats().num_batched_tokens,
             num_aborted_requests_total=self._num_aborted,
             time=now,
-            block_map=self._watched_block_map(now),
+            block_map=self._watched_block_map(now, idle),
         )
 
-    def _watched_block_map(self, now: float) -> BlockMap | None:
+    def _watched_block_map(self, now: float, idle: bool) -> BlockMap | None:
+        """Rebuilt at most every BLOCK_MAP_INTERVAL_S, and once more when the engine goes idle (else the map
+        would show the last busy moment until the next request)."""
         if not self._num_block_map_watchers:
             return None
-        if self._block_map is None or now - self._block_map_time >= BLOCK_MAP_INTERVAL_S:
-            self._block_map, self._block_map_time = self.engine.block_map(), now
+        steps = self.engine.counters.num_steps_total
+        due = now - self._block_map_time >= BLOCK_MAP_INTERVAL_S or (idle and steps != self._block_map_steps)
+        if self._block_map is None or due:
+            self._block_map, self._block_map_time, self._block_map_steps = self.engine.block_map(), now, steps
         return self._block_map
 
-    def _publish_snapshot(self) -> None:
-        snap = self._take_snapshot()
+    def _publish_snapshot(self, idle: bool = False) -> None:
+        snap = self._take_snapshot(idle)
         room = self._measure_room()
         with self._lock:
             self._room = room
