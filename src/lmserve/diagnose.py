@@ -513,7 +513,7 @@ def _tpot_high(w: Window, th: Thresholds) -> list[Finding]:
     m_steps, m_time = w.c("mixed_steps") or 0.0, w.c("mixed_step_time_s") or 0.0
     decode_step = d_time / d_steps if d_steps else None
     mixed_step = m_time / m_steps if m_steps else None
-    if decode_step and mixed_step and mixed_step >= th.interference_ratio * decode_step:
+    if decode_step and mixed_step and m_steps >= 3 and mixed_step >= th.interference_ratio * decode_step:
         per_mixed = (w.c("mixed_step_prefill_tokens") or 0.0) / m_steps
         evidence = [
             f"{m_steps:.0f} steps computed prompt tokens beside decodes ({per_mixed:.0f} prompt tokens each): "
