@@ -35,6 +35,29 @@ def _snapshot(**overrides) -> EngineSnapshot:
         "spec_decode_num_accepted_tokens_total": 30,
         "spec_decode_acceptance_rate": 0.75,
         "spec_decode_mean_accepted_length": 4.0,
+        "num_prefill_tokens_step": 12,
+        "num_decode_tokens_step": 5,
+        "prefill_tokens_total": 90,
+        "decode_tokens_total": 70,
+        "step_time_s_total": 2.5,
+        "num_decode_steps_total": 30,
+        "decode_step_time_s_total": 1.5,
+        "decode_step_seqs_total": 60,
+        "decode_step_time_min_s": 0.04,
+        "num_mixed_steps_total": 8,
+        "mixed_step_time_s_total": 0.8,
+        "mixed_step_prefill_tokens_total": 80,
+        "prefix_shareable_tokens_total": 48,
+        "scheduling_policy": "static",
+        "enable_chunked_prefill": False,
+        "enable_prefix_caching": True,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "max_model_len": 256,
+        "block_size": 16,
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 16,
     }
     metrics.update(overrides)
     return EngineSnapshot(metrics=metrics, num_batched_tokens=17, num_aborted_requests_total=4, time=0.0)
@@ -71,6 +94,14 @@ def test_engine_counters_and_gauges_come_from_the_snapshot() -> None:
     assert s["lmserve:spec_decode_num_accepted_tokens_total"] == 30
     assert s["lmserve:spec_decode_num_drafts_total"] == 10
     assert s["lmserve:spec_decode_acceptance_rate"] == 0.75 and s["lmserve:spec_decode_mean_accepted_length"] == 4.0
+    assert s["lmserve:num_prefill_tokens"] == 12 and s["lmserve:num_decode_tokens"] == 5
+    assert s["lmserve:prefill_tokens_computed_total"] == 90 and s["lmserve:decode_tokens_computed_total"] == 70
+    assert s["lmserve:engine_step_time_seconds_total"] == 2.5 and s["lmserve:decode_step_time_min_seconds"] == 0.04
+    assert s["lmserve:num_decode_steps_total"] == 30 and s["lmserve:decode_step_seqs_total"] == 60
+    assert s["lmserve:mixed_step_prefill_tokens_total"] == 80 and s["lmserve:prefix_shareable_tokens_total"] == 48
+    info = [k for k in s if k.startswith("lmserve:engine_config_info")]
+    assert len(info) == 1 and "scheduling_policy=static" in info[0] and "enable_chunked_prefill=False" in info[0]
+    assert "head_dim=16" in info[0] and s[info[0]] == 1
 
 
 def test_nothing_from_the_engine_while_loading() -> None:

@@ -143,6 +143,45 @@ class _EngineCollector(Collector):
             "spec_decode_mean_accepted_length", "Tokens a verification emits on average (accepted + 1).",
             m["spec_decode_mean_accepted_length"],
         )  # fmt: skip
+        yield from _step_metrics(m, counter, gauge)
+        config = GaugeMetricFamily(
+            PREFIX + "engine_config_info",
+            "The scheduler, cache and model-shape settings a diagnosis names (value 1).",
+            labels=[*labels, *CONFIG_LABELS],
+        )
+        config.add_metric([*values, *(str(m[k]) for k in CONFIG_LABELS)], 1)
+        yield config
+
+
+CONFIG_LABELS = (
+    "scheduling_policy", "enable_chunked_prefill", "enable_prefix_caching", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len", "block_size", "num_layers", "num_kv_heads", "head_dim",
+)  # fmt: skip
+# snapshot key → (metric name, kind, help): the step split and step times lmserve.diagnose reads
+STEP_METRICS = (
+    ("num_prefill_tokens_step", "num_prefill_tokens", "gauge", "Prompt tokens computed in the latest step."),
+    ("num_decode_tokens_step", "num_decode_tokens", "gauge", "Decode tokens computed in the latest step."),
+    ("prefill_tokens_total", "prefill_tokens_computed", "counter",
+     "Prompt tokens computed (prefill chunks and recompute after preemption; prefix-cache hits excluded)."),
+    ("decode_tokens_total", "decode_tokens_computed", "counter", "Decode tokens computed (1 + proposals each)."),
+    ("step_time_s_total", "engine_step_time_seconds", "counter", "Wall time of model steps."),
+    ("num_decode_steps_total", "num_decode_steps", "counter", "Steps with decode tokens only."),
+    ("decode_step_time_s_total", "decode_step_time_seconds", "counter", "Wall time of decode-only steps."),
+    ("decode_step_seqs_total", "decode_step_seqs", "counter", "Sequences in decode-only steps (summed)."),
+    ("decode_step_time_min_s", "decode_step_time_min_seconds", "gauge",
+     "The fastest decode-only step so far (the step's idle figure)."),
+    ("num_mixed_steps_total", "num_mixed_steps", "counter", "Steps computing prompt tokens beside decodes."),
+    ("mixed_step_time_s_total", "mixed_step_time_seconds", "counter", "Wall time of those mixed steps."),
+    ("mixed_step_prefill_tokens_total", "mixed_step_prefill_tokens", "counter",
+     "Prompt tokens computed in mixed steps."),
+    ("prefix_shareable_tokens_total", "prefix_shareable_tokens", "counter",
+     "Prompt tokens (whole blocks) an earlier prompt already had, cached or not."),
+)  # fmt: skip
+
+
+def _step_metrics(m: dict[str, Any], counter: Callable, gauge: Callable) -> Iterator[Metric]:
+    for key, name, kind, doc in STEP_METRICS:
+        yield (counter if kind == "counter" else gauge)(name, doc, m[key])
 
 
 class Metrics:

@@ -20,6 +20,7 @@ new request's window are not claimed at all (NULL_BLOCK in its table).
 from __future__ import annotations
 
 from lmserve.core.block_pool import BlockPool, KVCacheBlock, block_key, hash_blocks
+from lmserve.core.outputs import BlockMap
 from lmserve.memory import kv_blocks_held
 from lmserve.request import Request
 
@@ -177,3 +178,14 @@ class KVCacheManager:
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
+
+    def block_map(self) -> BlockMap:
+        """Every block's owner, ref count and prefix-index registration (O(blocks + table entries))."""
+        owners = [-1] * self.pool.num_blocks
+        request_ids = list(self.req_to_blocks)
+        for i, table in enumerate(self.req_to_blocks.values()):
+            for b in table:
+                if owners[b.block_id] < 0:
+                    owners[b.block_id] = i
+        blocks = self.pool.blocks
+        return BlockMap(owners, [b.ref_cnt for b in blocks], [int(b.key is not None) for b in blocks], request_ids)

@@ -32,6 +32,12 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted_ids: list[str] = field(default_factory=list)
+    num_decode_tokens: int = 0  # of num_batched_tokens, those of requests past their prompt (1 + proposals each)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens computed this step (prefill chunks, recompute after preemption)."""
+        return self.num_batched_tokens - self.num_decode_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -71,6 +77,23 @@ class SchedulerStats:
     spec_num_drafts_total: int = 0  # verifications of at least one proposed token
     spec_num_draft_tokens_total: int = 0  # proposed tokens verified
     spec_num_accepted_tokens_total: int = 0  # of those, accepted
+    num_prefill_tokens: int = 0  # of num_batched_tokens in the latest step: prompt (prefill) tokens
+    num_decode_tokens: int = 0  # and decode tokens
+
+
+@dataclass
+class BlockMap:
+    """The KV pool at one moment, one entry per block (plain ints, for the dashboard). A block held by several
+    requests (a shared prefix, n > 1) lists the first holder as its owner and its ref count says how many."""
+
+    owners: list[int]  # per block: index into request_ids of a request holding it, -1 when free
+    ref_counts: list[int]  # per block: how many requests' tables hold it
+    cached: list[int]  # per block: 1 while registered in the prefix index (reusable even once free), else 0
+    request_ids: list[str]  # the owner table
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.owners)
 
 
 @dataclass

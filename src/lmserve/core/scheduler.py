@@ -37,6 +37,7 @@ class Scheduler:
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
         self._last_num_batched_tokens = 0
+        self._last_num_decode_tokens = 0
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_num_drafts_total = 0
         self.spec_num_draft_tokens_total = 0
@@ -88,8 +89,9 @@ class Scheduler:
                 s.request.metrics.first_scheduled_time = now
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         assert num_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
-        self._last_num_batched_tokens = num_tokens
-        return SchedulerOutput(scheduled, num_tokens, preempted)
+        num_decode = sum(s.num_new_tokens for s in scheduled if s.start >= s.request.num_tokens - 1)
+        self._last_num_batched_tokens, self._last_num_decode_tokens = num_tokens, num_decode
+        return SchedulerOutput(scheduled, num_tokens, preempted, num_decode)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
         i = 0
@@ -269,4 +271,6 @@ class Scheduler:
             spec_num_drafts_total=self.spec_num_drafts_total,
             spec_num_draft_tokens_total=self.spec_num_draft_tokens_total,
             spec_num_accepted_tokens_total=self.spec_num_accepted_tokens_total,
+            num_prefill_tokens=self._last_num_batched_tokens - self._last_num_decode_tokens,
+            num_decode_tokens=self._last_num_decode_tokens,
         )

@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lmserve.config import EngineArgs
-from lmserve.core.outputs import RequestOutput
+from lmserve.core.outputs import BlockMap, RequestOutput
 from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+BLOCK_MAP_INTERVAL_S = 1.0  # a watched block map is rebuilt at most this often (on the engine thread)
 
 
 class EngineDeadError(RuntimeError):
@@ -156,9 +158,12 @@ class EngineSnapshot:
     # With several engine cores (EngineCoreClient, data parallel): the aggregate carries each core's own
     # snapshot here, in core order (() for a single engine).
     engines: tuple[EngineSnapshot, ...] = ()
+    block_map: BlockMap | None = None  # only while someone watches (watch_block_map); at most BLOCK_MAP_INTERVAL_S old
 
 
-def take_snapshot(engine: LLMEngine, num_aborted: int, room: _Room | None = None) -> EngineSnapshot:
+def take_snapshot(
+    engine: LLMEngine, num_aborted: int, room: _Room | None = None, block_map: BlockMap | None = None
+) -> EngineSnapshot:
     """The engine's snapshot now, on the thread that owns it (AsyncEngine's engine thread or an engine core)."""
     return EngineSnapshot(
         metrics=engine.get_metrics(),
@@ -166,7 +171,35 @@ def take_snapshot(engine: LLMEngine, num_aborted: int, room: _Room | None = None
         num_aborted_requests_total=num_aborted,
         time=time.time(),
         room=room,
+        block_map=block_map,
     )
+
+
+class BlockMapWatch:
+    """The watchers of one engine's KV block map and its latest build, on the thread that owns the engine. The
+    map is rebuilt at most every BLOCK_MAP_INTERVAL_S, and once more when the engine goes idle (else it would show
+    the last busy moment until the next request); without watchers it costs nothing."""
+
+    def __init__(self) -> None:
+        self.num_watchers = 0
+        self.latest: BlockMap | None = None
+        self._time = 0.0
+        self._steps = 0  # engine steps when it was built
+
+    def watch(self, on: bool) -> None:
+        self.num_watchers += 1 if on else -1
+        assert self.num_watchers >= 0, "watch_block_map(False) without a matching True"
+        self.latest = None  # rebuilt (or dropped) with the next snapshot
+
+    def refresh(self, engine: LLMEngine, idle: bool) -> BlockMap | None:
+        """A new map when one is due (None otherwise; `latest` keeps the current one)."""
+        if not self.num_watchers:
+            return None
+        now, steps = time.time(), engine.counters.num_steps_total
+        if self.latest is None or now - self._time >= BLOCK_MAP_INTERVAL_S or (idle and steps != self._steps):
+            self.latest, self._time, self._steps = engine.block_map(), now, steps
+            return self.latest
+        return None
 
 
 class RequestStream:
@@ -223,6 +256,11 @@ class _Abort:
 
 
 @dataclass
+class _Watch:
+    on: bool
+
+
+@dataclass
 class _Delivery:
     """Items to hand to streams living on one event loop, sent in one call_soon_threadsafe."""
 
@@ -259,7 +297,7 @@ class AsyncEngine:
         # a GGUF tokenizer is converted from the file's metadata, which takes seconds.
         self.tokenizer = tokenizer or copy.deepcopy(engine.tokenizer)
         self.stat_loggers: list[StatLogger] = []
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Watch] = deque()
         self._wakeup = threading.Event()
         self._lock = self._admission.lock  # guards the admission counters and _dead
         self._admission.room = self._measure_room()  # the scheduler as of the latest step or applied commands
@@ -268,6 +306,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._num_aborted = 0  # engine thread only
+        self._block_map_watch = BlockMapWatch()  # engine thread only
         self._ids = itertools.count()
         self._snapshot = self._take_snapshot()
 
@@ -358,6 +397,13 @@ class AsyncEngine:
         self._commands.append(_Abort(request_id))
         self._wakeup.set()
 
+    def watch_block_map(self, on: bool) -> None:
+        """Subscribe (on=True) or unsubscribe one watcher of the KV block map: while any watches, snapshots carry
+        `block_map`, rebuilt on the engine thread at most every BLOCK_MAP_INTERVAL_S; otherwise it costs nothing.
+        Callable from any thread; pair every on with an off."""
+        self._commands.append(_Watch(on))
+        self._wakeup.set()
+
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -381,7 +427,7 @@ class AsyncEngine:
                 self._wakeup.clear()  # before draining, so a command queued after the drain wakes us
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
-                    self._publish_snapshot()
+                    self._publish_snapshot(idle=True)
                     self._wakeup.wait()
                     continue
                 outputs = self.engine.step()
@@ -399,6 +445,9 @@ class AsyncEngine:
             cmd = self._commands.popleft()
             if isinstance(cmd, _Abort):
                 self._apply_abort(cmd.request_id)
+                continue
+            if isinstance(cmd, _Watch):
+                self._block_map_watch.watch(cmd.on)
                 continue
             num_applied_seqs += cmd.num_seqs
             num_applied_blocks += cmd.num_blocks
@@ -445,11 +494,12 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed; its consumers are gone
                 pass
 
-    def _take_snapshot(self) -> EngineSnapshot:
-        return take_snapshot(self.engine, self._num_aborted)
+    def _take_snapshot(self, idle: bool = False) -> EngineSnapshot:
+        self._block_map_watch.refresh(self.engine, idle)
+        return take_snapshot(self.engine, self._num_aborted, block_map=self._block_map_watch.latest)
 
-    def _publish_snapshot(self) -> None:
-        snap = self._take_snapshot()
+    def _publish_snapshot(self, idle: bool = False) -> None:
+        snap = self._take_snapshot(idle)
         room = self._measure_room()
         with self._lock:
             self._admission.room = room

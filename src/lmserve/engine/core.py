@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from lmserve.engine.async_engine import EngineSnapshot, measure_room, take_snapshot
+from lmserve.engine.async_engine import BlockMapWatch, EngineSnapshot, measure_room, take_snapshot
 from lmserve.engine.messages import (
     AbortRequests,
     AddFailure,
@@ -32,6 +32,7 @@ from lmserve.engine.messages import (
     CoreReady,
     Shutdown,
     StepOutputs,
+    WatchBlockMap,
 )
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ class EngineCore:
         self._added: list[str] = []
         self._failed: list[AddFailure] = []
         self._changed = False  # something was applied since the last message
+        self._block_map_watch = BlockMapWatch()
 
     def run(self) -> None:
         self._out.send(self._codec.encode(CoreReady(self.index, os.getpid(), self._snapshot())))
@@ -129,13 +131,15 @@ class EngineCore:
                 if o.finished:
                     self._live.discard(o.request_id)
                 o.prompt_token_ids = []  # the client has it
-            msg = StepOutputs(self.index, outputs, self._snapshot(), self._added, self._failed)
+            idle = not self.engine.has_unfinished_requests()
+            msg = StepOutputs(self.index, outputs, self._snapshot(idle), self._added, self._failed)
             self._out.send(self._codec.encode(msg))
             self._added, self._failed, self._changed = [], [], False
 
-    def _snapshot(self) -> EngineSnapshot:
+    def _snapshot(self, idle: bool = True) -> EngineSnapshot:
         room = measure_room(self.engine) if self.launch.measure_room else None
-        return take_snapshot(self.engine, self._num_aborted, room)
+        block_map = self._block_map_watch.refresh(self.engine, idle)  # only a new one crosses the socket
+        return take_snapshot(self.engine, self._num_aborted, room, block_map)
 
     def _drain(self, timeout_ms: int) -> bool:
         """Apply every queued message; False on Shutdown."""
@@ -156,6 +160,8 @@ class EngineCore:
                         self._live.discard(rid)
                         self.engine.abort_request(rid)
                         self._num_aborted += 1
+            elif isinstance(msg, WatchBlockMap):
+                self._block_map_watch.watch(msg.on)
             else:
                 assert isinstance(msg, Shutdown), f"unknown message {msg!r}"
                 return False

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -44,7 +45,7 @@ from typing import Any
 import zmq
 
 from lmserve.config import EngineConfig
-from lmserve.core.outputs import RequestOutput
+from lmserve.core.outputs import BlockMap, RequestOutput
 from lmserve.engine.async_engine import (
     Admission,
     EngineDeadError,
@@ -64,6 +65,7 @@ from lmserve.engine.messages import (
     CoreReady,
     Shutdown,
     StepOutputs,
+    WatchBlockMap,
 )
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -113,6 +115,7 @@ class _Core:
     admission: Admission
     num_threads: int
     snapshot: EngineSnapshot | None = None
+    block_map: BlockMap | None = None  # the latest the core sent while watched
     pid: int | None = None
     alive: bool = True
     error: str | None = None  # why it died (CoreFailed message or exit status)
@@ -176,6 +179,7 @@ class EngineCoreClient:
         self._cores: list[_Core] = []
         self._streams: dict[str, _Stream] = {}
         self._affinity: OrderedDict[int, int] = OrderedDict()  # first-block hash → core index
+        self._num_block_map_watchers = 0
         self._dead: EngineDeadError | None = None
         self._started = False
         self._stopping = False
@@ -320,6 +324,18 @@ class EngineCoreClient:
         for stat in self.stat_loggers:
             stat.on_request_aborted()
 
+    def watch_block_map(self, on: bool) -> None:
+        """As AsyncEngine.watch_block_map: every live core is told; snapshots carry the map while watched."""
+        with self._lock:
+            self._num_block_map_watchers += 1 if on else -1
+            assert self._num_block_map_watchers >= 0, "watch_block_map(False) without a matching True"
+            if not self._num_block_map_watchers:
+                for core in self._cores:
+                    core.block_map = None
+            cores = [c for c in self._cores if c.alive]
+        for core in cores:
+            self._send(core, WatchBlockMap(on))
+
     def _send(self, core: _Core, message: Any) -> None:
         with self._send_lock:
             try:
@@ -450,6 +466,10 @@ class EngineCoreClient:
             for rid in itertools.chain(msg.added, (f.request_id for f in msg.failed)):
                 s, b = core.pending.pop(rid, (0, 0))
                 num_seqs, num_blocks = num_seqs + s, num_blocks + b
+            if msg.snapshot.block_map is not None:
+                core.block_map = msg.snapshot.block_map
+            elif core.block_map is not None and self._num_block_map_watchers:
+                msg.snapshot = dataclasses.replace(msg.snapshot, block_map=core.block_map)
             core.snapshot = msg.snapshot
             for f in msg.failed:
                 entry = self._streams.pop(f.request_id, None)
@@ -548,7 +568,19 @@ SAME_ON_EVERY_CORE = {
     "kv_cache_bytes_per_token",
     "kv_cache_scale_bytes_per_token",
     "kv_cache_dtype",
+    # llm_engine.config_metrics: every core runs the same configuration
+    "scheduling_policy",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "block_size",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
 }
+SMALLEST_NONZERO = {"decode_step_time_min_s"}  # the fastest core's figure (0 = none yet)
 
 
 def aggregate_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
@@ -562,6 +594,8 @@ def aggregate_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
         values = [s.metrics.get(key, value) for s in snaps]
         if key in SAME_ON_EVERY_CORE or not isinstance(value, int | float | dict):
             metrics[key] = value
+        elif key in SMALLEST_NONZERO:
+            metrics[key] = min((v for v in values if v), default=0.0)
         elif key in SUMMED_RATIOS:
             weights = [s.metrics.get(SUMMED_RATIOS[key], 1) for s in snaps]
             metrics[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / max(1, sum(weights))
@@ -589,6 +623,7 @@ def aggregate_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
         num_aborted_requests_total=sum(s.num_aborted_requests_total for s in snaps),
         time=max(s.time for s in snaps),
         engines=tuple(snaps),
+        block_map=next((s.block_map for s in snaps if s.block_map is not None), None),  # the first core's
     )
 
 

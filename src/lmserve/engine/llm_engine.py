@@ -12,7 +12,8 @@ import torch
 
 from lmserve.config import EngineArgs, EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
-from lmserve.core.outputs import CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from lmserve.core.outputs import BlockMap, CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from lmserve.core.prefix_shadow import SharedPrefixCounter
 from lmserve.core.scheduler import Scheduler
 from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.generation_defaults import generation_eos_ids, read_generation_config, sampling_defaults
@@ -43,6 +44,37 @@ class EngineCounters:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps_total: int = 0
+    # what the diagnosis (lmserve.diagnose) reads: tokens by kind, and model-step wall time split by the
+    # step's mix (decode-only steps vs steps computing prompt tokens beside decodes)
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+    step_time_s_total: float = 0.0
+    num_decode_steps_total: int = 0  # steps with only decode tokens
+    decode_step_time_s_total: float = 0.0
+    decode_step_seqs_total: int = 0  # sequences in those steps (their mean batch size)
+    decode_step_time_min_s: float = 0.0  # the fastest decode-only step so far: the step's idle figure
+    num_mixed_steps_total: int = 0  # steps with prompt tokens and decode tokens
+    mixed_step_time_s_total: float = 0.0
+    mixed_step_prefill_tokens_total: int = 0
+    prefix_shareable_tokens_total: int = 0  # prompt tokens an earlier prompt had (SharedPrefixCounter)
+
+    def count_step(self, sched: SchedulerOutput, elapsed_s: float) -> None:
+        self.num_steps_total += 1
+        self.step_time_s_total += elapsed_s
+        self.prefill_tokens_total += sched.num_prefill_tokens
+        self.decode_tokens_total += sched.num_decode_tokens
+        if not sched.num_decode_tokens:
+            return
+        if not sched.num_prefill_tokens:
+            self.num_decode_steps_total += 1
+            self.decode_step_time_s_total += elapsed_s
+            self.decode_step_seqs_total += len(sched.scheduled)
+            best = self.decode_step_time_min_s
+            self.decode_step_time_min_s = elapsed_s if best == 0.0 else min(best, elapsed_s)
+        else:
+            self.num_mixed_steps_total += 1
+            self.mixed_step_time_s_total += elapsed_s
+            self.mixed_step_prefill_tokens_total += sched.num_prefill_tokens
 
 
 class LLMEngine:
@@ -66,6 +98,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids)
         self._grammar_pending: list[_ParentRequest] = []  # parents whose grammar is still compiling
         self.counters = EngineCounters()
+        self.shared_prefix = SharedPrefixCounter(config.cache.block_size, max(4 * config.cache.num_blocks, 4096))
         self._parents: dict[str, _ParentRequest] = {}
         self._child_to_parent: dict[str, str] = {}
         self._ids = itertools.count()
@@ -186,6 +219,7 @@ class LLMEngine:
             self.scheduler.add_request(child)
         self.counters.num_requests_total += 1
         self.counters.prompt_tokens_total += len(prompt_ids)
+        self.counters.prefix_shareable_tokens_total += self.shared_prefix.observe(prompt_ids)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -212,9 +246,10 @@ class LLMEngine:
             if self._grammar_pending and not refused:  # only compiling requests: wait for one, do not spin
                 self.structured.wait_any([c.structured_output for p in self._grammar_pending for c in p.children])
             return refused
+        start = time.perf_counter()
         runner_out = self.runner.execute(sched)
         updated = self.scheduler.update_from_output(sched, runner_out, self.config.scheduler.max_model_len)
-        self.counters.num_steps_total += 1
+        self.counters.count_step(sched, time.perf_counter() - start)
         self._record_prompt_logprobs(sched, runner_out.prompt_logprobs)
         parents: dict[str, _ParentRequest] = {}
         for req in updated:
@@ -365,6 +400,10 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def block_map(self) -> BlockMap:
+        """The KV pool's blocks: owner (a sequence id; `parent#i` for n > 1), ref count, cached (the dashboard)."""
+        return self.kv.block_map()
+
     def get_metrics(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         c = self.counters
@@ -390,6 +429,8 @@ class LLMEngine:
             ),  # of max_model_len tokens each: the concurrency the pool buys
             "finished_requests_by_reason": dict(c.num_finished_by_reason),
             **spec_decode_metrics(s),
+            **step_metrics(s, c),
+            **config_metrics(self.config),
         }
 
 
@@ -404,6 +445,42 @@ def spec_decode_metrics(s: SchedulerStats) -> dict[str, float]:
         "spec_decode_num_accepted_tokens_total": accepted,
         "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
         "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+    }
+
+
+def step_metrics(s: SchedulerStats, c: EngineCounters) -> dict[str, float]:
+    """The latest step's token split and the step-time counters the diagnosis reads."""
+    return {
+        "num_prefill_tokens_step": s.num_prefill_tokens,
+        "num_decode_tokens_step": s.num_decode_tokens,
+        "prefill_tokens_total": c.prefill_tokens_total,
+        "decode_tokens_total": c.decode_tokens_total,
+        "step_time_s_total": c.step_time_s_total,
+        "num_decode_steps_total": c.num_decode_steps_total,
+        "decode_step_time_s_total": c.decode_step_time_s_total,
+        "decode_step_seqs_total": c.decode_step_seqs_total,
+        "decode_step_time_min_s": c.decode_step_time_min_s,
+        "num_mixed_steps_total": c.num_mixed_steps_total,
+        "mixed_step_time_s_total": c.mixed_step_time_s_total,
+        "mixed_step_prefill_tokens_total": c.mixed_step_prefill_tokens_total,
+        "prefix_shareable_tokens_total": c.prefix_shareable_tokens_total,
+    }
+
+
+def config_metrics(config: EngineConfig) -> dict[str, Any]:
+    """The settings a diagnosis names (scheduler, cache, the KV ledger's model shape)."""
+    sc, cc, mc = config.scheduler, config.cache, config.model
+    return {
+        "scheduling_policy": sc.scheduling_policy,
+        "enable_chunked_prefill": sc.enable_chunked_prefill,
+        "enable_prefix_caching": cc.enable_prefix_caching,
+        "max_num_seqs": sc.max_num_seqs,
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "max_model_len": sc.max_model_len,
+        "block_size": cc.block_size,
+        "num_layers": mc.num_layers,
+        "num_kv_heads": mc.num_kv_heads,
+        "head_dim": mc.head_dim,
     }
 
 

@@ -1,6 +1,6 @@
 """The messages between the API process (EngineCoreClient) and its engine-core processes, and their encoding.
 
-    API process ── AddRequest / AbortRequests / Shutdown ──▶ engine core i   (one PUSH socket per core)
+    API process ── AddRequest / AbortRequests / WatchBlockMap / Shutdown ──▶ engine core i   (one PUSH socket per core)
     API process ◀── CoreReady, then one StepOutputs per step ── every core    (one PULL socket for all cores)
 
 msgpack via msgspec with typed decoders: the engine's own dataclasses (SamplingParams, RequestOutput,
@@ -33,11 +33,17 @@ class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class WatchBlockMap(msgspec.Struct, tag=True):
+    """One dashboard started (on) or stopped (off) watching the KV block map (AsyncEngine.watch_block_map)."""
+
+    on: bool
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Finish at once: the core exits its loop (requests still running are dropped) and its process ends."""
 
 
-CoreInput = AddRequest | AbortRequests | Shutdown
+CoreInput = AddRequest | AbortRequests | WatchBlockMap | Shutdown
 
 
 class AddFailure(msgspec.Struct):
@@ -60,7 +66,9 @@ class StepOutputs(msgspec.Struct, tag=True):
     """Everything one pass of the core loop produced: the adds it applied (`added`, acknowledging them to
     admission, and `failed`), the step's outputs, and the engine's snapshot after the step.
 
-    `outputs[*].prompt_token_ids` is left empty: the client has every prompt and puts it back."""
+    `outputs[*].prompt_token_ids` is left empty: the client has every prompt and puts it back. The snapshot
+    carries a block map only when the core rebuilt it (at most once a second while watched); the client keeps
+    the latest."""
 
     engine_index: int
     outputs: list[RequestOutput]

@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP server: `build_app(engine)` → a FastAPI app.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize,
-GET /health, GET /metrics. Every refusal is an OpenAI-shaped error body (errors.py): 400 for bad input
-naming the field, 401 without the API key, 404 for an unknown model, 413 for an oversized body, 429 with
-Retry-After when too many requests wait for the full engine (async_engine), 503 while loading or after the
-engine loop died, 500 only for our own failures. A client that disconnects (streaming or not) aborts its
-engine requests at once.
+GET /health, GET /metrics; the web pages and the dashboard feed (dashboard.py). Every refusal is an
+OpenAI-shaped error body (errors.py): 400 for bad input naming the field, 401 without the API key, 404 for an
+unknown model, 413 for an oversized body, 429 with Retry-After when too many requests wait for the full engine
+(async_engine), 503 while loading or after the engine loop died, 500 only for our own failures. A client that
+disconnects (streaming or not) aborts its engine requests at once.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullE
 from lmserve.engine.token_bytes import TextOffsets, TokenBytes
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import tools
+from lmserve.entrypoints.openai.dashboard import PAGES, add_web_routes
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, from_value_error
 from lmserve.metrics import Metrics
 from lmserve.sampling_params import SamplingParams
@@ -45,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
 MAX_SEQS_PER_REQUEST = 256  # n × number of prompts
-OPEN_PATHS = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json")
+OPEN_PATHS = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/static/")
+OPEN_PAGES = frozenset(PAGES)  # exact paths: the web pages, which ask for the key themselves
 LOADING_RETRY_AFTER_S = 5
 
 
@@ -124,6 +126,7 @@ def build_app(
     app.add_middleware(_GuardMiddleware, state=state)
     _add_exception_handlers(app, state)
     _add_routes(app, state)
+    add_web_routes(app, state)
     return app
 
 
@@ -145,7 +148,7 @@ class _GuardMiddleware:
             return
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         key = self.state.api_key
-        if key and not scope["path"].startswith(OPEN_PATHS):
+        if key and not (scope["path"].startswith(OPEN_PATHS) or scope["path"] in OPEN_PAGES):
             scheme, _, credentials = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
             given = credentials.strip(" ").encode("latin-1") if scheme.lower() == "bearer" else b""
             if not hmac.compare_digest(given, key.encode()):
