@@ -235,6 +235,11 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
 
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's generation_config.json sampling fields (defaults for fields a request leaves unset)."""
+        return self.engine.generation_defaults
+
     # ---- requests (event-loop side) ---------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
