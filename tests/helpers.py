@@ -91,3 +91,20 @@ def build_model(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0, 
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out_dir / f.name)
     return out_dir
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Skip the calling test module when an optional extra (`pip install 'lmserve[EXTRA]'`) is not installed, or
+    fail it when LMSERVE_REQUIRE_EXTRAS=1 (as CI sets: there a missing extra is an install bug, not a skip)."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    message = f"the {extra!r} extra is not installed (missing {', '.join(missing)}): pip install 'lmserve[{extra}]'"
+    if os.environ.get("LMSERVE_REQUIRE_EXTRAS") == "1":
+        pytest.fail(f"LMSERVE_REQUIRE_EXTRAS=1 but {message}", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
