@@ -330,3 +330,30 @@ def test_metrics_count_grpc_requests_under_their_frontend(
     assert delta("lmserve:e2e_request_latency_seconds_count{frontend=http}") == 1
     assert delta("lmserve:num_rejected_requests_total{frontend=grpc,reason=invalid_request}") == 1
     assert delta("lmserve:generation_tokens_total") == 9  # engine counters: both frontends
+
+
+# ---- the load generator's gRPC backend -----------------------------------------------------------
+
+
+def test_loadgen_grpc_backend_times_every_token(server: LiveServer, http: httpx.Client) -> None:
+    import asyncio
+
+    from lmserve.bench.datasets import BenchRequest
+    from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
+
+    wait_until(lambda: kv_free(server))
+    prompts = [f"{PROMPT} number {i}" for i in range(3)]
+    requests = [BenchRequest(p, http_tokens(http, p), 6) for p in prompts]
+    cfg = LoadConfig(base_url=f"grpc://127.0.0.1:{_grpc_port(server)}", backend="grpc", api_key=KEY, max_concurrency=2)
+    result = asyncio.run(run_load(requests, cfg, warmup=requests[:1]))
+    assert result.fatal_error is None and result.model == MODEL_NAME and not result.warmup_errors
+    records = finalize_all(result, requests, cfg)
+    for rec, prompt in zip(records, prompts, strict=True):
+        assert rec.success, rec.error
+        assert rec.num_output_tokens == 6 and rec.output_tokens_source == "usage"
+        assert rec.chunk_tokens_source == "token_ids" and sum(rec.chunk_num_tokens) == 6
+        assert rec.send_s <= rec.chunk_times_s[0] <= rec.chunk_times_s[-1] <= rec.end_s
+        assert rec.generated_text == http_completion(http, prompt=prompt, max_tokens=6)["choices"][0]["text"]
+    bad = LoadConfig(base_url=f"grpc://127.0.0.1:{_grpc_port(server)}", backend="grpc", api_key="wrong")
+    result = asyncio.run(run_load(requests[:1], bad))
+    assert result.fatal_error is not None and "UNAUTHENTICATED" in result.fatal_error
