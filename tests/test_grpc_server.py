@@ -357,3 +357,49 @@ def test_loadgen_grpc_backend_times_every_token(server: LiveServer, http: httpx.
     bad = LoadConfig(base_url=f"grpc://127.0.0.1:{_grpc_port(server)}", backend="grpc", api_key="wrong")
     result = asyncio.run(run_load(requests[:1], bad))
     assert result.fatal_error is not None and "UNAUTHENTICATED" in result.fatal_error
+
+
+# ---- health follows the engine: loading, serving, dead (in-process, no HTTP server) --------------
+
+
+def test_health_mirrors_loading_and_engine_death(llama_dir: Path) -> None:
+    import asyncio
+
+    from lmserve.config import EngineArgs
+    from lmserve.engine.async_engine import AsyncEngine
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.entrypoints.grpc.server import HEALTH_POLL_S, grpc_frontend
+    from lmserve.entrypoints.openai.server import ServerState
+
+    state = ServerState(MODEL_NAME, None, 1 << 20)  # no engine yet: loading, as /health's 503
+    port = free_port()
+
+    async def main() -> None:
+        async with grpc_frontend("127.0.0.1", port)(state):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                health, stub = health_pb2_grpc.HealthStub(ch), pb_grpc.GenerationStub(ch)
+
+                async def status() -> int:
+                    return (await health.Check(health_pb2.HealthCheckRequest(service="lmserve.v1.Generation"))).status
+
+                assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Generate(pb.GenerateRequest(text=PROMPT))
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+
+                args = EngineArgs.from_kwargs(str(llama_dir), num_kv_blocks=64, max_model_len=128)
+                engine = AsyncEngine(LLMEngine.from_engine_args(args)).start()
+                state.engine = engine
+                await asyncio.sleep(3 * HEALTH_POLL_S)
+                assert await status() == health_pb2.HealthCheckResponse.SERVING
+                out = await stub.Generate(pb.GenerateRequest(text=PROMPT, sampling_params=greedy(max_tokens=3)))
+                assert out.usage.completion_tokens == 3
+
+                await asyncio.to_thread(engine.shutdown)  # the engine loop ends: dead, as /health reports it
+                await asyncio.sleep(3 * HEALTH_POLL_S)
+                assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Generate(pb.GenerateRequest(text=PROMPT))
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(main())

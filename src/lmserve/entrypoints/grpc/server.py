@@ -304,9 +304,8 @@ def _serving(state: ServerState) -> int:
     return health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def _mirror_health(state: ServerState, servicer: Any) -> None:
+async def _mirror_health(state: ServerState, servicer: Any, current: int | None = None) -> None:
     """Keep the health service's status equal to what /health answers (loading, ready, engine dead)."""
-    current = None
     while True:
         status = _serving(state)
         if status != current:
@@ -328,8 +327,11 @@ def grpc_frontend(host: str, port: int) -> Callable[[ServerState], AbstractAsync
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         server.add_insecure_port(address)  # raises RuntimeError when the port cannot be bound
+        status = _serving(state)  # before the first call can ask (the servicer starts at SERVING)
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, status)
         await server.start()
-        mirror = asyncio.ensure_future(_mirror_health(state, health_servicer))
+        mirror = asyncio.ensure_future(_mirror_health(state, health_servicer, status))
         logger.info("gRPC %s on %s", SERVICE_NAME, address)
         try:
             yield server
