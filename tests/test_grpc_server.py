@@ -145,16 +145,16 @@ def test_n_choices_and_stop_reason(stub: pb_grpc.GenerationStub, http: httpx.Cli
     assert [c.index for c in out.choices] == [0, 1]
     assert [c.text for c in out.choices] == [c["text"] for c in ref["choices"]]  # seeded: the same samples
     # a stop string ends the choice with the string as its stop reason, as the HTTP API reports it
-    text = out.choices[0].text
-    stop = text[len(text) // 2 :][:3]
-    if stop.strip():
-        sp = greedy(max_tokens=8, stop=[stop])
-        ref = http_completion(http, prompt=PROMPT, max_tokens=8, stop=[stop])
-        got = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling_params=sp), metadata=AUTH, timeout=60)
-        c = got.choices[0]
-        assert (c.text, c.finish_reason) == (ref["choices"][0]["text"], ref["choices"][0]["finish_reason"])
-        if ref["choices"][0]["stop_reason"] is not None:
-            assert c.WhichOneof("stop_reason") == "stop_str" and c.stop_str == ref["choices"][0]["stop_reason"]
+    req = pb.GenerateRequest(text=PROMPT, sampling_params=greedy(max_tokens=8))
+    text = stub.Generate(req, metadata=AUTH).choices[0].text
+    stop = next(text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].strip())
+    ref = http_completion(http, prompt=PROMPT, max_tokens=8, stop=[stop])["choices"][0]
+    req = pb.GenerateRequest(text=PROMPT, sampling_params=greedy(max_tokens=8, stop=[stop]))
+    c = stub.Generate(req, metadata=AUTH).choices[0]
+    assert (c.text, c.finish_reason, c.stop_str) == (ref["text"], "stop", ref["stop_reason"]) == (
+        text[: text.index(stop)], "stop", stop,
+    )  # fmt: skip
+    assert c.WhichOneof("stop_reason") == "stop_str"
 
 
 def test_tokenize_detokenize_models(stub: pb_grpc.GenerationStub, http: httpx.Client) -> None:
