@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.async_engine import EngineSnapshot
-from lmserve.metrics import Metrics
+from lmserve.metrics import GRPC_REQUEST_ID_PREFIX, Metrics
 from lmserve.request import FinishReason, RequestMetrics
 
 
@@ -107,7 +107,7 @@ def test_engine_counters_and_gauges_come_from_the_snapshot() -> None:
 def test_nothing_from_the_engine_while_loading() -> None:
     s = _samples(Metrics("m", lambda: None))
     assert "lmserve:prompt_tokens_total" not in s
-    assert s["lmserve:e2e_request_latency_seconds_count"] == 0
+    assert s["lmserve:e2e_request_latency_seconds_count{frontend=http}"] == 0
 
 
 def _output(finished: bool, num_tokens: int, delta: int, reason=None, **times) -> RequestOutput:
@@ -130,29 +130,45 @@ def test_request_histograms() -> None:
     m.on_request_rejected("queue_full")
     s = _samples(m)
     assert (
-        s["lmserve:time_to_first_token_seconds_count"] == 1
-        and s["lmserve:time_to_first_token_seconds_sum"] == 1.0
+        s["lmserve:time_to_first_token_seconds_count{frontend=http}"] == 1
+        and s["lmserve:time_to_first_token_seconds_sum{frontend=http}"] == 1.0
     )
-    assert s["lmserve:inter_token_latency_seconds_count"] == 3
-    assert s["lmserve:inter_token_latency_seconds_sum"] == 1.5  # 2 × 0.5 + 0.5
-    assert s["lmserve:e2e_request_latency_seconds_sum"] == 2.5
-    assert s["lmserve:request_queue_time_seconds_sum"] == 0.5
-    assert s["lmserve:request_prefill_time_seconds_sum"] == 0.5
-    assert s["lmserve:request_decode_time_seconds_sum"] == 1.5
-    assert s["lmserve:request_time_per_output_token_seconds_sum"] == 0.5  # 1.5 s / (4 - 1)
-    assert s["lmserve:request_prompt_tokens_sum"] == 4 and s["lmserve:request_generation_tokens_sum"] == 4
-    assert s["lmserve:num_rejected_requests_total{reason=queue_full}"] == 1
+    assert s["lmserve:inter_token_latency_seconds_count{frontend=http}"] == 3
+    assert s["lmserve:inter_token_latency_seconds_sum{frontend=http}"] == 1.5  # 2 × 0.5 + 0.5
+    assert s["lmserve:e2e_request_latency_seconds_sum{frontend=http}"] == 2.5
+    assert s["lmserve:request_queue_time_seconds_sum{frontend=http}"] == 0.5
+    assert s["lmserve:request_prefill_time_seconds_sum{frontend=http}"] == 0.5
+    assert s["lmserve:request_decode_time_seconds_sum{frontend=http}"] == 1.5
+    assert s["lmserve:request_time_per_output_token_seconds_sum{frontend=http}"] == 0.5  # 1.5 s / (4 - 1)
+    assert s["lmserve:request_prompt_tokens_sum{frontend=http}"] == 4
+    assert s["lmserve:request_generation_tokens_sum{frontend=http}"] == 4
+    assert s["lmserve:num_rejected_requests_total{frontend=http,reason=queue_full}"] == 1
 
 
 def test_aborted_requests_do_not_pollute_latency_histograms() -> None:
     m = Metrics("m", lambda: None)
     aborted = _output(True, 2, 0, FinishReason.ABORT, first_token_time=101.0, finished_time=103.0)
     m.on_request_output(aborted, 101.0, 103.0)
-    assert _samples(m)["lmserve:e2e_request_latency_seconds_count"] == 0
+    assert _samples(m)["lmserve:e2e_request_latency_seconds_count{frontend=http}"] == 0
 
 
 def test_two_servers_in_one_process_have_separate_registries() -> None:
     a, b = Metrics("a", lambda: None), Metrics("b", lambda: None)
     a.on_request_rejected("invalid_request")
-    assert _samples(a)["lmserve:num_rejected_requests_total{reason=invalid_request}"] == 1
-    assert "lmserve:num_rejected_requests_total{reason=invalid_request}" not in _samples(b)
+    assert _samples(a)["lmserve:num_rejected_requests_total{frontend=http,reason=invalid_request}"] == 1
+    assert "lmserve:num_rejected_requests_total{frontend=http,reason=invalid_request}" not in _samples(b)
+
+
+def test_frontend_label_from_the_request_id() -> None:
+    m = Metrics("m", lambda: None)
+    done = dict(first_scheduled_time=100.5, first_token_time=101.0, last_token_time=102.0, finished_time=102.0)
+    out = _output(True, 3, 3, FinishReason.LENGTH, **done)
+    out.request_id = GRPC_REQUEST_ID_PREFIX + "abc"
+    m.on_request_output(out, None, 102.0)
+    m.on_request_rejected("invalid_request", "grpc")
+    s = _samples(m)
+    assert s["lmserve:e2e_request_latency_seconds_count{frontend=grpc}"] == 1
+    assert s["lmserve:e2e_request_latency_seconds_count{frontend=http}"] == 0
+    assert s["lmserve:request_generation_tokens_sum{frontend=grpc}"] == 3
+    assert s["lmserve:num_rejected_requests_total{frontend=grpc,reason=invalid_request}"] == 1
+    assert "lmserve:num_rejected_requests_total{frontend=http,reason=invalid_request}" not in s

@@ -514,15 +514,15 @@ def test_metrics_counters_match_what_was_sent(server: LiveServer, client: openai
     assert delta("lmserve:prompt_tokens_total") == prompt_tokens
     assert delta("lmserve:generation_tokens_total") == 2 + 3 + 4
     assert delta("lmserve:request_success_total{finished_reason=length}") == 3
-    assert delta("lmserve:e2e_request_latency_seconds_count") == 3
-    assert delta("lmserve:time_to_first_token_seconds_count") == 3
-    assert delta("lmserve:request_generation_tokens_sum") == 9
-    assert delta("lmserve:request_prompt_tokens_sum") == prompt_tokens
-    assert delta("lmserve:inter_token_latency_seconds_count") == (2 - 1) + (3 - 1) + (4 - 1)
-    assert delta("lmserve:num_rejected_requests_total{reason=invalid_request}") == 1
+    assert delta("lmserve:e2e_request_latency_seconds_count{frontend=http}") == 3
+    assert delta("lmserve:time_to_first_token_seconds_count{frontend=http}") == 3
+    assert delta("lmserve:request_generation_tokens_sum{frontend=http}") == 9
+    assert delta("lmserve:request_prompt_tokens_sum{frontend=http}") == prompt_tokens
+    assert delta("lmserve:inter_token_latency_seconds_count{frontend=http}") == (2 - 1) + (3 - 1) + (4 - 1)
+    assert delta("lmserve:num_rejected_requests_total{frontend=http,reason=invalid_request}") == 1
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "request_time_per_output_token_seconds"):  # fmt: skip
-        assert delta(f"lmserve:{name}_count") == 3, name
+        assert delta(f"lmserve:{name}_count{{frontend=http}}") == 3, name
     for gauge in (
         "num_requests_running",
         "num_requests_waiting",

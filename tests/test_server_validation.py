@@ -385,9 +385,8 @@ def test_overload_429_with_retry_after_and_accepted_complete(chat_model: Path) -
             assert r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
         text = call(app, "GET", "/metrics").text
-        assert (
-            f'lmserve:num_rejected_requests_total{{model_name="{NAME}",reason="queue_full"}} {len(refused)}.0' in text
-        )
+        labels = f'frontend="http",model_name="{NAME}",reason="queue_full"'
+        assert f"lmserve:num_rejected_requests_total{{{labels}}} {len(refused)}.0" in text
     finally:
         engine.shutdown()
 

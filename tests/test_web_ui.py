@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import require_extra
 from tests.test_server import MODEL_NAME, LiveServer
 
-require_extra("playwright.sync_api", "playwright (the web-test extra)")
+require_extra("web-test", "playwright.sync_api")
 from playwright.sync_api import Browser, Page, sync_playwright  # noqa: E402
 
 CHROMIUM = os.environ.get("LMSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"

@@ -2,7 +2,8 @@
 
 Two sources, one registry per server:
 - per-request histograms, observed on the engine thread from each RequestOutput (StatLogger protocol of
-  lmserve.engine.async_engine), and counters the HTTP layer bumps (rejected requests);
+  lmserve.engine.async_engine), and counters the HTTP / gRPC layers bump (rejected requests); both carry a
+  `frontend` label ("http" or "grpc", the latter told by its request-id prefix, `frontend_of`);
 - engine counters and gauges, read at scrape time from the latest EngineSnapshot (the engine keeps the
   running totals; we never double-count them here). With several engine cores the snapshot is their
   aggregate, and every engine family also has one sample per core labelled `engine="i"`.
@@ -13,6 +14,7 @@ Every name is prefixed `lmserve:`; counters carry the `_total` suffix on the wir
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -30,6 +32,13 @@ LATENCY_BUCKETS_S = (
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 SnapshotFn = Callable[[], Any]  # () -> EngineSnapshot | None (None while the model loads)
+
+GRPC_REQUEST_ID_PREFIX = "grpc-"
+"""Request ids the gRPC frontend gives its requests; every other request is counted as "http"."""
+
+
+def frontend_of(request_id: str) -> str:
+    return "grpc" if request_id.startswith(GRPC_REQUEST_ID_PREFIX) else "http"
 
 
 class _EngineCollector(Collector):
@@ -184,6 +193,21 @@ def _step_metrics(m: dict[str, Any], counter: Callable, gauge: Callable) -> Iter
         yield (counter if kind == "counter" else gauge)(name, doc, m[key])
 
 
+@dataclass(frozen=True)
+class _Histograms:
+    """The per-request histograms of one frontend (label children of the Metrics families)."""
+
+    ttft: Any
+    itl: Any
+    tpot: Any
+    e2e: Any
+    queue: Any
+    prefill: Any
+    decode: Any
+    prompt_len: Any
+    gen_len: Any
+
+
 class Metrics:
     """The server's metrics. Implements the engine's StatLogger (on_request_output / on_request_aborted)."""
 
@@ -191,12 +215,10 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_EngineCollector(snapshot_fn, model_name))
-        lbl = ["model_name"]
+        lbl = ["model_name", "frontend"]
 
         def hist(name: str, doc: str, buckets: tuple) -> Any:
-            return Histogram(PREFIX + name, doc, lbl, buckets=buckets, registry=self.registry).labels(
-                model_name
-            )
+            return Histogram(PREFIX + name, doc, lbl, buckets=buckets, registry=self.registry)
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS_S)
         self.itl = hist(
@@ -218,45 +240,56 @@ class Metrics:
         self._rejected = Counter(
             PREFIX + "num_rejected_requests",
             "Requests refused before reaching the engine, by reason.",
-            ["model_name", "reason"],
+            ["model_name", "reason", "frontend"],
             registry=self.registry,
         )
+        self._children: dict[str, _Histograms] = {}
+        self._for("http")  # the HTTP series exist (at 0) from the start
+
+    def _for(self, frontend: str) -> _Histograms:
+        h = self._children.get(frontend)
+        if h is None:
+            families = {f.name: getattr(self, f.name) for f in fields(_Histograms)}
+            h = _Histograms(**{name: fam.labels(self.model_name, frontend) for name, fam in families.items()})
+            self._children[frontend] = h
+        return h
 
     # ---- StatLogger (engine thread) ---------------------------------------------------------
 
     def on_request_output(self, output: RequestOutput, prev_token_time: float | None, now: float) -> None:
+        h = self._for(frontend_of(output.request_id))
         m = output.metrics
         num_new = max((len(c.delta_token_ids) for c in output.outputs), default=0)
         if prev_token_time is None:
             if m.first_token_time is not None:
-                self.ttft.observe(m.first_token_time - m.arrival_time)
+                h.ttft.observe(m.first_token_time - m.arrival_time)
         elif num_new and m.last_token_time is not None:
             gap = (m.last_token_time - prev_token_time) / num_new
             for _ in range(num_new):
-                self.itl.observe(gap)
+                h.itl.observe(gap)
         if not output.finished or any(c.finish_reason == "abort" for c in output.outputs):
             return
         finished = m.finished_time or now
         num_out = max((len(c.token_ids) for c in output.outputs), default=0)
-        self.e2e.observe(finished - m.arrival_time)
-        self.prompt_len.observe(len(output.prompt_token_ids))
-        self.gen_len.observe(sum(len(c.token_ids) for c in output.outputs))
+        h.e2e.observe(finished - m.arrival_time)
+        h.prompt_len.observe(len(output.prompt_token_ids))
+        h.gen_len.observe(sum(len(c.token_ids) for c in output.outputs))
         if m.first_scheduled_time is not None:
-            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            h.queue.observe(m.first_scheduled_time - m.arrival_time)
             if m.first_token_time is not None:
-                self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+                h.prefill.observe(m.first_token_time - m.first_scheduled_time)
         if m.first_token_time is not None:
-            self.decode.observe(finished - m.first_token_time)
+            h.decode.observe(finished - m.first_token_time)
             if num_out > 1:
-                self.tpot.observe((finished - m.first_token_time) / (num_out - 1))
+                h.tpot.observe((finished - m.first_token_time) / (num_out - 1))
 
     def on_request_aborted(self) -> None:
         pass  # counted by the engine side (snapshot.num_aborted_requests_total)
 
-    # ---- HTTP side --------------------------------------------------------------------------
+    # ---- HTTP / gRPC side ------------------------------------------------------------------
 
-    def on_request_rejected(self, reason: str) -> None:
-        self._rejected.labels(self.model_name, reason).inc()
+    def on_request_rejected(self, reason: str, frontend: str = "http") -> None:
+        self._rejected.labels(self.model_name, reason, frontend).inc()
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text exposition."""

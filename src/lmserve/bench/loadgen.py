@@ -1,4 +1,5 @@
-"""Load generator for any OpenAI-compatible endpoint (lmserve, vLLM, llama.cpp's server).
+"""Load generator for any OpenAI-compatible endpoint (lmserve, vLLM, llama.cpp's server), or lmserve's gRPC API
+(`backend="grpc"`, `base_url="grpc://host:port"`: GenerateStream over one HTTP/2 channel, timed the same way).
 
 One asyncio process, kept light because on a small machine the client steals CPU from the server: the hot
 loop only timestamps network reads and keeps the raw SSE payloads; JSON parsing and any tokenizer work
@@ -16,6 +17,8 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +28,13 @@ from lmserve.bench.datasets import BenchRequest
 from lmserve.bench.metrics import RequestRecord
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+BACKENDS = ("openai", "grpc")
+GRPC_SCHEME = "grpc://"
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    base_url: str
+    base_url: str  # http(s)://host:port, or grpc://host:port with backend "grpc"
     endpoint: str = "/v1/completions"
     model: str | None = None  # None: the first model the server lists at /v1/models
     request_rate_rps: float = math.inf
@@ -42,9 +47,17 @@ class LoadConfig:
     api_key: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     show_progress: bool = False
+    backend: str = "openai"
 
     def validate(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "grpc":
+            if not self.base_url.startswith(GRPC_SCHEME):
+                raise ValueError(f"--backend grpc: --base-url must be grpc://HOST:PORT, got {self.base_url!r}")
+            if self.endpoint != "/v1/completions":
+                raise ValueError("--backend grpc sends completions (a text prompt); --endpoint does not apply")
+        elif not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"--endpoint must be one of {list(ENDPOINTS)}, got {self.endpoint!r}")
@@ -59,6 +72,8 @@ class LoadConfig:
 
     @property
     def url(self) -> str:
+        if self.backend == "grpc":
+            return self.base_url.rstrip("/") + "/lmserve.v1.Generation/GenerateStream"
         return self.base_url.rstrip("/") + self.endpoint
 
     @property
@@ -200,38 +215,37 @@ async def run_load(
     requests: list[BenchRequest], cfg: LoadConfig, warmup: list[BenchRequest] | None = None
 ) -> LoadResult:
     """Send `requests` by the configured arrival process and concurrency cap; warmup ones first (untimed)."""
-    import aiohttp
-
     cfg.validate()
     offsets_s = arrival_offsets_s(len(requests), cfg.request_rate_rps, cfg.burstiness, cfg.seed)
     raw = [RawResponse(i, s) for i, s in enumerate(offsets_s)]
-    # The semaphore is the cap; the pool must not add queueing. One connection per request: a server that
-    # closes an idle keep-alive connection (llama-server does) would otherwise race the next request on it
-    # ("Server disconnected"); a loopback connect costs well under a millisecond.
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+    opener = _grpc_client if cfg.backend == "grpc" else _http_client
+    async with opener(cfg) as client:
         try:
-            model = await discover_model(session, cfg.base_url)
+            model = await client.discover()
         except EndpointError as e:
             return LoadResult(raw, cfg.model, time.time(), 0.0, fatal_error=str(e))
         model = cfg.model or model
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        warmup_errors = await _warmup(session, cfg, model, warmup or [], sem)
+
+        async def send(req: BenchRequest, r: RawResponse, t0: float) -> None:
+            if sem is None:
+                r.send_s = time.perf_counter() - t0
+                await client.stream(req, model, r, t0)
+                return
+            async with sem:
+                r.send_s = time.perf_counter() - t0
+                await client.stream(req, model, r, t0)
+
+        warm = [RawResponse(-1, 0.0) for _ in warmup or []]
+        await asyncio.gather(*(send(q, r, time.perf_counter()) for q, r in zip(warmup or [], warm, strict=True)))
+        warmup_errors = [r.error for r in warm if r.error]
         bar = _progress(len(requests), cfg.show_progress)
 
         async def one(req: BenchRequest, r: RawResponse, t0: float) -> None:
             delay_s = t0 + r.scheduled_s - time.perf_counter()
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
-            payload = build_payload(req, cfg, model)
-            if sem is None:
-                r.send_s = time.perf_counter() - t0
-                await _stream_one(session, cfg, payload, r, t0)
-            else:
-                async with sem:
-                    r.send_s = time.perf_counter() - t0
-                    await _stream_one(session, cfg, payload, r, t0)
+            await send(req, r, t0)
             if bar is not None:
                 bar.update(1)
 
@@ -244,24 +258,95 @@ async def run_load(
     return LoadResult(raw, model, start_wall, duration_s, warmup_errors)
 
 
-async def _warmup(
-    session: Any,
-    cfg: LoadConfig,
-    model: str | None,
-    warmup: list[BenchRequest],
-    sem: asyncio.Semaphore | None,
-) -> list[str]:
-    async def one(req: BenchRequest) -> str | None:
-        r = RawResponse(-1, 0.0)
-        if sem is None:
-            await _stream_one(session, cfg, build_payload(req, cfg, model), r, time.perf_counter())
-        else:
-            async with sem:
-                await _stream_one(session, cfg, build_payload(req, cfg, model), r, time.perf_counter())
-        return r.error
+@dataclass
+class _Client:
+    """One backend's two operations: the model to ask for, and one timed streaming request."""
 
-    errors = await asyncio.gather(*(one(q) for q in warmup))
-    return [e for e in errors if e]
+    discover: Callable[[], Awaitable[str | None]]
+    stream: Callable[[BenchRequest, str | None, RawResponse, float], Awaitable[None]]
+
+
+@asynccontextmanager
+async def _http_client(cfg: LoadConfig) -> AsyncIterator[_Client]:
+    import aiohttp
+
+    # The semaphore is the cap; the pool must not add queueing. One connection per request: a server that
+    # closes an idle keep-alive connection (llama-server does) would otherwise race the next request on it
+    # ("Server disconnected"); a loopback connect costs well under a millisecond.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+
+        async def stream(req: BenchRequest, model: str | None, r: RawResponse, t0: float) -> None:
+            await _stream_one(session, cfg, build_payload(req, cfg, model), r, t0)
+
+        yield _Client(lambda: discover_model(session, cfg.base_url), stream)
+
+
+# ---- gRPC (lmserve.v1.Generation) ----------------------------------------------------------------------
+
+
+def build_grpc_request(req: BenchRequest, cfg: LoadConfig, model: str | None) -> Any:
+    """The GenerateRequest of one benchmark request: the same fields `build_payload` sends over HTTP; --extra-body
+    keys are SamplingParams fields (lmserve.proto)."""
+    from google.protobuf import json_format
+
+    from lmserve.entrypoints.grpc import lmserve_pb2 as pb
+
+    sp = pb.SamplingParams(max_tokens=req.output_len, temperature=cfg.temperature)
+    if cfg.ignore_eos:
+        sp.ignore_eos = True
+    if cfg.extra_body:
+        json_format.ParseDict(cfg.extra_body, sp)
+    if isinstance(req.prompt, list):  # token ids, as the completions API also takes them (bench/bench_cpu.py)
+        return pb.GenerateRequest(model=model or "", token_ids=pb.TokenIds(ids=req.prompt), sampling_params=sp)
+    return pb.GenerateRequest(model=model or "", text=req.prompt, sampling_params=sp)
+
+
+def _grpc_chunk(msg: Any) -> bytes:
+    """A GenerateStream message as the OpenAI chunk JSON `finalize` reads (text, token_ids, usage)."""
+    obj: dict[str, Any] = {"choices": [{"text": c.text, "token_ids": list(c.token_ids)} for c in msg.choices]}
+    if msg.HasField("usage"):
+        u = msg.usage
+        obj["usage"] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
+    return json.dumps(obj).encode()
+
+
+@asynccontextmanager
+async def _grpc_client(cfg: LoadConfig) -> AsyncIterator[_Client]:
+    """One channel (HTTP/2 multiplexes the streams, as a gRPC client normally does); the hot loop keeps the
+    messages and their arrival times, turned into `finalize`'s chunk JSON after the stream ends."""
+    import grpc
+
+    from lmserve.entrypoints.grpc import lmserve_pb2 as pb
+    from lmserve.entrypoints.grpc import lmserve_pb2_grpc as pb_grpc
+
+    target = cfg.base_url[len(GRPC_SCHEME) :].rstrip("/")
+    metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else None
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def discover() -> str | None:
+            try:
+                models = await stub.ListModels(pb.ListModelsRequest(), metadata=metadata, timeout=10.0)
+            except grpc.aio.AioRpcError as e:
+                raise EndpointError(f"{target}: gRPC {e.code().name}: {e.details()}") from None
+            return models.models[0].id if models.models else None
+
+        async def stream(req: BenchRequest, model: str | None, raw: RawResponse, t0: float) -> None:
+            messages: list[tuple[float, Any]] = []
+            call = stub.GenerateStream(build_grpc_request(req, cfg, model), metadata=metadata, timeout=cfg.timeout_s)
+            try:
+                async for msg in call:
+                    messages.append((time.perf_counter() - t0, msg))
+                raw.status, raw.done = 200, True
+            except grpc.aio.AioRpcError as e:
+                raw.error = f"gRPC {e.code().name}: {e.details()}"
+            finally:
+                raw.end_s = time.perf_counter() - t0
+                raw.events = [(t, _grpc_chunk(m)) for t, m in messages]
+
+        yield _Client(discover, stream)
 
 
 def _progress(total: int, show: bool) -> Any:

@@ -2,6 +2,7 @@
 
     lmserve bench serve --base-url http://127.0.0.1:8000 --num-requests 200 --request-rate 4 \\
         --input-len 128 --output-len 128 --goodput ttft:500 tpot:50 --plot
+    lmserve bench serve --backend grpc --base-url grpc://127.0.0.1:50051 --max-concurrency 32 ...
     lmserve bench offline --backend all --num-requests 32 --hf-batch-size 8
     lmserve bench experiments --quick --out bench_results/experiments
 
@@ -56,7 +57,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from lmserve.bench.datasets import add_dataset_args
 
     g = p.add_argument_group("endpoint")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000")
+    g.add_argument("--base-url", default=None, help="default http://127.0.0.1:8000 (grpc://127.0.0.1:50051 for grpc)")
+    g.add_argument(
+        "--backend",
+        default="openai",
+        choices=["openai", "grpc"],
+        help="openai: SSE streaming over HTTP; grpc: lmserve's gRPC GenerateStream (lmserve serve --grpc-port)",
+    )
     g.add_argument(
         "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
     )
@@ -127,8 +134,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"--extra-body must be a JSON object: {e}") from None
             if not isinstance(extra, dict):
                 raise ValueError("--extra-body must be a JSON object")
+        default_url = "grpc://127.0.0.1:50051" if args.backend == "grpc" else "http://127.0.0.1:8000"
         cfg = LoadConfig(
-            base_url=args.base_url,
+            base_url=args.base_url or default_url,
+            backend=args.backend,
             endpoint=args.endpoint,
             model=args.model,
             request_rate_rps=args.request_rate,

@@ -22,6 +22,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the gRPC API (lmserve.v1.Generation, health, reflection) on this port, same host and "
+        "engine (needs the grpc extra: pip install 'lmserve[grpc]')",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("LMSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $LMSERVE_API_KEY; unset = open)",
@@ -107,6 +114,17 @@ def run_serve(args: argparse.Namespace) -> int:
         print("lmserve serve: error: --distributed-executor-backend ray needs Ray: pip install 'lmserve[ray]'",
               file=sys.stderr)  # fmt: skip
         return 2
+    frontends = []
+    if args.grpc_port is not None:
+        from lmserve.entrypoints.grpc import missing_grpc
+
+        error = missing_grpc()
+        if error is not None:
+            print(f"lmserve serve: error: --grpc-port: {error}", file=sys.stderr)
+            return 2
+        from lmserve.entrypoints.grpc.server import grpc_frontend
+
+        frontends.append(grpc_frontend(args.host, args.grpc_port))
     import torch
 
     from lmserve.engine.core_client import EngineCoreClient, default_num_threads
@@ -166,6 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         on_ready=ready,
+        frontends=frontends,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -175,6 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             access_log=args.access_log,
             timeout_graceful_shutdown=5,
+            loop="asyncio" if frontends else "auto",  # grpc.aio supports asyncio's own loop, not uvloop
         )
     )
     server.run()

@@ -18,8 +18,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -84,11 +84,14 @@ def build_app(
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     on_ready: Callable[[AsyncEngine], None] | None = None,
+    frontends: Sequence[Callable[[ServerState], AbstractAsyncContextManager[Any]]] = (),
 ) -> FastAPI:
     """The server for `engine`: a started-or-not engine client (AsyncEngine, or EngineCoreClient with the
     engine in separate processes), or a loader called in a background thread at start-up (then /health is
     503 until it returns; `served_model_name` is required). The engine is started here (or after loading);
-    a loaded engine is shut down when the app's lifespan ends, one passed in is left to its owner."""
+    a loaded engine is shut down when the app's lifespan ends, one passed in is left to its owner. `frontends`
+    (e.g. the gRPC server) run for the app's lifespan on its event loop, serving the same ServerState; they
+    stop before the engine does."""
     loader = None if hasattr(engine, "add_request") else engine
     if loader is not None and not served_model_name:
         raise ValueError("served_model_name is required when the engine is loaded in the background")
@@ -115,7 +118,10 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if loader is not None and state.engine is None and state.load_error is None:
             threading.Thread(target=load, name="lmserve-load", daemon=True).start()
-        yield
+        async with AsyncExitStack() as stack:
+            for frontend in frontends:
+                await stack.enter_async_context(frontend(state))
+            yield
         if loader is not None and state.engine is not None:  # an engine passed in belongs to the caller
             await asyncio.to_thread(state.engine.shutdown)
 
@@ -149,9 +155,7 @@ class _GuardMiddleware:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         key = self.state.api_key
         if key and not (scope["path"].startswith(OPEN_PATHS) or scope["path"] in OPEN_PAGES):
-            scheme, _, credentials = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            given = credentials.strip(" ").encode("latin-1") if scheme.lower() == "bearer" else b""
-            if not hmac.compare_digest(given, key.encode()):
+            if not bearer_ok(headers.get(b"authorization", b"").decode("latin-1"), key):
                 err = APIError(
                     401,
                     "missing or invalid API key: send 'Authorization: Bearer KEY'",
@@ -208,6 +212,13 @@ class _GuardMiddleware:
                 raise  # half a response went out: only closing the connection can end it
             logger.exception("unhandled error on %s", scope.get("path"))
             await _internal_error(e).response()(scope, receive, send)
+
+
+def bearer_ok(authorization: str, key: str) -> bool:
+    """Whether an `Authorization` value is `Bearer KEY` (scheme case-insensitive), compared in constant time."""
+    scheme, _, credentials = authorization.partition(" ")
+    given = credentials.strip(" ").encode("latin-1", "replace") if scheme.lower() == "bearer" else b""
+    return hmac.compare_digest(given, key.encode())
 
 
 def _internal_error(e: Exception) -> APIError:
@@ -280,12 +291,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:
         engine = state.ready_engine()
         _check_model(state, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
-            ids = _render_chat(engine, body.messages, body.add_generation_prompt)
-        else:
-            ids = _encode(engine.tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+        ids = _tokenize(engine, body)
         return p.TokenizeResponse(
             count=len(ids), max_model_len=engine.config.scheduler.max_model_len, tokens=ids
         )
@@ -294,11 +300,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
         engine = state.ready_engine()
         _check_model(state, body.model)
-        vocab = engine.config.model.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"tokens out of range [0, {vocab}): {bad[:5]}", "tokens")
-        return p.DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+        return p.DetokenizeResponse(prompt=_detokenize(engine, body.tokens))
 
     @app.post("/v1/completions", response_model=p.CompletionResponse)
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
@@ -330,6 +332,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if plan is not None:
             gen.tool_calls = tools.ToolCallFormatter(plan)
         return await gen.respond(request)
+
+
+def _tokenize(engine: AsyncEngine, body: p.TokenizeRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        return _render_chat(engine, body.messages, body.add_generation_prompt)
+    return _encode(engine.tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+
+
+def _detokenize(engine: AsyncEngine, tokens: list[int]) -> str:
+    vocab = engine.config.model.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"tokens out of range [0, {vocab}): {bad[:5]}", "tokens")
+    return engine.tokenizer.decode(tokens)
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
