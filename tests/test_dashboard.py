@@ -123,7 +123,7 @@ def test_snapshot_with_block_map_survives_msgspec(llama_dir: Path) -> None:
     engine = _engine(llama_dir)
     engine.add_request("r", list(range(1, 41)), SamplingParams(n=2, max_tokens=4, ignore_eos=True))
     engine.step()
-    snap = EngineSnapshot(engine.get_metrics(), 3, 0, 1.0, engine.block_map())
+    snap = EngineSnapshot(engine.get_metrics(), 3, 0, 1.0, block_map=engine.block_map())
     back = msgspec.json.decode(msgspec.json.encode(snap), type=EngineSnapshot)
     assert back == snap
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,10 +57,17 @@ class CoreLaunch:
     cpus: tuple[int, ...] | None = None  # pin the process to these CPUs (data parallel slices)
     measure_room: bool = False  # admission is bounded: put the scheduler's room in every snapshot
     parent_pid: int | None = None  # exit as soon as the parent is no longer this pid (None: do not check)
+    log_level: int = logging.WARNING  # the API process's root level: the core logs (to stderr) what it would
 
 
 def run_engine_core(launch: CoreLaunch) -> None:
     """Process (or Ray actor method) entry point: load the model, serve until Shutdown or the parent's death."""
+    if not logging.getLogger().handlers:  # a fresh process (spawn, Ray worker): log as the API process does
+        logging.basicConfig(
+            level=launch.log_level,
+            format=f"%(asctime)s %(levelname)s %(name)s [engine core {launch.engine_index}]: %(message)s",
+            stream=sys.stderr,
+        )
     if launch.parent_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
     if launch.cpus:

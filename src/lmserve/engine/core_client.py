@@ -400,6 +400,7 @@ class EngineCoreClient:
                 cpus=slices[i] if slices else None,
                 measure_room=self.max_queued_requests is not None,
                 parent_pid=os.getpid() if self.backend == "mp" else None,
+                log_level=logging.getLogger().getEffectiveLevel(),
             )
             handle = _RayHandle(launch, env) if self.backend == "ray" else _ProcessHandle(launch, env)
             admission = Admission(self.max_queued_requests, self.retry_after_s)
