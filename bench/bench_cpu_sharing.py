@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--policies", default="bounded,spin,passive")
+    p.add_argument("--policies", default="adaptive,bounded,spin,passive")
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=512)

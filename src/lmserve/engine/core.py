@@ -21,9 +21,11 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 import zmq
 
 from lmserve.engine.async_engine import BlockMapWatch, EngineSnapshot, measure_room, take_snapshot
+from lmserve.engine.cpu_share import CpuShare, ThreadBackoff
 from lmserve.engine.messages import (
     AbortRequests,
     AddFailure,
@@ -57,6 +59,7 @@ class CoreLaunch:
     cpus: tuple[int, ...] | None = None  # pin the process to these CPUs (data parallel slices)
     measure_room: bool = False  # admission is bounded: put the scheduler's room in every snapshot
     parent_pid: int | None = None  # exit as soon as the parent is no longer this pid (None: do not check)
+    cpu_backoff: bool = False  # drop to 1 torch thread while other processes use the core's CPUs (cpu_share.py)
     log_level: int = logging.WARNING  # the API process's root level: the core logs (to stderr) what it would
 
 
@@ -72,8 +75,6 @@ def run_engine_core(launch: CoreLaunch) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
     if launch.cpus:
         os.sched_setaffinity(0, launch.cpus)
-    import torch
-
     torch.set_num_threads(launch.num_threads)
     from lmserve.engine.llm_engine import LLMEngine
 
@@ -122,6 +123,10 @@ class EngineCore:
         self._failed: list[AddFailure] = []
         self._changed = False  # something was applied since the last message
         self._block_map_watch = BlockMapWatch()
+        self._backoff: ThreadBackoff | None = None
+        if launch.cpu_backoff and launch.num_threads > 1:
+            pids = (os.getpid(),) + ((launch.parent_pid,) if launch.parent_pid else ())
+            self._backoff = ThreadBackoff(launch.num_threads, CpuShare(os.sched_getaffinity(0), pids))
 
     def run(self) -> None:
         self._out.send(self._codec.encode(CoreReady(self.index, os.getpid(), self._snapshot())))
@@ -132,6 +137,8 @@ class EngineCore:
             if self.launch.parent_pid is not None and os.getppid() != self.launch.parent_pid:
                 logger.warning("engine core %d: the API process is gone; exiting", self.index)
                 return
+            if self._backoff is not None and (threads := self._backoff.poll()) is not None:
+                torch.set_num_threads(threads)
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
             if not (busy or self._changed or outputs):
                 continue

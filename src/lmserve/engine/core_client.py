@@ -75,16 +75,18 @@ AFFINITY_SLACK = 4  # sequences: a prefix-affine core is used unless its load ex
 AFFINITY_ENTRIES = 4096  # first-block hashes remembered (least recently used dropped)
 BACKENDS = ("mp", "ray")
 
-# CPU-sharing policies: the OpenMP environment an engine core starts with (see docs/architecture.md).
-# "bounded" (default): workers spin briefly between parallel regions, then sleep, so a competing CPU-bound
-# process takes only the cores' time, not our workers' spinning time; "spin": libgomp's default (long spins,
-# best on a machine of its own); "passive": workers sleep at once (every region pays a futex wake-up).
+# CPU-sharing policies: the OpenMP environment an engine core starts with (see docs/architecture.md and
+# docs/performance.md for the measurements). "adaptive" (default): "bounded", and the core drops to one torch
+# thread while other processes use its CPUs (engine/cpu_share.py); "bounded": workers spin briefly between
+# parallel regions, then sleep; "spin": libgomp's default (long spins); "passive": workers sleep at once (every
+# region pays a futex wake-up).
 CPU_POLICIES: dict[str, dict[str, str]] = {
+    "adaptive": {"GOMP_SPINCOUNT": "10000"},  # bounded, plus the thread back-off (engine/cpu_share.py)
     "bounded": {"GOMP_SPINCOUNT": "10000"},
     "spin": {},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
 }
-DEFAULT_CPU_POLICY = "bounded"
+DEFAULT_CPU_POLICY = "adaptive"
 
 
 class _Facts:
@@ -401,6 +403,7 @@ class EngineCoreClient:
                 measure_room=self.max_queued_requests is not None,
                 parent_pid=os.getpid() if self.backend == "mp" else None,
                 log_level=logging.getLogger().getEffectiveLevel(),
+                cpu_backoff=self.cpu_policy == "adaptive",
             )
             handle = _RayHandle(launch, env) if self.backend == "ray" else _ProcessHandle(launch, env)
             admission = Admission(self.max_queued_requests, self.retry_after_s)

@@ -11,7 +11,8 @@ import sys
 from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs, model_path
 from lmserve.memory import format_bytes
 
-CPU_POLICY_NAMES = ("bounded", "passive", "spin")  # lmserve.engine.core_client.CPU_POLICIES (kept import-free)
+# lmserve.engine.core_client.CPU_POLICIES (kept import-free)
+CPU_POLICY_NAMES = ("adaptive", "bounded", "passive", "spin")
 
 logger = logging.getLogger("lmserve.serve")
 
@@ -68,10 +69,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cpu-wait-policy",
         choices=sorted(CPU_POLICY_NAMES),
-        default="bounded",
-        help="how the engine's OpenMP workers wait between operations: bounded (default: spin briefly, then "
-        "sleep; keeps throughput when another process competes for the cores), spin (libgomp's long spins), "
-        "passive (sleep at once)",
+        default="adaptive",
+        help="how the engine's OpenMP workers wait between operations: adaptive (default: bounded, and one "
+        "thread while other processes use the engine's CPUs), bounded (spin briefly, then sleep), spin "
+        "(libgomp's long spins), passive (sleep at once); docs/performance.md has the measurements",
     )
     p.add_argument(
         "--in-process-engine",
