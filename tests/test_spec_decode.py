@@ -14,6 +14,7 @@ from lmserve import LLM, SamplingParams
 from lmserve.default_model import default_model_path
 from lmserve.spec_decode.proposer import ngram_lookup
 from tests.helpers import build_model
+from tests.test_structured_output import CHOICES, DATE, PERSON
 
 PROMPTS = [
     "def fib(n):\n    return",
@@ -359,18 +360,6 @@ def test_bundled_pair_with_a_quantized_kv_cache(kv_cache_dtype: str) -> None:
 
 # ---- structured outputs under speculation ---------------------------------------------------------------------
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "role": {"enum": ["king", "queen", "fool"]},
-    },
-    "required": ["name", "age", "role"],
-    "additionalProperties": False,
-}
-DATE = r"\d{4}-\d{2}-\d{2}"
-CHOICES = ["Montague", "Capulet", "neither house"]
 CONSTRAINTS = [{"json": PERSON}, {"regex": DATE}, {"choice": CHOICES}]
 SPEC_METHODS = [{"method": "draft_model"}, {"method": "ngram", "prompt_lookup_min": 1}]
 

@@ -67,6 +67,7 @@ from lmserve.engine.messages import (
     StepOutputs,
     WatchBlockMap,
 )
+from lmserve.metrics import CONFIG_LABELS
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -572,17 +573,7 @@ SAME_ON_EVERY_CORE = {
     "kv_cache_bytes_per_token",
     "kv_cache_scale_bytes_per_token",
     "kv_cache_dtype",
-    # llm_engine.config_metrics: every core runs the same configuration
-    "scheduling_policy",
-    "enable_chunked_prefill",
-    "enable_prefix_caching",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "block_size",
-    "num_layers",
-    "num_kv_heads",
-    "head_dim",
+    *CONFIG_LABELS,  # llm_engine.config_metrics: every core runs the same configuration
 }
 SMALLEST_NONZERO = {"decode_step_time_min_s"}  # the fastest core's figure (0 = none yet)
 

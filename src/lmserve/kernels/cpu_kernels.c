@@ -65,6 +65,24 @@ static inline float exp_f32(float x) {
 }
 
 /* bfloat16 -> float32 is exact: the bf16 bits are the high half of the float32. */
+/* Each of nq rows of N scores (row maxima in mx) → its softmax in place; zero the nq output rows of D. */
+static inline __attribute__((always_inline)) void softmax_rows_zero_out(float *scores, const float *mx, int64_t nq,
+                                                                        int64_t N, float *o0, int64_t D) {
+    for (int64_t h = 0; h < nq; h++) {
+        float *sh = scores + h * N, m = mx[h], tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+        for (int64_t t = 0; t < N; t++) {
+            float e = exp_f32(sh[t] - m);
+            sh[t] = e;
+            tot += e;
+        }
+        float inv = 1.f / tot;
+#pragma omp simd
+        for (int64_t t = 0; t < N; t++) sh[t] *= inv;
+        for (int64_t d = 0; d < D; d++) o0[h * D + d] = 0.f;
+    }
+}
+
 static inline float dot_bf16(const float *x, const uint16_t *w, int64_t I) {
     float a = 0.f;
 #pragma omp simd reduction(+ : a)
@@ -119,19 +137,7 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
             }
         }
     }
-    for (int64_t h = 0; h < nq; h++) {
-        float *sh = scores + h * N, m = mx[h], tot = 0.f;
-#pragma omp simd reduction(+ : tot)
-        for (int64_t t = 0; t < N; t++) {
-            float e = exp_f32(sh[t] - m);
-            sh[t] = e;
-            tot += e;
-        }
-        float inv = 1.f / tot;
-#pragma omp simd
-        for (int64_t t = 0; t < N; t++) sh[t] *= inv;
-        for (int64_t d = 0; d < D; d++) o0[h * D + d] = 0.f;
-    }
+    softmax_rows_zero_out(scores, mx, nq, N, o0, D);
     for (int64_t t0 = t_begin - t_begin % block_size; t0 < L; t0 += block_size) {
         const float *vb = v_cache + table[t0 / block_size] * block_size * row;
         int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
@@ -394,19 +400,7 @@ static inline __attribute__((always_inline)) void decode_attention_heads_q(
             }
         }
     }
-    for (int64_t h = 0; h < nq; h++) {
-        float *sh = scores + h * N, m = mx[h], tot = 0.f;
-#pragma omp simd reduction(+ : tot)
-        for (int64_t t = 0; t < N; t++) {
-            float e = exp_f32(sh[t] - m);
-            sh[t] = e;
-            tot += e;
-        }
-        float inv = 1.f / tot;
-#pragma omp simd
-        for (int64_t t = 0; t < N; t++) sh[t] *= inv;
-        for (int64_t d = 0; d < D; d++) o0[h * D + d] = 0.f;
-    }
+    softmax_rows_zero_out(scores, mx, nq, N, o0, D);
     for (int64_t t0 = t_begin - t_begin % block_size; t0 < L; t0 += block_size) {
         int64_t slot0 = table[t0 / block_size] * block_size;
         int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
