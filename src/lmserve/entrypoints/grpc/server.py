@@ -4,8 +4,11 @@ A request is validated by the HTTP server's own code: the gRPC message becomes a
 then `_sampling_params`, `_constrain`, `_completion_prompts` and `_check_lengths` run as for POST
 /v1/completions, and `_Generation` starts it and merges its outputs. Their APIError becomes a gRPC status
 (`_STATUS`): the message starts with the field and the trailing metadata carries `lmserve-param` (and
-`retry-after` for RESOURCE_EXHAUSTED). A cancelled call or an expired deadline cancels the handler, which aborts
-the engine request (its KV blocks are freed at the engine's next step).
+`retry-after` for RESOURCE_EXHAUSTED). However the call ends (finished, cancelled by the client, past its
+deadline), the RPC's done callback aborts the engine request (a no-op when it finished; otherwise its KV blocks
+are freed at the engine's next step). The callback, not the handler's `finally`, is what counts: a cancelled
+streaming handler suspended in a write (flow control: the client stopped reading) never resumes, so its
+`finally` would only run when the generator is garbage-collected.
 
 Also served: grpc.health.v1.Health (SERVING for "" and "lmserve.v1.Generation" when /health would be 200,
 else NOT_SERVING) and server reflection. With an API key, Generation needs `authorization: Bearer KEY` metadata;
@@ -139,7 +142,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # -- generation
 
-    async def _start(self, request: pb.GenerateRequest, stream: bool) -> _Generation:
+    async def _start(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool
+    ) -> _Generation:
         state = self.state
         engine = state.ready_engine()
         body = completion_request(request, stream)
@@ -150,6 +155,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         _check_lengths(engine, prompts, params, "max_tokens")
         gen = _Generation(state, engine, f"{GRPC_REQUEST_ID_PREFIX}{uuid.uuid4().hex}", prompts, params, body)
         gen._start()
+        context.add_done_callback(lambda _: gen.abort())
+        if context.done():  # ended while validating: the callback may have run before it was added
+            gen.abort()
         return gen
 
     def _choice(self, c: CompletionOutput, text: str, token_ids: list[int], entries: list[Any] | None) -> pb.Choice:
@@ -193,7 +201,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        gen = await self._start(request, stream=False)
+        gen = await self._start(request, context, stream=False)
         try:
             finals = await gen._collect()
         finally:
@@ -209,7 +217,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        gen = await self._start(request, stream=True)
+        gen = await self._start(request, context, stream=True)
         finished: set[int] = set()
         try:
             async for _, out in gen._outputs():
