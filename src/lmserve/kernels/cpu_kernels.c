@@ -590,7 +590,10 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
     free(xs);
 }
 
-/* float16 bits -> float32 (exact). */
+/* float16 bits -> float32 (exact): the F16C instruction where the CPU has it, else the bit manipulation. */
+#if defined(__F16C__)
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) {
@@ -611,6 +614,7 @@ static inline float f16_to_f32(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+#endif
 
 /* Dequantized row o of an int4 matrix: out[i] = (code_i - 8) * scale[i / G], or with mins
  * code_i * scale[i / G] + min[i / G] (code * scale is exact in float32, so one rounding, as gguf's). */
@@ -641,42 +645,52 @@ void dequant_i4_f32(const uint8_t *w, const uint16_t *scales, const uint16_t *mi
 #define I4_MAX_ROWS 8 /* rows of x one pass over the weights serves (the caller asserts M <= this) */
 
 /* x (M, K) float32, M <= I4_MAX_ROWS; w (O, K / 2) codes; scales (O, K / G) float16 bits; mins (O, K / G)
- * float16 bits or NULL; y (M, O). Per group: the float sum of code * x over its inputs, then one multiply by
- * the group's scale (and with mins, + min * the group's sum of x). */
+ * float16 bits or NULL; y (M, O). Each weight is dequantized exactly as dequant_i4_row does (code * scale,
+ * or code * scale + min with one rounding) and multiplied in float32: weight-only, x is not quantized.
+ * AVX-512: per group a 16-entry table of the group's 16 dequantized values, indexed by the codes
+ * (vpermps reads the low 4 bits of each lane, so the low nibble needs no mask). */
 void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *b,
                    float *y, int64_t M, int64_t O, int64_t K, int64_t G, int nthreads) {
+    const int64_t NG = K / G;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t o = 0; o < O; o++) {
         const uint8_t *wr = w + o * (K / 2);
-        const uint16_t *sr = scales + o * (K / G);
-        const uint16_t *mr = mins ? mins + o * (K / G) : NULL;
+        const uint16_t *sr = scales + o * NG;
+        const uint16_t *mr = mins ? mins + o * NG : NULL;
         float bias = b ? b[o] : 0.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        __m512 tot[I4_MAX_ROWS];
-        for (int64_t m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
-        const __m128i low = _mm_set1_epi8(0x0f);
-        const __m512i off = _mm512_set1_epi32(mr ? 0 : 8);
-        for (int64_t g = 0; g < K; g += G) {
-            __m512 acc[I4_MAX_ROWS], xsum[I4_MAX_ROWS];
-            for (int64_t m = 0; m < M; m++) acc[m] = xsum[m] = _mm512_setzero_ps();
-            for (int64_t j = g; j < g + G; j += 32) {
-                __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + j / 2));
-                __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-                __m512 w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), off));
-                __m512 w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), off));
-                for (int64_t m = 0; m < M; m++) {
-                    const float *xm = x + m * K + j;
-                    __m512 x0 = _mm512_loadu_ps(xm), x1 = _mm512_loadu_ps(xm + 16);
-                    acc[m] = _mm512_fmadd_ps(w0, x0, acc[m]);
-                    acc[m] = _mm512_fmadd_ps(w1, x1, acc[m]);
-                    if (mr) xsum[m] = _mm512_add_ps(xsum[m], _mm512_add_ps(x0, x1));
+        const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 shift = _mm512_set1_ps(mr ? 0.f : -8.f); /* symmetric: code - 8 */
+        if (M == 1) { /* single-stream decode: two accumulators in registers */
+            __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+            for (int64_t g = 0; g < K; g += G) {
+                __m512 d = _mm512_set1_ps(f16_to_f32(sr[g / G]));
+                __m512 tab = mr ? _mm512_fmadd_ps(codes, d, _mm512_set1_ps(f16_to_f32(mr[g / G])))
+                                : _mm512_mul_ps(_mm512_add_ps(codes, shift), d);
+                for (int64_t j = g; j < g + G; j += 32) {
+                    __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + j / 2)));
+                    __m512i i1 = _mm512_srli_epi32(i0, 4);
+                    t0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(i0, tab), _mm512_loadu_ps(x + j), t0);
+                    t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(i1, tab), _mm512_loadu_ps(x + j + 16), t1);
                 }
             }
+            y[o] = _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + bias;
+            continue;
+        }
+        __m512 tot[I4_MAX_ROWS];
+        for (int64_t m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < K; g += G) {
             __m512 d = _mm512_set1_ps(f16_to_f32(sr[g / G]));
-            for (int64_t m = 0; m < M; m++) tot[m] = _mm512_fmadd_ps(acc[m], d, tot[m]);
-            if (mr) {
-                __m512 mn = _mm512_set1_ps(f16_to_f32(mr[g / G]));
-                for (int64_t m = 0; m < M; m++) tot[m] = _mm512_fmadd_ps(xsum[m], mn, tot[m]);
+            __m512 tab = mr ? _mm512_fmadd_ps(codes, d, _mm512_set1_ps(f16_to_f32(mr[g / G])))
+                            : _mm512_mul_ps(_mm512_add_ps(codes, shift), d);
+            for (int64_t j = g; j < g + G; j += 32) {
+                __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + j / 2)));
+                __m512 w0 = _mm512_permutexvar_ps(i0, tab), w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), tab);
+                for (int64_t m = 0; m < M; m++) {
+                    const float *xm = x + m * K + j;
+                    tot[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), tot[m]);
+                    tot[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), tot[m]);
+                }
             }
         }
         for (int64_t m = 0; m < M; m++) y[m * O + o] = _mm512_reduce_add_ps(tot[m]) + bias;
@@ -684,28 +698,22 @@ void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, con
         const int32_t off = mr ? 0 : 8;
         float tot[I4_MAX_ROWS] = {0};
         for (int64_t g = 0; g < K; g += G) {
-            float acc[I4_MAX_ROWS] = {0}, xsum[I4_MAX_ROWS] = {0};
+            float d = f16_to_f32(sr[g / G]), mn = mr ? f16_to_f32(mr[g / G]) : 0.f;
             for (int64_t j = g; j < g + G; j += 32) {
                 const uint8_t *blk = wr + j / 2;
                 float w0[16], w1[16];
                 for (int64_t i = 0; i < 16; i++) {
-                    w0[i] = (float)((int32_t)(blk[i] & 0x0f) - off);
-                    w1[i] = (float)((int32_t)(blk[i] >> 4) - off);
+                    w0[i] = (float)((int32_t)(blk[i] & 0x0f) - off) * d + mn;
+                    w1[i] = (float)((int32_t)(blk[i] >> 4) - off) * d + mn;
                 }
                 for (int64_t m = 0; m < M; m++) {
                     const float *xm = x + m * K + j;
-                    float a = 0.f, sx = 0.f;
-#pragma omp simd reduction(+ : a, sx)
-                    for (int64_t i = 0; i < 16; i++) {
-                        a += w0[i] * xm[i] + w1[i] * xm[16 + i];
-                        sx += xm[i] + xm[16 + i];
-                    }
-                    acc[m] += a;
-                    xsum[m] += sx;
+                    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+                    for (int64_t i = 0; i < 16; i++) a += w0[i] * xm[i] + w1[i] * xm[16 + i];
+                    tot[m] += a;
                 }
             }
-            float d = f16_to_f32(sr[g / G]), mn = mr ? f16_to_f32(mr[g / G]) : 0.f;
-            for (int64_t m = 0; m < M; m++) tot[m] += acc[m] * d + (mr ? xsum[m] * mn : 0.f);
         }
         for (int64_t m = 0; m < M; m++) y[m * O + o] = tot[m] + bias;
 #endif
@@ -736,6 +744,21 @@ void linear_i8w_f32(const float *x, const int8_t *w, const uint16_t *scales, con
         const uint16_t *sr = scales + o * (K / G);
         float bias = b ? b[o] : 0.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+        if (M == 1) { /* single-stream decode: two accumulators in registers, the scale folded into the weights */
+            __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+            for (int64_t g = 0; g < K; g += G) {
+                __m512 d = _mm512_set1_ps(f16_to_f32(sr[g / G]));
+                for (int64_t j = g; j < g + G; j += 32) {
+                    __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + j))));
+                    __m512 w1 =
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + j + 16))));
+                    t0 = _mm512_fmadd_ps(_mm512_mul_ps(w0, d), _mm512_loadu_ps(x + j), t0);
+                    t1 = _mm512_fmadd_ps(_mm512_mul_ps(w1, d), _mm512_loadu_ps(x + j + 16), t1);
+                }
+            }
+            y[o] = _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + bias;
+            continue;
+        }
         __m512 tot[I4_MAX_ROWS];
         for (int64_t m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
         for (int64_t g = 0; g < K; g += G) {
