@@ -166,6 +166,7 @@ class IncrementalDetokenizer:
         self._text = ""  # cleaned text that passed the UTF-8 and cleanup stages (emitted + held for stops)
         self._emitted = 0  # chars of _text returned to the caller
         self._stop_check_from = 0  # a stop string must end past this many chars of _text (min_tokens)
+        self._held_chars = 0  # complete characters decoded but held back with an incomplete one after them
         self.stop_str: str | None = None
         self.finished = False
 
@@ -209,9 +210,14 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text):
+            self._held_chars = 0
             return ""  # only tokens that decode to nothing so far (skipped special tokens)
         if new_text.endswith("\ufffd") and not final:
-            return ""  # an incomplete UTF-8 sequence: wait for the rest of the character
+            # an incomplete UTF-8 sequence: wait for the rest of the character (the complete ones before it
+            # still count as these tokens' text for min_tokens)
+            self._held_chars = len(new_text[len(prefix_text) :].rstrip("\ufffd"))
+            return ""
+        self._held_chars = 0
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         return new_text[len(prefix_text) :]
 
@@ -220,8 +226,8 @@ class IncrementalDetokenizer:
             text = stage.feed(text)
             if final:
                 text += stage.finish()
-        if len(self._token_ids) <= self.params.min_tokens:
-            self._stop_check_from = len(self._text) + len(text)  # the first min_tokens tokens' text: no stop
+        if len(self._token_ids) <= self.params.min_tokens:  # the first min_tokens tokens' text: no stop
+            self._stop_check_from = len(self._text) + len(text) + (0 if final else self._held_chars)
         search_from = max(len(self._text), self._stop_check_from)  # stop strings must end past this
         self._text += text
 
