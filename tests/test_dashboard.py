@@ -142,11 +142,14 @@ def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         srv.stop()
 
 
-def _events(server: LiveServer, n: int, timeout_s: float = 30.0) -> tuple[list[dict], float]:
-    """The first n feed updates and the seconds from the first to the last."""
+def _events(
+    server: LiveServer, n: int, timeout_s: float = 30.0, interval_s: float | None = None
+) -> tuple[list[dict], float]:
+    """The first n feed updates (every interval_s, else the default) and the seconds from the first to the last."""
     out, times = [], []
     headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.stream("GET", server.url + "/v1/dashboard/stream", headers=headers, timeout=timeout_s) as r:
+    url = server.url + "/v1/dashboard/stream" + (f"?interval_s={interval_s}" if interval_s else "")
+    with httpx.stream("GET", url, headers=headers, timeout=timeout_s) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -183,7 +186,8 @@ def test_feed_updates_twice_a_second_with_the_engine_state(server: LiveServer) -
 
 
 def test_feed_counts_a_burst(server: LiveServer) -> None:
-    body = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 200, "ignore_eos": True}
+    # 8 x 240 tokens: a few tenths of a second on a fast machine, so the feed samples every 0.1 s
+    body = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 240, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {KEY}"}
     codes: list[int] = []
 
@@ -202,7 +206,7 @@ def test_feed_counts_a_burst(server: LiveServer) -> None:
 
     t = threading.Thread(target=burst)
     t.start()
-    events, _ = _events(server, 14)
+    events, _ = _events(server, 50, interval_s=0.1)
     t.join()
     assert codes == [200] * 8
     assert max(e["running"] for e in events) > 0
