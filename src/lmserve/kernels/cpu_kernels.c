@@ -591,7 +591,7 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
 }
 
 /* float16 bits -> float32 (exact): the F16C instruction where the CPU has it, else the bit manipulation. */
-#if defined(__F16C__)
+#if defined(__F16C__) && (defined(__AVX512F__) || defined(__AVX2__) || defined(__AVXVNNI__)) /* immintrin.h */
 static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 #else
 static inline float f16_to_f32(uint16_t h) {
