@@ -644,6 +644,23 @@ void dequant_i4_f32(const uint8_t *w, const uint16_t *scales, const uint16_t *mi
 
 #define I4_MAX_ROWS 8 /* rows of x one pass over the weights serves (the caller asserts M <= this) */
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* The 16 values code 0..15 of one group dequantizes to: (code - 8) * scale, or code * scale + min. */
+static inline __m512 i4_group_table(uint16_t scale, const uint16_t *min) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 d = _mm512_set1_ps(f16_to_f32(scale));
+    return min ? _mm512_fmadd_ps(codes, d, _mm512_set1_ps(f16_to_f32(*min)))
+               : _mm512_mul_ps(_mm512_sub_ps(codes, _mm512_set1_ps(8.f)), d);
+}
+
+/* The 32 dequantized weights of one block of 16 code bytes: low nibbles (w0), high nibbles (w1). */
+static inline void i4_block_lookup(const uint8_t *blk, __m512 tab, __m512 *w0, __m512 *w1) {
+    __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk));
+    *w0 = _mm512_permutexvar_ps(i0, tab);
+    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), tab);
+}
+#endif
+
 /* x (M, K) float32, M <= I4_MAX_ROWS; w (O, K / 2) codes; scales (O, K / G) float16 bits; mins (O, K / G)
  * float16 bits or NULL; y (M, O). Each weight is dequantized exactly as dequant_i4_row does (code * scale,
  * or code * scale + min with one rounding) and multiplied in float32: weight-only, x is not quantized.
@@ -659,19 +676,14 @@ void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, con
         const uint16_t *mr = mins ? mins + o * NG : NULL;
         float bias = b ? b[o] : 0.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512 shift = _mm512_set1_ps(mr ? 0.f : -8.f); /* symmetric: code - 8 */
         if (M == 1) { /* single-stream decode: two accumulators in registers */
             __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
             for (int64_t g = 0; g < K; g += G) {
-                __m512 d = _mm512_set1_ps(f16_to_f32(sr[g / G]));
-                __m512 tab = mr ? _mm512_fmadd_ps(codes, d, _mm512_set1_ps(f16_to_f32(mr[g / G])))
-                                : _mm512_mul_ps(_mm512_add_ps(codes, shift), d);
+                __m512 tab = i4_group_table(sr[g / G], mr ? mr + g / G : NULL), w0, w1;
                 for (int64_t j = g; j < g + G; j += 32) {
-                    __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + j / 2)));
-                    __m512i i1 = _mm512_srli_epi32(i0, 4);
-                    t0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(i0, tab), _mm512_loadu_ps(x + j), t0);
-                    t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(i1, tab), _mm512_loadu_ps(x + j + 16), t1);
+                    i4_block_lookup(wr + j / 2, tab, &w0, &w1);
+                    t0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j), t0);
+                    t1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j + 16), t1);
                 }
             }
             y[o] = _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + bias;
@@ -680,12 +692,9 @@ void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, con
         __m512 tot[I4_MAX_ROWS];
         for (int64_t m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
         for (int64_t g = 0; g < K; g += G) {
-            __m512 d = _mm512_set1_ps(f16_to_f32(sr[g / G]));
-            __m512 tab = mr ? _mm512_fmadd_ps(codes, d, _mm512_set1_ps(f16_to_f32(mr[g / G])))
-                            : _mm512_mul_ps(_mm512_add_ps(codes, shift), d);
+            __m512 tab = i4_group_table(sr[g / G], mr ? mr + g / G : NULL), w0, w1;
             for (int64_t j = g; j < g + G; j += 32) {
-                __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + j / 2)));
-                __m512 w0 = _mm512_permutexvar_ps(i0, tab), w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), tab);
+                i4_block_lookup(wr + j / 2, tab, &w0, &w1);
                 for (int64_t m = 0; m < M; m++) {
                     const float *xm = x + m * K + j;
                     tot[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), tot[m]);
