@@ -6,9 +6,9 @@ then `_sampling_params`, `_constrain`, `_completion_prompts` and `_check_lengths
 (`_STATUS`): the message starts with the field and the trailing metadata carries `lmserve-param` (and
 `retry-after` for RESOURCE_EXHAUSTED). However the call ends (finished, cancelled by the client, past its
 deadline), the RPC's done callback aborts the engine request (a no-op when it finished; otherwise its KV blocks
-are freed at the engine's next step). The callback, not the handler's `finally`, is what counts: a cancelled
-streaming handler suspended in a write (flow control: the client stopped reading) never resumes, so its
-`finally` would only run when the generator is garbage-collected.
+are freed at the engine's next step). The callback is the handlers' only abort: a cancelled streaming handler
+suspended in a write (flow control: the client stopped reading) never resumes, so a `finally` in it would only
+run when the generator is garbage-collected.
 
 Also served: grpc.health.v1.Health (SERVING for "" and "lmserve.v1.Generation" when /health would be 200,
 else NOT_SERVING) and server reflection. With an API key, Generation needs `authorization: Bearer KEY` metadata;
@@ -142,9 +142,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # -- generation
 
-    async def _start(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool
-    ) -> _Generation:
+    async def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool) -> _Generation:
         state = self.state
         engine = state.ready_engine()
         body = completion_request(request, stream)
@@ -202,10 +200,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         gen = await self._start(request, context, stream=False)
-        try:
-            finals = await gen._collect()
-        finally:
-            gen.abort()
+        finals = await gen._collect()
         outputs = sorted(finals[0].outputs, key=lambda c: c.index)
         return pb.GenerateResponse(
             id=gen.request_id,
@@ -219,22 +214,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         gen = await self._start(request, context, stream=True)
         finished: set[int] = set()
-        try:
-            async for _, out in gen._outputs():
-                choices = []
-                for c in out.outputs:
-                    if not (c.delta_text or c.delta_token_ids) and (not c.finished or c.index in finished):
-                        continue
-                    if c.finished:
-                        finished.add(c.index)
-                    n_new = len(c.delta_token_ids)
-                    delta_lp = c.logprobs[len(c.logprobs) - n_new :] if c.logprobs is not None else None
-                    choices.append(self._choice(c, c.delta_text, c.delta_token_ids, delta_lp))
-                usage = self._usage(gen, [out]) if out.finished else None
-                if choices or usage is not None:
-                    yield pb.GenerateResponse(id=gen.request_id, model=gen.model, choices=choices, usage=usage)
-        finally:
-            gen.abort()
+        async for _, out in gen._outputs():
+            choices = []
+            for c in out.outputs:
+                if not (c.delta_text or c.delta_token_ids) and (not c.finished or c.index in finished):
+                    continue
+                if c.finished:
+                    finished.add(c.index)
+                n_new = len(c.delta_token_ids)
+                delta_lp = c.logprobs[len(c.logprobs) - n_new :] if c.logprobs is not None else None
+                choices.append(self._choice(c, c.delta_text, c.delta_token_ids, delta_lp))
+            usage = self._usage(gen, [out]) if out.finished else None
+            if choices or usage is not None:
+                yield pb.GenerateResponse(id=gen.request_id, model=gen.model, choices=choices, usage=usage)
 
     # -- tokenizer and models
 
