@@ -166,7 +166,6 @@ class IncrementalDetokenizer:
         self._text = ""  # cleaned text that passed the UTF-8 and cleanup stages (emitted + held for stops)
         self._emitted = 0  # chars of _text returned to the caller
         self._stop_check_from = 0  # a stop string must end past this many chars of _text (min_tokens)
-        self._held_chars = 0  # complete characters decoded but held back with an incomplete one after them
         self.stop_str: str | None = None
         self.finished = False
 
@@ -189,45 +188,41 @@ class IncrementalDetokenizer:
             tail = self.update(new_token_ids[before_min:])
             return DetokenizerUpdate(head.delta_text + tail.delta_text, tail.stop_str)
         self._token_ids.extend(new_token_ids)
-        return self._advance(self._read_new_text(final=False), final=False)
+        return self._advance(*self._read_new_text(final=False), final=False)
 
     def flush(self) -> str:
         """Release all held-back text (the request ended for another reason: length, EOS, abort)."""
         if self.finished:
             return ""
-        return self._advance(self._read_new_text(final=True), final=True).delta_text
+        return self._advance(*self._read_new_text(final=True), final=True).delta_text
 
     # ------------------------------------------------------------------ stages
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, **self._decode_kwargs)
 
-    def _read_new_text(self, final: bool) -> str:
-        """UTF-8 stage: text of the tokens past read_offset, unless it ends inside a character."""
+    def _read_new_text(self, final: bool) -> tuple[str, int]:
+        """UTF-8 stage: text of the tokens past read_offset, unless it ends inside a character; and how many
+        complete characters come before that incomplete one (held back, yet these tokens' text for min_tokens)."""
         ids = self._token_ids
         if self._read_offset == len(ids):
-            return ""
+            return "", 0
         prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text):
-            self._held_chars = 0
-            return ""  # only tokens that decode to nothing so far (skipped special tokens)
+            return "", 0  # only tokens that decode to nothing so far (skipped special tokens)
         if new_text.endswith("\ufffd") and not final:
-            # an incomplete UTF-8 sequence: wait for the rest of the character (the complete ones before it
-            # still count as these tokens' text for min_tokens)
-            self._held_chars = len(new_text[len(prefix_text) :].rstrip("\ufffd"))
-            return ""
-        self._held_chars = 0
+            return "", len(new_text[len(prefix_text) :].rstrip("\ufffd"))  # wait for the rest of the character
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        return new_text[len(prefix_text) :]
+        return new_text[len(prefix_text) :], 0
 
-    def _advance(self, text: str, final: bool) -> DetokenizerUpdate:
+    def _advance(self, text: str, held_chars: int, final: bool) -> DetokenizerUpdate:
         for stage in self._cleanup:
             text = stage.feed(text)
             if final:
                 text += stage.finish()
         if len(self._token_ids) <= self.params.min_tokens:  # the first min_tokens tokens' text: no stop
-            self._stop_check_from = len(self._text) + len(text) + (0 if final else self._held_chars)
+            self._stop_check_from = len(self._text) + len(text) + held_chars
         search_from = max(len(self._text), self._stop_check_from)  # stop strings must end past this
         self._text += text
 
