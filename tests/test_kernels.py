@@ -11,6 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from lmserve import LLM, SamplingParams, kernels
+from lmserve.model.decode_stack import DecodeStack
 from tests.test_model_vs_hf import PROMPTS, assert_greedy_matches_hf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: kernels not built")
@@ -169,8 +170,11 @@ def test_paged_decode_attention_reads_only_the_window(window: int, kv_dtype: str
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_engine_uses_kernels_and_matches_hf(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = {"linear": 0, "paged_decode_attention": 0}
+@pytest.mark.parametrize("stack", [True, False], ids=["decode-stack", "module-path"])
+def test_engine_uses_kernels_and_matches_hf(llama_dir: Path, monkeypatch: pytest.MonkeyPatch, stack: bool) -> None:
+    """Decode steps run the whole stack in one C call (model/decode_stack.py), or with it refused, layer by
+    layer through the kernels; both give HF's greedy tokens."""
+    calls = {"linear": 0, "paged_decode_attention": 0, "decode_stack": 0}
     for name in calls:
         real = getattr(kernels, name)
 
@@ -179,11 +183,17 @@ def test_engine_uses_kernels_and_matches_hf(llama_dir: Path, monkeypatch: pytest
             return _real(*a, **kw)
 
         monkeypatch.setattr(kernels, name, counted)
+    if not stack:
+        monkeypatch.setattr(DecodeStack, "supports", staticmethod(lambda model, kv_caches: False))
     llm = LLM(str(llama_dir), num_kv_blocks=64)
     assert llm.engine.runner.packed_weight_bytes > 0, "CPU fp32 weights should get oneDNN-packed copies"
-    # two sequences: decode steps of 2 rows take the C kernel, prefill steps the packed oneDNN weights
+    # two sequences: decode steps of 2 rows take the C kernels, prefill steps the packed oneDNN weights
     assert_greedy_matches_hf(llm, llama_dir, PROMPTS[:2], max_tokens=8)
-    assert calls["linear"] > 0 and calls["paged_decode_attention"] > 0, calls
+    assert calls["linear"] > 0, calls  # the LM head of decode steps
+    if stack:
+        assert calls["decode_stack"] > 0 and calls["paged_decode_attention"] == 0, calls
+    else:
+        assert calls["decode_stack"] == 0 and calls["paged_decode_attention"] > 0, calls
 
 
 def test_torch_path_matches_hf_with_kernels_off(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,6 +121,8 @@ def _load() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.rope_write_kv_q.restype = None
     _declare_quantized(lib)
+    lib.decode_stack.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int]
+    lib.decode_stack.restype = ctypes.c_int
     return lib
 
 
@@ -495,3 +497,31 @@ def dequant_i8w(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     out = torch.empty(o, k, dtype=torch.float32)
     _lib.dequant_i8w_f32(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), o, k, group, torch.get_num_threads())
     return out
+
+
+def decode_stack(
+    model: ctypes._Pointer | ctypes._CArgObject,
+    h: torch.Tensor,
+    out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> int:
+    """Every layer of a decoder and its final norm for B decode tokens (cpu_kernels.c: decode_stack): model
+    points at the C description lmserve.model.decode_stack builds; h (B, hidden) embeddings in, out (B, hidden)
+    written; cos, sin (B, head_dim); slot_mapping (B,), block_tables (B, max_blocks), context_lens (B,) int64.
+    Returns 0, or -1 if the kernel's scratch memory could not be allocated."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    b, hidden = h.shape
+    for t, n in ((h, "h"), (out, "out"), (cos, "cos"), (sin, "sin")):
+        _check(t, n)
+    for t, n in ((slot_mapping, "slot_mapping"), (block_tables, "block_tables"), (context_lens, "context_lens")):
+        _check(t, n, torch.int64)
+    assert out.shape == h.shape and cos.shape == sin.shape and cos.shape[0] == b, "one row per token"
+    assert slot_mapping.shape == (b,) and context_lens.shape == (b,) and block_tables.shape[0] == b, "per token"
+    return _lib.decode_stack(
+        model, h.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+        block_tables.data_ptr(), context_lens.data_ptr(), b, block_tables.shape[1], torch.get_num_threads(),
+    )  # fmt: skip

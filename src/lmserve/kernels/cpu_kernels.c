@@ -805,3 +805,104 @@ void linear_i8w_f32(const float *x, const int8_t *w, const uint16_t *scales, con
     }
 }
 /* ==================================== end of quantized linear kernels ================================ */
+
+/* ==================================================================================================== *
+ * The decoder stack of a decode step in one call (decode_stack).                                        *
+ * ==================================================================================================== *
+ *
+ * A pure decode step of a few rows spends as long in Python between the kernels above (module calls,
+ * argument checks, ctypes, ~9 calls a layer) as in some of the kernels themselves: ~270 us a layer on the
+ * benchmark model. decode_stack runs every layer of a plain pre-norm Llama-family decoder (RMSNorm,
+ * fused qkv, RoPE, paged attention, o, RMSNorm, gate_up, SiLU*up, down) and the final norm by calling the
+ * same kernels in the same order with the same arguments as lmserve/model/llama.py does, so its output is
+ * bit-identical to the module path. The Python side (lmserve/model/decode_stack.py) fills the layer
+ * descriptions once and checks which models and steps qualify.
+ */
+enum { LS_F32 = 0, LS_BF16W = 1, LS_I8 = 2, LS_I4 = 3, LS_I8W = 4 };
+
+typedef struct { /* one projection; every field 8 bytes (the ctypes Structure mirrors it) */
+    int64_t kind, O, K, G;
+    const void *w, *scales, *mins, *row_sums;
+    const float *bias;
+} ls_linear;
+
+typedef struct {
+    const float *in_norm, *post_norm;
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale; /* int8 / fp8 caches only */
+    int64_t window;           /* 0: full attention */
+    ls_linear qkv, o, gate_up, down;
+} ls_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, kv_kind; /* kv_kind -1: float32 */
+    double eps, scale;
+    const ls_layer *layers;
+    const float *final_norm;
+} ls_model;
+
+static void ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M, int nthreads) {
+    switch (l->kind) {
+    case LS_F32: linear_f32(x, (const float *)l->w, l->bias, y, M, l->O, l->K, nthreads); break;
+    case LS_BF16W: linear_bf16w_f32(x, (const uint16_t *)l->w, l->bias, y, M, l->O, l->K, nthreads); break;
+    case LS_I8:
+        linear_i8_f32(x, (const int8_t *)l->w, (const float *)l->scales, (const int32_t *)l->row_sums, l->bias, y, M,
+                      l->O, l->K, nthreads);
+        break;
+    case LS_I4:
+        linear_i4_f32(x, (const uint8_t *)l->w, (const uint16_t *)l->scales, (const uint16_t *)l->mins, l->bias, y,
+                      M, l->O, l->K, l->G, nthreads);
+        break;
+    default:
+        linear_i8w_f32(x, (const int8_t *)l->w, (const uint16_t *)l->scales, l->bias, y, M, l->O, l->K, l->G,
+                       nthreads);
+    }
+}
+
+/* h (B, hidden): the embeddings of the step's B decode tokens; out (B, hidden): the final norm of the last
+ * residual stream. cos, sin (B, head_dim); slots (B,); tables (B, max_blocks); lens (B,): as the kernels
+ * above take them. Returns 0, or -1 when the scratch memory could not be allocated (nothing was written). */
+int decode_stack(const ls_model *m, const float *h, float *out, const float *cos, const float *sin,
+                 const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t B, int64_t max_blocks,
+                 int nthreads) {
+    const int64_t Hd = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t qs = NH * D, kvs = KVH * D, qkvw = qs + 2 * kvs;
+    const float eps = (float)m->eps, scale = (float)m->scale;
+    const int64_t n = B * (4 * Hd + qkvw + 2 * qs + 3 * I);
+    float *buf = (float *)malloc(sizeof(float) * (size_t)n);
+    if (!buf) return -1;
+    float *res = buf, *x = res + B * Hd, *hb = x + B * Hd, *ob = hb + B * Hd, *qkv = ob + B * Hd;
+    float *q = qkv + B * qkvw, *attn = q + B * qs, *gu = attn + B * qs, *act = gu + 2 * B * I;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const ls_layer *L = m->layers + l;
+        if (l == 0) { /* the residual stream starts as the embeddings */
+            memcpy(res, h, sizeof(float) * (size_t)(B * Hd));
+            rmsnorm_f32(h, NULL, L->in_norm, x, B, Hd, eps, nthreads);
+        } else {
+            rmsnorm_f32(hb, res, L->in_norm, x, B, Hd, eps, nthreads);
+        }
+        ls_linear_run(&L->qkv, x, qkv, B, nthreads);
+        if (m->kv_kind < 0)
+            rope_write_kv_f32(qkv, qkvw, qkv + qs, qkvw, qkv + qs + kvs, qkvw, cos, sin, (float *)L->k_cache,
+                              (float *)L->v_cache, slots, B, NH, KVH, D, nthreads);
+        else
+            rope_write_kv_q(qkv, qkvw, qkv + qs, qkvw, qkv + qs + kvs, qkvw, cos, sin, L->k_cache, L->v_cache,
+                            L->k_scale, L->v_scale, slots, B, NH, KVH, D, (int)m->kv_kind, nthreads);
+        for (int64_t b = 0; b < B; b++) memcpy(q + b * qs, qkv + b * qkvw, sizeof(float) * (size_t)qs);
+        if (m->kv_kind < 0)
+            paged_decode_attention(q, (const float *)L->k_cache, (const float *)L->v_cache, tables, lens, attn, B, NH,
+                                   KVH, D, m->block_size, max_blocks, scale, L->window, nthreads);
+        else
+            paged_decode_attention_q(q, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables, lens, attn, B, NH,
+                                     KVH, D, m->block_size, max_blocks, scale, L->window, (int)m->kv_kind, nthreads);
+        ls_linear_run(&L->o, attn, ob, B, nthreads);
+        rmsnorm_f32(ob, res, L->post_norm, x, B, Hd, eps, nthreads);
+        ls_linear_run(&L->gate_up, x, gu, B, nthreads);
+        silu_mul_f32(gu, act, B, I, nthreads);
+        ls_linear_run(&L->down, act, hb, B, nthreads);
+    }
+    rmsnorm_f32(hb, res, m->final_norm, out, B, Hd, eps, nthreads);
+    free(buf);
+    return 0;
+}
+/* ========================================= end of decode_stack ========================================= */

@@ -201,7 +201,8 @@ def choose_small_m_paths(model: nn.Module, mode: str | None = None, reps: int = 
     (float32, bf16-stored weights too) or torch._int_mm (int8). "auto" times one M=1 pass over that shape's
     layers (enough of them to stream SMALL_M_PASS_BYTES, as a decode step streams weights from DRAM) per
     candidate and keeps the fastest (the kernel unless another is 10% faster): the C kernel wins on some CPUs
-    and loses to oneDNN on others (docs/performance.md). "kernel" / "torch" force a side. Every path computes
+    and loses to oneDNN on others (docs/performance.md); the projections of a decoder the one-call decode stack
+    runs keep the kernel. "kernel" / "torch" force a side. Every path computes
     the same product to float32 rounding. Call with the thread count the engine runs with. Returns
     {(out, in, kind): chosen path}."""
     mode = small_m_mode() if mode is None else mode
@@ -217,10 +218,14 @@ def choose_small_m_paths(model: nn.Module, mode: str | None = None, reps: int = 
         groups.setdefault((m.out_features, m.in_features, kind), []).append(m)
     if not kernels.available() or not groups:
         return {}
+    # Projections the one-call decode stack (model/decode_stack.py) runs keep the kernel under "auto": the stack
+    # saves the Python between them, which a per-shape timing cannot see (the LM head is still timed).
+    stacked = {id(m) for sub in model.modules() if hasattr(sub, "stack_linears") for m in sub.stack_linears()}
     chosen: dict[tuple, str] = {}
     for key, layers in groups.items():
         candidates = _small_m_candidates(layers[0])
-        if mode == "kernel":
+        in_stack = mode == "auto" and all(id(m) in stacked for m in layers)
+        if mode == "kernel" or in_stack:
             path, times = None, {}
         elif mode == "torch":
             path, times = candidates[1], {}
@@ -237,7 +242,11 @@ def choose_small_m_paths(model: nn.Module, mode: str | None = None, reps: int = 
         chosen[key] = path or "kernel"
         measured = ", ".join(f"{c or 'kernel'} {t * 1e3:.2f} ms" for c, t in times.items())
         logger.info("1-2 row linear %d x %d (%s, %d layers): %s%s", key[0], key[1], key[2], len(layers),
-                    path or "kernel", f" (M=1 pass: {measured})" if times else f" ({SMALL_M_ENV}={mode})")
+                    path or "kernel", f" (M=1 pass: {measured})" if times else
+                    " (decode stack)" if in_stack else f" ({SMALL_M_ENV}={mode})")  # fmt: skip
+    for sub in model.modules():  # a decoder's one-call decode stack follows the kernel paths: describe it anew
+        if hasattr(sub, "reset_decode_stack"):
+            sub.reset_decode_stack()
     return chosen
 
 

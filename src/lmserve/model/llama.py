@@ -12,6 +12,7 @@ from torch import nn
 from lmserve import kernels
 from lmserve.config import ModelConfig
 from lmserve.model.attention import AttentionMetadata, KVCache, paged_attention
+from lmserve.model.decode_stack import DecodeStack
 from lmserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 LOGITS_SLICE = 2048  # vocabulary rows per LM-head product
@@ -128,6 +129,27 @@ class DecoderModel(nn.Module):
             None if cfg.rope_local is None else RotaryEmbedding(cfg.rope_local, rotary_dim, max_positions)
         )
 
+    _decode_stack: DecodeStack | None = None
+    _decode_stack_checked: tuple | None = None  # the KV caches supports() was last asked about
+
+    def decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
+        """The C description of this decoder over kv_caches, when DecodeStack.supports it (built once per
+        set of caches; reset_decode_stack() after changing weights or their kernel paths)."""
+        key = DecodeStack.cache_key(kv_caches)
+        if key != self._decode_stack_checked:
+            self._decode_stack_checked = key
+            self._decode_stack = DecodeStack(self, kv_caches) if DecodeStack.supports(self, kv_caches) else None
+        return self._decode_stack
+
+    def stack_linears(self) -> list[Linear]:
+        """The projections a decode stack would run when they take their C kernels ([] if the layout has none)."""
+        if not DecodeStack.supports_layout(self):
+            return []
+        return [m for layer in self.layers for m in DecodeStack.layer_linears(layer)]
+
+    def reset_decode_stack(self) -> None:
+        self._decode_stack = self._decode_stack_checked = None
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -139,6 +161,9 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the dtype first, as HF
         cos, sin = self.rotary(positions, h.dtype)
+        stack = self.decode_stack(kv_caches)
+        if stack is not None and stack.applies(h, meta):  # the whole stack in one C call, same arithmetic
+            return stack.run(h, cos.squeeze(1), sin.squeeze(1), meta)
         local = None if self.rotary_local is None else self.rotary_local(positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

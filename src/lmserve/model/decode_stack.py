@@ -1,0 +1,177 @@
+"""The whole decoder stack of a small pure-decode step in one C call (kernels.decode_stack).
+
+On the module path a decode step of a 30-layer model makes ~270 Python-level kernel calls, each with its
+module dispatch, argument checks and ctypes crossing: ~270 µs a layer, a third of a single-stream step of
+the benchmark model at int4. The C function runs the same kernels in the same order on the same arguments,
+so hidden states are bit-identical to the module path (tests/test_decode_stack.py compares them); it only
+removes the Python in between.
+
+Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per
+request, no prefill segment), at most `max_rows` of them (what each projection's 1-2 row kernel serves:
+2 for float32 / bf16-stored / int8 W8A8 weights, 8 for int4 and GGUF Q8_0 blocks), float32 activations on
+the CPU with the kernels loaded. Which models (`DecodeStack.supports`): the plain pre-norm Llama layout
+(Llama, Mistral, Qwen2, Phi-3, SmolLM ...) with full rotary, SiLU MLP, no q/k norms, no sandwich or post
+norms, no logit soft-capping, a KV cache the kernels read, and every projection on its C kernel (not
+switched to torch / oneDNN by `LMSERVE_SMALL_M_LINEAR` or the measured small-M choice).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from lmserve import kernels
+from lmserve.model import quantization as quant
+from lmserve.model.attention import AttentionMetadata
+from lmserve.model.kv_cache import KVCache
+from lmserve.model.layers import KERNEL_MAX_ROWS, Linear
+
+# ls_linear.kind in cpu_kernels.c
+_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4}
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("kind", "O", "K", "G")] + [
+        (n, ctypes.c_void_p) for n in ("w", "scales", "mins", "row_sums", "bias")
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("in_norm", "post_norm", "k_cache", "v_cache", "k_scale", "v_scale")]
+    _fields_ += [("window", ctypes.c_int64)] + [(n, _Linear) for n in ("qkv", "o", "gate_up", "down")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        (n, ctypes.c_int64)
+        for n in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "kv_kind")
+    ]
+    _fields_ += [("eps", ctypes.c_double), ("scale", ctypes.c_double)]
+    _fields_ += [("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(m: Linear) -> tuple[_Linear, int]:
+    """m's C description and the most rows its kernel takes in one call."""
+    if m.quant_method is None:
+        bf16 = m._weight_bf16 is not None
+        w, kind, rows = (m._weight_bf16 if bf16 else m.weight), ("bf16w" if bf16 else "float32"), KERNEL_MAX_ROWS
+        scales = mins = sums = None
+        group = 0
+    else:
+        w, scales, mins, kind, rows = m.qweight, m.scales, m.mins, m.quant_method, kernels.I4_MAX_ROWS
+        group, sums = (0 if kind == "int8" else m.in_features // m.scales.shape[1]), None
+        if kind == "int8":
+            if m._row_sums is None:
+                m._row_sums = quant.int8_row_sums(m.qweight)
+            sums, rows = m._row_sums, KERNEL_MAX_ROWS
+    desc = _Linear(_KINDS[kind], m.out_features, m.in_features, group, _ptr(w), _ptr(scales), _ptr(mins), _ptr(sums),
+                   _ptr(m.bias))  # fmt: skip
+    return desc, rows
+
+
+def _kernel_linear(m: Linear) -> bool:
+    """Whether m's 1-2 row input runs through its C kernel on the module path (so the stack computes the same)."""
+    if m._small_m_path is not None:
+        return False
+    if m.quant_method is None:  # the module path: float32 weights (read from their bf16 copy if rounded)
+        w = m._weight_bf16 if m._weight_bf16 is not None else m.weight
+        return m.weight.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+    return m.quant_method in _KINDS and m.qweight.device.type == "cpu"
+
+
+class DecodeStack:
+    """The C description of one model's layers over one set of KV caches (built once, reused every step)."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache]) -> None:
+        """model: a DecoderModel for which supports() holds."""
+        layers = list(model.layers)
+        attn = layers[0].self_attn
+        self.key = self.cache_key(kv_caches)
+        self._layers = (_Layer * len(layers))()
+        self.max_rows = kernels.I4_MAX_ROWS
+        for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            descs = [_linear(m) for m in self.layer_linears(layer)]
+            self.max_rows = min(self.max_rows, *(rows for _, rows in descs))
+            self._layers[i] = _Layer(
+                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+                _ptr(cache.k), _ptr(cache.v), _ptr(cache.k_scale), _ptr(cache.v_scale),
+                layer.self_attn.sliding_window or 0, *(d for d, _ in descs),
+            )  # fmt: skip
+        cache = kv_caches[0]
+        self._model = _Model(
+            len(layers), model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            layers[0].mlp.intermediate_size, cache.block_size, kernels.KV_CACHE_DTYPES[cache.k.dtype],
+            model.norm.eps, attn.head_dim**-0.5 if attn.scale is None else attn.scale, self._layers,
+            _ptr(model.norm.weight),
+        )  # fmt: skip
+        self._kv_caches = kv_caches  # the pointers above stay valid while these live
+
+    @staticmethod
+    def cache_key(kv_caches: list[KVCache]) -> tuple[int, ...]:
+        return tuple(c.k.data_ptr() for c in kv_caches)
+
+    @staticmethod
+    def layer_linears(layer: torch.nn.Module) -> tuple[Linear, Linear, Linear, Linear]:
+        a, mlp = layer.self_attn, layer.mlp
+        return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+    @staticmethod
+    def supports_layout(model: torch.nn.Module) -> bool:
+        """Whether model (a DecoderModel) has the plain pre-norm layout the C stack computes, kernels loaded."""
+        if not kernels.available() or model.rotary_local is not None or len(model.layers) == 0:
+            return False
+        attn = model.layers[0].self_attn
+        if attn.num_heads > kernels.MAX_HEADS or attn.head_dim % 2 or model.norm.weight.dtype != torch.float32:
+            return False
+        for layer in model.layers:
+            a = layer.self_attn
+            if layer.post_norms_only or layer.sandwich_norms or a.qk_norm or a.qk_norm_whole:
+                return False
+            if a.partial_rotary or a.logit_softcap is not None or layer.mlp.act != "silu":
+                return False
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in norms):
+                return False
+        return True
+
+    @staticmethod
+    def supports(model: torch.nn.Module, kv_caches: list[KVCache]) -> bool:
+        """Whether the C stack computes every layer of model (a DecoderModel) over kv_caches exactly as the
+        modules do: the layout, a cache the kernels read, and every projection on its C kernel."""
+        if not DecodeStack.supports_layout(model):
+            return False
+        for layer, cache in zip(model.layers, kv_caches, strict=True):
+            if cache.k.dtype not in kernels.KV_CACHE_DTYPES or cache.k.device.type != "cpu":
+                return False
+            if not all(_kernel_linear(m) for m in DecodeStack.layer_linears(layer)):
+                return False
+        return True
+
+    def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step (embeddings h, its metadata) is a pure decode of at most max_rows tokens."""
+        n = h.shape[0]
+        return (
+            not meta.prefills
+            and meta.num_decode_tokens == n
+            and 0 < n <= self.max_rows
+            and h.dtype == torch.float32
+            and h.device.type == "cpu"
+        )
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm of the residual stream after every layer, (B, hidden): what DecoderModel.forward
+        returns on the module path. cos, sin: (B, head_dim) rows of the step's positions."""
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None, "decode metadata"
+        h, cos, sin = h.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty_like(h)
+        rc = kernels.decode_stack(
+            ctypes.byref(self._model), h, out, cos, sin, meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_context_lens,
+        )  # fmt: skip
+        assert rc == 0, "decode_stack: out of memory for its scratch buffers"
+        return out
