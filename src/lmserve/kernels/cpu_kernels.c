@@ -659,6 +659,31 @@ static inline void i4_block_lookup(const uint8_t *blk, __m512 tab, __m512 *w0, _
     *w0 = _mm512_permutexvar_ps(i0, tab);
     *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), tab);
 }
+
+/* One row of x against weight rows o and o + next (single-stream decode): the two rows' lookups interleave (twice
+ * the independent work per x load), two accumulators each, all in registers; each row's sum is the same
+ * operations in the same order as a row done alone. next = 0: a lone last row (computed twice, stored once). */
+static inline void i4_two_rows(const float *x, const uint8_t *wa, const uint16_t *sa, const uint16_t *ma,
+                               int64_t next, int64_t K, int64_t G, float *ya, float *yb) {
+    const uint8_t *wb = wa + next * (K / 2);
+    const uint16_t *sb = sa + next * (K / G), *mb = ma ? ma + next * (K / G) : NULL;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    for (int64_t g = 0; g < K; g += G) {
+        __m512 ta = i4_group_table(sa[g / G], ma ? ma + g / G : NULL);
+        __m512 tb = i4_group_table(sb[g / G], mb ? mb + g / G : NULL), wa0, wa1, wb0, wb1;
+        for (int64_t j = g; j < g + G; j += 32) {
+            __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
+            i4_block_lookup(wa + j / 2, ta, &wa0, &wa1);
+            i4_block_lookup(wb + j / 2, tb, &wb0, &wb1);
+            a0 = _mm512_fmadd_ps(wa0, x0, a0);
+            a1 = _mm512_fmadd_ps(wa1, x1, a1);
+            b0 = _mm512_fmadd_ps(wb0, x0, b0);
+            b1 = _mm512_fmadd_ps(wb1, x1, b1);
+        }
+    }
+    *ya = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    *yb = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+}
 #endif
 
 /* x (M, K) float32, M <= I4_MAX_ROWS; w (O, K / 2) codes; scales (O, K / G) float16 bits; mins (O, K / G)
@@ -669,6 +694,19 @@ static inline void i4_block_lookup(const uint8_t *blk, __m512 tab, __m512 *w0, _
 void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *b,
                    float *y, int64_t M, int64_t O, int64_t K, int64_t G, int nthreads) {
     const int64_t NG = K / G;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (M == 1) { /* single-stream decode: weight rows in pairs */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t p = 0; p < (O + 1) / 2; p++) {
+            int64_t o = 2 * p, next = o + 1 < O;
+            float ya, yb;
+            i4_two_rows(x, w + o * (K / 2), scales + o * NG, mins ? mins + o * NG : NULL, next, K, G, &ya, &yb);
+            y[o] = ya + (b ? b[o] : 0.f);
+            if (next) y[o + 1] = yb + (b ? b[o + 1] : 0.f);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t o = 0; o < O; o++) {
         const uint8_t *wr = w + o * (K / 2);
@@ -676,19 +714,6 @@ void linear_i4_f32(const float *x, const uint8_t *w, const uint16_t *scales, con
         const uint16_t *mr = mins ? mins + o * NG : NULL;
         float bias = b ? b[o] : 0.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        if (M == 1) { /* single-stream decode: two accumulators in registers */
-            __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
-            for (int64_t g = 0; g < K; g += G) {
-                __m512 tab = i4_group_table(sr[g / G], mr ? mr + g / G : NULL), w0, w1;
-                for (int64_t j = g; j < g + G; j += 32) {
-                    i4_block_lookup(wr + j / 2, tab, &w0, &w1);
-                    t0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j), t0);
-                    t1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j + 16), t1);
-                }
-            }
-            y[o] = _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + bias;
-            continue;
-        }
         __m512 tot[I4_MAX_ROWS];
         for (int64_t m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
         for (int64_t g = 0; g < K; g += G) {
