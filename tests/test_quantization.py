@@ -244,22 +244,25 @@ def test_linear_paths_agree(method: str) -> None:
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quantized_reference(model_dir: Path, method: str, group: int = 32):
+def quantized_reference(model_dir: Path, method: str, group: int = 32, float_head: bool = False):
     """HF's model with every projection's weight replaced by its dequantized form, and (int8) each
-    projection's input rounded to its per-token int8 grid first. int8 treats the LM head the same way; a
-    tied head gets its own weight first, so the token lookup keeps the float32 embedding table."""
+    projection's input rounded to its per-token int8 grid first. The LM head: int8 the same way; int4 its
+    8-bit group-32 weight-only form (float_head: kept float32, as int4 checkpoints written before it was
+    quantized); a tied head gets its own weight first, so the token lookup keeps the float32 embedding table."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if method == "int8":
+    if not float_head:
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     for name, mod in model.named_modules():
-        if not (name.endswith(PROJECTIONS) or (method == "int8" and name == "lm_head")):
+        if not (name.endswith(PROJECTIONS) or (not float_head and name == "lm_head")):
             continue
         w = mod.weight.data
         if method == "int8":
             mod.weight.data = Q.dequantize_int8(*Q.quantize_int8(w))
             mod.register_forward_pre_hook(lambda _m, args: (Q.fake_quantize_activations(args[0]),))
+        elif name == "lm_head":
+            mod.weight.data = Q.dequantize_int8w(*Q.quantize_int8w(w))
         else:
             mod.weight.data = Q.dequantize_int4(*Q.quantize_int4(w, group))
     return model
@@ -347,7 +350,8 @@ def int4_checkpoint(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPa
 
 def test_quantized_checkpoint_loads_without_a_flag(model_dirs: dict[str, Path], int4_checkpoint: Path) -> None:
     saved = json.loads((int4_checkpoint / "config.json").read_text())["quantization_config"]
-    assert saved == {"quant_method": "lmserve", "format": "lmserve-v1", "method": "int4", "group_size": 32}
+    assert saved == {"quant_method": "lmserve", "format": "lmserve-v1", "method": "int4", "group_size": 32,
+                     "lm_head": "int8w"}  # fmt: skip
     size = (int4_checkpoint / "model.safetensors").stat().st_size
     assert size < 0.5 * (model_dirs["qwen2"] / "model.safetensors").stat().st_size
     llm = LLM(str(int4_checkpoint), num_kv_blocks=64)
@@ -373,26 +377,56 @@ def test_int8_quantizes_the_lm_head_and_keeps_a_tied_embedding_float32(llama_dir
     assert head.fast_path(hidden) == "int8_gemm"
     ref = Q.fake_quantize_activations(hidden) @ head.dequantized_weight().t()
     torch.testing.assert_close(model.compute_logits(hidden), ref, atol=1e-4, rtol=1e-5)
-    int4 = LLM(str(llama_dir), num_kv_blocks=16, quantization="int4").engine.runner.model
-    assert int4.lm_head.quant_method is None and int4.lm_head.weight is int4.model.embed_tokens.weight
 
 
+def test_int4_gives_the_lm_head_8_bits_weight_only(llama_dir: Path) -> None:
+    """int4's head: llama.cpp's Q8_0 block rule (int8w, group 32), float32 activations, the tied embedding kept."""
+    model = LLM(str(llama_dir), num_kv_blocks=16, quantization="int4").engine.runner.model
+    head, embed = model.lm_head, model.model.embed_tokens.weight
+    assert head.quant_method == "int8w" and head.weight is None and head.qweight.dtype == torch.int8
+    assert head.scales.dtype == torch.float16 and head.scales.shape == (embed.shape[0], embed.shape[1] // 32)
+    assert embed.dtype == torch.float32
+    step = head.scales.float().repeat_interleave(32, dim=1)
+    # rounded to nearest against the float32 scale, then the scale rounded to float16 (2^-11 relative, times up
+    # to 127 codes): within 0.5 + 127 / 2048 of a step
+    assert bool(((head.dequantized_weight() - embed).abs() <= step * (0.5 + 127 / 2048) + 1e-6).all())
+    hidden = torch.randn(3, model.config.hidden_size)
+    assert head.fast_path(hidden) == ("int8w_kernel" if kernels.available() else "int8w_dequant")
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ head.dequantized_weight().t(), atol=1e-4,
+                               rtol=1e-5)  # fmt: skip
+
+
+def test_quantize_int8w_is_q8_0() -> None:
+    """Against gguf's own Q8_0 quantizer: the same scales and the same codes."""
+    gguf = pytest.importorskip("gguf")
+    torch.manual_seed(3)
+    w = torch.randn(16, 128)
+    q, d = Q.quantize_int8w(w)
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    blocks = Q.gguf_block32_tensors("Q8_0", raw)
+    assert torch.equal(d, blocks["scales"]) and torch.equal(q, blocks["qweight"])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["llama-gqa", "llama3-rope-untied"])
-def test_int8_checkpoint_round_trip_carries_the_lm_head(model_dirs: dict[str, Path], name: str, tmp_path: Path) -> None:
+def test_checkpoint_round_trip_carries_the_lm_head(
+    model_dirs: dict[str, Path], name: str, method: str, tmp_path: Path
+) -> None:
     from safetensors import safe_open
 
     from lmserve.entrypoints.cli import main
 
-    out = tmp_path / "q8"
-    assert main(["quantize", "--model", str(model_dirs[name]), "--out", str(out), "--method", "int8"]) == 0
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(model_dirs[name]), "--out", str(out), "--method", method]) == 0
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     assert {"lm_head.qweight", "lm_head.scales", "model.embed_tokens.weight"} <= names
     assert "lm_head.weight" not in names
     llm = LLM(str(out), num_kv_blocks=64)
     model = llm.engine.runner.model
-    assert llm.engine.config.quantization.prequantized and model.lm_head.quant_method == "int8"
-    on_the_fly = LLM(str(model_dirs[name]), num_kv_blocks=64, quantization="int8")
+    head = {"int8": "int8", "int4": "int8w"}[method]
+    assert llm.engine.config.quantization.prequantized and model.lm_head.quant_method == head
+    on_the_fly = LLM(str(model_dirs[name]), num_kv_blocks=64, quantization=method)
     fresh = on_the_fly.engine.runner.model
     assert torch.equal(model.lm_head.qweight, fresh.lm_head.qweight)
     assert torch.equal(model.lm_head.scales, fresh.lm_head.scales)
@@ -412,6 +446,33 @@ def _rewrite(src: Path, dst: Path, edit) -> Path:
     edit(tensors)
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
+
+
+def test_int4_checkpoint_without_a_head_layout_keeps_a_float_head(
+    model_dirs: dict[str, Path], int4_checkpoint: Path, tmp_path: Path
+) -> None:
+    """An int4 checkpoint written before int4 quantized its head (no `lm_head` key, a float32 head) still loads
+    as it was written; an lm_head layout that does not go with the method is refused."""
+    from safetensors.torch import load_file
+
+    src = model_dirs["qwen2"]
+
+    def float_head(t: dict) -> None:
+        del t["lm_head.qweight"], t["lm_head.scales"]
+        if "lm_head.weight" in load_file(str(src / "model.safetensors")):
+            t["lm_head.weight"] = load_file(str(src / "model.safetensors"))["lm_head.weight"]
+
+    old = _rewrite(int4_checkpoint, tmp_path / "v1", float_head)
+    cfg = json.loads((old / "config.json").read_text())
+    del cfg["quantization_config"]["lm_head"]
+    (old / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(old), num_kv_blocks=64)
+    assert llm.engine.config.quantization.lm_head is None and llm.engine.runner.model.lm_head.quant_method is None
+    assert_matches_reference(llm, quantized_reference(src, "int4", float_head=True), PROMPTS[:2])
+    cfg["quantization_config"]["lm_head"] = "int4"
+    (old / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="lm_head 'int4' with int4"):
+        LLM(str(old), num_kv_blocks=64)
 
 
 def test_mismatched_or_corrupt_checkpoint_is_refused(int4_checkpoint: Path, tmp_path: Path) -> None:

@@ -18,6 +18,9 @@ GENERATION_CONFIG_MODES = ("auto", "vllm")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")  # auto: the model dtype
 QUANTIZATION_METHODS = ("int8", "int4")
 QUANTIZATION_FORMAT = "lmserve-v1"  # `quantization_config.format` of checkpoints `lmserve quantize` writes
+# The LM head's layout per quantization method (lmserve/model/quantization.py): int8 quantizes it as a projection
+# (W8A8); int4 gives it 8 bits, weight-only with group-32 scales ("int8w", GGUF Q8_0's block).
+HEAD_LAYOUTS = {"int8": "int8", "int4": "int8w"}
 
 
 @dataclass(frozen=True)
@@ -263,11 +266,14 @@ class QuantizationConfig:
     method: str
     group_size: int | None  # int4 / gguf: inputs per scale; None for int8 (one scale per output channel)
     prequantized: bool = False  # the checkpoint already holds the quantized tensors (`lmserve quantize`)
+    # the LM head's layout: "int8" (method int8), "int8w" (method int4: 8-bit weight-only, group 32), or None
+    # (float32: gguf, whose file decides, and int4 checkpoints written before the head was quantized)
+    lm_head: str | None = None
 
     def to_hf(self) -> dict[str, Any]:
         """The `quantization_config` entry of a checkpoint's config.json."""
         return {"quant_method": "lmserve", "format": QUANTIZATION_FORMAT, "method": self.method,
-                "group_size": self.group_size}
+                "group_size": self.group_size, "lm_head": self.lm_head}
 
 
 def _gguf_quantization(model: ModelConfig, device: str, weight_dtype: str | None) -> QuantizationConfig | None:
@@ -296,9 +302,13 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> QuantizationConfig 
             f"is not supported; lmserve loads its own format {QUANTIZATION_FORMAT!r} (`lmserve quantize`)"
         )
     method, group = qc.get("method"), qc.get("group_size")
+    # written before the key existed: int8 checkpoints already held an int8 head, int4 ones a float32 head
+    head = qc.get("lm_head", "int8" if method == "int8" else None)
     if method not in QUANTIZATION_METHODS or (method == "int4" and (not isinstance(group, int) or group % 32)):
         raise ValueError(f"model config {cfg_file}: bad quantization_config {qc}")
-    return QuantizationConfig(method, group if method == "int4" else None, prequantized=True)
+    if head not in (None, HEAD_LAYOUTS[method]):
+        raise ValueError(f"model config {cfg_file}: bad quantization_config {qc}: lm_head {head!r} with {method}")
+    return QuantizationConfig(method, group if method == "int4" else None, prequantized=True, lm_head=head)
 
 
 @dataclass(frozen=True)
@@ -510,7 +520,7 @@ class EngineArgs:
         if saved is not None:
             return saved  # its group size is the one it was written with
         if method == "int8":
-            return QuantizationConfig("int8", None)
+            return QuantizationConfig("int8", None, lm_head=HEAD_LAYOUTS["int8"])
         group = self.quantization_group_size
         in_features = {
             "hidden_size": model.hidden_size,
@@ -523,7 +533,7 @@ class EngineArgs:
                 f"quantization_group_size must be a multiple of 32 that divides every projection's inputs "
                 f"{in_features}, got {group}"
             )
-        return QuantizationConfig("int4", group)
+        return QuantizationConfig("int4", group, lm_head=HEAD_LAYOUTS["int4"])
 
     def _weight_dtype(self, model_dtype: str) -> str | None:
         """None (weights in the model dtype) or "bfloat16": the linear layers' weights rounded to and stored

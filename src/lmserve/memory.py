@@ -437,7 +437,9 @@ def num_parameters(shape: ModelShape) -> int:
 
 
 QUANTIZATION_METHODS = ("int8", "int4")
-LM_HEAD_QUANTIZATION_METHODS = ("int8",)  # methods that quantize the LM head too (lmserve.model.quantization)
+# the LM head's layout per method (lmserve.config.HEAD_LAYOUTS): int8 as a projection; int4 at 8 bits weight-only
+# with a float16 scale per 32 inputs ("int8w", GGUF Q8_0's block)
+LM_HEAD_LAYOUTS = {"int8": "int8", "int4": "int8w"}
 
 
 def projection_shapes_per_rank(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
@@ -454,9 +456,12 @@ def projection_shapes_per_rank(shape: ModelShape, tp: int = 1) -> list[tuple[int
 def quantized_projection_bytes(out_features: int, in_features: int, method: str, group_size: int = 32) -> int:
     """Bytes one quantized projection holds in memory (lmserve.model.quantization's layouts):
     int8: 1 B per weight + a float32 scale and an int32 row sum (the VNNI kernel's correction) per output row;
-    int4: 1/2 B per weight + a float16 scale per group of `group_size` inputs."""
+    int4: 1/2 B per weight + a float16 scale per group of `group_size` inputs; int8w (the int4 method's LM head):
+    1 B per weight + a float16 scale per 32 inputs."""
     if method == "int8":
         return out_features * in_features + 8 * out_features
+    if method == "int8w":
+        return out_features * in_features + 2 * out_features * (in_features // 32)
     if method != "int4":
         raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {method!r}")
     if group_size < 32 or group_size % 32 or in_features % group_size:
@@ -471,9 +476,10 @@ def weight_bytes_per_rank(
     shape: ModelShape, weight_dtype_bytes: float, tp: int = 1, quantization: str | None = None, group_size: int = 32
 ) -> int:
     """Weight bytes on one rank: everything at `weight_dtype_bytes`, except that with `quantization` the
-    projections are int8 / int4 (embeddings, norms and biases stay at `weight_dtype_bytes`). int8 quantizes
-    the LM head too, laid out as a projection: an untied head is replaced by it; a tied model keeps its
-    embedding table for the token lookup and holds the int8 head as an extra copy. int4 keeps the head."""
+    projections are int8 / int4 (embeddings, norms and biases stay at `weight_dtype_bytes`). The LM head is
+    quantized too (LM_HEAD_LAYOUTS: int8 as a projection, int4 at 8 bits weight-only): an untied head is
+    replaced by it; a tied model keeps its embedding table for the token lookup and holds the quantized head as
+    an extra copy."""
     params = num_parameters_per_rank(shape, tp)
     if quantization is None:
         return math.ceil(params * weight_dtype_bytes)
@@ -481,9 +487,9 @@ def weight_bytes_per_rank(
     num_float_params = params - shape.num_layers * sum(o * k for o, k in projections)
     per_layer = sum(quantized_projection_bytes(o, k, quantization, group_size) for o, k in projections)
     quantized = shape.num_layers * per_layer
-    if quantization in LM_HEAD_QUANTIZATION_METHODS:
+    if quantization in LM_HEAD_LAYOUTS:
         vocab = math.ceil(shape.vocab_size / tp)
-        quantized += quantized_projection_bytes(vocab, shape.hidden_size, quantization, group_size)
+        quantized += quantized_projection_bytes(vocab, shape.hidden_size, LM_HEAD_LAYOUTS[quantization], group_size)
         if not shape.tie_word_embeddings:
             num_float_params -= vocab * shape.hidden_size
     return math.ceil(num_float_params * weight_dtype_bytes) + quantized
@@ -620,9 +626,10 @@ class MemoryReport:
         elif self.quantization == "gguf":
             label = f"weights (GGUF blocks as in the file + {self.weight_dtype} dequantized rest)"
         elif self.quantization == "int4":
+            head = "8-bit g32 copy of the tied" if s.tie_word_embeddings else "8-bit g32"
             label = (
-                f"weights (int4 g{self.quantization_group_size} projections + {self.weight_dtype} "
-                "embeddings/LM head/norms)"
+                f"weights (int4 g{self.quantization_group_size} projections + {head} LM head + {self.weight_dtype} "
+                "embeddings/norms)"
             )
         rows.append((label, both(self.weight_bytes, self.weight_bytes_per_rank)))
         if tp > 1:

@@ -770,29 +770,54 @@ void dequant_i8w_f32(const int8_t *w, const uint16_t *scales, float *out, int64_
 
 /* x (M, K) float32, M <= I4_MAX_ROWS; w (O, K) int8; scales (O, K / G) float16 bits (G a multiple of 32);
  * y (M, O). Per group: the float sum of q * x, then one multiply by the group's scale. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* Weight rows wa and wa + next * K against one row of x (as i4_two_rows): per row two accumulators, each weight
+ * times its group's scale, then times x; the same operations in the same order as a row done alone. */
+static inline void i8w_two_rows(const float *x, const int8_t *wa, const uint16_t *sa, int64_t next, int64_t K,
+                                int64_t G, float *ya, float *yb) {
+    const int8_t *wb = wa + next * K;
+    const uint16_t *sb = sa + next * (K / G);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    for (int64_t g = 0; g < K; g += G) {
+        __m512 da = _mm512_set1_ps(f16_to_f32(sa[g / G])), db = _mm512_set1_ps(f16_to_f32(sb[g / G]));
+        for (int64_t j = g; j < g + G; j += 32) {
+            __m512 x0 = _mm512_loadu_ps(x + j), x1 = _mm512_loadu_ps(x + j + 16);
+            __m512 wa0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wa + j))));
+            __m512 wa1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wa + j + 16))));
+            __m512 wb0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wb + j))));
+            __m512 wb1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wb + j + 16))));
+            a0 = _mm512_fmadd_ps(_mm512_mul_ps(wa0, da), x0, a0);
+            a1 = _mm512_fmadd_ps(_mm512_mul_ps(wa1, da), x1, a1);
+            b0 = _mm512_fmadd_ps(_mm512_mul_ps(wb0, db), x0, b0);
+            b1 = _mm512_fmadd_ps(_mm512_mul_ps(wb1, db), x1, b1);
+        }
+    }
+    *ya = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    *yb = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+}
+#endif
+
 void linear_i8w_f32(const float *x, const int8_t *w, const uint16_t *scales, const float *b, float *y, int64_t M,
                     int64_t O, int64_t K, int64_t G, int nthreads) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (M == 1) { /* single-stream decode: weight rows in pairs, the scale folded into the weights */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t p = 0; p < (O + 1) / 2; p++) {
+            int64_t o = 2 * p, next = o + 1 < O;
+            float ya, yb;
+            i8w_two_rows(x, w + o * K, scales + o * (K / G), next, K, G, &ya, &yb);
+            y[o] = ya + (b ? b[o] : 0.f);
+            if (next) y[o + 1] = yb + (b ? b[o + 1] : 0.f);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t o = 0; o < O; o++) {
         const int8_t *wr = w + o * K;
         const uint16_t *sr = scales + o * (K / G);
         float bias = b ? b[o] : 0.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        if (M == 1) { /* single-stream decode: two accumulators in registers, the scale folded into the weights */
-            __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
-            for (int64_t g = 0; g < K; g += G) {
-                __m512 d = _mm512_set1_ps(f16_to_f32(sr[g / G]));
-                for (int64_t j = g; j < g + G; j += 32) {
-                    __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + j))));
-                    __m512 w1 =
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + j + 16))));
-                    t0 = _mm512_fmadd_ps(_mm512_mul_ps(w0, d), _mm512_loadu_ps(x + j), t0);
-                    t1 = _mm512_fmadd_ps(_mm512_mul_ps(w1, d), _mm512_loadu_ps(x + j + 16), t1);
-                }
-            }
-            y[o] = _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + bias;
-            continue;
-        }
         __m512 tot[I4_MAX_ROWS];
         for (int64_t m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
         for (int64_t g = 0; g < K; g += G) {

@@ -50,9 +50,15 @@ class Linear(nn.Linear):
     _small_m_path: str | None = None
 
     def quantize(self, method: str, group_size: int | None) -> None:
-        """Replace the float weight with its quantized form (int8 per channel / int4 per group)."""
+        """Replace the float weight with its quantized form: "int8" per channel, "int4" per group, "int8w"
+        (8-bit weight-only) per group."""
         w = self.weight.detach()
-        q, s = quant.quantize_int8(w) if method == "int8" else quant.quantize_int4(w, group_size)
+        if method == "int8":
+            q, s = quant.quantize_int8(w)
+        elif method == "int8w":
+            q, s = quant.quantize_int8w(w, group_size)
+        else:
+            q, s = quant.quantize_int4(w, group_size)
         self._set_quantized(method, group_size, q, s)
 
     def prepare_quantized(self, method: str, group_size: int | None, mins: bool = False) -> None:
@@ -144,16 +150,25 @@ class Linear(nn.Linear):
         return nn.functional.linear(x, w, self.bias)
 
 
-def quantizable_linears(model: nn.Module, method: str) -> list[tuple[str, Linear]]:
-    """The decoder's projections (qkv, o, gate_up, down), and with int8 the LM head; the embeddings stay
-    float (a tied head's weight is the embedding table: quantizing the head gives it its own int8 copy)."""
-    head = quant.quantizes_lm_head(method)
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and (head or n != "lm_head")]
+def quantizable_linears(model: nn.Module, config: QuantizationConfig) -> list[tuple[Linear, str, int | None]]:
+    """(module, layout, group size) of every Linear `config` quantizes: the decoder's projections (qkv, o,
+    gate_up, down) in config.method, and the LM head in config.lm_head's layout unless that is None. The
+    embeddings stay float (a tied head's weight is the embedding table: quantizing the head gives it its own
+    copy)."""
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, Linear):
+            continue
+        if name != "lm_head":
+            out.append((m, config.method, config.group_size))
+        elif config.lm_head is not None:
+            out.append((m, config.lm_head, quant.INT8W_GROUP if config.lm_head == "int8w" else None))
+    return out
 
 
 def quantize_linear_weights(model: nn.Module, config: QuantizationConfig) -> None:
-    for _, m in quantizable_linears(model, config.method):
-        m.quantize(config.method, config.group_size)
+    for m, layout, group in quantizable_linears(model, config):
+        m.quantize(layout, group)
 
 
 def round_linear_weights_to_bf16(model: nn.Module) -> None:

@@ -52,8 +52,8 @@ def load_model(
         from lmserve.model.layers import quantizable_linears
 
         assert dtype == torch.float32, "quantized checkpoints compute in float32"
-        for _, m in quantizable_linears(model, quantization.method):
-            m.prepare_quantized(quantization.method, quantization.group_size)
+        for m, layout, group in quantizable_linears(model, quantization):
+            m.prepare_quantized(layout, group)
     model = model.to_empty(device=device)
     # The rotary tables are buffers computed, not loaded: rebuild them on the real device.
     with torch.device(device):

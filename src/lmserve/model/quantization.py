@@ -10,10 +10,12 @@ Two methods (EngineArgs.quantization):
   symmetric with no zero point (llama.cpp's Q4_0 rule): d = m / -8 where m is the group's value of
   largest magnitude, code = clamp(round(w / d), -8, 7) + 8, w ≈ (code - 8) * d. Activations stay float32.
 
-The decoder's projections are quantized (qkv, o, gate_up, down), and with int8 the LM head too (as
-llama.cpp's Q8_0 does; it is half the bytes a float32-head int8 decode step reads). A tied model keeps its
-float32 embedding table for the token lookup and gives the head its own int8 copy (1 B per weight + its
-scales and row sums, extra). Embeddings and the norms stay float32; with int4 the head stays float32 too.
+The decoder's projections are quantized (qkv, o, gate_up, down), and the LM head too (as llama.cpp's Q8_0 and
+Q4_0 do; a float32 head is half the bytes of an int8 decode step, two thirds of an int4 one): with int8 as a
+projection (W8A8), with int4 at 8 bits weight-only ("int8w" below, group 32, llama.cpp's Q8_0 block rule). A
+tied model keeps its float32 embedding table for the token lookup and gives the head its own 8-bit copy (extra).
+Embeddings and the norms stay float32. Checkpoints record the head's layout (`lm_head` in quantization_config);
+an int4 checkpoint written before the head was quantized has none and keeps a float32 head.
 
 A GGUF checkpoint's block-32 tensors load as they are in the file (QuantizationConfig method "gguf"; the
 same bytes, no re-quantization), into two more per-Linear layouts of the same family:
@@ -28,7 +30,7 @@ Layouts (what the C kernels read):
   int4  qweight (O, K / 2) uint8: each run of 32 inputs is 16 bytes, byte i holding input i in its low
         nibble and input i + 16 in its high nibble; scales (O, K / group_size) float16; optional mins
         (O, K / group_size) float16 (then w = code * scale + min)
-  int8w qweight (O, K) int8, scales (O, K / group_size) float16
+  int8w qweight (O, K) int8, scales (O, K / group_size) float16 (GGUF Q8_0 blocks; the int4 method's LM head)
 """
 
 from __future__ import annotations
@@ -42,11 +44,7 @@ import torch
 from lmserve.config import QUANTIZATION_FORMAT, QuantizationConfig
 
 INT4_BLOCK = 32  # inputs per packed run (16 bytes); group sizes are multiples of it
-HEAD_QUANTIZED_METHODS = ("int8",)  # methods that quantize the LM head as well as the projections
-
-
-def quantizes_lm_head(method: str) -> bool:
-    return method in HEAD_QUANTIZED_METHODS
+INT8W_GROUP = 32  # the int8w layout's group (GGUF Q8_0's block)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +98,20 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     div = torch.where(div == 0, torch.ones_like(div), div)
     codes = (torch.round(g / div[..., None]).clamp(-8, 7) + 8).to(torch.uint8).reshape(o, k)
     return pack_int4(codes), d
+
+
+def quantize_int8w(w: torch.Tensor, group_size: int = INT8W_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, K) float → (qweight (O, K) int8, scales (O, K/group_size) float16), llama.cpp's Q8_0 rule per group
+    (the same bytes as gguf's quantizer): d = max|w| / 127 in float32, q = round-half-away(w * (1 / d)),
+    d stored as float16."""
+    o, k = w.shape
+    assert group_size % INT4_BLOCK == 0 and k % group_size == 0, f"group size {group_size} for {k} inputs"
+    g = w.detach().float().reshape(o, k // group_size, group_size)
+    d = g.abs().amax(dim=-1) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    scaled = g * inv[..., None]
+    q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).clamp(-127, 127).to(torch.int8).reshape(o, k)
+    return q, d.to(torch.float16)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -174,7 +186,7 @@ def dequantize_layout(
 # ---- checkpoint format ----------------------------------------------------------------------------------
 # `lmserve quantize` writes config.json (the source's, plus `quantization_config`) and model.safetensors in
 # which every quantized projection is saved under its fused name (qkv_proj, gate_up_proj) as
-# `<name>.qweight` and `<name>.scales` (int8: `lm_head.qweight` / `lm_head.scales` as well, tied or not);
+# `<name>.qweight` and `<name>.scales` (the head as `lm_head.qweight` / `lm_head.scales` as well, tied or not);
 # everything else keeps the source's tensors (float32).
 
 
