@@ -20,6 +20,7 @@ SMALL_M_ENV = "LMSERVE_SMALL_M_LINEAR"  # 1-2 row linears: auto (measured per we
 SMALL_M_MODES = ("auto", "kernel", "torch")
 SMALL_M_PASS_BYTES = 64 * 2**20  # weights read per timed pass: past the L3 cache, as a decode step reads them
 SMALL_M_MARGIN = 0.9  # another path replaces the C kernel only when at least 10% faster
+DEQUANT_TILE_BYTES = 2 * 2**20  # int4 / int8w beyond 8 rows: float32 weight rows dequantized per GEMM call
 
 logger = logging.getLogger(__name__)
 
@@ -140,14 +141,26 @@ class Linear(nn.Linear):
         if path == "int8w_kernel":
             return kernels.linear_i8w(x, self.qweight, self.scales, self.bias)
         assert path in ("int4_dequant", "int8w_dequant"), f"unknown path {path}"
-        # the whole matrix as one tile: float32 GEMM beyond 8 rows
         if not kernels.usable(x):
-            w = self.dequantized_weight()
-        elif path == "int4_dequant":
-            w = kernels.dequant_i4(self.qweight, self.scales, self.mins)
-        else:
-            w = kernels.dequant_i8w(self.qweight, self.scales)
-        return nn.functional.linear(x, w, self.bias)
+            return nn.functional.linear(x, self.dequantized_weight(), self.bias)
+        # beyond 8 rows: dequantize DEQUANT_TILE_BYTES of float32 weight rows at a time and multiply them while they
+        # are in cache (a whole 49152 x 576 head dequantized at once was written to and read back from DRAM)
+        o = self.out_features
+        step = max(1, DEQUANT_TILE_BYTES // (4 * self.in_features))
+        if step >= o:
+            return nn.functional.linear(x, self._dequantized_rows(path, 0, o), self.bias)
+        out = torch.empty(x.shape[0], o, dtype=torch.float32)
+        for start in range(0, o, step):
+            end = min(o, start + step)
+            torch.mm(x, self._dequantized_rows(path, start, end).t(), out=out[:, start:end])
+        return out + self.bias if self.bias is not None else out
+
+    def _dequantized_rows(self, path: str, start: int, end: int) -> torch.Tensor:
+        """Output rows start..end of the weight in float32, by the C kernel of the layout."""
+        q, s = self.qweight[start:end], self.scales[start:end]
+        if path == "int4_dequant":
+            return kernels.dequant_i4(q, s, None if self.mins is None else self.mins[start:end])
+        return kernels.dequant_i8w(q, s)
 
 
 def quantizable_linears(model: nn.Module, config: QuantizationConfig) -> list[tuple[Linear, str, int | None]]:
