@@ -107,6 +107,34 @@ def test_prefix_hits_and_second_run_identical(llama_dir) -> None:
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
 
 
+def test_verification_runs_are_decode_rows(llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of 1 + k tokens is verified as k + 1 decode queries (each over its own prefix), in the same step as
+    plain decodes, with no prefill segment: the decode kernels (and, where the rows fit, the one-call stack) take
+    it. Greedy output is that of no speculation."""
+    from lmserve.model.llama import DecoderModel
+
+    seen = []
+    orig = DecoderModel.forward
+
+    def record(self, input_ids, positions, kv_caches, meta):
+        seen.append((meta.num_decode_tokens, len(meta.prefills), positions.tolist()))
+        return orig(self, input_ids, positions, kv_caches, meta)
+
+    monkeypatch.setattr(DecoderModel, "forward", record)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = "a b c a b c a b c a b c"
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(str(llama_dir), num_kv_blocks=64, speculative_config=ngram)
+    outs = llm.generate([prompt], params, use_tqdm=False)
+    verifying = [(n, pos) for n, segs, pos in seen if n > 1 and segs == 0]
+    assert verifying, seen
+    assert all(pos == list(range(pos[0], pos[0] + n)) for n, pos in verifying), "one request's consecutive positions"
+    assert llm.get_metrics()["spec_decode_num_draft_tokens_total"] > 0
+    monkeypatch.setattr(DecoderModel, "forward", orig)
+    ref, _ = generate(llama_dir, [prompt], params, num_kv_blocks=64)
+    assert token_ids(outs) == token_ids(ref)
+
+
 def test_bundled_pair_greedy_identical() -> None:
     prompts = ["ROMEO: But soft, what light through yonder window breaks?", "床前明月光，疑是地上霜。"]
     params = SamplingParams(max_tokens=24, temperature=0.0)

@@ -26,6 +26,7 @@ from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 logger = logging.getLogger(__name__)
+VERIFY_DECODE_ROWS = 8  # a verification run of up to this many tokens runs as decode rows (kernels.I4_MAX_ROWS)
 
 
 def _log_quantized_kernels(method: str) -> None:
@@ -120,9 +121,11 @@ class ModelRunner:
         if self._small_m_pending:
             self._small_m_pending = False
             choose_small_m_paths(self.model)
-        # Decodes (one query token) first, then prefill chunks: the attention backend batches the former.
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
+        # Decode rows first, then prefill chunks: the attention backend batches the former. A verification run
+        # (1 + k tokens) is k + 1 decode rows, each a query over its own prefix in the same blocks (its K/V rows
+        # are all written before any query reads), so it takes the decode kernels and the one-call stack.
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 or self._verify_as_decodes(s)]
+        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1 and not self._verify_as_decodes(s)]
         ordered = decodes + prefills
         input_ids, positions, slots = [], [], []
         first_row: dict[str, int] = {}  # request id → its first token's row in the flat batch
@@ -135,7 +138,9 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         if decodes:
-            meta.set_decodes([s.start + 1 for s in decodes], [s.block_ids for s in decodes], self.block_size)
+            lens = [s.start + 1 + i for s in decodes for i in range(s.num_new_tokens)]
+            tables = [s.block_ids for s in decodes for _ in range(s.num_new_tokens)]
+            meta.set_decodes(lens, tables, self.block_size)
         for s in prefills:
             row0 = first_row[s.request.request_id]
             meta.prefills.append(
@@ -172,6 +177,11 @@ class ModelRunner:
         if self.proposer is not None:
             self._propose(sched, sampling + verifying, out)
         return out
+
+    @staticmethod
+    def _verify_as_decodes(s: ScheduledRequest) -> bool:
+        """A run of one settled token and its proposals, short enough for the decode path's kernels."""
+        return s.num_spec_tokens > 0 and s.num_new_tokens == s.num_spec_tokens + 1 <= VERIFY_DECODE_ROWS
 
     def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         for s, v in zip(verifying, verify(self.sampler, logits, verifying), strict=True):
