@@ -14,6 +14,7 @@ from lmserve.engine.messages import (
     Codec,
     CoreFailed,
     CoreReady,
+    LogprobTails,
     Shutdown,
     StepOutputs,
 )
@@ -100,3 +101,53 @@ def test_fields_added_to_the_dataclasses_cross_without_code() -> None:
     snap = _snapshot(_Room(0, 5, 10, 3))
     back = codec.decode_output(codec.encode(CoreReady(0, 1, snap))).snapshot
     assert back.room == _Room(0, 5, 10, 3) and back.engines == ()
+
+
+def _lp(i: int) -> TokenLogprobs:
+    return TokenLogprobs(token_id=i, logprob=-0.1 * i, rank=1, top_logprobs=[(i, -0.1 * i), (i + 1, -2.0)])
+
+
+def _step(n: int, finished: bool, prompt: int = 3, rid: str = "r") -> RequestOutput:
+    """The engine's cumulative output after n generated tokens (two sequences, prompt logprobs for `prompt`)."""
+    seqs = [
+        CompletionOutput(index=i, text="x" * n, token_ids=list(range(n)), logprobs=[_lp(10 * i + t) for t in range(n)],
+                         finish_reason=FinishReason.LENGTH if finished else None)
+        for i in range(2)
+    ]  # fmt: skip
+    return RequestOutput(
+        request_id=rid,
+        prompt=None,
+        prompt_token_ids=[],
+        outputs=seqs,
+        finished=finished,
+        num_cached_tokens=0,
+        metrics=RequestMetrics(1.0, 1.5, 2.0, 2.5, None),
+        prompt_logprobs=[None] + [_lp(t) for t in range(1, prompt)],
+    )
+
+
+def test_logprobs_cross_as_tails_and_are_joined_back_cumulative() -> None:
+    """Each unfinished step carries only the new entries; the client's outputs equal the engine's cumulative ones;
+    a finished output crosses whole; an aborted request leaves nothing behind on either side."""
+    core, client, codec = LogprobTails(), LogprobTails(), Codec()
+    for n, finished in [(1, False), (2, False), (5, False), (6, True)]:
+        engine_out = _step(n, finished)
+        wire = core.cut(engine_out)
+        assert engine_out == _step(n, finished), "cut copies, never changes the engine's output"
+        if finished:
+            assert wire is engine_out
+        else:
+            sent = {1: 1, 2: 1, 5: 3}[n]
+            assert [len(c.logprobs) for c in wire.outputs] == [sent, sent]
+            assert len(wire.prompt_logprobs) == (3 if n == 1 else 0), "prompt logprobs cross once"
+        back = codec.decode_output(codec.encode(StepOutputs(0, [wire], _snapshot()))).outputs[0]
+        client.join(back)
+        assert back == engine_out
+    assert not core._counts and not client._joined
+    client.join(
+        codec.decode_output(codec.encode(StepOutputs(0, [core.cut(_step(2, False, rid="a"))], _snapshot()))).outputs[0]
+    )
+    assert core._counts and client._joined
+    core.forget("a")
+    client.forget("a")
+    assert not core._counts and not client._joined

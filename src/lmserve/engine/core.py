@@ -33,6 +33,7 @@ from lmserve.engine.messages import (
     Codec,
     CoreFailed,
     CoreReady,
+    LogprobTails,
     Shutdown,
     StepOutputs,
     WatchBlockMap,
@@ -118,6 +119,7 @@ class EngineCore:
         self.index = launch.engine_index
         self._in, self._out, self._codec = inp, out, codec
         self._live: set[str] = set()  # added, not finished or aborted
+        self._tails = LogprobTails()  # logprobs cross as tails (messages.py)
         self._num_aborted = 0
         self._added: list[str] = []
         self._failed: list[AddFailure] = []
@@ -146,6 +148,7 @@ class EngineCore:
                 if o.finished:
                     self._live.discard(o.request_id)
                 o.prompt_token_ids = []  # the client has it
+            outputs = [self._tails.cut(o) for o in outputs]
             idle = not self.engine.has_unfinished_requests()
             msg = StepOutputs(self.index, outputs, self._snapshot(idle), self._added, self._failed)
             self._out.send(self._codec.encode(msg))
@@ -171,6 +174,7 @@ class EngineCore:
                 self._add(msg)
             elif isinstance(msg, AbortRequests):
                 for rid in msg.request_ids:
+                    self._tails.forget(rid)
                     if rid in self._live:
                         self._live.discard(rid)
                         self.engine.abort_request(rid)

@@ -63,6 +63,7 @@ from lmserve.engine.messages import (
     Codec,
     CoreFailed,
     CoreReady,
+    LogprobTails,
     Shutdown,
     StepOutputs,
     WatchBlockMap,
@@ -181,6 +182,7 @@ class EngineCoreClient:
         self._codec = Codec()
         self._cores: list[_Core] = []
         self._streams: dict[str, _Stream] = {}
+        self._tails = LogprobTails()  # the cumulative logprobs of running requests (they cross as tails)
         self._affinity: OrderedDict[int, int] = OrderedDict()  # first-block hash → core index
         self._num_block_map_watchers = 0
         self._dead: EngineDeadError | None = None
@@ -322,6 +324,7 @@ class EngineCoreClient:
             if entry is None:
                 return
             entry.core.streams.discard(request_id)
+            self._tails.forget(request_id)
         if entry.core.alive:
             self._send(entry.core, AbortRequests([request_id]))
         for stat in self.stat_loggers:
@@ -487,6 +490,7 @@ class EngineCoreClient:
                 entry = self._streams.get(out.request_id)
                 if entry is None:
                     continue  # aborted while this step ran
+                self._tails.join(out)  # logprobs came as tails (messages.py)
                 if out.finished:
                     del self._streams[out.request_id]
                     core.streams.discard(out.request_id)

@@ -8,10 +8,17 @@ EngineSnapshot, ...) are encoded field by field and decoded into the same classe
 checks run again), so a field added to one of them later crosses without code here. Nothing is unpickled
 from a socket. The one exception to "typed" is what the dataclasses annotate as Any: the TokenLogprobs of
 CompletionOutput.logprobs and RequestOutput.prompt_logprobs, rebuilt by `_restore_logprobs`.
+
+Logprobs cross as tails: an unfinished output's CompletionOutput.logprobs and prompt_logprobs hold only the
+entries added since the request's previous output (`LogprobTails.cut`, engine core), and the client appends them
+to what it has (`LogprobTails.join`), so each output it hands on is cumulative, as in-process. Sent whole they cost
+O(tokens²) per request (a 500-token stream with 20 top logprobs: ~2.5 M entries encoded and decoded). A finished
+output carries them whole (best_of may pick other sequences at the end), and replaces what was joined.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -119,3 +126,52 @@ def _restore_logprobs(out: RequestOutput) -> None:
 
 def _token_logprobs(entries: list[Any]) -> list[TokenLogprobs | None]:
     return [None if e is None else msgspec.convert(e, TokenLogprobs) for e in entries]
+
+
+class LogprobTails:
+    """One side's record of the logprob entries that crossed, per request (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, dict[int, int]] = {}  # engine core: request → {sequence index (-1: prompt): entries}
+        self._joined: dict[str, dict[int, list[Any]]] = {}  # client: request → {sequence index: entries}
+
+    def cut(self, out: RequestOutput) -> RequestOutput:
+        """out with its logprobs cut to what was not sent before (engine core; out itself is not changed)."""
+        if out.finished:
+            self._counts.pop(out.request_id, None)
+            return out
+        sent = self._counts.setdefault(out.request_id, {})
+        changes: dict[str, Any] = {}
+        if out.prompt_logprobs is not None:
+            changes["prompt_logprobs"] = out.prompt_logprobs[sent.get(-1, 0) :]
+            sent[-1] = len(out.prompt_logprobs)
+        outputs = []
+        for c in out.outputs:
+            if c.logprobs is not None:
+                n, sent[c.index] = sent.get(c.index, 0), len(c.logprobs)
+                c = dataclasses.replace(c, logprobs=c.logprobs[n:])
+            outputs.append(c)
+        return dataclasses.replace(out, outputs=outputs, **changes)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended without a finished output (aborted)."""
+        self._counts.pop(request_id, None)
+        self._joined.pop(request_id, None)
+
+    def join(self, out: RequestOutput) -> None:
+        """Make out's logprobs cumulative again, in place (client)."""
+        if out.finished:
+            self._joined.pop(out.request_id, None)
+            return
+        joined = self._joined.setdefault(out.request_id, {})
+        if out.prompt_logprobs is not None:
+            out.prompt_logprobs = _extended(joined, -1, out.prompt_logprobs)
+        for c in out.outputs:
+            if c.logprobs is not None:
+                c.logprobs = _extended(joined, c.index, c.logprobs)
+
+
+def _extended(joined: dict[int, list[Any]], key: int, tail: list[Any]) -> list[Any]:
+    acc = joined.setdefault(key, [])
+    acc.extend(tail)
+    return list(acc)  # a copy: an output handed on earlier keeps its own

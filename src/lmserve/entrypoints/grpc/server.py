@@ -153,9 +153,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         _check_lengths(engine, prompts, params, "max_tokens")
         gen = _Generation(state, engine, f"{GRPC_REQUEST_ID_PREFIX}{uuid.uuid4().hex}", prompts, params, body)
         gen._start()
-        context.add_done_callback(lambda _: gen.abort())
-        if context.done():  # ended while validating: the callback may have run before it was added
+        # The deadline is also the server's own: abort then, whatever the transport reports (and when).
+        remaining = context.time_remaining()
+        timer = None if remaining is None else asyncio.get_running_loop().call_later(max(0.0, remaining), gen.abort)
+
+        def done(_: Any) -> None:
             gen.abort()
+            if timer is not None:
+                timer.cancel()
+
+        context.add_done_callback(done)
+        if context.done():  # ended while validating: the callback may have run before it was added
+            done(None)
         return gen
 
     def _choice(self, c: CompletionOutput, text: str, token_ids: list[int], entries: list[Any] | None) -> pb.Choice:
