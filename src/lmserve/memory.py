@@ -33,6 +33,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from lmserve.config import HEAD_LAYOUTS
+
 __all__ = [
     "DTYPE_BYTES",
     "MemoryReport",
@@ -437,9 +439,6 @@ def num_parameters(shape: ModelShape) -> int:
 
 
 QUANTIZATION_METHODS = ("int8", "int4")
-# the LM head's layout per method (lmserve.config.HEAD_LAYOUTS): int8 as a projection; int4 at 8 bits weight-only
-# with a float16 scale per 32 inputs ("int8w", GGUF Q8_0's block)
-LM_HEAD_LAYOUTS = {"int8": "int8", "int4": "int8w"}
 
 
 def projection_shapes_per_rank(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
@@ -477,7 +476,7 @@ def weight_bytes_per_rank(
 ) -> int:
     """Weight bytes on one rank: everything at `weight_dtype_bytes`, except that with `quantization` the
     projections are int8 / int4 (embeddings, norms and biases stay at `weight_dtype_bytes`). The LM head is
-    quantized too (LM_HEAD_LAYOUTS: int8 as a projection, int4 at 8 bits weight-only): an untied head is
+    quantized too (config.HEAD_LAYOUTS: int8 as a projection, int4 at 8 bits weight-only): an untied head is
     replaced by it; a tied model keeps its embedding table for the token lookup and holds the quantized head as
     an extra copy."""
     params = num_parameters_per_rank(shape, tp)
@@ -487,9 +486,9 @@ def weight_bytes_per_rank(
     num_float_params = params - shape.num_layers * sum(o * k for o, k in projections)
     per_layer = sum(quantized_projection_bytes(o, k, quantization, group_size) for o, k in projections)
     quantized = shape.num_layers * per_layer
-    if quantization in LM_HEAD_LAYOUTS:
+    if quantization in HEAD_LAYOUTS:
         vocab = math.ceil(shape.vocab_size / tp)
-        quantized += quantized_projection_bytes(vocab, shape.hidden_size, LM_HEAD_LAYOUTS[quantization], group_size)
+        quantized += quantized_projection_bytes(vocab, shape.hidden_size, HEAD_LAYOUTS[quantization], group_size)
         if not shape.tie_word_embeddings:
             num_float_params -= vocab * shape.hidden_size
     return math.ceil(num_float_params * weight_dtype_bytes) + quantized

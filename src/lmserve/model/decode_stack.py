@@ -91,7 +91,6 @@ class DecodeStack:
         """model: a DecoderModel for which supports() holds."""
         layers = list(model.layers)
         attn = layers[0].self_attn
-        self.key = self.cache_key(kv_caches)
         self._layers = (_Layer * len(layers))()
         self.max_rows = kernels.I4_MAX_ROWS
         for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):

@@ -124,8 +124,10 @@ class ModelRunner:
         # Decode rows first, then prefill chunks: the attention backend batches the former. A verification run
         # (1 + k tokens) is k + 1 decode rows, each a query over its own prefix in the same blocks (its K/V rows
         # are all written before any query reads), so it takes the decode kernels and the one-call stack.
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 or self._verify_as_decodes(s)]
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1 and not self._verify_as_decodes(s)]
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        for s in sched.scheduled:
+            (decodes if s.num_new_tokens == 1 or self._verify_as_decodes(s) else prefills).append(s)
         ordered = decodes + prefills
         input_ids, positions, slots = [], [], []
         first_row: dict[str, int] = {}  # request id → its first token's row in the flat batch
