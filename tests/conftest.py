@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import build_model, train_tokenizer
 
-# Tests that count kernel calls need the C kernel on the 1-2 row path, not a choice timed on a busy machine;
+# Tests that count kernel calls need the C kernel on the few-row path, not a choice timed on a busy machine;
 # tests/test_small_m_linear.py sets the other modes itself.
 os.environ.setdefault("LMSERVE_SMALL_M_LINEAR", "kernel")
 

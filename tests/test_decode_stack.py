@@ -51,6 +51,7 @@ def _generate(llm: LLM, n: int, max_tokens: int = 6) -> list[list[int]]:
 
 CASES = [
     ("llama-gqa", {}, 2),
+    ("llama-gqa", {}, 4),  # float32 with AVX-512: up to 8 rows in one call (skipped where the kernel takes 2)
     ("llama3-rope-untied", {}, 1),
     ("qwen2", {}, 2),  # q/k/v biases
     ("mistral-swa", {}, 2),  # every layer slides (window 12, shorter than the runs)
@@ -66,11 +67,13 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    ("name", "kw", "n"), CASES, ids=[f"{c[0]}-{'-'.join(map(str, c[1].values())) or 'fp32'}" for c in CASES]
+    ("name", "kw", "n"), CASES, ids=[f"{c[0]}-{'-'.join(map(str, c[1].values())) or 'fp32'}-{c[2]}" for c in CASES]
 )
 def test_stack_is_bit_identical_to_the_module_path(
     model_dirs: dict[str, Path], compared: list[tuple[int, bool]], name: str, kw: dict, n: int
 ) -> None:
+    if not kw and n > kernels.f32_max_rows():
+        pytest.skip(f"the float32 kernel takes {kernels.f32_max_rows()} rows on this CPU (no AVX-512)")
     llm = LLM(str(model_dirs[name]), num_kv_blocks=64, block_size=4, **kw)
     _generate(llm, n, max_tokens=16)  # 16 tokens: past the sliding windows, across several blocks
     assert compared, "no decode step took the stack"
@@ -79,13 +82,16 @@ def test_stack_is_bit_identical_to_the_module_path(
 
 
 def test_rows_beyond_the_kernels_take_the_module_path(model_dirs: dict[str, Path], compared: list) -> None:
-    """float32 projections take the C kernel for at most 2 rows: 3 decodes run layer by layer."""
-    llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64)
+    """int8 W8A8 projections take their C kernel for at most 2 rows: 3 decodes run layer by layer. float32
+    takes up to kernels.f32_max_rows() (8 with AVX-512), int4 up to I4_MAX_ROWS."""
+    llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64, quantization="int8")
     runner = llm.engine.runner
     _generate(llm, 3)
     stack = runner.model.model.decode_stack(runner.kv_caches)
     assert stack is not None and stack.max_rows == 2
     assert compared == [], "no step of 3 decodes may take the stack"
+    fp32 = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64).engine.runner
+    assert fp32.model.model.decode_stack(fp32.kv_caches).max_rows == kernels.f32_max_rows()
     int4 = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64, quantization="int4").engine.runner
     assert int4.model.model.decode_stack(int4.kv_caches).max_rows == kernels.I4_MAX_ROWS
 

@@ -38,11 +38,12 @@ def test_linear_refuses_wrong_dtype() -> None:
         kernels.linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_layer_paths_match_torch(rows: int, bias: bool) -> None:
-    """lmserve's Linear: C kernel for 1-2 rows, oneDNN-packed weight beyond, same result as nn.Linear."""
-    from lmserve.model.layers import KERNEL_MAX_ROWS, Linear, onednn_packing_available
+    """lmserve's Linear: the C kernel up to kernels.f32_max_rows() rows, the oneDNN-packed weight beyond, the
+    same result as nn.Linear."""
+    from lmserve.model.layers import Linear, onednn_packing_available
 
     torch.manual_seed(rows)
     layer = Linear(48, 70, bias=bias)
@@ -51,10 +52,26 @@ def test_linear_layer_paths_match_torch(rows: int, bias: bool) -> None:
     if onednn_packing_available():
         layer.pack_for_onednn()
         assert layer._packed is not None
-    elif rows > KERNEL_MAX_ROWS:
+    elif rows > kernels.f32_max_rows():
         pytest.skip("no oneDNN in this torch build")
+    assert layer.fast_path(x) == ("kernel" if rows <= kernels.f32_max_rows() else "onednn" if layer._packed is not None
+                                  else None)  # fmt: skip
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [32, 48, 70, 576])  # whole 32-input steps, a masked last step of 16 / 6 / 22 inputs
+def test_linear_rows_are_bit_identical_whatever_the_row_count(weight_dtype: torch.dtype, k: int) -> None:
+    """Each row of x is computed the same way alone, in a pair or in a run of up to 19 (the kernel takes 8 at a
+    time): a speculative verification run scores each position exactly as a plain decode step would."""
+    g = torch.Generator().manual_seed(k)
+    x, w = torch.randn(19, k, generator=g), torch.randn(37, k, generator=g).to(weight_dtype)
+    b = torch.randn(37, generator=g)
+    alone = torch.cat([kernels.linear(x[i : i + 1], w, b) for i in range(19)])
+    for m in (2, 5, 8, 19):
+        assert torch.equal(kernels.linear(x[:m], w, b), alone[:m]), f"{m} rows differ from one row at a time"
+    torch.testing.assert_close(alone, F.linear(x, w.float(), b), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 7])

@@ -1,4 +1,4 @@
-"""Linear's 1-2 row path chosen per CPU (layers.choose_small_m_paths): the C kernel, oneDNN / torch.mm or
+"""Linear's few-row path chosen per CPU (layers.choose_small_m_paths): the C kernel, oneDNN / torch.mm or
 torch._int_mm, measured per weight shape or forced by LMSERVE_SMALL_M_LINEAR; every choice computes the same
 product to float32 rounding."""
 
@@ -59,7 +59,7 @@ def test_auto_measures_each_shape_once_and_logs(caplog: pytest.LogCaptureFixture
         chosen = choose_small_m_paths(model, "auto", reps=2)
     assert set(chosen.values()) <= {"kernel", "onednn", "torch"}
     assert model[0]._small_m_path == model[1]._small_m_path, "one choice per weight shape"
-    lines = [r.getMessage() for r in caplog.records if "1-2 row linear" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "few-row linear" in r.getMessage()]
     assert len(lines) == 2 and all("M=1 pass: kernel" in line for line in lines)
 
 

@@ -102,6 +102,7 @@ def _load() -> ctypes.CDLL | None:
     lib.linear_f32.restype = None
     lib.linear_bf16w_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.linear_bf16w_f32.restype = None
+    lib.f32_kernel_max_rows.argtypes, lib.f32_kernel_max_rows.restype = [], ctypes.c_int
     lib.paged_decode_attention.argtypes = [
         _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int,
     ]  # fmt: skip
@@ -154,6 +155,12 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype = torch.float32) -> No
     assert t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous(), (
         f"{name}: need a contiguous cpu {dtype} tensor, got {t.device} {t.dtype} contiguous={t.is_contiguous()}"
     )
+
+
+def f32_max_rows() -> int:
+    """The most rows `linear` serves at about the cost of one pass over the weights: 8 where it was compiled
+    with AVX-512 (each row computed bit-identically whatever the row count), else 2; 0 without the kernels."""
+    return int(_lib.f32_kernel_max_rows()) if available() else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,8 +7,9 @@ so hidden states are bit-identical to the module path (tests/test_decode_stack.p
 removes the Python in between.
 
 Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per
-request, no prefill segment), at most `max_rows` of them (what each projection's 1-2 row kernel serves:
-2 for float32 / bf16-stored / int8 W8A8 weights, 8 for int4 and GGUF Q8_0 blocks), float32 activations on
+request, no prefill segment), at most `max_rows` of them (what each projection's few-row kernel serves,
+`layers.kernel_max_rows`: 8 for float32 / bf16-stored weights with AVX-512 (else 2), 2 for int8 W8A8, 8 for
+int4 and GGUF Q4 / Q8_0 blocks), float32 activations on
 the CPU with the kernels loaded. Which models (`DecodeStack.supports`): the plain pre-norm Llama layout
 (Llama, Mistral, Qwen2, Phi-3, SmolLM ...) with full rotary, SiLU MLP, no q/k norms, no sandwich or post
 norms, no logit soft-capping, a KV cache the kernels read, and every projection on its C kernel (not
@@ -25,7 +26,7 @@ from lmserve import kernels
 from lmserve.model import quantization as quant
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
-from lmserve.model.layers import KERNEL_MAX_ROWS, Linear
+from lmserve.model.layers import Linear, kernel_max_rows
 
 # ls_linear.kind in cpu_kernels.c
 _KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4}
@@ -59,23 +60,23 @@ def _linear(m: Linear) -> tuple[_Linear, int]:
     """m's C description and the most rows its kernel takes in one call."""
     if m.quant_method is None:
         bf16 = m._weight_bf16 is not None
-        w, kind, rows = (m._weight_bf16 if bf16 else m.weight), ("bf16w" if bf16 else "float32"), KERNEL_MAX_ROWS
+        w, kind = (m._weight_bf16 if bf16 else m.weight), ("bf16w" if bf16 else "float32")
         scales = mins = sums = None
         group = 0
     else:
-        w, scales, mins, kind, rows = m.qweight, m.scales, m.mins, m.quant_method, kernels.I4_MAX_ROWS
+        w, scales, mins, kind = m.qweight, m.scales, m.mins, m.quant_method
         group, sums = (0 if kind == "int8" else m.in_features // m.scales.shape[1]), None
         if kind == "int8":
             if m._row_sums is None:
                 m._row_sums = quant.int8_row_sums(m.qweight)
-            sums, rows = m._row_sums, KERNEL_MAX_ROWS
+            sums = m._row_sums
     desc = _Linear(_KINDS[kind], m.out_features, m.in_features, group, _ptr(w), _ptr(scales), _ptr(mins), _ptr(sums),
                    _ptr(m.bias))  # fmt: skip
-    return desc, rows
+    return desc, kernel_max_rows(m)
 
 
 def _kernel_linear(m: Linear) -> bool:
-    """Whether m's 1-2 row input runs through its C kernel on the module path (so the stack computes the same)."""
+    """Whether m's few-row input runs through its C kernel on the module path (so the stack computes the same)."""
     if m._small_m_path is not None:
         return False
     if m.quant_method is None:  # the module path: float32 weights (read from their bf16 copy if rounded)

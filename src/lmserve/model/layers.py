@@ -14,9 +14,9 @@ from lmserve import kernels
 from lmserve.config import QuantizationConfig, RopeConfig
 from lmserve.model import quantization as quant
 
-KERNEL_MAX_ROWS = 2  # up to this many rows the C kernel (weight streamed once) beats oneDNN and BLAS
+I8_KERNEL_MAX_ROWS = 2  # int8 W8A8: up to this many rows the VNNI kernel (weight streamed once) beats torch._int_mm
 PACK_HINT_ROWS = 32  # batch size oneDNN lays the packed weights out for (any row count works)
-SMALL_M_ENV = "LMSERVE_SMALL_M_LINEAR"  # 1-2 row linears: auto (measured per weight shape) | kernel | torch
+SMALL_M_ENV = "LMSERVE_SMALL_M_LINEAR"  # few-row (decode) linears: auto (measured per weight shape) | kernel | torch
 SMALL_M_MODES = ("auto", "kernel", "torch")
 SMALL_M_PASS_BYTES = 64 * 2**20  # weights read per timed pass: past the L3 cache, as a decode step reads them
 SMALL_M_MARGIN = 0.9  # another path replaces the C kernel only when at least 10% faster
@@ -32,8 +32,9 @@ def onednn_packing_available() -> bool:
 class Linear(nn.Linear):
     """nn.Linear with two CPU float32 fast paths, both measured on the benchmark model (docs/performance.md):
 
-    - 1-2 rows (single-stream decode): the C kernel of lmserve.kernels reads the weight once at memory
-      bandwidth; CPU BLAS's small-M path runs at a third of it.
+    - few rows (decode, speculative verification): up to `kernels.f32_max_rows()` rows (8 with AVX-512, else
+      2) the C kernel of lmserve.kernels reads the weight once at memory bandwidth, computing each row the same
+      whatever the row count; CPU BLAS's small-M path runs at a third of it.
     - more rows, after `pack_for_onednn()`: oneDNN with the weight reordered once into its blocked layout,
       1.3-1.6x MKL at 32 rows and ~1.25x at 128 on this machine. The packed copy costs the weight's size
       again in memory (the plain weight stays: the C kernel and a tied embedding read it).
@@ -46,7 +47,7 @@ class Linear(nn.Linear):
     quant_method: str | None = None
     group_size: int | None = None
     _row_sums: torch.Tensor | None = None  # int8: sum of each qweight row (the VNNI kernel's correction)
-    # 1-2 rows: None = the C kernel; "onednn" / "torch" (float) or "int8_gemm" where choose_small_m_paths measured
+    # few rows: None = the C kernel; "onednn" / "torch" (float) or "int8_gemm" where choose_small_m_paths measured
     # them faster on this CPU, or LMSERVE_SMALL_M_LINEAR=torch forced them
     _small_m_path: str | None = None
 
@@ -85,7 +86,7 @@ class Linear(nn.Linear):
 
     def round_weights_to_bf16(self) -> None:
         """Round the weight to bfloat16 in place (still a float32 tensor, so every path computes the same
-        model) and keep a bf16 copy for the 1-2 row kernel, which then reads half the bytes."""
+        model) and keep a bf16 copy for the few-row kernel, which then reads half the bytes."""
         assert self.weight.device.type == "cpu" and self.weight.dtype == torch.float32, "bf16 weights: cpu fp32"
         self._weight_bf16 = self.weight.detach().to(torch.bfloat16)
         self.weight.data.copy_(self._weight_bf16.float())
@@ -104,13 +105,13 @@ class Linear(nn.Linear):
         if self.quant_method is not None:
             assert x.dim() == 2 and x.dtype == torch.float32, f"quantized Linear: 2-D float32 input, got {x.dtype}"
             if self.quant_method == "int8":
-                small = x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x) and self._small_m_path is None
+                small = x.shape[0] <= I8_KERNEL_MAX_ROWS and kernels.usable(x) and self._small_m_path is None
                 return "int8_kernel" if small else "int8_gemm"
             few = x.shape[0] <= kernels.I4_MAX_ROWS and kernels.usable(x)
             return f"{self.quant_method}_kernel" if few else f"{self.quant_method}_dequant"
         if x.dim() != 2 or x.dtype != self.weight.dtype:
             return None
-        if x.shape[0] <= KERNEL_MAX_ROWS and kernels.usable(x):
+        if x.shape[0] <= kernel_max_rows(self) and kernels.usable(x):
             if self._small_m_path is None:
                 return "kernel"
             if self._small_m_path == "torch":
@@ -163,6 +164,15 @@ class Linear(nn.Linear):
         return kernels.dequant_i8w(q, s)
 
 
+def kernel_max_rows(m: Linear) -> int:
+    """The most rows of input m's C decode kernel takes in one pass over its weights (0: no kernel)."""
+    if m.quant_method == "int8":
+        return I8_KERNEL_MAX_ROWS if kernels.available() else 0
+    if m.quant_method is not None:
+        return kernels.I4_MAX_ROWS if kernels.available() else 0
+    return kernels.f32_max_rows()
+
+
 def quantizable_linears(model: nn.Module, config: QuantizationConfig) -> list[tuple[Linear, str, int | None]]:
     """(module, layout, group size) of every Linear `config` quantizes: the decoder's projections (qkv, o,
     gate_up, down) in config.method, and the LM head in config.lm_head's layout unless that is None. The
@@ -201,7 +211,7 @@ def small_m_mode() -> str:
 
 
 def _small_m_candidates(m: Linear) -> list[str | None]:
-    """The paths a 1-2 row input can take through m (None: the C kernel)."""
+    """The paths a few-row input can take through m (None: the C kernel)."""
     if m.quant_method == "int8":
         return [None, "int8_gemm"]
     return [None, "onednn", "torch"] if m._packed is not None else [None, "torch"]
@@ -225,14 +235,13 @@ def _time_passes(layers: list[Linear], x: torch.Tensor, candidates: list[str | N
 
 @torch.inference_mode()
 def choose_small_m_paths(model: nn.Module, mode: str | None = None, reps: int = 5) -> dict[tuple, str]:
-    """Pick, per distinct weight shape, what 1-2 row inputs (decode) run through: the C kernel, oneDNN / torch.mm
-    (float32, bf16-stored weights too) or torch._int_mm (int8). "auto" times one M=1 pass over that shape's
-    layers (enough of them to stream SMALL_M_PASS_BYTES, as a decode step streams weights from DRAM) per
-    candidate and keeps the fastest (the kernel unless another is 10% faster): the C kernel wins on some CPUs
-    and loses to oneDNN on others (docs/performance.md); the projections of a decoder the one-call decode stack
-    runs keep the kernel. "kernel" / "torch" force a side. Every path computes
-    the same product to float32 rounding. Call with the thread count the engine runs with. Returns
-    {(out, in, kind): chosen path}."""
+    """Pick, per distinct weight shape, what few-row inputs (decode, up to `kernel_max_rows`) run through: the
+    C kernel, oneDNN / torch.mm (float32, bf16-stored weights too) or torch._int_mm (int8). "auto" times one M=1
+    pass over that shape's layers (enough of them to stream SMALL_M_PASS_BYTES, as a decode step streams weights
+    from DRAM) per candidate and keeps the fastest (the kernel unless another is 10% faster): the C kernel wins
+    on some CPUs and loses to oneDNN on others (docs/performance.md); the projections of a decoder the one-call
+    decode stack runs keep the kernel. "kernel" / "torch" force a side. Every path computes the same product to
+    float32 rounding. Call with the thread count the engine runs with. Returns {(out, in, kind): chosen path}."""
     mode = small_m_mode() if mode is None else mode
     assert mode in SMALL_M_MODES, f"small-M mode {mode!r}"
     groups: dict[tuple, list[Linear]] = {}
@@ -269,7 +278,7 @@ def choose_small_m_paths(model: nn.Module, mode: str | None = None, reps: int = 
             m._small_m_path = path
         chosen[key] = path or "kernel"
         measured = ", ".join(f"{c or 'kernel'} {t * 1e3:.2f} ms" for c, t in times.items())
-        logger.info("1-2 row linear %d x %d (%s, %d layers): %s%s", key[0], key[1], key[2], len(layers),
+        logger.info("few-row linear %d x %d (%s, %d layers): %s%s", key[0], key[1], key[2], len(layers),
                     path or "kernel", f" (M=1 pass: {measured})" if times else
                     " (decode stack)" if in_stack else f" ({SMALL_M_ENV}={mode})")  # fmt: skip
     for sub in model.modules():  # a decoder's one-call decode stack follows the kernel paths: describe it anew

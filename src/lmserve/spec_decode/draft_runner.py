@@ -30,6 +30,8 @@ from lmserve.spec_decode.proposer import ProposalInput
 from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.sampler import _SAMPLING_EPS, apply_token_bitmask
 
+DECODE_ROWS = 8  # a catch-up chunk of up to this many tokens runs as decode rows (the kernels' most rows)
+
 
 def _ended(item: ProposalInput) -> bool:
     """The grammar is complete after the proposals so far: the request ends there, nothing to add."""
@@ -119,11 +121,14 @@ class DraftModelProposer:
         return int(torch.multinomial(q, 1, generator=item.request.generator)), q
 
     def _forward(self, chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-        """chunks: (token ids, first position, block table) per request → logits of each chunk's last token."""
+        """chunks: (token ids, first position, block table) per request → logits of each chunk's last token.
+        A chunk of at most DECODE_ROWS tokens (the usual catch-up: the last proposal and the bonus token) runs as
+        that many decode rows, each a query over its own prefix, as the target's verification run does: the
+        decode kernels and the one-call stack take it. Longer chunks (a prefill) are prefill segments."""
         bs, dev = self.block_size, self.device
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]) > 1)  # decodes first (stable)
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]) > DECODE_ROWS)  # decode rows first
         ids, pos, slots, last_rows = [], [], [], [0] * len(chunks)
-        prefills = []
+        lens, tables, prefills = [], [], []
         for i in order:
             toks, start, table = chunks[i]
             row0 = len(ids)
@@ -132,12 +137,14 @@ class DraftModelProposer:
             pos += p
             slots += [table[x // bs] * bs + x % bs for x in p]
             last_rows[i] = len(ids) - 1
-            if len(toks) > 1:
+            if len(toks) > DECODE_ROWS:
                 prefills.append((row0, toks, start, table))
+            else:
+                lens += [x + 1 for x in p]
+                tables += [table] * len(toks)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
-        decodes = [chunks[i] for i in order if len(chunks[i][0]) == 1]
-        if decodes:
-            meta.set_decodes([start + 1 for _, start, _ in decodes], [t for _, _, t in decodes], bs)
+        if lens:
+            meta.set_decodes(lens, tables, bs)
         for row0, toks, start, table in prefills:
             meta.prefills.append(PrefillSegment.for_chunk(row0, len(toks), start, table, bs, dev))
         hidden = self.model(
@@ -146,4 +153,6 @@ class DraftModelProposer:
             self.kv_caches,
             meta,
         )
-        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)])
+        if len(last_rows) != len(ids):
+            hidden = hidden[torch.tensor(last_rows, device=dev)]
+        return self.model.compute_logits(hidden)

@@ -12,7 +12,7 @@ from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerO
 from lmserve.model.attention import AttentionMetadata, PrefillSegment
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import (
-    KERNEL_MAX_ROWS,
+    I8_KERNEL_MAX_ROWS,
     choose_small_m_paths,
     pack_linear_weights,
     quantize_linear_weights,
@@ -26,7 +26,7 @@ from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 logger = logging.getLogger(__name__)
-VERIFY_DECODE_ROWS = 8  # a verification run of up to this many tokens runs as decode rows (kernels.I4_MAX_ROWS)
+VERIFY_DECODE_ROWS = 8  # a verification run of up to this many tokens runs as decode rows (the kernels' most rows)
 
 
 def _log_quantized_kernels(method: str) -> None:
@@ -36,8 +36,9 @@ def _log_quantized_kernels(method: str) -> None:
     for layout in ("int4", "int8w") if method == "gguf" else (method,):  # GGUF blocks: Q4_0/Q4_1, Q8_0
         decode = kernels.quantized_kernel_names()[layout] if kernels.available() else "PyTorch ops (no C kernels)"
         batched = "torch._int_mm (oneDNN int8)" if layout == "int8" else "dequantize + float32 GEMM"
-        logger.info("%s weights: 1-%d row kernel %s; batched rows %s; CPU flags %s", layout,
-                    KERNEL_MAX_ROWS if layout == "int8" else kernels.I4_MAX_ROWS, decode, batched, relevant or "none")
+        rows = I8_KERNEL_MAX_ROWS if layout == "int8" else kernels.I4_MAX_ROWS
+        logger.info("%s weights: 1-%d row kernel %s; batched rows %s; CPU flags %s", layout, rows, decode, batched,
+                    relevant or "none")
     if method == "int8" and not flags & {"avx512_vnni", "avx_vnni"}:
         logger.warning("int8: this CPU has no VNNI instructions; the int8 kernels run a portable (slower) loop")
 
@@ -92,7 +93,7 @@ class ModelRunner:
                 logger.info("projections quantized to %s (embeddings, LM head, norms: %s)",
                             config.quantization.method, mc.dtype)
         self.kv_caches: list[KVCache] = self._allocate_kv_caches()
-        # 1-2 row linears: C kernel or oneDNN / torch.mm, measured before the first step, in the thread (and
+        # few-row linears: C kernel or oneDNN / torch.mm, measured before the first step, in the thread (and
         # OpenMP team) that runs the steps: `serve` loads the model with one thread
         self._small_m_pending = self.device.type == "cpu"
         self.sampler = Sampler()
