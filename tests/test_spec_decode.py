@@ -591,21 +591,31 @@ def test_acceptance_tracker_sets_k_from_recent_acceptance_and_backs_off() -> Non
     assert t.num_proposals(4, 0.3) >= 1 and t.backoff == 0
 
 
-def test_adaptive_speculation_proposes_less_where_the_draft_is_rejected() -> None:
-    """The bundled draft on Chinese text is mostly rejected: adaptation proposes far fewer tokens than fixed k
-    (at a higher acceptance rate); the greedy output is the same with either and without speculation."""
+def test_adaptive_speculation_proposes_less_where_the_draft_is_rejected(tmp_path: Path) -> None:
+    """A draft that is mostly rejected (the bundled draft's shape and tokenizer, random weights): adaptation
+    proposes far fewer tokens than fixed k; the greedy output is the same with either and without speculation.
+    (The shipped draft is distilled from the target and agrees with it ~89 % of the time, Chinese included.)"""
+    import shutil
+
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    draft = default_model_path("draft")
+    torch.manual_seed(0)
+    LlamaForCausalLM(AutoConfig.from_pretrained(draft)).save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(draft) / f, tmp_path / f)
     prompts = ["床前明月光，疑是地上霜。"]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(tmp_path)}
     ref, _ = generate(default_model_path(), prompts, params, num_kv_blocks=32)
     fixed, llm_fixed = generate(default_model_path(), prompts, params, num_kv_blocks=32,
-                                speculative_config={"method": "draft_model", "adaptive_threshold": 0})  # fmt: skip
-    adaptive, llm = generate(default_model_path(), prompts, params, num_kv_blocks=32,
-                             speculative_config={"method": "draft_model"})  # fmt: skip
+                                speculative_config={**spec, "adaptive_threshold": 0})  # fmt: skip
+    adaptive, llm = generate(default_model_path(), prompts, params, num_kv_blocks=32, speculative_config=spec)
     assert token_ids(fixed) == token_ids(adaptive) == token_ids(ref)
     f, a = llm_fixed.get_metrics(), llm.get_metrics()
-    assert f["spec_decode_acceptance_rate"] < 0.5, "the premise: a poorly predicted prompt"
+    assert f["spec_decode_acceptance_rate"] < 0.5, "the premise: a poorly predicting draft"
     assert 0 < a["spec_decode_num_draft_tokens_total"] < f["spec_decode_num_draft_tokens_total"] / 2
-    assert a["spec_decode_acceptance_rate"] > f["spec_decode_acceptance_rate"]
+    assert a["spec_decode_acceptance_rate"] >= f["spec_decode_acceptance_rate"]
     assert llm.engine.config.speculative.adaptive_threshold == 0.3
     with pytest.raises(ValueError, match="adaptive_threshold"):
         LLM(num_kv_blocks=16, speculative_config={"method": "ngram", "adaptive_threshold": 1.5})
