@@ -142,7 +142,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # -- generation
 
-    async def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool) -> _Generation:
+    async def _start(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool
+    ) -> tuple[_Generation, asyncio.Event]:
+        """The generation, started, and an event set when the RPC's deadline aborted it."""
         state = self.state
         engine = state.ready_engine()
         body = completion_request(request, stream)
@@ -153,9 +156,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         _check_lengths(engine, prompts, params, "max_tokens")
         gen = _Generation(state, engine, f"{GRPC_REQUEST_ID_PREFIX}{uuid.uuid4().hex}", prompts, params, body)
         gen._start()
-        # The deadline is also the server's own: abort then, whatever the transport reports (and when).
+        # The deadline is also the server's own: abort then, whatever the transport reports (and when); the
+        # handler then ends the RPC with DEADLINE_EXCEEDED (the aborted stream must not end as a normal one).
+        expired = asyncio.Event()
+
+        def expire() -> None:
+            expired.set()
+            gen.abort()
+
         remaining = context.time_remaining()
-        timer = None if remaining is None else asyncio.get_running_loop().call_later(max(0.0, remaining), gen.abort)
+        timer = None if remaining is None else asyncio.get_running_loop().call_later(max(0.0, remaining), expire)
 
         def done(_: Any) -> None:
             gen.abort()
@@ -165,7 +175,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         context.add_done_callback(done)
         if context.done():  # ended while validating: the callback may have run before it was added
             done(None)
-        return gen
+        return gen, expired
 
     def _choice(self, c: CompletionOutput, text: str, token_ids: list[int], entries: list[Any] | None) -> pb.Choice:
         choice = pb.Choice(index=c.index, text=text, token_ids=token_ids)
@@ -208,8 +218,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        gen = await self._start(request, context, stream=False)
+        gen, expired = await self._start(request, context, stream=False)
         finals = await gen._collect()
+        if expired.is_set():
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: the request was aborted")
         outputs = sorted(finals[0].outputs, key=lambda c: c.index)
         return pb.GenerateResponse(
             id=gen.request_id,
@@ -221,9 +233,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        gen = await self._start(request, context, stream=True)
+        gen, expired = await self._start(request, context, stream=True)
         finished: set[int] = set()
         async for _, out in gen._outputs():
+            if expired.is_set():
+                break
             choices = []
             for c in out.outputs:
                 if not (c.delta_text or c.delta_token_ids) and (not c.finished or c.index in finished):
@@ -236,6 +250,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             usage = self._usage(gen, [out]) if out.finished else None
             if choices or usage is not None:
                 yield pb.GenerateResponse(id=gen.request_id, model=gen.model, choices=choices, usage=usage)
+        if expired.is_set():
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: the request was aborted")
 
     # -- tokenizer and models
 
