@@ -82,7 +82,7 @@ def test_playground_streams_token_by_token(server: LiveServer, page: Page) -> No
     page.goto(server.url + "/")
     page.select_option("#mode", "completion")
     page.fill("#prompt", "The capital of France is")
-    page.fill("#max_tokens", "120")
+    page.fill("#max_tokens", "240")
     page.fill("#temperature", "1.0")
     page.fill("#seed", "7")
     # record the number of token spans every time the transcript changes, with the time
