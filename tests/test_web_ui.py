@@ -61,13 +61,19 @@ def page(browser: Browser) -> Iterator[Page]:
     assert errors == [], errors
 
 
-def _burst(server: LiveServer, n: int, max_tokens: int) -> threading.Thread:
+def _burst(server: LiveServer, n: int, max_tokens: int, until: threading.Event | None = None) -> threading.Thread:
+    """n concurrent streams of max_tokens each; with `until`, each stream starts again until it is set (a tiny
+    model finishes a fixed burst faster than the dashboard's feed ticks)."""
     body = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": max_tokens, "ignore_eos": True}
+
+    def worker(c: httpx.Client) -> None:
+        c.post(server.url + "/v1/completions", json=body)
+        while until is not None and not until.is_set():
+            c.post(server.url + "/v1/completions", json=body)
 
     def run() -> None:
         with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
-            threads = [threading.Thread(target=c.post, args=(server.url + "/v1/completions",), kwargs={"json": body})
-                       for _ in range(n)]  # fmt: skip
+            threads = [threading.Thread(target=worker, args=(c,)) for _ in range(n)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -82,7 +88,7 @@ def test_playground_streams_token_by_token(server: LiveServer, page: Page) -> No
     page.goto(server.url + "/")
     page.select_option("#mode", "completion")
     page.fill("#prompt", "The capital of France is")
-    page.fill("#max_tokens", "240")
+    page.fill("#max_tokens", "120")
     page.fill("#temperature", "1.0")
     page.fill("#seed", "7")
     # record the number of token spans every time the transcript changes, with the time
@@ -95,8 +101,16 @@ def test_playground_streams_token_by_token(server: LiveServer, page: Page) -> No
         }).observe(document.getElementById('transcript'), {childList: true, subtree: true});
     }"""
     )
+    # The tiny model streams 120 tokens in tens of ms, faster than the browser repaints; a throttled link (as a
+    # slow network would) spreads the server's events over time, so the page's incremental rendering shows.
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    cdp.send("Network.emulateNetworkConditions",
+             {"offline": False, "latency": 0, "downloadThroughput": 40_000, "uploadThroughput": -1})  # fmt: skip
     page.click("#send")
     page.wait_for_function("!document.getElementById('send').disabled && window.__counts.length > 0", timeout=60_000)
+    cdp.send("Network.emulateNetworkConditions",
+             {"offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1})  # fmt: skip
     counts = page.evaluate("window.__counts")
     distinct = sorted({n for _, n in counts})
     assert len(distinct) >= 5, counts  # the output grew in many separate steps, not in one piece
@@ -173,15 +187,19 @@ def test_dashboard_moves_during_a_burst(server: LiveServer, page: Page, tmp_path
     assert page.inner_text("#running") == "0"
     assert page.get_attribute("#blockmap", "data-used") == "0"
     assert "no bottleneck found" in page.inner_text("#diagnosis")
-    burst = _burst(server, 12, 200)
-    page.wait_for_function(
-        "Number(document.getElementById('running').textContent) > 0 && "
-        "Number(document.getElementById('blockmap').dataset.used) > 0",
-        timeout=60_000,
-    )
-    assert int(page.inner_text("#waiting")) >= 0
-    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-    burst.join()
+    stop = threading.Event()
+    burst = _burst(server, 12, 200, until=stop)
+    try:
+        page.wait_for_function(
+            "Number(document.getElementById('running').textContent) > 0 && "
+            "Number(document.getElementById('blockmap').dataset.used) > 0",
+            timeout=60_000,
+        )
+        assert int(page.inner_text("#waiting")) >= 0
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+    finally:
+        stop.set()
+        burst.join()
     page.wait_for_function("Number(document.getElementById('blockmap').dataset.used) === 0", timeout=60_000)
     ttft_n = page.locator("#latency-rows tr >> nth=0").locator("td >> nth=0").inner_text()
     assert int(ttft_n) >= 12
