@@ -201,6 +201,15 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def optimizer_step(model, opt: torch.optim.Optimizer, loss: torch.Tensor, running: float | None) -> float:
+    """One AdamW step on loss (gradients clipped to norm 1.0); returns the loss's running mean (EMA 0.95)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+
+
 @torch.no_grad()
 def eval_loss(model, stream: torch.Tensor, max_windows: int | None = None) -> tuple[float, int]:
     """Mean next-token loss over consecutive non-overlapping CONTEXT+1 windows of the stream."""
@@ -255,11 +264,7 @@ def train_model(name: str, tok, tok_dir: str, val_stream: torch.Tensor, autocast
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = model(input_ids=xb[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), xb[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        running = optimizer_step(model, opt, loss, running)
         if step % 25 == 0 or step == steps - 1:
             el = time.time() - t0
             tps = (step + 1) * batch * CONTEXT / el
@@ -358,11 +363,7 @@ def distill_draft(tok, tok_dir: str) -> dict:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = student(input_ids=x).logits
         loss = -(p_teacher * torch.log_softmax(logits.float(), -1)).sum(-1).mean()  # KL up to the teacher's entropy
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        running = optimizer_step(student, opt, loss, running)
         if step % 100 == 0 or step == steps - 1:
             log(f"distill step {step}/{steps} soft loss {loss.item():.4f} (ema {running:.4f})")
     student.generation_config = teacher.generation_config

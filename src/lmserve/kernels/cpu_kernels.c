@@ -54,11 +54,10 @@ static inline __attribute__((always_inline)) void rows_dot(const float *x, const
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         __m512 w0 = w16(wr, k, bf16, 0xffff), w1 = w16(wr, k + 16, bf16, 0xffff);
-        if (N > 0) { /* the weight stream a few rows ahead: the rows' FMAs would otherwise idle the next loads */
-            const char *p = (const char *)wr + (k << (2 - bf16)) + F32_PREFETCH;
-            _mm_prefetch(p, _MM_HINT_T1);
-            if (!bf16) _mm_prefetch(p + 64, _MM_HINT_T1);
-        }
+        /* the weight stream a few rows ahead, into L2: the rows' FMAs would otherwise idle the next loads */
+        const char *pf = (const char *)wr + (k << (2 - bf16)) + F32_PREFETCH;
+        _mm_prefetch(pf, _MM_HINT_T1);
+        if (!bf16) _mm_prefetch(pf + 64, _MM_HINT_T1);
         for (int m = 0; m < N; m++) {
             a0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), a0[m]);
             a1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), a1[m]);

@@ -20,6 +20,11 @@ from torch.nn import functional as F
 from lmserve import kernels
 from lmserve.model.kv_cache import KVCache
 
+# A run of up to this many new tokens of one sequence (a speculative verification, a draft's catch-up) runs as that
+# many decode rows, each a query over its own prefix, so the decode kernels and the one-call stack take it (the
+# most rows the few-row linear kernels serve: kernels.I4_MAX_ROWS, F32_MAX_ROWS in the C source)
+MAX_DECODE_RUN = 8
+
 
 @dataclass
 class PrefillSegment:

@@ -104,10 +104,9 @@ class Linear(nn.Linear):
         "int8w_dequant" likewise."""
         if self.quant_method is not None:
             assert x.dim() == 2 and x.dtype == torch.float32, f"quantized Linear: 2-D float32 input, got {x.dtype}"
+            few = x.shape[0] <= kernel_max_rows(self) and kernels.usable(x)
             if self.quant_method == "int8":
-                small = x.shape[0] <= I8_KERNEL_MAX_ROWS and kernels.usable(x) and self._small_m_path is None
-                return "int8_kernel" if small else "int8_gemm"
-            few = x.shape[0] <= kernels.I4_MAX_ROWS and kernels.usable(x)
+                return "int8_kernel" if few and self._small_m_path is None else "int8_gemm"
             return f"{self.quant_method}_kernel" if few else f"{self.quant_method}_dequant"
         if x.dim() != 2 or x.dtype != self.weight.dtype:
             return None

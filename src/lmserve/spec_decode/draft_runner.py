@@ -22,15 +22,13 @@ from typing import Any
 import torch
 
 from lmserve.config import EngineConfig, available_ram_bytes
-from lmserve.model.attention import AttentionMetadata, PrefillSegment
+from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import pack_linear_weights
 from lmserve.model.loader import load_model
 from lmserve.spec_decode.proposer import ProposalInput
 from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.sampler import _SAMPLING_EPS, apply_token_bitmask
-
-DECODE_ROWS = 8  # a catch-up chunk of up to this many tokens runs as decode rows (the kernels' most rows)
 
 
 def _ended(item: ProposalInput) -> bool:
@@ -122,11 +120,11 @@ class DraftModelProposer:
 
     def _forward(self, chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """chunks: (token ids, first position, block table) per request → logits of each chunk's last token.
-        A chunk of at most DECODE_ROWS tokens (the usual catch-up: the last proposal and the bonus token) runs as
+        A chunk of at most MAX_DECODE_RUN tokens (the usual catch-up: the last proposal and the bonus token) runs as
         that many decode rows, each a query over its own prefix, as the target's verification run does: the
         decode kernels and the one-call stack take it. Longer chunks (a prefill) are prefill segments."""
         bs, dev = self.block_size, self.device
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]) > DECODE_ROWS)  # decode rows first
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]) > MAX_DECODE_RUN)  # decode rows first
         ids, pos, slots, last_rows = [], [], [], [0] * len(chunks)
         lens, tables, prefills = [], [], []
         for i in order:
@@ -137,7 +135,7 @@ class DraftModelProposer:
             pos += p
             slots += [table[x // bs] * bs + x % bs for x in p]
             last_rows[i] = len(ids) - 1
-            if len(toks) > DECODE_ROWS:
+            if len(toks) > MAX_DECODE_RUN:
                 prefills.append((row0, toks, start, table))
             else:
                 lens += [x + 1 for x in p]

@@ -9,7 +9,7 @@ import torch
 from lmserve import kernels
 from lmserve.config import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from lmserve.model.attention import AttentionMetadata, PrefillSegment
+from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import (
     I8_KERNEL_MAX_ROWS,
@@ -26,7 +26,6 @@ from lmserve.worker.host_memory import tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 logger = logging.getLogger(__name__)
-VERIFY_DECODE_ROWS = 8  # a verification run of up to this many tokens runs as decode rows (the kernels' most rows)
 
 
 def _log_quantized_kernels(method: str) -> None:
@@ -184,7 +183,7 @@ class ModelRunner:
     @staticmethod
     def _verify_as_decodes(s: ScheduledRequest) -> bool:
         """A run of one settled token and its proposals, short enough for the decode path's kernels."""
-        return s.num_spec_tokens > 0 and s.num_new_tokens == s.num_spec_tokens + 1 <= VERIFY_DECODE_ROWS
+        return s.num_spec_tokens > 0 and s.num_new_tokens == s.num_spec_tokens + 1 <= MAX_DECODE_RUN
 
     def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         for s, v in zip(verifying, verify(self.sampler, logits, verifying), strict=True):
