@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs per comparison; medians reported")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     torch.set_num_threads(args.threads)
     from lmserve.default_model import default_model_path
 

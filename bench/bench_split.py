@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script runs, not a measurement")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     base = QUICK if args.quick else FULL
     for k, v in base.items():
         if getattr(args, k) is None:
