@@ -101,7 +101,14 @@ def require_extra(extra: str, *modules: str) -> None:
 
     import pytest
 
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    def absent(module: str) -> bool:
+        # find_spec("a.b") imports "a" first, and raises ModuleNotFoundError when "a" itself is absent
+        try:
+            return importlib.util.find_spec(module) is None
+        except ImportError:  # ModuleNotFoundError, or a parent set to None in sys.modules
+            return True
+
+    missing = [m for m in modules if absent(m)]
     if not missing:
         return
     message = f"the {extra!r} extra is not installed (missing {', '.join(missing)}): pip install 'lmserve[{extra}]'"
