@@ -93,26 +93,46 @@ def test_consumer_that_stops_iterating_aborts(aengine: AsyncEngine) -> None:
 
 
 def test_task_cancelled_while_waiting_aborts(aengine: AsyncEngine) -> None:
+    """The consumer is cancelled while the request is mid-generation: held there by construction (every step
+    after the first waits for the cancel), not by a request too long for the engine to finish in time."""
     before = aengine.snapshot().num_aborted_requests_total
+    cancelled, real_step = threading.Event(), aengine.engine.step
+    num_steps = 0
+
+    def held_step():
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps > 1:
+            assert cancelled.wait(60), "the test did not cancel"
+        return real_step()
 
     async def run():
         stream = aengine.add_request(None, "cancel me", SamplingParams(max_tokens=100, ignore_eos=True))
+        first = asyncio.Event()
 
         async def consume():
             try:
-                async for _ in stream:
+                async for out in stream:
+                    assert not out.finished
+                    first.set()
                     await asyncio.sleep(0)
             finally:
                 stream.abort()
 
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.05)
+        await first.wait()  # running: one token out, 99 to go, the next step held
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        cancelled.set()  # the abort is queued: it applies before the step after the held one
         await _wait_for(lambda: aengine.snapshot().num_aborted_requests_total == before + 1)
         await _wait_for(lambda: aengine.snapshot().metrics["kv_cache_usage"] == 0.0)
 
-    asyncio.run(run())
+    aengine.engine.step = held_step  # type: ignore[method-assign]
+    try:
+        asyncio.run(run())
+    finally:
+        cancelled.set()
+        aengine.engine.step = real_step  # type: ignore[method-assign]
 
 
 def test_bad_input_raises_before_queueing(aengine: AsyncEngine) -> None:

@@ -161,12 +161,13 @@ def test_prefix_affinity_hits_on_the_core_that_has_the_prefix(dp2: EngineCoreCli
     system = [300 + j for j in range(2 * BLOCK)]  # a shared "system prompt" of two full blocks
 
     async def run():
-        # a long request keeps one core busy, so the first system-prompt request goes to the other one
-        hog = asyncio.ensure_future(_final(dp2, "hog", [9, 9, 9], greedy(60)))
-        await asyncio.sleep(0)
+        # a running request keeps one core busy (until it is aborted below: 250 tokens, ignore_eos), so the first
+        # system-prompt request goes to the other one
+        hog = dp2.add_request("hog", [9, 9, 9], greedy(250))
+        assert not (await hog.__anext__()).finished  # running on its core, in that core's snapshot
         hog_core = dp2._streams["hog"].core.index
         first = await _final(dp2, "sys-0", system + [1, 2], greedy(2))
-        await hog
+        hog.abort()
         return hog_core, first
 
     hog_core, first = asyncio.run(run())

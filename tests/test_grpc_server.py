@@ -4,6 +4,7 @@ tests need no second one; every test leaves it idle."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -382,6 +383,14 @@ def test_health_mirrors_loading_and_engine_death(llama_dir: Path) -> None:
                 async def status() -> int:
                     return (await health.Check(health_pb2.HealthCheckRequest(service="lmserve.v1.Generation"))).status
 
+                async def until_status(want: int, timeout_s: float = 30.0) -> None:
+                    # the health service polls the engine every HEALTH_POLL_S: wait for its next polls, however
+                    # long a loaded machine takes to run them
+                    deadline = time.monotonic() + timeout_s
+                    while await status() != want:
+                        assert time.monotonic() < deadline, f"health never became {want}"
+                        await asyncio.sleep(HEALTH_POLL_S)
+
                 assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Generate(pb.GenerateRequest(text=PROMPT))
@@ -390,14 +399,12 @@ def test_health_mirrors_loading_and_engine_death(llama_dir: Path) -> None:
                 args = EngineArgs.from_kwargs(str(llama_dir), num_kv_blocks=64, max_model_len=128)
                 engine = AsyncEngine(LLMEngine.from_engine_args(args)).start()
                 state.engine = engine
-                await asyncio.sleep(3 * HEALTH_POLL_S)
-                assert await status() == health_pb2.HealthCheckResponse.SERVING
+                await until_status(health_pb2.HealthCheckResponse.SERVING)
                 out = await stub.Generate(pb.GenerateRequest(text=PROMPT, sampling_params=greedy(max_tokens=3)))
                 assert out.usage.completion_tokens == 3
 
                 await asyncio.to_thread(engine.shutdown)  # the engine loop ends: dead, as /health reports it
-                await asyncio.sleep(3 * HEALTH_POLL_S)
-                assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+                await until_status(health_pb2.HealthCheckResponse.NOT_SERVING)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Generate(pb.GenerateRequest(text=PROMPT))
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -578,9 +578,14 @@ def test_unhandled_error_is_answered_not_raised(app: FastAPI, engine: AsyncEngin
 
 def test_non_streaming_disconnect_aborts(app: FastAPI, engine: AsyncEngine) -> None:
     real_step = engine.engine.step
+    gone = threading.Event()  # every step after the first waits until the client has gone (held by construction)
+    num_steps = 0
 
-    def slow_step():
-        time.sleep(0.01)
+    def held_step():
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps > 1:
+            assert gone.wait(60), "the client never left"
         return real_step()
 
     body = json.dumps({"prompt": "bye", "max_tokens": 40, "ignore_eos": True}).encode()
@@ -613,6 +618,7 @@ def test_non_streaming_disconnect_aborts(app: FastAPI, engine: AsyncEngine) -> N
             await asyncio.sleep(0.005)
         left.set()  # the client goes away mid-generation
         await asyncio.wait_for(task, 10)
+        gone.set()  # its abort is queued: it applies before the step after the held one
         while engine.snapshot().num_aborted_requests_total != before + 1:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.005)
@@ -621,10 +627,11 @@ def test_non_streaming_disconnect_aborts(app: FastAPI, engine: AsyncEngine) -> N
             await asyncio.sleep(0.005)
         return sent
 
-    engine.engine.step = slow_step  # type: ignore[method-assign]
+    engine.engine.step = held_step  # type: ignore[method-assign]
     try:
         asyncio.run(run())
     finally:
+        gone.set()
         engine.engine.step = real_step  # type: ignore[method-assign]
     m = engine.snapshot().metrics
     assert m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0

@@ -94,13 +94,14 @@ def feed_update(state: Any, history: ScrapeHistory) -> dict[str, Any]:
     rate = lambda key: (w.c(key) or 0.0) / dur if dur > 0.05 else 0.0  # noqa: E731
     queries, hits = w.c("prefix_queries") or 0.0, w.c("prefix_hits") or 0.0
     num_blocks = int(m["num_kv_blocks"])
+    # used / free from this snapshot's usage: the block map is rebuilt at most once a second (and when the engine
+    # goes idle), so a burst shorter than that would never show in it; the map's own counts describe the map
+    free = round(num_blocks * (1.0 - m["kv_cache_usage"]))
     block_map = snap.block_map
     if block_map is not None:
-        free = sum(1 for r in block_map.ref_counts if r == 0)
         cached_free = sum(1 for r, c in zip(block_map.ref_counts, block_map.cached, strict=True) if r == 0 and c)
         shared = sum(1 for r in block_map.ref_counts if r > 1)
     else:
-        free = round(num_blocks * (1.0 - m["kv_cache_usage"]))
         cached_free = shared = None
     return {
         "time": snap.time,
