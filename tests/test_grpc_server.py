@@ -4,6 +4,7 @@ tests need no second one; every test leaves it idle."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +157,33 @@ def test_n_choices_and_stop_reason(stub: pb_grpc.GenerationStub, http: httpx.Cli
         text[: text.index(stop)], "stop", stop,
     )  # fmt: skip
     assert c.WhichOneof("stop_reason") == "stop_str"
+
+
+def test_structured_output_finishes_as_the_http_api(stub: pb_grpc.GenerationStub, http: httpx.Client) -> None:
+    """A JSON schema without additionalProperties closes after its properties (unary, stream, n = 2); a budget
+    too small ends "length", the text cut short, as the HTTP API says."""
+    schema = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "n": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["unit", "n"]}  # fmt: skip
+    for max_tokens, reason in [(40, "stop"), (2, "length")]:
+        so = pb.StructuredOutputs(json=json.dumps(schema))
+        sp = pb.SamplingParams(max_tokens=max_tokens, n=2, temperature=1.0, seed=5, structured_outputs=so)
+        req = pb.GenerateRequest(text=PROMPT, sampling_params=sp)
+        unary = stub.Generate(req, metadata=AUTH, timeout=60)
+        streamed = {i: "" for i in range(2)}
+        for m in stub.GenerateStream(req, metadata=AUTH, timeout=60):
+            for d in m.choices:
+                streamed[d.index] += d.text
+                if d.finish_reason:
+                    assert d.finish_reason == reason
+        ref = http_completion(http, prompt=PROMPT, max_tokens=max_tokens, n=2, temperature=1.0, seed=5,
+                              ignore_eos=False, structured_outputs={"json": schema})["choices"]  # fmt: skip
+        for c in unary.choices:
+            assert c.finish_reason == reason == ref[c.index]["finish_reason"]
+            assert c.text == streamed[c.index] == ref[c.index]["text"]
+            if reason == "stop":
+                assert sorted(json.loads(c.text)) == ["n", "unit"], c.text
+            else:
+                assert len(c.token_ids) == max_tokens
 
 
 def test_tokenize_detokenize_models(stub: pb_grpc.GenerationStub, http: httpx.Client) -> None:

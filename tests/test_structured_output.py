@@ -22,6 +22,7 @@ from lmserve.structured_output import (
     GrammarError,
     StructuredOutputManager,
     TokenBitmask,
+    close_objects,
     fill_bitmasks,
     fill_verification_bitmasks,
 )
@@ -301,6 +302,61 @@ def test_matcher_checks_several_proposed_tokens_and_rolls_back(manager: Structur
     assert req.accept_tokens(good[:3]) == 3
     req.rollback(3)
     assert req.accept_tokens(good) == len(good) and req.is_accepting
+
+
+def test_close_objects_closes_declared_objects_only() -> None:
+    """Unspecified additionalProperties becomes false where an object declares properties, at any depth; explicit
+    values, open objects, allOf branches and data (const, default, a property named "properties") are kept."""
+    item = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "string"}}},  # a property so named
+            "tags": {"type": "array", "items": item, "default": [{"properties": {}}]},
+            "pair": {"type": "array", "prefixItems": [item]},
+            "any": {"anyOf": [item, {"type": "null"}]},
+            "both": {"allOf": [item, {"properties": {"y": {"type": "integer"}}}]},
+            "free": {"type": "object"},
+            "open": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+            "typed": {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+            "ref": {"$ref": "#/$defs/D"},
+            "lit": {"const": {"properties": {"a": 1}}},
+        },
+        "$defs": {"D": {"type": "object", "properties": {"d": {"type": "boolean"}}}},
+    }
+    before = json.dumps(schema)
+    out = close_objects(schema)
+    assert json.dumps(schema) == before, "the input is not modified"
+    closed = {**item, "additionalProperties": False}
+    props = out["properties"]
+    assert out["additionalProperties"] is False
+    assert props["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in props and "additionalProperties" not in props["properties"]["properties"]
+    assert props["tags"]["items"] == closed and props["tags"]["default"] == [{"properties": {}}]
+    assert props["pair"]["prefixItems"] == [closed] and props["any"]["anyOf"][0] == closed
+    assert props["both"] == schema["properties"]["both"], "allOf branches stay open (they complete each other)"
+    assert props["free"] == {"type": "object"}
+    assert props["open"]["additionalProperties"] is True
+    assert props["typed"]["additionalProperties"] == {"type": "integer"}
+    assert props["ref"] == {"$ref": "#/$defs/D"} and out["$defs"]["D"]["additionalProperties"] is False
+    assert props["lit"] == schema["properties"]["lit"]
+    assert close_objects(True) is True and close_objects({"type": "object"}) == {"type": "object"}
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_additional_properties_default_follows_the_manager_option(allow: bool) -> None:
+    """By default an object without additionalProperties admits no key past its declared ones (the model cannot
+    wander into invented keys); allow_additional_properties restores JSON Schema's default. An explicit true
+    is honoured either way."""
+    tok = AutoTokenizer.from_pretrained(default_model_path("target"))
+    mgr = StructuredOutputManager(tok, 8000, (0,), allow_additional_properties=allow)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    extra = tok.encode('{"a": 1, "b": 2}', add_special_tokens=False)
+    for spec, admits in [(schema, allow), ({**schema, "additionalProperties": True}, True)]:
+        req = mgr.new_request(StructuredOutputsParams(json=spec))
+        req._future.result()
+        assert (req.validate_tokens(extra) == len(extra)) == admits, (spec, allow)
+    mgr.shutdown()
 
 
 def test_verification_masks_follow_the_proposals_and_leave_the_matcher_unchanged(

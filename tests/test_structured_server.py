@@ -152,9 +152,10 @@ def test_named_tool_call_and_its_stream(app: FastAPI) -> None:
 
     chunks = chat_stream(app, tools=[WEATHER, TIME], tool_choice=choice, temperature=1.0, seed=5, max_tokens=80)
     deltas = [tc for ch in chunks for d in [ch.choices[0].delta] if d.tool_calls for tc in d.tool_calls]
-    assert deltas[0].id and deltas[0].function.name == "get_weather" and len(deltas) > 2, "arguments as deltas"
-    streamed = "".join(d.function.arguments or "" for d in deltas)
-    assert streamed == call.function.arguments, "same seed: the stream concatenates to the non-streamed call"
+    # sent whole once complete (a call cut by max_tokens is content instead: tests/test_tools.py)
+    (delta,) = deltas
+    assert delta.id and delta.function.name == "get_weather"
+    assert delta.function.arguments == call.function.arguments, "same seed: the stream has the non-streamed call"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

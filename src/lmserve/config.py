@@ -362,6 +362,9 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": the model's generation_config.json fills unset sampling fields
     quantization: QuantizationConfig | None = None  # quantized projections (CPU, float32 compute)
     speculative: Any = None  # spec_decode.config.SpeculativeConfig, or None
+    # False: an object schema without "additionalProperties" closes after its declared properties (as xgrammar's
+    # strict mode); True: JSON Schema's default, any further key (structured_output.close_objects)
+    structured_outputs_allow_additional_properties: bool = False
 
 
 @dataclass
@@ -392,6 +395,7 @@ class EngineArgs:
     quantization: str | None = None
     quantization_group_size: int = 32  # int4: inputs sharing one scale
     speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
+    structured_outputs_allow_additional_properties: bool = False  # see EngineConfig
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -487,7 +491,7 @@ class EngineArgs:
         )
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
-            quantization, spec,
+            quantization, spec, bool(self.structured_outputs_allow_additional_properties),
         )  # fmt: skip
 
     def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:

@@ -50,8 +50,54 @@ class GrammarError(ValueError):
         self.reason = reason
 
 
-def grammar_text(kind: str, spec: str) -> str:
-    """llguidance's grammar for one constraint (not yet checked against a tokenizer)."""
+# Keywords whose value is one subschema, a list of them, or a map of names to them (JSON Schema 2020-12 and
+# draft 7's `items` list / `definitions`). Other values (const, enum, default, examples, ...) are data, not schemas.
+_SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
+              "contains", "propertyNames", "not", "if", "then", "else")  # fmt: skip
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Beside these, a schema's own "additionalProperties" would also refuse the properties the other branches declare.
+_COMBINATORS = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of `schema` in which every object schema that declares `properties` (or `patternProperties`) but
+    says nothing about `additionalProperties` gets `"additionalProperties": false`: the object closes after its
+    declared properties (xgrammar's strict mode, vLLM's default). JSON Schema's default (any further key) lets a
+    model invent keys until max_tokens, which is what client libraries' schemas without the keyword get.
+
+    An explicit `additionalProperties` (true or a schema) or `unevaluatedProperties` is kept. Left open too: an
+    object without declared properties (`{"type": "object"}`, json_object: any object), and one whose properties
+    are completed by combinators beside them or that is itself an `allOf` branch (closing each branch of an
+    intersection would refuse the keys the other branches declare)."""
+    return _close(schema, in_all_of=False)
+
+
+def _close(schema: Any, in_all_of: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out and isinstance(out[key], dict):
+            out[key] = _close(out[key], False)
+    for key in _SUBSCHEMA_LISTS:
+        if key in out and isinstance(out[key], list):
+            out[key] = [_close(s, key == "allOf") for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if key in out and isinstance(out[key], dict):
+            out[key] = {name: _close(s, False) for name, s in out[key].items()}
+    declares = isinstance(out.get("properties"), dict) or isinstance(out.get("patternProperties"), dict)
+    said = "additionalProperties" in out or "unevaluatedProperties" in out
+    if declares and not said and not in_all_of and not any(k in out for k in _COMBINATORS):
+        out["additionalProperties"] = False
+    return out
+
+
+def grammar_text(kind: str, spec: str, allow_additional_properties: bool = False) -> str:
+    """llguidance's grammar for one constraint (not yet checked against a tokenizer). JSON schemas get
+    `close_objects` unless `allow_additional_properties` (llguidance 1.9 has no option for this default)."""
+    if kind == "json" and not allow_additional_properties:
+        spec = json.dumps(close_objects(json.loads(spec)))
     if kind in ("json", "json_object"):
         return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     if kind == "regex":
@@ -68,8 +114,16 @@ class StructuredOutputManager:
     Thread-safe: the engine thread calls `compile` from add_request, the HTTP side calls it to refuse a bad
     schema with a 400 before the request is queued (the engine then finds it cached)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int = 1) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        num_threads: int = 1,
+        allow_additional_properties: bool = False,
+    ) -> None:
         self._hf_tokenizer = tokenizer
+        self._allow_additional_properties = allow_additional_properties  # see grammar_text; the same for all
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer: Any = None  # built on first use (~0.1 s for 8k tokens, ~1 s for 150k)
@@ -105,7 +159,7 @@ class StructuredOutputManager:
 
     def _compile(self, kind: str, spec: str) -> Any:
         try:
-            grammar = grammar_text(kind, spec)
+            grammar = grammar_text(kind, spec, self._allow_additional_properties)
         except ValueError as e:
             raise GrammarError(kind, str(e)) from None
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar)

@@ -175,7 +175,10 @@ class EngineCoreClient:
         self.generation_defaults: dict[str, Any] = sampling_defaults(config.model.path, config.generation_config)
         self._facts = _Facts(config, copy.deepcopy(self.tokenizer))
         eos = LLMEngine._resolve_eos(self._facts)  # type: ignore[arg-type]
-        self._structured = StructuredOutputManager(self._facts.tokenizer, config.model.vocab_size, eos)
+        self._structured = StructuredOutputManager(
+            self._facts.tokenizer, config.model.vocab_size, eos,
+            allow_additional_properties=config.structured_outputs_allow_additional_properties,
+        )  # fmt: skip
         self.stat_loggers: list[StatLogger] = []
         self._lock = threading.Lock()  # guards _streams, the cores' pending / streams / alive, _affinity, _dead
         self._send_lock = threading.Lock()  # zmq sockets and the encoder are not thread-safe

@@ -95,7 +95,10 @@ class LLMEngine:
         lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead)
         self.runner = ModelRunner(config)
-        self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, config.model.vocab_size, self.eos_token_ids,
+            allow_additional_properties=config.structured_outputs_allow_additional_properties,
+        )  # fmt: skip
         self._grammar_pending: list[_ParentRequest] = []  # parents whose grammar is still compiling
         self.counters = EngineCounters()
         self.shared_prefix = SharedPrefixCounter(config.cache.block_size, max(4 * config.cache.num_blocks, 4096))

@@ -71,6 +71,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4} or {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}; '
         'also "disable_by_batch_size" (default 8)',
     )
+    g.add_argument(
+        "--structured-outputs-allow-additional-properties",
+        action="store_true",
+        help="JSON schemas (response_format, tools, structured_outputs): an object schema that declares properties "
+        "but says nothing of additionalProperties admits further keys, JSON Schema's default. Without this flag such "
+        "an object closes after its declared properties, as xgrammar (vLLM's default backend) does; an explicit "
+        "additionalProperties (true, or a schema) is honoured either way",
+    )
 
 
 ENGINE_ARG_NAMES = (
@@ -95,6 +103,7 @@ ENGINE_ARG_NAMES = (
     "quantization",
     "quantization_group_size",
     "speculative_config",
+    "structured_outputs_allow_additional_properties",
 )
 
 

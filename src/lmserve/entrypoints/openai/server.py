@@ -737,9 +737,11 @@ class _Generation:
                         continue
                     if c.finished:
                         finished.add(idx)
-                    choice = self._chunk_choice(idx, c, offsets)
-                    if choice is not None:
-                        events.append(_sse(self._chunk([choice])))
+                    if self.chat and self.tool_calls is not None:  # none while a call is held back
+                        choices = self.tool_calls.chunk_choices(idx, c, self._chat_logprobs)
+                    else:
+                        choices = [self._chunk_choice(idx, c, offsets)]
+                    events.extend(_sse(self._chunk([choice])) for choice in choices)
                 if events:
                     yield "".join(events)
             opts = self.body.stream_options
@@ -757,17 +759,6 @@ class _Generation:
         delta_lp = c.logprobs[len(c.logprobs) - n_new :] if c.logprobs is not None else None
         reason = _reason(c) if c.finished else None
         stop_reason = c.stop_reason if c.finished else None
-        if self.chat and self.tool_calls is not None:
-            delta, reason = self.tool_calls.delta(idx, c)
-            if delta is None and reason is None:
-                return None  # held back (a tool call being written)
-            return p.ChatChunkChoice(
-                index=idx,
-                delta=delta or p.DeltaMessage(),
-                logprobs=self._chat_logprobs(delta_lp),
-                finish_reason=reason,
-                stop_reason=stop_reason,
-            )
         if self.chat:
             return p.ChatChunkChoice(
                 index=idx,

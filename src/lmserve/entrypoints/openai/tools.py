@@ -9,9 +9,12 @@ A request names at most one constraint; it becomes a StructuredOutputsParams plu
     tools + tool_choice "required"  → json = [{"name": F, "parameters": {...}}, ...] (one or more calls)
     tools + tool_choice "auto"      → unconstrained; the chat template shows the tools and the model may write
                                       Hermes-style <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks
+                                      (parallel_tool_calls false: the first call is returned)
     tools + tool_choice "none"      → tools ignored
 
-`ToolCallFormatter` turns a finished sequence into `tool_calls` (and streams them as deltas).
+`ToolCallFormatter` turns a finished sequence into `tool_calls` (and streams them as deltas): only complete calls,
+so a call cut by max_tokens ends "length" with its text as content, never as `tool_calls` whose arguments do not
+parse.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,7 +44,7 @@ class ToolPlan:
     mode: ToolMode
     tools: list[dict[str, Any]]
     function_name: str | None = None
-    parallel: bool = True  # "required": several calls allowed (parallel_tool_calls)
+    parallel: bool = True  # parallel_tool_calls: "required" and "auto" may return several calls
 
 
 @dataclass
@@ -158,7 +162,7 @@ def _tool_plan(body: p.ChatCompletionRequest, tokenizer: Any) -> ToolPlan | None
                 "or a named function, which constrain the output to the function's schema",
                 "tool_choice",
             )
-        return ToolPlan("auto", tools)
+        return ToolPlan("auto", tools, parallel=body.parallel_tool_calls)
     if choice == "required":
         return ToolPlan("required", tools, parallel=body.parallel_tool_calls)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
@@ -263,12 +267,20 @@ def _hold_back(text: str) -> int:
 @dataclass
 class _StreamState:
     sent_chars: int = 0  # auto: content characters streamed so far
-    call_id: str | None = None  # named: the call's id once its header went out
+    sent_logprobs: int = 0  # logprob entries sent so far (held-back tokens send theirs with the next chunk)
 
 
 @dataclass
 class ToolCallFormatter:
-    """Per-request: the assistant message (and stream deltas) of each choice under the tool plan."""
+    """Per-request: the assistant message (and stream deltas) of each choice under the tool plan.
+
+    One rule for every mode, streamed or not, each of n choices on its own: a choice carries `tool_calls`, and
+    finish_reason "tool_calls", only when its output holds complete calls (named: one JSON value, the grammar's
+    arguments object; required: the JSON list of calls; auto: every <tool_call> block a JSON object with a
+    name). Otherwise (cut by max_tokens, a stop string, an abort) it is plain content with the engine's
+    finish_reason, so a client never receives arguments that do not parse. Streams therefore hold a named or
+    required call back and send it whole, as the non-streamed message has it; auto streams its content up to
+    the first <tool_call>."""
 
     plan: ToolPlan
     _streams: dict[int, _StreamState] = field(default_factory=dict)
@@ -276,59 +288,60 @@ class ToolCallFormatter:
     def message(self, c: CompletionOutput) -> tuple[p.AssistantMessage, str | None]:
         """The final message and finish_reason of a finished choice."""
         reason = None if c.finish_reason is None else str(c.finish_reason)
-        calls = self._calls(c.text, complete=reason == "stop")
+        calls = self._calls(c.text)
         if calls is None:
             return p.AssistantMessage(content=c.text), reason
         content, tool_calls = calls
-        return p.AssistantMessage(content=content, tool_calls=tool_calls), "tool_calls" if tool_calls else reason
+        return p.AssistantMessage(content=content, tool_calls=tool_calls), "tool_calls"
 
-    def _calls(self, text: str, complete: bool) -> tuple[str | None, list[p.ToolCall]] | None:
+    def _calls(self, text: str) -> tuple[str | None, list[p.ToolCall]] | None:
+        """(content, calls) when `text` holds complete calls, else None (it is returned as content)."""
+        if self.plan.mode == "auto":
+            content, calls = parse_hermes_tool_calls(text)
+            if not calls:
+                return None
+            return content, calls if self.plan.parallel else calls[:1]
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):  # RecursionError: nested past json's limit
+            return None  # cut short: not a whole JSON value
         if self.plan.mode == "named":
             return None, [
                 p.ToolCall(id=_call_id(), function=p.FunctionCall(name=self.plan.function_name, arguments=text))
             ]
-        if self.plan.mode == "required":
-            if not complete:
-                return None  # cut by max_tokens: not a list of calls; returned as text
-            return None, [
-                p.ToolCall(
-                    id=_call_id(),
-                    function=p.FunctionCall(
-                        name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False)
-                    ),
-                )
-                for call in json.loads(text)
-            ]
-        content, calls = parse_hermes_tool_calls(text)
-        return (content, calls) if calls else None
+        if not isinstance(value, list) or not all(
+            isinstance(v, dict) and isinstance(v.get("name"), str) for v in value
+        ):
+            return None  # the grammar writes a list of {"name", "parameters"}; anything else is not calls
+        return None, [
+            p.ToolCall(
+                id=_call_id(),
+                function=p.FunctionCall(
+                    name=call["name"], arguments=json.dumps(call.get("parameters", {}), ensure_ascii=False)
+                ),
+            )
+            for call in value
+        ]
 
-    def delta(self, idx: int, c: CompletionOutput) -> tuple[p.DeltaMessage | None, str | None]:
-        """This step's delta for choice `idx` (None: nothing to send yet) and its finish_reason once finished."""
+    def deltas(self, idx: int, c: CompletionOutput) -> list[tuple[p.DeltaMessage, str | None]]:
+        """This step's (delta, finish_reason) chunks for choice `idx`: none while held back; calls are followed by
+        a chunk of their own for the finish_reason, as OpenAI sends them (the openai client's stream helper emits
+        a call's `arguments.done` only when the finish_reason comes after its deltas)."""
         state = self._streams.setdefault(idx, _StreamState())
-        reason = None if c.finish_reason is None else str(c.finish_reason)
-        if self.plan.mode == "named":
-            calls = []
-            if state.call_id is None:
-                state.call_id = _call_id()
-                fn = p.DeltaFunctionCall(name=self.plan.function_name, arguments="")
-                calls.append(p.DeltaToolCall(index=0, id=state.call_id, type="function", function=fn))
-            if c.delta_text:
-                calls.append(p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=c.delta_text)))
-            return p.DeltaMessage(tool_calls=calls) if calls else None, "tool_calls" if reason == "stop" else reason
         if not c.finished:
-            if self.plan.mode == "required":
-                return None, None  # a JSON list of calls is sent whole once complete
+            if self.plan.mode != "auto":
+                return []  # a call is sent whole once complete (it may yet be cut short)
             upto = _hold_back(c.text)
             new = c.text[state.sent_chars : upto]
             state.sent_chars = max(state.sent_chars, upto)
-            return (p.DeltaMessage(content=new) if new else None), None
+            return [(p.DeltaMessage(content=new), None)] if new else []
         # finished: the rest of the content, then every call with its whole arguments
         msg, reason = self.message(c)
-        if not msg.tool_calls:  # plain text after all (auto without calls, or a list of calls cut by max_tokens)
+        if not msg.tool_calls:  # plain text after all (no calls, or calls cut short)
             rest = c.text[state.sent_chars :]
-            return (p.DeltaMessage(content=rest) if rest else None), reason
+            return [(p.DeltaMessage(content=rest or None), reason)]
         rest = c.text[state.sent_chars : max(_hold_back(c.text), state.sent_chars)] if self.plan.mode == "auto" else ""
-        deltas = [
+        calls = [
             p.DeltaToolCall(
                 index=i,
                 id=call.id,
@@ -337,4 +350,30 @@ class ToolCallFormatter:
             )
             for i, call in enumerate(msg.tool_calls)
         ]
-        return p.DeltaMessage(content=rest or None, tool_calls=deltas), reason
+        return [(p.DeltaMessage(content=rest or None, tool_calls=calls), None), (p.DeltaMessage(), reason)]
+
+    def chunk_choices(
+        self, idx: int, c: CompletionOutput, chat_logprobs: Callable[[list[Any] | None], p.ChatLogprobs | None]
+    ) -> list[p.ChatChunkChoice]:
+        """This step's stream choices for choice `idx`; the first carries the logprobs of every token not sent yet
+        (held-back ones too), formatted by `chat_logprobs`."""
+        out = []
+        for delta, reason in self.deltas(idx, c):
+            lp = self._unsent_logprobs(idx, c)
+            out.append(
+                p.ChatChunkChoice(
+                    index=idx,
+                    delta=delta,
+                    logprobs=chat_logprobs(lp) if lp else None,
+                    finish_reason=reason,
+                    stop_reason=c.stop_reason if reason is not None else None,
+                )
+            )
+        return out
+
+    def _unsent_logprobs(self, idx: int, c: CompletionOutput) -> list[Any] | None:
+        if c.logprobs is None:
+            return None
+        state = self._streams[idx]
+        start, state.sent_logprobs = state.sent_logprobs, len(c.logprobs)
+        return c.logprobs[start:]
