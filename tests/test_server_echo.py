@@ -160,6 +160,7 @@ def test_echo_batched_prompts(app: FastAPI, vocab: Vocab) -> None:
 def test_max_tokens_zero_scores_the_prompt(app: FastAPI, vocab: Vocab) -> None:
     engine = app.state.lmserve.engine
     before, histogram_before = engine.snapshot().metrics, generation_histogram(app)
+    prefill_before = prefill_histogram_count(app)
     out = ok(post(app, C, {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}))
     choice = out["choices"][0]
     assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
@@ -172,33 +173,38 @@ def test_max_tokens_zero_scores_the_prompt(app: FastAPI, vocab: Vocab) -> None:
     after = engine.snapshot().metrics
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == n
     assert after["generation_tokens_total"] == before["generation_tokens_total"]
+    assert after["prefill_tokens_total"] - before["prefill_tokens_total"] == n, "the dashboard's prefill tok/s"
     assert after["num_requests_total"] - before["num_requests_total"] == 1
     length = "finished_requests_by_reason"
     assert after[length]["length"] - before[length]["length"] == 1
     count, total = generation_histogram(app)
     assert (count - histogram_before[0], total) == (1, histogram_before[1]), "one request, 0 tokens generated"
+    assert prefill_histogram_count(app) == prefill_before + 1, "its prefill time is the whole request's"
     # echo without logprobs: the text only
     bare = ok(post(app, C, {"prompt": PROMPT, "max_tokens": 0, "echo": True}))["choices"][0]
     assert bare["text"] == PROMPT and bare["logprobs"] is None
 
 
-def generation_histogram(app: FastAPI) -> tuple[float, float]:
-    """/metrics' request_generation_tokens (HTTP frontend): (count, sum)."""
+def http_samples(app: FastAPI) -> dict[str, float]:
+    """/metrics' samples of the HTTP frontend, by name."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async def run() -> str:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return (await c.get("/metrics")).text
 
-    found = {}
-    for family in text_string_to_metric_families(asyncio.run(run())):
-        for sample in family.samples:
-            if sample.name.endswith("request_generation_tokens_count") or sample.name.endswith(
-                "request_generation_tokens_sum"
-            ):
-                if sample.labels.get("frontend") == "http":
-                    found[sample.name.rsplit("_", 1)[1]] = sample.value
-    return found["count"], found["sum"]
+    families = text_string_to_metric_families(asyncio.run(run()))
+    return {s.name: s.value for f in families for s in f.samples if s.labels.get("frontend") == "http"}
+
+
+def generation_histogram(app: FastAPI) -> tuple[float, float]:
+    """request_generation_tokens: (count, sum)."""
+    samples = http_samples(app)
+    return samples["lmserve:request_generation_tokens_count"], samples["lmserve:request_generation_tokens_sum"]
+
+
+def prefill_histogram_count(app: FastAPI) -> float:
+    return http_samples(app)["lmserve:request_prefill_time_seconds_count"]
 
 
 def test_echo_after_a_prefix_cache_hit(app: FastAPI, vocab: Vocab) -> None:
