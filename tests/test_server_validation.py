@@ -124,8 +124,14 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None, str]] = [
     ("chat-echo", CHAT, {"messages": MSG, "echo": True}, 400, "echo", "not supported on chat"),
     ("chat-prompt-logprobs-21", CHAT, {"messages": MSG, "prompt_logprobs": 21}, 400, "prompt_logprobs", "20"),
     ("chat-max-tokens-zero", CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
-    ("chat-max-completion-zero", CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens",
-     ">= 1"),  # fmt: skip
+    (
+        "chat-max-completion-zero",
+        CHAT,
+        {"messages": MSG, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+        ">= 1",
+    ),
     ("empty-prompt", C, {"prompt": ""}, 400, "prompt", "empty"),
     ("empty-prompt-list", C, {"prompt": []}, 400, "prompt", "empty"),
     ("empty-token-list", C, {"prompt": [[]]}, 400, "prompt", "empty"),
