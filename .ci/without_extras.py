@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-# the top-level modules of the extras in pyproject.toml: grpc, web-test, ray
-EXTRA_MODULES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "playwright", "ray")
+# the top-level modules of the extras in pyproject.toml: grpc, web-test, ray, eval
+EXTRA_MODULES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "playwright", "ray", "lm_eval")
 
 for name in EXTRA_MODULES:
     sys.modules[name] = None  # importing it now raises ImportError, as if it were not installed

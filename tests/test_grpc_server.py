@@ -186,6 +186,35 @@ def test_structured_output_finishes_as_the_http_api(stub: pb_grpc.GenerationStub
                 assert len(c.token_ids) == max_tokens
 
 
+def test_prompt_logprobs_and_echo_equal_http(stub: pb_grpc.GenerationStub, http: httpx.Client) -> None:
+    """Scoring over gRPC: prompt_logprobs (entry i scores prompt token i + 1) and echo with max_tokens 0."""
+    ids = http_tokens(http, LONG_PROMPT)
+    ref = http_completion(http, prompt=LONG_PROMPT, max_tokens=0, echo=True, prompt_logprobs=2)
+    ref_entries = ref["choices"][0]["prompt_logprobs"][1:]
+    req = pb.GenerateRequest(text=LONG_PROMPT, echo=True, sampling_params=greedy(max_tokens=0, prompt_logprobs=2))
+    unary = stub.Generate(req, metadata=AUTH, timeout=60)
+    (c,) = unary.choices
+    assert (c.text, list(c.token_ids), c.finish_reason) == (LONG_PROMPT, [], "length")
+    assert (unary.usage.prompt_tokens, unary.usage.completion_tokens) == (len(ids), 0)
+    assert [e.token_id for e in unary.prompt_logprobs] == ids[1:]
+    for e, ref_e in zip(unary.prompt_logprobs, ref_entries, strict=True):
+        # the same computation (a scoring request never reads the prefix cache): the same values
+        assert (e.logprob, e.rank) == (ref_e[str(e.token_id)]["logprob"], ref_e[str(e.token_id)]["rank"])
+        assert len(e.top_logprobs) == 2
+        top = {t: v["logprob"] for t, v in ref_e.items() if v["rank"] <= 2}  # the HTTP entry adds the prompt's
+        assert {str(t.token_id): t.logprob for t in e.top_logprobs} == top
+    req = pb.GenerateRequest(text=LONG_PROMPT, echo=True, sampling_params=greedy(max_tokens=3, prompt_logprobs=2))
+    messages = list(stub.GenerateStream(req, metadata=AUTH, timeout=60))
+    assert list(messages[0].prompt_logprobs) == list(unary.prompt_logprobs), "in the first message"
+    assert all(not m.prompt_logprobs for m in messages[1:])
+    text = "".join(ch.text for m in messages for ch in m.choices)
+    plain = http_completion(http, prompt=LONG_PROMPT, max_tokens=3)["choices"][0]["text"]
+    assert messages[0].choices[0].text.startswith(LONG_PROMPT) and text == LONG_PROMPT + plain
+    with pytest.raises(grpc.RpcError) as e:  # max_tokens 0 without echo: nothing to return
+        stub.Generate(pb.GenerateRequest(text=PROMPT, sampling_params=greedy(max_tokens=0)), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("max_tokens")
+
+
 def test_tokenize_detokenize_models(stub: pb_grpc.GenerationStub, http: httpx.Client) -> None:
     tok = stub.Tokenize(pb.TokenizeRequest(text=PROMPT), metadata=AUTH)
     assert list(tok.tokens) == http_tokens(http, PROMPT) and tok.count == len(tok.tokens)
@@ -222,6 +251,7 @@ INVALID = [
     ("stop_token_ids", dict(stop_token_ids=[10**6])),
     ("logprobs", dict(logprobs=21)),
     ("logprobs", dict(logprobs=-1)),
+    ("prompt_logprobs", dict(prompt_logprobs=21)),
     ("logit_bias", dict(logit_bias={5: 101.0})),
     ("logit_bias", dict(logit_bias={10**6: 1.0})),
     ("logit_bias", dict(logit_bias={-1: 1.0})),

@@ -73,7 +73,7 @@ BAD_VALUES: list[tuple[str, dict[str, object]]] = [
     ("repetition_penalty", {"repetition_penalty": -1.0}),
     ("seed", {"seed": 1.5}),
     ("seed", {"seed": "42"}),
-    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": -1}),
     ("max_tokens", {"max_tokens": 3.0}),
     ("min_tokens", {"min_tokens": -1}),
     ("min_tokens", {"min_tokens": 20, "max_tokens": 10}),

@@ -278,6 +278,8 @@ class Metrics:
             h.queue.observe(m.first_scheduled_time - m.arrival_time)
             if m.first_token_time is not None:
                 h.prefill.observe(m.first_token_time - m.first_scheduled_time)
+            elif num_out == 0:  # scoring (max_tokens 0): computing the prompt was the whole request
+                h.prefill.observe(finished - m.first_scheduled_time)
         if m.first_token_time is not None:
             h.decode.observe(finished - m.first_token_time)
             if num_out > 1:

@@ -133,7 +133,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0: score the prompt only (prompt_logprobs), nothing generated
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -164,7 +164,7 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
         if self.max_tokens is not None:
-            self.max_tokens = _check_int("max_tokens", self.max_tokens, lo=1)
+            self.max_tokens = _check_int("max_tokens", self.max_tokens, lo=0)
         self.min_tokens = _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")

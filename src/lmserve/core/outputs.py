@@ -22,9 +22,15 @@ class ScheduledRequest:
         return self.request.num_computed_tokens
 
     @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens (and proposals), so a new token is sampled."""
+    def reaches_end(self) -> bool:
+        """True when this step reaches the end of the known tokens (and proposals)."""
         return self.start + self.num_new_tokens == self.request.num_tokens + self.num_spec_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when a new token is sampled after this step: it reaches the end of the known tokens and the
+        request may generate (max_tokens 0 scores the prompt only: it ends there, nothing sampled)."""
+        return self.reaches_end and self.request.max_tokens > 0
 
 
 @dataclass

@@ -203,7 +203,7 @@ class Scheduler:
         self, sched: SchedulerOutput, output: ModelRunnerOutput, max_model_len: int
     ) -> list[Request]:
         """Advance counters, append sampled tokens, finish what is done. Returns the requests that
-        got a new token (finished ones included)."""
+        got a new token (finished ones included) and those that finished without one (max_tokens 0)."""
         updated: list[Request] = []
         now = self.clock()
         for s in sched.scheduled:
@@ -218,7 +218,13 @@ class Scheduler:
             token = output.sampled_token_ids.get(rid)
             if token is None:
                 self.kv.cache_blocks(request)
-                continue  # a prefill chunk that did not reach the end of the prompt
+                # max_tokens 0 (scoring): the prompt is computed and nothing is generated, so it is done
+                if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                    request.finish_reason = FinishReason.LENGTH
+                    self.running.remove(request)
+                    self._finish(request)
+                    updated.append(request)
+                continue  # else a prefill chunk that did not reach the end of the prompt
             if s.num_spec_tokens:
                 self._count_spec(s.num_spec_tokens, len(accepted))
             stopped = self._append_tokens(request, accepted + [token], max_model_len)

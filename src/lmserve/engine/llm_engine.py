@@ -151,7 +151,8 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if n >= sc.max_model_len:
+        scoring_only = params.max_tokens == 0  # nothing generated: the prompt alone may fill max_model_len
+        if n > sc.max_model_len or (n == sc.max_model_len and not scoring_only):
             raise ValueError(
                 f"prompt is {n} tokens, but max_model_len is {sc.max_model_len} "
                 f"(the prompt plus at least one generated token must fit)"
@@ -191,13 +192,18 @@ class LLMEngine:
         child_params = params
         if num_seqs > params.n and params.logprobs is None:
             child_params = dataclasses.replace(params, logprobs=0)
+        # Only the first sequence scores the prompt (the output's prompt_logprobs are its): the others read the
+        # prompt's KV from the prefix cache (a prompt_logprobs sequence computes every prompt position itself).
+        other_params = child_params
+        if params.prompt_logprobs is not None and num_seqs > 1:
+            other_params = dataclasses.replace(child_params, prompt_logprobs=None)
         children = []
         for i in range(num_seqs):
             child_id = request_id if num_seqs == 1 else f"{request_id}#{i}"
             child = Request(
                 request_id=child_id,
                 prompt_token_ids=prompt_ids,
-                sampling_params=child_params,
+                sampling_params=child_params if i == 0 else other_params,
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 prompt=text,
@@ -206,7 +212,7 @@ class LLMEngine:
             child.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
             if child_params.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0
-            if params.prompt_logprobs is not None:
+            if i == 0 and params.prompt_logprobs is not None:
                 child.prompt_logprobs = [None]  # the first prompt token has no logprob
             if grammar is not None:
                 child.structured_output = self.structured.new_request(params.structured_outputs)

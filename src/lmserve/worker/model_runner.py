@@ -27,6 +27,9 @@ from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGPROBS_SLICE_ELEMENTS = 1 << 22
+"""Prompt logprobs are computed over at most this many logits (rows × vocab) at once: 16 MiB of float32."""
+
 
 def _log_quantized_kernels(method: str) -> None:
     """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo)."""
@@ -217,6 +220,9 @@ class ModelRunner:
         """For requests asking for prompt_logprobs: position p of this chunk scores prompt token p + 1.
         Returns request id → (first scored prompt position, TokenLogprobs per position)."""
         out = {}
+        # A slice of rows at a time: a 2,000-token prompt's logits over a 49,152-token vocabulary are 393 MB of
+        # float32, and log_softmax, the rank comparison and top-k each make another tensor of that shape.
+        rows_per_slice = max(1, PROMPT_LOGPROBS_SLICE_ELEMENTS // self.config.model.vocab_size)
         for s in ordered:
             req = s.request
             k = req.sampling_params.prompt_logprobs
@@ -226,9 +232,15 @@ class ModelRunner:
             if last <= first:
                 continue
             row0 = first_row[req.request_id]
-            logits = self.model.compute_logits(hidden[row0 : row0 + last - first])
-            targets = torch.tensor(req.all_token_ids[first + 1 : last + 1], device=self.device)
-            out[req.request_id] = (first + 1, token_logprobs(logits, targets, [k] * (last - first)))
+            targets = req.all_token_ids[first + 1 : last + 1]
+            entries = []
+            for a in range(0, last - first, rows_per_slice):
+                b = min(a + rows_per_slice, last - first)
+                logits = self.model.compute_logits(hidden[row0 + a : row0 + b])
+                ids = torch.tensor(targets[a:b], dtype=torch.long, device=self.device)
+                entries += token_logprobs(logits, ids, [k] * (b - a))
+                del logits  # before the next slice's logits are allocated
+            out[req.request_id] = (first + 1, entries)
         return out
 
     def _token_inputs(self, s: ScheduledRequest) -> tuple[list[int], list[int], list[int]]:

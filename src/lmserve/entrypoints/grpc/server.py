@@ -35,6 +35,7 @@ from lmserve.entrypoints.grpc import lmserve_pb2 as pb
 from lmserve.entrypoints.grpc import lmserve_pb2_grpc as pb_grpc
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai.errors import APIError, from_validation_errors
+from lmserve.entrypoints.openai.logprobs import prompt_texts
 from lmserve.entrypoints.openai.server import (
     ServerState,
     _check_lengths,
@@ -70,7 +71,7 @@ _REJECTED = {429: "queue_full", 503: "unavailable", 401: "unauthorized"}  # as t
 _OPTIONAL_FIELDS = (
     "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens", "logprobs",
+    "skip_special_tokens", "logprobs", "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -96,6 +97,8 @@ def completion_request(request: pb.GenerateRequest, stream: bool) -> p.Completio
         body["prompt"] = list(request.token_ids.ids)
     if request.model:
         body["model"] = request.model
+    if request.echo:
+        body["echo"] = True
     try:
         return p.CompletionRequest(stream=stream, **body)
     except pydantic.ValidationError as e:
@@ -155,6 +158,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         prompts = _completion_prompts(engine, body.prompt)
         _check_lengths(engine, prompts, params, "max_tokens")
         gen = _Generation(state, engine, f"{GRPC_REQUEST_ID_PREFIX}{uuid.uuid4().hex}", prompts, params, body)
+        if body.echo:
+            gen.echo_texts = prompt_texts(body.prompt)
         gen._start()
         # The deadline is also the server's own: abort then, whatever the transport reports (and when); the
         # handler then ends the RPC with DEADLINE_EXCEEDED (the aborted stream must not end as a normal one).
@@ -186,26 +191,40 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             elif isinstance(c.stop_reason, int):
                 choice.stop_token_id = c.stop_reason
         if entries:
-            tb = self.state.token_bytes
-            assert tb is not None, "token_bytes is set with the engine"
-            for e in entries:
-                if e is None:
-                    continue
-                top = [
-                    pb.TopLogprob(token_id=t, token=tb.token_text(t), token_bytes=tb.bytes_of(t), logprob=lp)
-                    for t, lp in e.top_logprobs
-                ]
-                choice.logprobs.append(
-                    pb.TokenLogprob(
-                        token_id=e.token_id,
-                        token=tb.token_text(e.token_id),
-                        token_bytes=tb.bytes_of(e.token_id),
-                        logprob=e.logprob,
-                        rank=e.rank,
-                        top_logprobs=top,
-                    )
-                )
+            choice.logprobs.extend(self._token_logprobs(entries))
         return choice
+
+    def _token_logprobs(self, entries: list[Any], num_top: int | None = None) -> list[pb.TokenLogprob]:
+        """TokenLogprobs as messages (None entries, the first prompt token's, skipped), num_top alternatives each
+        (None: all the entry has)."""
+        tb = self.state.token_bytes
+        assert tb is not None, "token_bytes is set with the engine"
+        out = []
+        for e in entries:
+            if e is None:
+                continue
+            top = [
+                pb.TopLogprob(token_id=t, token=tb.token_text(t), token_bytes=tb.bytes_of(t), logprob=lp)
+                for t, lp in (e.top_logprobs if num_top is None else e.top_logprobs[:num_top])
+            ]
+            out.append(
+                pb.TokenLogprob(
+                    token_id=e.token_id,
+                    token=tb.token_text(e.token_id),
+                    token_bytes=tb.bytes_of(e.token_id),
+                    logprob=e.logprob,
+                    rank=e.rank,
+                    top_logprobs=top,
+                )
+            )
+        return out
+
+    def _prompt_part(self, gen: _Generation, out: RequestOutput) -> tuple[str, list[pb.TokenLogprob]]:
+        """What the first message puts in front: the echoed prompt's text and the prompt logprobs."""
+        echo = gen._echo(0, out)
+        k = gen.body.prompt_logprobs
+        prompt_lp = self._token_logprobs(out.prompt_logprobs or [], k) if k is not None else []
+        return ("" if echo is None else echo.text), prompt_lp
 
     @staticmethod
     def _usage(gen: _Generation, finals: list[RequestOutput | None]) -> pb.Usage:
@@ -223,11 +242,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if expired.is_set():
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: the request was aborted")
         outputs = sorted(finals[0].outputs, key=lambda c: c.index)
+        echoed, prompt_lp = self._prompt_part(gen, finals[0])
         return pb.GenerateResponse(
             id=gen.request_id,
             model=gen.model,
-            choices=[self._choice(c, c.text, c.token_ids, c.logprobs) for c in outputs],
+            choices=[self._choice(c, echoed + c.text, c.token_ids, c.logprobs) for c in outputs],
             usage=self._usage(gen, finals),
+            prompt_logprobs=prompt_lp,
         )
 
     async def GenerateStream(
@@ -235,9 +256,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         gen, expired = await self._start(request, context, stream=True)
         finished: set[int] = set()
+        started: set[int] = set()  # choices whose first message went out (with the echoed prompt)
+        echoed, prompt_lp = "", None  # from the first output: the prompt is computed by then
         async for _, out in gen._outputs():
             if expired.is_set():
                 break
+            if prompt_lp is None:
+                echoed, prompt_lp = self._prompt_part(gen, out)
             choices = []
             for c in out.outputs:
                 if not (c.delta_text or c.delta_token_ids) and (not c.finished or c.index in finished):
@@ -246,10 +271,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     finished.add(c.index)
                 n_new = len(c.delta_token_ids)
                 delta_lp = c.logprobs[len(c.logprobs) - n_new :] if c.logprobs is not None else None
-                choices.append(self._choice(c, c.delta_text, c.delta_token_ids, delta_lp))
+                text = c.delta_text if c.index in started else echoed + c.delta_text
+                started.add(c.index)
+                choices.append(self._choice(c, text, c.delta_token_ids, delta_lp))
             usage = self._usage(gen, [out]) if out.finished else None
             if choices or usage is not None:
-                yield pb.GenerateResponse(id=gen.request_id, model=gen.model, choices=choices, usage=usage)
+                response = pb.GenerateResponse(id=gen.request_id, model=gen.model, choices=choices, usage=usage)
+                response.prompt_logprobs.extend(prompt_lp)
+                prompt_lp = []  # sent: the later messages carry none
+                yield response
         if expired.is_set():
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: the request was aborted")
 

@@ -83,13 +83,15 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extra: per prompt position, the logprob of the prompt's token and its k most likely alternatives
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt is scored, nothing generated
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the text (and logprobs) start with the prompt's
     best_of: int | None = None
     suffix: Text | None = None
 
@@ -121,6 +123,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    echo: bool = False  # refused when true: chat has no echo (use /v1/completions, or prompt_logprobs)
     # refused when set: a per-request template runs arbitrary Jinja
     chat_template: Any = None
     # tool calling (entrypoints/openai/tools.py); `functions` (deprecated) is refused
@@ -158,18 +161,45 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo the prompt's tokens come first; the first has no logprob (null entries, as OpenAI sends)."""
+
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's entry at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token there
+    decoded_token: str | None = None  # the token's name, as `tokens` spells it
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""vLLM's prompt_logprobs: per prompt position, None for the first, else token id → entry (the prompt's token and
+the k most likely ones)."""
+
+
+class _DropNullPromptLogprobs(BaseModel):
+    """prompt_logprobs appears only when asked for."""
+
+    @model_serializer(mode="wrap")
+    def _drop_no_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("prompt_logprobs", 0) is None:
+            del out["prompt_logprobs"]
+        return out
+
+
+class CompletionChoice(_DropNullPromptLogprobs):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # streaming: in the choice's first chunk
 
 
 class CompletionResponse(BaseModel):
@@ -227,13 +257,14 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_DropNullPromptLogprobs):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # of the rendered conversation (vLLM's place for it)
 
 
 class _DropNone(BaseModel):
@@ -272,13 +303,14 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_DropNullPromptLogprobs):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # in the first chunk after the prompt was computed
 
 
 class CompletionChunk(BaseModel):
@@ -338,6 +370,7 @@ def to_sampling_params(
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
     kwargs: dict[str, Any] = dict(
+        prompt_logprobs=prompt_logprobs_to_compute(req),
         n=req.n,
         best_of=getattr(req, "best_of", None),
         max_tokens=max_tokens,
@@ -365,7 +398,22 @@ def to_sampling_params(
     return SamplingParams(**kwargs)
 
 
+def prompt_logprobs_to_compute(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The top-k the engine computes per prompt position: enough for prompt_logprobs and for echo's logprobs
+    (each view keeps its own k of them)."""
+    wanted = [req.prompt_logprobs]
+    if isinstance(req, CompletionRequest) and req.echo:
+        wanted.append(req.logprobs)
+    given = [k for k in wanted if k is not None]
+    return max(given) if given else None
+
+
 def _check_caps(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}",
+            "prompt_logprobs",
+        )
     if req.n > MAX_N:
         raise RequestError(f"n must be at most {MAX_N}, got {req.n}", "n")
     if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
@@ -400,11 +448,27 @@ def _check_chat_caps(req: ChatCompletionRequest) -> None:
             )
     if req.chat_template is not None:
         raise RequestError("chat_template: a per-request chat template is not accepted", "chat_template")
+    if req.echo:
+        raise RequestError(
+            "echo is not supported on chat completions: use /v1/completions with echo, or prompt_logprobs here",
+            "echo",
+        )
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if getattr(req, name) == 0:
+        raise RequestError(f"{name} must be >= 1 (chat has no echo to score a prompt with 0)", name)
 
 
 def _check_completion_caps(req: CompletionRequest) -> None:
-    if req.echo:
-        raise RequestError("echo is not supported", "echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise RequestError(
+            "max_tokens must be >= 1; 0 is accepted only with echo (the prompt is scored, nothing generated)",
+            "max_tokens",
+        )
+    if req.echo and req.best_of is not None and req.best_of > req.n:
+        raise RequestError(
+            f"best_of ({req.best_of}) > n ({req.n}) cannot be combined with echo: give best_of = n or leave it unset",
+            "best_of",
+        )
     if req.suffix:
         raise RequestError("suffix is not supported", "suffix")
     if req.best_of is not None:

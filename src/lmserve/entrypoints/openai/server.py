@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from lmserve.engine.token_bytes import TextOffsets, TokenBytes
+from lmserve.entrypoints.openai import logprobs as lp_fmt
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.dashboard import PAGES, add_web_routes
@@ -313,6 +314,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(f"n × number of prompts must be at most {MAX_SEQS_PER_REQUEST}", "n")
         _check_lengths(engine, prompts, params, "max_tokens")
         gen = _Generation(state, engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body)
+        if body.echo:
+            gen.echo_texts = lp_fmt.prompt_texts(body.prompt)
         return await gen.respond(request)
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
@@ -520,6 +523,9 @@ class _Generation:
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
         self.tool_calls: tools.ToolCallFormatter | None = None  # chat with tools: formats tool_calls
+        # completions with echo: per prompt its text as sent (None for token ids), and what echo puts in front
+        self.echo_texts: list[str | None] | None = None
+        self._echoed: dict[int, lp_fmt.EchoedPrompt] = {}
 
     # -- start
 
@@ -648,18 +654,14 @@ class _Generation:
                     )
                 )
             return p.ChatCompletionResponse(
-                id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+                id=self.request_id,
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=usage,
+                prompt_logprobs=self._prompt_logprobs(finals[0]),
             )
-        choices = [
-            p.CompletionChoice(
-                index=idx,
-                text=c.text,
-                logprobs=self._completion_logprobs(c.logprobs, self._text_offsets()),
-                finish_reason=_reason(c),
-                stop_reason=c.stop_reason,
-            )
-            for idx, c in pairs
-        ]
+        choices = [self._completion_choice(idx, c, finals[idx // n], c.text, c.logprobs) for idx, c in pairs]
         return p.CompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
@@ -668,25 +670,59 @@ class _Generation:
         assert self.state.token_bytes is not None, "token_bytes is set with the engine"
         return TextOffsets(self.state.token_bytes, self.params.skip_special_tokens)
 
-    def _completion_logprobs(self, entries: list[Any] | None, offsets: TextOffsets) -> p.CompletionLogprobs | None:
+    def _completion_choice(
+        self,
+        idx: int,
+        c: CompletionOutput,
+        final: RequestOutput,
+        text: str,
+        entries: list[Any] | None,
+        offsets: TextOffsets | None = None,
+        first: bool = True,
+    ) -> p.CompletionChoice:
+        """A /v1/completions choice (or a stream's chunk of it: `text` / `entries` its new part, `offsets` the
+        choice's, kept across chunks); the choice's first part carries the echoed prompt and prompt_logprobs."""
+        echo = self._echo(idx // self.params.n, final)
+        base = len(echo.text) if echo is not None else 0  # the completion's offsets count the echoed prompt
+        logprobs = self._completion_logprobs(entries, offsets or self._text_offsets(), base)
+        if echo is not None and first:
+            text, logprobs = echo.text + text, lp_fmt.joined(echo.logprobs, logprobs)
+        return p.CompletionChoice(
+            index=idx,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=_reason(c) if c.finished else None,
+            stop_reason=c.stop_reason if c.finished else None,
+            prompt_logprobs=self._prompt_logprobs(final) if first else None,
+        )
+
+    def _echo(self, i: int, final: RequestOutput) -> lp_fmt.EchoedPrompt | None:
+        """Prompt i's echo (built once, shared by its choices), or None without echo."""
+        if self.echo_texts is None:
+            return None
+        if i not in self._echoed:
+            assert self.state.token_bytes is not None, "token_bytes is set with the engine"
+            num_top = self.body.logprobs if isinstance(self.body, p.CompletionRequest) else None
+            tb, skip = self.state.token_bytes, self.params.skip_special_tokens
+            prompt_lp = final.prompt_logprobs
+            self._echoed[i] = lp_fmt.echo_prompt(tb, self.echo_texts[i], self.prompts[i], prompt_lp, num_top, skip)
+        return self._echoed[i]
+
+    def _prompt_logprobs(self, final: RequestOutput) -> p.PromptLogprobs | None:
+        k = self.body.prompt_logprobs
+        if k is None:
+            return None
+        assert self.state.token_bytes is not None, "token_bytes is set with the engine"
+        return lp_fmt.prompt_logprobs_view(self.state.token_bytes, final.prompt_logprobs, k)
+
+    def _completion_logprobs(
+        self, entries: list[Any] | None, offsets: TextOffsets, base: int = 0
+    ) -> p.CompletionLogprobs | None:
         """`offsets` carries the choice's text position from one call to the next (one per choice)."""
         if entries is None:
             return None
-        tb = self.state.token_bytes
-        assert tb is not None, "token_bytes is set with the engine"
-        out = p.CompletionLogprobs()
-        for e in entries:
-            if e is None:
-                continue
-            s = tb.token_text(e.token_id)
-            out.tokens.append(s)
-            out.token_logprobs.append(_finite(e.logprob))
-            out.text_offset.append(offsets.add(e.token_id))
-            # token_text is distinct per token (bytes:\x.. for partial characters), so no alternative is lost
-            top = {tb.token_text(t): _finite(lp) for t, lp in e.top_logprobs}
-            top[s] = _finite(e.logprob)  # the chosen token is always there, with its own logprob (k + 1 keys)
-            out.top_logprobs.append(top)
-        return out
+        assert self.state.token_bytes is not None, "token_bytes is set with the engine"
+        return lp_fmt.completion_logprobs(self.state.token_bytes, entries, offsets, base=base)
 
     def _chat_logprobs(self, entries: list[Any] | None) -> p.ChatLogprobs | None:
         if entries is None:
@@ -718,6 +754,7 @@ class _Generation:
         latest: list[RequestOutput | None] = [None] * len(self.streams)
         finished: set[int] = set()
         offsets: dict[int, TextOffsets] = {}  # per choice
+        prompt_lp_sent = False
         try:
             if self.chat:  # the role goes out at once, before any token
                 yield "".join(
@@ -740,8 +777,12 @@ class _Generation:
                     if self.chat and self.tool_calls is not None:  # none while a call is held back
                         choices = self.tool_calls.chunk_choices(idx, c, self._chat_logprobs)
                     else:
-                        choices = [self._chunk_choice(idx, c, offsets)]
-                    events.extend(_sse(self._chunk([choice])) for choice in choices)
+                        choices = [self._chunk_choice(idx, c, offsets, out)]
+                    for choice in choices:
+                        prompt_lp = None
+                        if self.chat and not prompt_lp_sent:  # chat: in the first chunk with output
+                            prompt_lp, prompt_lp_sent = self._prompt_logprobs(out), True
+                        events.append(_sse(self._chunk([choice], prompt_logprobs=prompt_lp)))
                 if events:
                     yield "".join(events)
             opts = self.body.stream_options
@@ -754,7 +795,7 @@ class _Generation:
             yield _sse_json(APIError(500, f"internal server error: {type(e).__name__}: {e}").body())
         yield "data: [DONE]\n\n"
 
-    def _chunk_choice(self, idx: int, c: CompletionOutput, offsets: dict[int, TextOffsets]) -> Any:
+    def _chunk_choice(self, idx: int, c: CompletionOutput, offsets: dict[int, TextOffsets], out: RequestOutput) -> Any:
         n_new = len(c.delta_token_ids)
         delta_lp = c.logprobs[len(c.logprobs) - n_new :] if c.logprobs is not None else None
         reason = _reason(c) if c.finished else None
@@ -767,16 +808,17 @@ class _Generation:
                 finish_reason=reason,
                 stop_reason=stop_reason,
             )
-        if idx not in offsets:
+        first = idx not in offsets
+        if first:
             offsets[idx] = self._text_offsets()
-        lp = self._completion_logprobs(delta_lp, offsets[idx])
-        return p.CompletionChoice(
-            index=idx, text=c.delta_text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason
-        )
+        return self._completion_choice(idx, c, out, c.delta_text, delta_lp, offsets[idx], first)
 
-    def _chunk(self, choices: list[Any], usage: p.Usage | None = None) -> Any:
+    def _chunk(
+        self, choices: list[Any], usage: p.Usage | None = None, prompt_logprobs: p.PromptLogprobs | None = None
+    ) -> Any:
         cls = p.ChatCompletionChunk if self.chat else p.CompletionChunk
-        return cls(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+        chunk = cls(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+        return chunk if prompt_logprobs is None else chunk.model_copy(update={"prompt_logprobs": prompt_logprobs})
 
 
 def _reason(c: CompletionOutput) -> str | None:
