@@ -87,10 +87,22 @@ def test_one_message_per_step_with_acks_and_outputs_like_the_engine(harness: Har
 
 
 def test_abort_applies_before_the_next_step_and_frees_kv(harness: Harness) -> None:
+    # every step after the first waits until the abort is sent: the request is mid-generation by construction,
+    # and exactly one step (the one under way) can run between the first output and the abort
+    sent, real_step, num_steps = threading.Event(), harness.engine.step, [0]
+
+    def held_step():
+        num_steps[0] += 1
+        if num_steps[0] > 1:
+            assert sent.wait(60), "the test never sent the abort"
+        return real_step()
+
+    harness.engine.step = held_step  # type: ignore[method-assign]
     harness.send(AddRequest("long", [5, 6, 7], greedy(200), 1.0))
     first = harness.recv()
     assert first.outputs[0].request_id == "long"
     harness.send(AbortRequests(["long", "unknown"]))
+    sent.set()
     # at most the step already under way can still carry an output; then the abort is applied
     msg = harness.recv()
     if msg.outputs:
