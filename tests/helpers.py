@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,3 +119,25 @@ def require_extra(extra: str, *modules: str) -> None:
     if os.environ.get("LMSERVE_REQUIRE_EXTRAS") == "1":
         pytest.fail(f"LMSERVE_REQUIRE_EXTRAS=1 but {message}", pytrace=False)
     pytest.skip(message, allow_module_level=True)
+
+
+@contextmanager
+def steps_held_after_first(engine: Any) -> Iterator[threading.Event]:
+    """`engine.step` (an LLMEngine's): the first call runs, every later one waits until the yielded event is set.
+    A request is then mid-generation by construction while the test acts (cancels, disconnects, adds a duplicate),
+    however fast the machine: at most the step under way when it is released runs before the engine sees the act.
+    The real step is restored on exit."""
+    release, real_step, num_calls = threading.Event(), engine.step, [0]
+
+    def held_step() -> Any:
+        num_calls[0] += 1
+        if num_calls[0] > 1:
+            assert release.wait(60), "the test never released the held steps"
+        return real_step()
+
+    engine.step = held_step
+    try:
+        yield release
+    finally:
+        release.set()
+        engine.step = real_step

@@ -15,6 +15,7 @@ from lmserve import SamplingParams
 from lmserve.config import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, num_unstartable
 from lmserve.engine.llm_engine import LLMEngine
+from tests.helpers import steps_held_after_first
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -96,17 +97,8 @@ def test_task_cancelled_while_waiting_aborts(aengine: AsyncEngine) -> None:
     """The consumer is cancelled while the request is mid-generation: held there by construction (every step
     after the first waits for the cancel), not by a request too long for the engine to finish in time."""
     before = aengine.snapshot().num_aborted_requests_total
-    cancelled, real_step = threading.Event(), aengine.engine.step
-    num_steps = 0
 
-    def held_step():
-        nonlocal num_steps
-        num_steps += 1
-        if num_steps > 1:
-            assert cancelled.wait(60), "the test did not cancel"
-        return real_step()
-
-    async def run():
+    async def run(cancelled: threading.Event):
         stream = aengine.add_request(None, "cancel me", SamplingParams(max_tokens=100, ignore_eos=True))
         first = asyncio.Event()
 
@@ -127,12 +119,8 @@ def test_task_cancelled_while_waiting_aborts(aengine: AsyncEngine) -> None:
         await _wait_for(lambda: aengine.snapshot().num_aborted_requests_total == before + 1)
         await _wait_for(lambda: aengine.snapshot().metrics["kv_cache_usage"] == 0.0)
 
-    aengine.engine.step = held_step  # type: ignore[method-assign]
-    try:
-        asyncio.run(run())
-    finally:
-        cancelled.set()
-        aengine.engine.step = real_step  # type: ignore[method-assign]
+    with steps_held_after_first(aengine.engine) as cancelled:
+        asyncio.run(run(cancelled))
 
 
 def test_bad_input_raises_before_queueing(aengine: AsyncEngine) -> None:

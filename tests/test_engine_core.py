@@ -16,6 +16,7 @@ from lmserve.engine.core import CoreLaunch, EngineCore
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.engine.messages import AbortRequests, AddRequest, Codec, CoreReady, Shutdown, StepOutputs
 from lmserve.sampling_params import SamplingParams
+from tests.helpers import steps_held_after_first
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -89,20 +90,12 @@ def test_one_message_per_step_with_acks_and_outputs_like_the_engine(harness: Har
 def test_abort_applies_before_the_next_step_and_frees_kv(harness: Harness) -> None:
     # every step after the first waits until the abort is sent: the request is mid-generation by construction,
     # and exactly one step (the one under way) can run between the first output and the abort
-    sent, real_step, num_steps = threading.Event(), harness.engine.step, [0]
-
-    def held_step():
-        num_steps[0] += 1
-        if num_steps[0] > 1:
-            assert sent.wait(60), "the test never sent the abort"
-        return real_step()
-
-    harness.engine.step = held_step  # type: ignore[method-assign]
-    harness.send(AddRequest("long", [5, 6, 7], greedy(200), 1.0))
-    first = harness.recv()
-    assert first.outputs[0].request_id == "long"
-    harness.send(AbortRequests(["long", "unknown"]))
-    sent.set()
+    with steps_held_after_first(harness.engine) as release:
+        harness.send(AddRequest("long", [5, 6, 7], greedy(200), 1.0))
+        first = harness.recv()
+        assert first.outputs[0].request_id == "long"
+        harness.send(AbortRequests(["long", "unknown"]))
+        release.set()
     # at most the step already under way can still carry an output; then the abort is applied
     msg = harness.recv()
     if msg.outputs:
@@ -114,8 +107,10 @@ def test_abort_applies_before_the_next_step_and_frees_kv(harness: Harness) -> No
 
 
 def test_a_refused_add_fails_alone(harness: Harness) -> None:
-    harness.send(AddRequest("dup", [5, 6], greedy(50), 1.0))
-    harness.send(AddRequest("dup", [5, 6], greedy(2), 1.0))
+    # the first "dup" is still running when the second arrives: every step after its first waits until both are sent
+    with steps_held_after_first(harness.engine):
+        harness.send(AddRequest("dup", [5, 6], greedy(50), 1.0))
+        harness.send(AddRequest("dup", [5, 6], greedy(2), 1.0))
     failed, added = [], []
     while not failed or not added:
         msg = harness.recv()

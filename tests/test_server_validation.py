@@ -21,6 +21,7 @@ from lmserve.config import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.entrypoints.openai.server import build_app
+from tests.helpers import steps_held_after_first
 from tests.test_async_engine import gate_steps
 from tests.test_server import make_chat_model
 
@@ -593,17 +594,6 @@ def test_unhandled_error_is_answered_not_raised(app: FastAPI, engine: AsyncEngin
 
 
 def test_non_streaming_disconnect_aborts(app: FastAPI, engine: AsyncEngine) -> None:
-    real_step = engine.engine.step
-    gone = threading.Event()  # every step after the first waits until the client has gone (held by construction)
-    num_steps = 0
-
-    def held_step():
-        nonlocal num_steps
-        num_steps += 1
-        if num_steps > 1:
-            assert gone.wait(60), "the client never left"
-        return real_step()
-
     body = json.dumps({"prompt": "bye", "max_tokens": 40, "ignore_eos": True}).encode()
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
@@ -612,7 +602,7 @@ def test_non_streaming_disconnect_aborts(app: FastAPI, engine: AsyncEngine) -> N
         "client": ("127.0.0.1", 5555), "server": ("127.0.0.1", 80),
     }  # fmt: skip
 
-    async def run() -> list[dict]:
+    async def run(gone: threading.Event) -> list[dict]:
         left = asyncio.Event()
         inbox = [{"type": "http.request", "body": body, "more_body": False}]
         sent: list[dict] = []
@@ -643,12 +633,9 @@ def test_non_streaming_disconnect_aborts(app: FastAPI, engine: AsyncEngine) -> N
             await asyncio.sleep(0.005)
         return sent
 
-    engine.engine.step = held_step  # type: ignore[method-assign]
-    try:
-        asyncio.run(run())
-    finally:
-        gone.set()
-        engine.engine.step = real_step  # type: ignore[method-assign]
+    # every step after the first waits until the client has gone: it leaves mid-generation by construction
+    with steps_held_after_first(engine.engine) as gone:
+        asyncio.run(run(gone))
     m = engine.snapshot().metrics
     assert m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0
 
