@@ -1,8 +1,9 @@
 """`lmserve.v1.Generation` over gRPC (grpc.aio), on the HTTP server's event loop, engine and ServerState.
 
 A request is validated by the HTTP server's own code: the gRPC message becomes a protocol.CompletionRequest,
-then `_sampling_params`, `_constrain`, `_completion_prompts` and `_check_lengths` run as for POST
-/v1/completions, and `_Generation` starts it and merges its outputs. Their APIError becomes a gRPC status
+then request_inputs' `sampling_params_of`, `constrain`, `completion_prompts` and `check_lengths` run as for POST
+/v1/completions, and serving_completion's `CompletionGeneration` starts it and merges its outputs. Their APIError
+becomes a gRPC status
 (`_STATUS`): the message starts with the field and the trailing metadata carries `lmserve-param` (and
 `retry-after` for RESOURCE_EXHAUSTED). However the call ends (finished, cancelled by the client, past its
 deadline), the RPC's done callback aborts the engine request (a no-op when it finished; otherwise its KV blocks
@@ -34,20 +35,12 @@ from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.entrypoints.grpc import lmserve_pb2 as pb
 from lmserve.entrypoints.grpc import lmserve_pb2_grpc as pb_grpc
 from lmserve.entrypoints.openai import protocol as p
+from lmserve.entrypoints.openai import request_inputs as inputs
 from lmserve.entrypoints.openai.errors import APIError, from_validation_errors
 from lmserve.entrypoints.openai.logprobs import prompt_texts
-from lmserve.entrypoints.openai.server import (
-    ServerState,
-    _check_lengths,
-    _check_model,
-    _completion_prompts,
-    _constrain,
-    _detokenize,
-    _Generation,
-    _sampling_params,
-    _tokenize,
-    bearer_ok,
-)
+from lmserve.entrypoints.openai.middleware import bearer_ok
+from lmserve.entrypoints.openai.serving_completion import CompletionGeneration
+from lmserve.entrypoints.openai.state import ServerState
 from lmserve.metrics import GRPC_REQUEST_ID_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -147,20 +140,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _start(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, stream: bool
-    ) -> tuple[_Generation, asyncio.Event]:
+    ) -> tuple[CompletionGeneration, asyncio.Event]:
         """The generation, started, and an event set when the RPC's deadline aborted it."""
         state = self.state
         engine = state.ready_engine()
         body = completion_request(request, stream)
-        _check_model(state, body.model)
-        params = _sampling_params(engine, body, {})
-        params, _ = await _constrain(engine, body, params)
-        prompts = _completion_prompts(engine, body.prompt)
-        _check_lengths(engine, prompts, params, "max_tokens")
-        gen = _Generation(state, engine, f"{GRPC_REQUEST_ID_PREFIX}{uuid.uuid4().hex}", prompts, params, body)
+        inputs.check_model(state, body.model)
+        params = inputs.sampling_params_of(engine, body, {})
+        params, _ = await inputs.constrain(engine, body, params)
+        prompts = inputs.completion_prompts(engine, body.prompt)
+        inputs.check_lengths(engine, prompts, params, "max_tokens")
+        gen = CompletionGeneration(state, engine, f"{GRPC_REQUEST_ID_PREFIX}{uuid.uuid4().hex}", prompts, params, body)
         if body.echo:
             gen.echo_texts = prompt_texts(body.prompt)
-        gen._start()
+        gen.start()
         # The deadline is also the server's own: abort then, whatever the transport reports (and when); the
         # handler then ends the RPC with DEADLINE_EXCEEDED (the aborted stream must not end as a normal one).
         expired = asyncio.Event()
@@ -219,16 +212,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
         return out
 
-    def _prompt_part(self, gen: _Generation, out: RequestOutput) -> tuple[str, list[pb.TokenLogprob]]:
+    def _prompt_part(self, gen: CompletionGeneration, out: RequestOutput) -> tuple[str, list[pb.TokenLogprob]]:
         """What the first message puts in front: the echoed prompt's text and the prompt logprobs."""
-        echo = gen._echo(0, out)
+        echo = gen.echo(0, out)
         k = gen.body.prompt_logprobs
         prompt_lp = self._token_logprobs(out.prompt_logprobs or [], k) if k is not None else []
         return ("" if echo is None else echo.text), prompt_lp
 
     @staticmethod
-    def _usage(gen: _Generation, finals: list[RequestOutput | None]) -> pb.Usage:
-        u = gen._usage(finals)
+    def _usage(gen: CompletionGeneration, finals: list[RequestOutput | None]) -> pb.Usage:
+        u = gen.usage(finals)
         return pb.Usage(
             prompt_tokens=u.prompt_tokens,
             completion_tokens=u.completion_tokens,
@@ -238,7 +231,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         gen, expired = await self._start(request, context, stream=False)
-        finals = await gen._collect()
+        finals = await gen.collect()
         if expired.is_set():
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: the request was aborted")
         outputs = sorted(finals[0].outputs, key=lambda c: c.index)
@@ -258,7 +251,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finished: set[int] = set()
         started: set[int] = set()  # choices whose first message went out (with the echoed prompt)
         echoed, prompt_lp = "", None  # from the first output: the prompt is computed by then
-        async for _, out in gen._outputs():
+        async for _, out in gen.outputs():
             if expired.is_set():
                 break
             if prompt_lp is None:
@@ -287,17 +280,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         engine = self.state.ready_engine()
-        _check_model(self.state, request.model or None)
+        inputs.check_model(self.state, request.model or None)
         special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = _tokenize(engine, p.TokenizeRequest(prompt=request.text, add_special_tokens=special))
+        ids = inputs.tokenize_body(engine, p.TokenizeRequest(prompt=request.text, add_special_tokens=special))
         return pb.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.config.scheduler.max_model_len)
 
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         engine = self.state.ready_engine()
-        _check_model(self.state, request.model or None)
-        return pb.DetokenizeResponse(text=_detokenize(engine, list(request.tokens)))
+        inputs.check_model(self.state, request.model or None)
+        return pb.DetokenizeResponse(text=inputs.detokenize_tokens(engine, list(request.tokens)))
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -23,6 +23,7 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from lmserve import diagnose as dx
+from lmserve.entrypoints.openai.sse import SSEResponse
 
 STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "web" / "static"
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}  # open (no key): the pages ask for it
@@ -62,8 +63,6 @@ def add_web_routes(app: FastAPI, state: Any) -> None:
 
     @app.get("/v1/dashboard/stream", include_in_schema=False)
     async def dashboard_stream(interval_s: float = INTERVAL_S) -> Response:
-        from lmserve.entrypoints.openai.server import _SSEResponse
-
         engine = state.ready_engine()
         interval_s = min(max(interval_s, 0.1), 1.0)  # at least one update a second
         engine.watch_block_map(True)
@@ -82,7 +81,7 @@ def add_web_routes(app: FastAPI, state: Any) -> None:
             finally:
                 unwatch()
 
-        return _SSEResponse(events(), on_close=unwatch)
+        return SSEResponse(events(), on_close=unwatch)
 
 
 def feed_update(state: Any, history: ScrapeHistory) -> dict[str, Any]:

@@ -96,7 +96,8 @@ def echo_prompt(
 
 
 def prompt_texts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | None]:
-    """Per prompt of a /v1/completions body (in server._completion_prompts' order): its text, None for token ids."""
+    """Per prompt of a /v1/completions body (in request_inputs.completion_prompts' order): its text, None for token
+    ids."""
     if isinstance(prompt, str):
         return [prompt]
     if prompt and isinstance(prompt[0], int):

@@ -1,0 +1,70 @@
+"""The API's routes: GET /health, GET /metrics, GET /v1/models, POST /tokenize, POST /detokenize, and the two
+generation endpoints, whose work is serving_completion's and serving_chat's (the web pages and the dashboard feed
+are dashboard.py's)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from lmserve.entrypoints.openai import protocol as p
+from lmserve.entrypoints.openai import request_inputs as inputs
+from lmserve.entrypoints.openai.serving_chat import create_chat_completion
+from lmserve.entrypoints.openai.serving_completion import create_completion
+from lmserve.entrypoints.openai.state import ServerState
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        engine = state.engine
+        if engine is None:
+            status = "load_failed" if state.load_error is not None else "loading"
+            return JSONResponse({"status": status}, status_code=503)
+        if engine.dead_error is not None:
+            return JSONResponse({"status": "dead", "error": str(engine.dead_error)}, status_code=503)
+        degraded = getattr(engine, "degraded_error", None)  # some of several engine cores died
+        if degraded is not None:
+            return JSONResponse({"status": "degraded", "error": degraded})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()  # type: ignore[union-attr]
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", response_model=p.ModelList)
+    async def models() -> p.ModelList:
+        engine = state.ready_engine()
+        card = p.ModelCard(
+            id=state.served_model_name,
+            created=int(time.time()),
+            root=engine.config.model.path,
+            max_model_len=engine.config.scheduler.max_model_len,
+        )
+        return p.ModelList(data=[card])
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse)
+    async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:
+        engine = state.ready_engine()
+        inputs.check_model(state, body.model)
+        ids = inputs.tokenize_body(engine, body)
+        return p.TokenizeResponse(
+            count=len(ids), max_model_len=engine.config.scheduler.max_model_len, tokens=ids
+        )
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse)
+    async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        engine = state.ready_engine()
+        inputs.check_model(state, body.model)
+        return p.DetokenizeResponse(prompt=inputs.detokenize_tokens(engine, body.tokens))
+
+    @app.post("/v1/completions", response_model=p.CompletionResponse)
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, body, request)
+
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, body, request)

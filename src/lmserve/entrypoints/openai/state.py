@@ -1,0 +1,39 @@
+"""ServerState: what every route, the middleware, the dashboard and the gRPC frontend share about one server
+(its engine once loaded, the served name, the API key, metrics); `ready_engine()` is the 503 while loading."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmserve.engine.async_engine import AsyncEngine
+from lmserve.engine.token_bytes import TokenBytes
+from lmserve.entrypoints.openai.errors import APIError
+from lmserve.metrics import Metrics
+
+LOADING_RETRY_AFTER_S = 5
+
+
+@dataclass
+class ServerState:
+    served_model_name: str
+    api_key: str | None
+    max_request_body_bytes: int
+    engine: AsyncEngine | None = None
+    token_bytes: TokenBytes | None = None  # of the engine's tokenizer, for logprobs
+    metrics: Metrics | None = None
+    load_error: BaseException | None = None
+
+    def ready_engine(self) -> AsyncEngine:
+        engine = self.engine
+        if engine is None:
+            if self.load_error is not None:
+                raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+            raise APIError(
+                503,
+                "the model is still loading",
+                code="loading",
+                headers={"Retry-After": str(LOADING_RETRY_AFTER_S)},
+            )
+        if engine.dead_error is not None:
+            raise APIError(503, f"the engine loop is not running: {engine.dead_error}", code="engine_dead")
+        return engine
