@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from lmserve.model_shape import HEAD_LAYOUTS, layer_sliding_windows  # they live with the model's shape
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("continuous", "static")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -18,9 +20,6 @@ GENERATION_CONFIG_MODES = ("auto", "vllm")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")  # auto: the model dtype
 QUANTIZATION_METHODS = ("int8", "int4")
 QUANTIZATION_FORMAT = "lmserve-v1"  # `quantization_config.format` of checkpoints `lmserve quantize` writes
-# The LM head's layout per quantization method (lmserve/model/quantization.py): int8 quantizes it as a projection
-# (W8A8); int4 gives it 8 bits, weight-only with group-32 scales ("int8w", GGUF Q8_0's block).
-HEAD_LAYOUTS = {"int8": "int8", "int4": "int8w"}
 
 
 @dataclass(frozen=True)
@@ -141,9 +140,9 @@ class ModelConfig:
 
     @staticmethod
     def from_hf(path: str | os.PathLike, dtype: str = "auto", device: str = "cpu") -> ModelConfig:
-        from lmserve.memory import model_shape_from_hf_config
         from lmserve.model.gguf import GGUFCheckpoint, find_gguf_file
         from lmserve.model.registry import resolve_architecture
+        from lmserve.model_shape import model_shape_from_hf_config
 
         path = Path(path)
         cfg_file = path / "config.json"
@@ -191,30 +190,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **family_fields(family, cfg, shape.head_dim, shape.hidden_size, windows),
         )
-
-
-def layer_sliding_windows(family: Any, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """The attention window of each layer (None: full attention); () when no layer slides."""
-    window = cfg.get("sliding_window")
-    if family.name == "qwen" and not cfg.get("use_sliding_window", False):
-        window = None
-    if not window or family.sliding_layers == "none":
-        return ()
-    types = cfg.get("layer_types")
-    if types:
-        if len(types) != num_layers:
-            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
-        sliding = [t == "sliding_attention" for t in types]
-    elif family.sliding_layers == "all":
-        sliding = [True] * num_layers
-    elif family.sliding_layers == "from_max_window_layers":  # Qwen2: layers from max_window_layers on
-        sliding = [i >= cfg.get("max_window_layers", 28) for i in range(num_layers)]
-    else:  # "pattern": every `pattern`-th layer is global (Gemma 2: 2, Gemma 3: sliding_window_pattern or 6)
-        pattern = int(cfg.get("sliding_window_pattern") or family.sliding_pattern)
-        sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
-    if not any(sliding):
-        return ()
-    return tuple(int(window) if s else None for s in sliding)
 
 
 def family_fields(
