@@ -27,7 +27,7 @@ from typing import Any, cast
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 from machine import write_result
 
-from lmserve.bench.experiments import ServerError, free_loopback_port, running_server
+from lmserve.bench.harness import ServerError, free_loopback_port, running_server
 
 FULL = dict(prompt_len=128, output_len=128, concurrency=32, requests=64, rounds=2)
 QUICK = dict(prompt_len=16, output_len=8, concurrency=4, requests=8, rounds=1)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.bench.experiments import lmserve_server
+from lmserve.bench.harness import lmserve_server
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_cpu.py"
 TINY = ["--prompt-len", "8", "--output-len", "12", "--concurrency", "2", "--offline-requests", "4", "--hf-batch", "2"]
