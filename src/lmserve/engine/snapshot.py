@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmserve.core.outputs import BlockMap
 from lmserve.engine.admission import _Room
+from lmserve.metrics import CONFIG_LABELS
 
 if TYPE_CHECKING:
     from lmserve.engine.llm_engine import LLMEngine
@@ -73,3 +74,57 @@ class BlockMapWatch:
             self.latest, self._time, self._steps = engine.block_map(), now, steps
             return self.latest
         return None
+
+
+SUMMED_RATIOS = {"kv_cache_usage": "num_kv_blocks"}  # averaged, weighted by the other key
+SAME_ON_EVERY_CORE = {
+    "kv_cache_bytes_per_token",
+    "kv_cache_scale_bytes_per_token",
+    "kv_cache_dtype",
+    *CONFIG_LABELS,  # llm_engine.config_metrics: every core runs the same configuration
+}
+SMALLEST_NONZERO = {"decode_step_time_min_s"}  # the fastest core's figure (0 = none yet)
+
+
+def aggregate_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
+    """One snapshot for N cores: counters and gauges summed (dicts per key), ratios recomputed, per-core
+    constants taken from the first; `engines` keeps each core's own."""
+    from lmserve.engine.llm_engine import spec_decode_metrics
+
+    first = snaps[0].metrics
+    metrics: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [s.metrics.get(key, value) for s in snaps]
+        if key in SAME_ON_EVERY_CORE or not isinstance(value, int | float | dict):
+            metrics[key] = value
+        elif key in SMALLEST_NONZERO:
+            metrics[key] = min((v for v in values if v), default=0.0)
+        elif key in SUMMED_RATIOS:
+            weights = [s.metrics.get(SUMMED_RATIOS[key], 1) for s in snaps]
+            metrics[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / max(1, sum(weights))
+        elif isinstance(value, dict):
+            merged: dict[str, Any] = {}
+            for v in values:
+                for k, x in v.items():
+                    merged[k] = merged.get(k, 0) + x
+            metrics[key] = merged
+        else:
+            metrics[key] = sum(values)
+    if "spec_decode_num_drafts_total" in metrics:
+        from lmserve.core.outputs import SchedulerStats
+
+        stats = SchedulerStats(
+            0, 0, 0, 0.0, 0, 0, 0,
+            spec_num_drafts_total=metrics["spec_decode_num_drafts_total"],
+            spec_num_draft_tokens_total=metrics["spec_decode_num_draft_tokens_total"],
+            spec_num_accepted_tokens_total=metrics["spec_decode_num_accepted_tokens_total"],
+        )  # fmt: skip
+        metrics.update(spec_decode_metrics(stats))
+    return EngineSnapshot(
+        metrics=metrics,
+        num_batched_tokens=sum(s.num_batched_tokens for s in snaps),
+        num_aborted_requests_total=sum(s.num_aborted_requests_total for s in snaps),
+        time=max(s.time for s in snaps),
+        engines=tuple(snaps),
+        block_map=next((s.block_map for s in snaps if s.block_map is not None), None),  # the first core's
+    )
