@@ -7,7 +7,7 @@ flags and this CPU's feature list, and loaded with ctypes. Without a compiler, o
 float32 rounding (tests/test_kernels.py compares both).
 
 Past 500 lines because it is one thing: the ctypes binding of the one C library, its build and load, and one thin
-wrapper per kernel (argument checks, pointers, the PyTorch fallback's contract).
+wrapper per kernel (shapes and dtypes asserted, tensors passed as pointers).
 """
 
 from __future__ import annotations
