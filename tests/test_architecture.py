@@ -38,6 +38,10 @@ ALLOWED_CIRCLES: set[frozenset[str]] = {
     frozenset({"entrypoints.openai.dashboard", "entrypoints.openai.server"}),
 }
 ALLOWED_UPWARD: set[tuple[str, str]] = set()
+# The floors below the model never import torch (the scheduler is tested without a model, `lmserve memory` answers
+# without one); config asks torch for a CUDA device's free memory, only when the device is CUDA.
+TORCH_FREE_FLOORS = ("leaves", "config", "core")
+ALLOWED_TORCH = {"config"}
 
 
 def module_files(src: Path = SRC) -> dict[str, Path]:
@@ -172,6 +176,21 @@ def test_no_upward_imports() -> None:
     )
     stale = ALLOWED_UPWARD - found
     assert not stale, f"ALLOWED_UPWARD lists imports that are gone; remove them: {sorted(stale)}"
+
+
+def test_lower_floors_import_no_torch() -> None:
+    names = [name for name, _ in FLOORS]
+    bad = []
+    for mod, path in module_files().items():
+        if names[floor_of(mod)] not in TORCH_FREE_FLOORS or mod.removeprefix("lmserve.") in ALLOWED_TORCH:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                imported = [node.module or ""]
+            if any(n == "torch" or n.startswith("torch.") for n in imported):
+                bad.append(mod)
+    assert not bad, f"modules on {TORCH_FREE_FLOORS} that import torch: {sorted(set(bad))}"
 
 
 def test_floor_table_is_documented() -> None:
