@@ -33,6 +33,7 @@ from lmserve.bench.harness import Workloads as Workloads
 from lmserve.bench.harness import free_loopback_port as free_loopback_port
 from lmserve.bench.harness import lmserve_server as lmserve_server
 from lmserve.bench.harness import running_server as running_server
+from lmserve.bench.harness import stop_process as stop_process
 from lmserve.bench.metrics import Distribution, summarize
 
 EXPERIMENT_TITLES = {
