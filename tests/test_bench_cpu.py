@@ -1,4 +1,4 @@
-"""bench/bench_cpu.py end to end at tiny sizes on the tiny random Llama: lmserve engine, HF, the lmserve server
+"""benchmarks/bench_cpu.py end to end at tiny sizes on the tiny random Llama: lmserve engine, HF, the lmserve server
 and a peer (a second lmserve server standing in for vLLM); every row of the table gets positive numbers."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.bench.experiments import lmserve_server
+from lmserve.bench.harness import lmserve_server
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_cpu.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu.py"
 TINY = ["--prompt-len", "8", "--output-len", "12", "--concurrency", "2", "--offline-requests", "4", "--hf-batch", "2"]
 
 

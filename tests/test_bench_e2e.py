@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("lmserve.entrypoints.openai.serve_cli")
 
-from lmserve.bench.experiments import Workloads, lmserve_server  # noqa: E402
+from lmserve.bench.harness import Workloads, lmserve_server  # noqa: E402
 from lmserve.entrypoints.cli import main  # noqa: E402
 
 SERVER_FLAGS = ["--num-kv-blocks", "64", "--block-size", "16", "--max-model-len", "256"]

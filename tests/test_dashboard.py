@@ -15,7 +15,7 @@ import pytest
 
 from lmserve import SamplingParams
 from lmserve.config import EngineArgs
-from lmserve.engine import async_engine
+from lmserve.engine import snapshot as engine_snapshot
 from lmserve.engine.async_engine import AsyncEngine, EngineSnapshot
 from lmserve.engine.llm_engine import LLMEngine
 from tests.test_server import MODEL_NAME, LiveServer
@@ -96,7 +96,7 @@ def test_block_map_without_prefix_caching_shares_nothing(llama_dir: Path) -> Non
 
 
 def test_watch_block_map(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(async_engine, "BLOCK_MAP_INTERVAL_S", 0.0)
+    monkeypatch.setattr(engine_snapshot, "BLOCK_MAP_INTERVAL_S", 0.0)
     engine = AsyncEngine(_engine(llama_dir)).start()
     try:
 

@@ -22,13 +22,13 @@ from lmserve.memory import (
     load_model_shape,
     max_concurrent_requests,
     max_num_kv_blocks,
-    memory_report,
     model_shape_from_hf_config,
     num_parameters,
     num_parameters_per_rank,
     parse_bytes,
 )
 from lmserve.memory_presets import PRESETS, get_preset
+from lmserve.memory_report import memory_report
 
 GiB = 2**30
 KiB = 2**10

@@ -512,7 +512,8 @@ def test_mismatched_or_corrupt_checkpoint_is_refused(int4_checkpoint: Path, tmp_
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["llama-gqa", "llama3-rope-untied"])  # tied (int8 head: an extra copy), untied
 def test_memory_ledger_counts_quantized_bytes_exactly(model_dirs: dict[str, Path], name: str, method: str) -> None:
-    from lmserve.memory import load_model_shape, memory_report
+    from lmserve.memory import load_model_shape
+    from lmserve.memory_report import memory_report
 
     llama_dir = model_dirs[name]
     llm = LLM(str(llama_dir), num_kv_blocks=16, quantization=method)

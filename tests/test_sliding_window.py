@@ -138,7 +138,8 @@ def test_pool_fit_of_max_model_len_counts_the_freed_blocks(swa_dirs: dict[str, P
 
 
 def test_engine_and_ledger_agree_on_concurrency(swa_dirs: dict[str, Path]) -> None:
-    from lmserve.memory import load_model_shape, memory_report
+    from lmserve.memory import load_model_shape
+    from lmserve.memory_report import memory_report
 
     model_dir = swa_dirs["mistral"]
     llm = LLM(str(model_dir), num_kv_blocks=40, block_size=4, max_num_batched_tokens=8)

@@ -9,6 +9,9 @@ Arrivals: open loop with gamma-distributed gaps (mean 1/rate, shape = burstiness
 Poisson process and the gaps' coefficient of variation is 1/sqrt(burstiness)); `rate = inf` sends all at
 once. `max_concurrency` caps requests in flight (closed loop): a request that arrives while the cap is
 reached waits in the client, and that wait counts in latency "from arrival" but not "from send".
+
+Past 500 lines because it is one thing, a load run: the arrivals, the two transports timed the same way (SSE over
+HTTP, gRPC streams), and `finalize`, which turns what was timed into RequestRecords after the run.
 """
 
 from __future__ import annotations
@@ -298,7 +301,7 @@ def build_grpc_request(req: BenchRequest, cfg: LoadConfig, model: str | None) ->
         sp.ignore_eos = True
     if cfg.extra_body:
         json_format.ParseDict(cfg.extra_body, sp)
-    if isinstance(req.prompt, list):  # token ids, as the completions API also takes them (bench/bench_cpu.py)
+    if isinstance(req.prompt, list):  # token ids, as the completions API also takes them (benchmarks/bench_cpu.py)
         return pb.GenerateRequest(model=model or "", token_ids=pb.TokenIds(ids=req.prompt), sampling_params=sp)
     return pb.GenerateRequest(model=model or "", text=req.prompt, sampling_params=sp)
 

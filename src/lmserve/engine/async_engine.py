@@ -10,13 +10,8 @@ The engine thread sleeps on an Event while it has no work. Everything the HTTP s
 engine (counters, queue lengths, KV usage) is an immutable EngineSnapshot published after each step.
 If the engine thread dies, every pending stream fails with EngineDeadError and new requests are refused.
 
-Admission (`max_queued_requests`) bounds the sequences that could not start now because the engine is
-full, not those merely waiting for the next step: a burst that fits the engine is admitted whole.
-Queued = the scheduler's waiting sequences + those in not-yet-applied adds + the new request's; the engine
-could start min(free sequence slots, how many of them the free KV blocks hold) of them, where free slots
-= max_num_seqs - running (0 while a static batch runs) and each queued sequence needs the blocks of its
-prompt + 1 token (the KV count uses their average size). The rest must wait for running requests to
-finish; a request is refused (QueueFullError → 429) when they would exceed `max_queued_requests`.
+Admission (`max_queued_requests`, admission.py) bounds the sequences that could not start now because the
+engine is full; a request beyond it is refused (QueueFullError → 429).
 """
 
 from __future__ import annotations
@@ -29,215 +24,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
+# Admission, snapshots and streams live in admission.py / snapshot.py / streams.py (shared with the engine-core
+# client); the "as" imports keep the names importable from here, as before.
 from lmserve.config import EngineArgs
-from lmserve.core.outputs import BlockMap, RequestOutput
+from lmserve.core.outputs import RequestOutput
+from lmserve.engine.admission import Admission, _Room, measure_room
+from lmserve.engine.admission import QueueFullError as QueueFullError
+from lmserve.engine.admission import num_unstartable as num_unstartable
 from lmserve.engine.llm_engine import LLMEngine, Prompt
+from lmserve.engine.snapshot import BLOCK_MAP_INTERVAL_S as BLOCK_MAP_INTERVAL_S
+from lmserve.engine.snapshot import BlockMapWatch, EngineSnapshot, take_snapshot
+from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-BLOCK_MAP_INTERVAL_S = 1.0  # a watched block map is rebuilt at most this often (on the engine thread)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (crashed or shut down); requests can no longer be served."""
-
-
-class QueueFullError(RuntimeError):
-    """Admitting the request would leave more than `max_queued_requests` sequences that cannot start
-    (the engine is full); retry after `retry_after_s`."""
-
-    def __init__(self, num_queued: int, limit: int, retry_after_s: int = 1) -> None:
-        super().__init__(
-            f"server is overloaded: {num_queued} sequences would wait for the running ones to finish "
-            f"(max_queued_requests={limit}); retry after {retry_after_s} s"
-        )
-        self.num_queued = num_queued
-        self.limit = limit
-        self.retry_after_s = retry_after_s
-
-
-def num_unstartable(
-    num_free_slots: int, num_queued_seqs: int, num_queued_blocks: int, num_free_blocks: int
-) -> int:
-    """Queued sequences the engine could not start now: beyond the free sequence slots, or beyond what
-    the free KV blocks hold at the queued sequences' average size."""
-    if num_queued_seqs == 0:
-        return 0
-    fit_blocks = (
-        num_queued_seqs
-        if num_queued_blocks <= num_free_blocks
-        else num_free_blocks * num_queued_seqs // num_queued_blocks
-    )
-    return num_queued_seqs - min(max(0, num_free_slots), fit_blocks)
-
-
-@dataclass(frozen=True)
-class _Room:
-    """The scheduler's state that admission needs, measured on the engine thread."""
-
-    num_free_slots: int = 0  # sequences that could join the running batch
-    num_waiting_seqs: int = 0
-    num_waiting_blocks: int = 0  # blocks the waiting sequences need to start (prompt + 1 token each)
-    num_free_blocks: int = 0
-
-
-def measure_room(engine: LLMEngine) -> _Room:
-    """The engine's _Room, on the thread that owns it. O(waiting), so only when admission is bounded."""
-    scheduler, kv = engine.scheduler, engine.kv
-    static_batch_running = scheduler.config.scheduling_policy == "static" and scheduler.running
-    return _Room(
-        num_free_slots=0 if static_batch_running else scheduler.config.max_num_seqs - len(scheduler.running),
-        num_waiting_seqs=len(scheduler.waiting),
-        num_waiting_blocks=sum(kv.num_blocks_for(r.num_tokens + 1) for r in scheduler.waiting),
-        num_free_blocks=kv.pool.num_free_blocks,
-    )
-
-
-class Admission:
-    """The `max_queued_requests` bound of one engine: the room measured after its latest step plus the
-    sequences added since but not yet applied by the engine (pending). Used by AsyncEngine (room from the
-    engine thread) and by EngineCoreClient (room from each engine core's snapshots).
-
-    `lock` guards the counters; callers hold it around `reserve` together with their own check that the
-    engine is alive and the enqueueing of the add, so that a failing engine sees every reserved request."""
-
-    def __init__(self, max_queued_requests: int | None, retry_after_s: int = 1) -> None:
-        if max_queued_requests is not None and max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
-        self.max_queued_requests = max_queued_requests
-        self.retry_after_s = retry_after_s
-        self.lock = threading.Lock()
-        self.room = _Room()
-        self.num_pending_seqs = 0  # sequences in adds the engine has not applied yet
-        self.num_pending_blocks = 0  # blocks those need to start
-
-    def reserve(self, num_seqs: int, num_blocks: int) -> None:
-        """Count a new add as pending, or raise QueueFullError. Call with `lock` held."""
-        if self.max_queued_requests is not None:
-            num_queued = num_unstartable(
-                self.room.num_free_slots,
-                self.room.num_waiting_seqs + self.num_pending_seqs + num_seqs,
-                self.room.num_waiting_blocks + self.num_pending_blocks + num_blocks,
-                self.room.num_free_blocks,
-            )
-            if num_queued > self.max_queued_requests:
-                raise QueueFullError(num_queued, self.max_queued_requests, self.retry_after_s)
-        self.num_pending_seqs += num_seqs
-        self.num_pending_blocks += num_blocks
-
-    def applied(self, num_seqs: int, num_blocks: int, room: _Room | None) -> None:
-        """The engine applied adds (they moved from pending to its waiting queue) and measured `room`."""
-        with self.lock:
-            self.num_pending_seqs -= num_seqs
-            self.num_pending_blocks -= num_blocks
-            if room is not None:
-                self.room = room
-
-
-class StatLogger(Protocol):
-    """Receives per-request events on the engine thread (must be cheap and thread-safe)."""
-
-    def on_request_output(self, output: RequestOutput, prev_token_time: float | None, now: float) -> None: ...
-
-    def on_request_aborted(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What the engine looked like after its latest step (or after applying commands while idle)."""
-
-    metrics: dict[str, Any]  # LLMEngine.get_metrics()
-    num_batched_tokens: int  # tokens in the latest step
-    num_aborted_requests_total: int
-    time: float
-    room: _Room | None = None  # what admission needs (measured only when max_queued_requests bounds it)
-    # With several engine cores (EngineCoreClient, data parallel): the aggregate carries each core's own
-    # snapshot here, in core order (() for a single engine).
-    engines: tuple[EngineSnapshot, ...] = ()
-    block_map: BlockMap | None = None  # only while someone watches (watch_block_map); at most BLOCK_MAP_INTERVAL_S old
-
-
-def take_snapshot(
-    engine: LLMEngine, num_aborted: int, room: _Room | None = None, block_map: BlockMap | None = None
-) -> EngineSnapshot:
-    """The engine's snapshot now, on the thread that owns it (AsyncEngine's engine thread or an engine core)."""
-    return EngineSnapshot(
-        metrics=engine.get_metrics(),
-        num_batched_tokens=engine.stats().num_batched_tokens,
-        num_aborted_requests_total=num_aborted,
-        time=time.time(),
-        room=room,
-        block_map=block_map,
-    )
-
-
-class BlockMapWatch:
-    """The watchers of one engine's KV block map and its latest build, on the thread that owns the engine. The
-    map is rebuilt at most every BLOCK_MAP_INTERVAL_S, and once more when the engine goes idle (else it would show
-    the last busy moment until the next request); without watchers it costs nothing."""
-
-    def __init__(self) -> None:
-        self.num_watchers = 0
-        self.latest: BlockMap | None = None
-        self._time = 0.0
-        self._steps = 0  # engine steps when it was built
-
-    def watch(self, on: bool) -> None:
-        self.num_watchers += 1 if on else -1
-        assert self.num_watchers >= 0, "watch_block_map(False) without a matching True"
-        self.latest = None  # rebuilt (or dropped) with the next snapshot
-
-    def refresh(self, engine: LLMEngine, idle: bool) -> BlockMap | None:
-        """A new map when one is due (None otherwise; `latest` keeps the current one)."""
-        if not self.num_watchers:
-            return None
-        now, steps = time.time(), engine.counters.num_steps_total
-        if self.latest is None or now - self._time >= BLOCK_MAP_INTERVAL_S or (idle and steps != self._steps):
-            self.latest, self._time, self._steps = engine.block_map(), now, steps
-            return self.latest
-        return None
-
-
-class RequestStream:
-    """The outputs of one request, in order, as an async iterator. Create with AsyncEngine.add_request.
-
-    Iteration ends after the output with `finished=True`; an engine failure is raised from `__anext__`.
-    `abort()` (idempotent, non-blocking) tells the engine to drop the request and free its KV blocks.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False  # the final output (or an error) was received, or the request was aborted
-        self.last_token_time: float | None = None  # engine-thread bookkeeping for inter-token latency
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
-
-    def _put(self, item: RequestOutput | BaseException) -> None:  # event-loop thread
-        self._queue.put_nowait(item)
 
 
 @dataclass
@@ -258,13 +61,6 @@ class _Abort:
 @dataclass
 class _Watch:
     on: bool
-
-
-@dataclass
-class _Delivery:
-    """Items to hand to streams living on one event loop, sent in one call_soon_threadsafe."""
-
-    items: list[tuple[RequestStream, RequestOutput | BaseException]] = field(default_factory=list)
 
 
 class AsyncEngine:
@@ -522,8 +318,3 @@ class AsyncEngine:
         for stream in streams:
             delivery.setdefault(stream._loop, _Delivery()).items.append((stream, error))
         self._send(delivery)
-
-
-def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
-    for stream, item in items:
-        stream._put(item)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
-from lmserve.engine.async_engine import BlockMapWatch, EngineSnapshot, measure_room, take_snapshot
+from lmserve.engine.admission import measure_room
 from lmserve.engine.cpu_share import CpuShare, ThreadBackoff
 from lmserve.engine.messages import (
     AbortRequests,
@@ -38,6 +38,7 @@ from lmserve.engine.messages import (
     StepOutputs,
     WatchBlockMap,
 )
+from lmserve.engine.snapshot import BlockMapWatch, EngineSnapshot, take_snapshot
 
 if TYPE_CHECKING:
     from lmserve.config import EngineConfig

@@ -22,6 +22,10 @@ with AsyncEngine's code (Admission) and the room each core reports in its snapsh
 A core that dies is noticed within milliseconds: its requests fail with EngineDeadError, it leaves the
 routing; while another core lives the client keeps serving (`degraded_error` says what died), with none left
 `dead_error` is set and every new request is refused.
+
+Beside it: how a core runs (core_handles.py: a spawned process or a Ray actor), how the cores divide the CPUs
+(cpu_slices.py), and the aggregate of their snapshots (snapshot.aggregate_snapshots). What is left here is one
+thing past 500 lines: the client, its routing, and its receiver and watcher threads.
 """
 
 from __future__ import annotations
@@ -31,8 +35,6 @@ import copy
 import dataclasses
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import shutil
 import tempfile
@@ -46,16 +48,10 @@ import zmq
 
 from lmserve.config import EngineConfig
 from lmserve.core.outputs import BlockMap, RequestOutput
-from lmserve.engine.async_engine import (
-    Admission,
-    EngineDeadError,
-    EngineSnapshot,
-    RequestStream,
-    StatLogger,
-    _deliver,
-    _Delivery,
-)
-from lmserve.engine.core import CoreLaunch, run_engine_core
+from lmserve.engine.admission import Admission
+from lmserve.engine.core import CoreLaunch
+from lmserve.engine.core_handles import _ProcessHandle, _RayHandle
+from lmserve.engine.cpu_slices import CPU_POLICIES, DEFAULT_CPU_POLICY, cpu_slices, default_num_threads
 from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.engine.messages import (
     AbortRequests,
@@ -68,7 +64,8 @@ from lmserve.engine.messages import (
     StepOutputs,
     WatchBlockMap,
 )
-from lmserve.metrics import CONFIG_LABELS
+from lmserve.engine.snapshot import EngineSnapshot, aggregate_snapshots
+from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -76,20 +73,6 @@ logger = logging.getLogger(__name__)
 AFFINITY_SLACK = 4  # sequences: a prefix-affine core is used unless its load exceeds the minimum by more
 AFFINITY_ENTRIES = 4096  # first-block hashes remembered (least recently used dropped)
 BACKENDS = ("mp", "ray")
-
-# CPU-sharing policies: the OpenMP environment an engine core starts with (see docs/architecture.md and
-# docs/performance.md for the measurements). "adaptive" (default): "bounded", and the core drops to one torch
-# thread while other processes use its CPUs (engine/cpu_share.py); "bounded": workers spin briefly between
-# parallel regions, then sleep; "spin": libgomp's default (long spins); "passive": workers sleep at once (every
-# region pays a futex wake-up).
-CPU_POLICIES: dict[str, dict[str, str]] = {
-    "adaptive": {"GOMP_SPINCOUNT": "10000"},  # bounded, plus the thread back-off (engine/cpu_share.py)
-    "bounded": {"GOMP_SPINCOUNT": "10000"},
-    "spin": {},
-    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
-}
-DEFAULT_CPU_POLICY = "adaptive"
-
 
 class _Facts:
     """What LLMEngine.tokenize / validate read (config, tokenizer, KV geometry), without the weights."""
@@ -544,184 +527,6 @@ def _send_delivery(delivery: dict[asyncio.AbstractEventLoop, _Delivery]) -> None
             loop.call_soon_threadsafe(_deliver, d.items)
         except RuntimeError:  # that event loop is closed; its consumers are gone
             pass
-
-
-# ---- threads, CPUs, aggregation -------------------------------------------------------------------
-
-
-def default_num_threads(data_parallel_size: int) -> int:
-    """Threads per engine core when --num-threads is not given: torch's default ($OMP_NUM_THREADS or the
-    usable cores) split evenly over the cores, at least 1."""
-    import torch
-
-    return max(1, _torch_default_threads(torch) // data_parallel_size)
-
-
-def _torch_default_threads(torch: Any) -> int:
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return len(os.sched_getaffinity(0)) or torch.get_num_threads()
-
-
-def cpu_slices(data_parallel_size: int, num_threads: int) -> list[tuple[int, ...]] | None:
-    """Disjoint CPU sets for N > 1 cores: `num_threads` CPUs each when they fit, else the usable CPUs split
-    evenly; None (no pinning) for one core or more cores than CPUs."""
-    cpus = sorted(os.sched_getaffinity(0))
-    n = data_parallel_size
-    if n <= 1 or n > len(cpus):
-        return None
-    per = num_threads if n * num_threads <= len(cpus) else len(cpus) // n
-    return [tuple(cpus[i * per : (i + 1) * per]) for i in range(n)]
-
-
-SUMMED_RATIOS = {"kv_cache_usage": "num_kv_blocks"}  # averaged, weighted by the other key
-SAME_ON_EVERY_CORE = {
-    "kv_cache_bytes_per_token",
-    "kv_cache_scale_bytes_per_token",
-    "kv_cache_dtype",
-    *CONFIG_LABELS,  # llm_engine.config_metrics: every core runs the same configuration
-}
-SMALLEST_NONZERO = {"decode_step_time_min_s"}  # the fastest core's figure (0 = none yet)
-
-
-def aggregate_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
-    """One snapshot for N cores: counters and gauges summed (dicts per key), ratios recomputed, per-core
-    constants taken from the first; `engines` keeps each core's own."""
-    from lmserve.engine.llm_engine import spec_decode_metrics
-
-    first = snaps[0].metrics
-    metrics: dict[str, Any] = {}
-    for key, value in first.items():
-        values = [s.metrics.get(key, value) for s in snaps]
-        if key in SAME_ON_EVERY_CORE or not isinstance(value, int | float | dict):
-            metrics[key] = value
-        elif key in SMALLEST_NONZERO:
-            metrics[key] = min((v for v in values if v), default=0.0)
-        elif key in SUMMED_RATIOS:
-            weights = [s.metrics.get(SUMMED_RATIOS[key], 1) for s in snaps]
-            metrics[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / max(1, sum(weights))
-        elif isinstance(value, dict):
-            merged: dict[str, Any] = {}
-            for v in values:
-                for k, x in v.items():
-                    merged[k] = merged.get(k, 0) + x
-            metrics[key] = merged
-        else:
-            metrics[key] = sum(values)
-    if "spec_decode_num_drafts_total" in metrics:
-        from lmserve.core.outputs import SchedulerStats
-
-        stats = SchedulerStats(
-            0, 0, 0, 0.0, 0, 0, 0,
-            spec_num_drafts_total=metrics["spec_decode_num_drafts_total"],
-            spec_num_draft_tokens_total=metrics["spec_decode_num_draft_tokens_total"],
-            spec_num_accepted_tokens_total=metrics["spec_decode_num_accepted_tokens_total"],
-        )  # fmt: skip
-        metrics.update(spec_decode_metrics(stats))
-    return EngineSnapshot(
-        metrics=metrics,
-        num_batched_tokens=sum(s.num_batched_tokens for s in snaps),
-        num_aborted_requests_total=sum(s.num_aborted_requests_total for s in snaps),
-        time=max(s.time for s in snaps),
-        engines=tuple(snaps),
-        block_map=next((s.block_map for s in snaps if s.block_map is not None), None),  # the first core's
-    )
-
-
-# ---- how a core runs: a local process or a Ray actor ---------------------------------------------
-
-
-class _ProcessHandle:
-    """An engine core in a spawned process (daemonic: multiprocessing also ends it at interpreter exit)."""
-
-    _env_lock = threading.Lock()
-
-    def __init__(self, launch: CoreLaunch, env: dict[str, str]) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(
-            target=run_engine_core, args=(launch,), name=f"lmserve-core-{launch.engine_index}", daemon=True
-        )
-        with self._env_lock:  # the child's OpenMP reads its environment before anything of ours runs
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                self.process.start()
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-
-    def exited(self) -> bool:
-        return not self.process.is_alive()
-
-    def status(self) -> str:
-        code = self.process.exitcode
-        if code is None:
-            return "running"
-        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-
-    def wait_exit(self) -> str:
-        multiprocessing.connection.wait([self.process.sentinel])  # does not reap: stop() joins
-        self.process.join(1.0)
-        return self.status()
-
-    def stop(self, timeout_s: float) -> None:
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            logger.warning("engine core %s did not stop in time; terminating", self.process.pid)
-            self.process.terminate()
-            self.process.join(5.0)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5.0)
-
-
-class _RayHandle:
-    """An engine core as a Ray actor (num_cpus = its threads) whose run() is the same core loop."""
-
-    def __init__(self, launch: CoreLaunch, env: dict[str, str]) -> None:
-        import ray
-
-        actor_cls = ray.remote(num_cpus=launch.num_threads, max_restarts=0)(_EngineCoreActor)
-        self.actor = actor_cls.options(name=None, runtime_env={"env_vars": env}, lifetime=None).remote()
-        self.ref = self.actor.run.remote(launch)
-        self._status: str | None = None
-
-    def exited(self) -> bool:
-        import ray
-
-        ready, _ = ray.wait([self.ref], timeout=0)
-        return bool(ready)
-
-    def status(self) -> str:
-        return self._status or "running"
-
-    def wait_exit(self) -> str:
-        import ray
-
-        try:
-            ray.get(self.ref)
-            self._status = "the actor's loop returned"
-        except Exception as e:  # RayActorError when the actor process died
-            self._status = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        return self._status
-
-    def stop(self, timeout_s: float) -> None:
-        import ray
-
-        ready, _ = ray.wait([self.ref], timeout=timeout_s)
-        if not ready:
-            ray.kill(self.actor)
-
-
-class _EngineCoreActor:
-    """Ray actor body (wrapped with ray.remote at launch, so Ray stays an optional import)."""
-
-    def run(self, launch: CoreLaunch) -> None:
-        run_engine_core(launch)
 
 
 def _ray_init(client: EngineCoreClient) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from lmserve.core.outputs import RequestOutput
-from lmserve.engine.async_engine import EngineSnapshot
+from lmserve.engine.snapshot import EngineSnapshot
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.sampler import TokenLogprobs
 

@@ -101,21 +101,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_dataset_args(p)
 
 
-def resolve_tokenizer_path(tokenizer: str | None, model: str | None) -> str:
-    if tokenizer:
-        return tokenizer
-    if model and Path(model).is_dir():
-        return model
-    from lmserve.default_model import default_model_path
-
-    return default_model_path()
-
-
 def run_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
     from lmserve.bench.datasets import build_requests, dataset_config_from_args, load_tokenizer
+    from lmserve.bench.harness import resolve_tokenizer_path
     from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
     from lmserve.bench.metrics import parse_slos, summarize
     from lmserve.bench.report import format_summary, json_safe, load_pyplot, save_plots, write_json

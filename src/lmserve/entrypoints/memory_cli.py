@@ -16,10 +16,10 @@ from lmserve.memory import (
     dtype_bytes,
     format_bytes,
     load_model_shape,
-    memory_report,
     parse_bytes,
 )
 from lmserve.memory_presets import PRESETS, get_preset, preset_names
+from lmserve.memory_report import memory_report
 
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "int8")
 

@@ -100,8 +100,8 @@ def _positive_int(raw: dict[str, Any], key: str, default: int) -> int:
 
 
 def _draft_model_config(path: str | None, target: Any, max_model_len: int, dtype: str, device: str) -> Any:
-    from lmserve.config import ModelConfig
     from lmserve.default_model import default_model_path
+    from lmserve.model_config import ModelConfig
 
     if path is None:
         if os.path.realpath(target.path) != os.path.realpath(default_model_path("target")):

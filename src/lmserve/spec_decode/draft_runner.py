@@ -26,7 +26,7 @@ from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSe
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import pack_linear_weights
 from lmserve.model.loader import load_model
-from lmserve.spec_decode.proposer import ProposalInput
+from lmserve.spec_decode.proposal import ProposalInput
 from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.sampler import _SAMPLING_EPS, apply_token_bitmask
 

@@ -1,41 +1,18 @@
-"""Who proposes, for whom and how many: the n-gram proposer and the inputs every proposer gets.
+"""Who proposes, for whom and how many: each step's proposal inputs, the n-gram proposer, and the choice of proposer.
 
 After a step's verification the model runner asks the configured proposer for up to k tokens per request that
 sampled (`proposal_inputs`); the scheduler schedules them next step as tentatively appended tokens. Imports no
-torch (the draft model's proposer lives in draft_runner.py).
+torch (the draft model's proposer lives in draft_runner.py; what both take and return, in proposal.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from lmserve.core.outputs import ScheduledRequest
-from lmserve.request import Request
 from lmserve.spec_decode.acceptance import AcceptanceTracker
 from lmserve.spec_decode.config import SpeculativeConfig
-
-
-@dataclass
-class ProposalInput:
-    """One request to propose for, as it stands after this step's tokens (not yet appended to the request)."""
-
-    request: Request
-    token_ids: list[int]  # prompt + output, this step's accepted and sampled tokens included
-    block_ids: list[int]  # its block table (the draft writes its KV through it)
-    num_proposals: int  # at most this many tokens (>= 1)
-
-    @property
-    def new_token_ids(self) -> list[int]:
-        """This step's accepted and sampled tokens (a grammar matcher has not consumed them yet)."""
-        return self.token_ids[self.request.num_tokens :]
-
-
-class Proposer(Protocol):
-    def propose(self, inputs: list[ProposalInput]) -> tuple[dict[str, list[int]], dict[str, Any]]:
-        """request id → proposed token ids (may be empty), and request id → the draft's distributions
-        (num_proposed, vocab) they were drawn from (absent: one-hot)."""
-        ...
+from lmserve.spec_decode.proposal import ProposalInput, Proposer
 
 
 def proposal_inputs(

@@ -1,6 +1,6 @@
 """Per-step time breakdown of lmserve on the benchmark model: schedule / prepare+forward+sample / update.
 
-python bench/profile_step.py [--requests 32] [--prompt-len 128] [--steps 20] [--torch-profile]
+python benchmarks/profile_step.py [--requests 32] [--prompt-len 128] [--steps 20] [--torch-profile]
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 decode through HTTP vs the in-process engine, and 32 concurrent streams for the in-process-engine server,
 the split with DP = 1 (--threads threads) and DP = 2 (--threads / 2 threads each).
 
-    python bench/bench_split.py [--threads 2] [--prompt-len 128] [--output-len 128] [--concurrency 32]
-        [--burst 200] [--repeats 2] [--model DIR] [--out bench/results] [--quick]
+    python benchmarks/bench_split.py [--threads 2] [--prompt-len 128] [--output-len 128] [--concurrency 32]
+        [--burst 200] [--repeats 2] [--model DIR] [--out benchmarks/results] [--quick]
 
 The phases run in turn, --repeats rounds of them (in-process engine, then each server), and each figure is the
 mean over the rounds: on a shared 2-vCPU guest one phase alone swings by 5-10 % between minutes, as much as the
 differences measured, and alternating spreads a slow window over all of them alike.
 
 Reuses bench_cpu's workloads, server launcher and load generator (lmserve.bench.loadgen). Prints a table
-and writes bench/results/split-<timestamp>.json (bench/machine.write_result).
+and writes benchmarks/results/split-<timestamp>.json (benchmarks/machine.write_result).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="rounds of all phases, alternating (1 quick)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script runs, not a measurement")
     args = p.parse_args(argv)
     if args.repeats < 1:

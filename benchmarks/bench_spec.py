@@ -1,15 +1,15 @@
 """Speculative decoding: tok/s with and without speculation, acceptance rate and mean accepted length.
 
-    python bench/bench_spec.py [--quick] [--threads N] [--sweep] [--no-adaptive] [--rounds 3]
+    python benchmarks/bench_spec.py [--quick] [--threads N] [--sweep] [--no-adaptive] [--rounds 3]
 
 1. bundled target + bundled draft (k=4), greedy, one stream, Shakespeare and Chinese prompts (target >= 1.5x);
 2. n-gram lookup (k=4) on the bundled target with prompts whose continuation repeats earlier text;
-3. the benchmark model (bench/benchmark_model.py, random weights): one k=4 verification step at batch 1 vs a
+3. the benchmark model (benchmarks/benchmark_model.py, random weights): one k=4 verification step at batch 1 vs a
    plain decode step (target <= 1.3x);
 4. 32 concurrent streams, bundled pair: no slower than without speculation (disable_by_batch_size at work);
    --sweep adds batch 1..32 with speculation forced on, the measurement behind the default threshold.
 
-Prints tables and writes bench/results/spec-<timestamp>.json. Ratios compare runs of the same invocation.
+Prints tables and writes benchmarks/results/spec-<timestamp>.json. Ratios compare runs of the same invocation.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Offline throughput and TTFT: lmserve vs HF transformers `generate`, same model, same prompts, one run.
 
-    python bench/bench_offline.py [--prompt-len 128] [--output-len 128] [--batch 32] [--skip-hf-single]
+    python benchmarks/bench_offline.py [--prompt-len 128] [--output-len 128] [--batch 32] [--skip-hf-single]
 
-Prints a table and writes bench/results/offline-<timestamp>.json. Ratios are against HF measured in the
+Prints a table and writes benchmarks/results/offline-<timestamp>.json. Ratios are against HF measured in the
 same invocation; absolute times on a shared machine drift.
 """
 

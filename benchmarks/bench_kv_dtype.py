@@ -1,11 +1,11 @@
 """KV cache dtype: float32 vs bfloat16 vs int8 (vs fp8_e4m3) KV on the benchmark model, in one run.
 
-    python bench/bench_kv_dtype.py [--requests 256] [--prompt-len 128] [--output-len 128] [--threads N] [--quick]
+    python benchmarks/bench_kv_dtype.py [--requests 256] [--prompt-len 128] [--output-len 128] [--threads N] [--quick]
 
 Per KV dtype: offline output tok/s for `--requests` requests (prompt/output lengths as given), the decode step time
 with the whole batch decoding (every request past its prefill), and the maximum number of concurrent 4096-token
 requests a 4 GiB pool holds, from the ledger (lmserve.memory) and from the engine's configuration (asserted equal).
-Prints a table and writes bench/results/kv-dtype-<timestamp>.json.
+Prints a table and writes benchmarks/results/kv-dtype-<timestamp>.json.
 """
 
 from __future__ import annotations

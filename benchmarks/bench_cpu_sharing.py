@@ -1,10 +1,10 @@
 """CPU sharing (issue 15): 8 concurrent streams through `lmserve serve` on a quiet machine and with one
 competing CPU hog (`yes > /dev/null`) per usable core, for each --cpu-wait-policy; prints the table (loaded /
 quiet per policy, and each policy's quiet figure vs the 'spin' baseline) and writes
-bench/results/cpu-sharing-<timestamp>.json (bench/machine.write_result).
+benchmarks/results/cpu-sharing-<timestamp>.json (benchmarks/machine.write_result).
 
-    python bench/bench_cpu_sharing.py [--threads 2] [--streams 8] [--policies bounded,spin,passive]
-        [--prompt-len 128] [--output-len 128] [--model DIR] [--out bench/results] [--quick]
+    python benchmarks/bench_cpu_sharing.py [--threads 2] [--streams 8] [--policies bounded,spin,passive]
+        [--prompt-len 128] [--output-len 128] [--model DIR] [--out benchmarks/results] [--quick]
 
 Targets: loaded >= 35 % of quiet at 8 streams; the chosen default's quiet figure within 5 % of the best.
 """
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script runs, not a measurement")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL

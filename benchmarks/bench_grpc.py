@@ -1,14 +1,14 @@
 """gRPC vs HTTP on the same server and engine: concurrent streams through `lmserve bench serve`'s load generator.
 
-    python bench/bench_grpc.py [--prompt-len 128] [--output-len 128] [--concurrency 32] [--requests 64]
+    python benchmarks/bench_grpc.py [--prompt-len 128] [--output-len 128] [--concurrency 32] [--requests 64]
         [--rounds 2] [--threads 2] [--model DIR] [--out DIR] [--quick]
 
-One `lmserve serve --grpc-port` process (the benchmark model of bench/benchmark_model.py unless --model); every
+One `lmserve serve --grpc-port` process (the benchmark model of benchmarks/benchmark_model.py unless --model); every
 request a different prompt of exactly --prompt-len random token ids (sent as ids over both frontends, so neither
 tokenizes), --output-len tokens forced (ignore_eos, greedy), at most --concurrency in flight (closed loop). Each
 round runs --requests over HTTP (SSE /v1/completions) and over gRPC (GenerateStream on one channel), alternating
 which goes first (ABBA), after an untimed warm-up of both. Reports per frontend the output tok/s, TTFT P50/P99
-and TPOT / E2E (client-side, from send), the median over rounds; writes bench/results/grpc-<timestamp>.json.
+and TPOT / E2E (client-side, from send), the median over rounds; writes benchmarks/results/grpc-<timestamp>.json.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, cast
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 from machine import write_result
 
-from lmserve.bench.experiments import ServerError, free_loopback_port, running_server
+from lmserve.bench.harness import ServerError, free_loopback_port, running_server
 
 FULL = dict(prompt_len=128, output_len=128, concurrency=32, requests=64, rounds=2)
 QUICK = dict(prompt_len=16, output_len=8, concurrency=4, requests=8, rounds=1)

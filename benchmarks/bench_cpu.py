@@ -1,7 +1,7 @@
 """The CPU performance table: lmserve vs HF transformers (and optionally a peer OpenAI-compatible server such as
 vLLM-CPU), same model, same prompts, one run.
 
-    python bench/bench_cpu.py [--prompt-len 128] [--output-len 128] [--concurrency 32] [--offline-requests 256]
+    python benchmarks/bench_cpu.py [--prompt-len 128] [--output-len 128] [--concurrency 32] [--offline-requests 256]
         [--hf-batch 32] [--threads 2] [--peer-url http://host:port [--peer-model NAME]] [--model DIR|FILE.gguf]
         [--skip-single] [--skip-hf] [--skip-server] [--skip-offline] [--out DIR] [--quick]
         [--quantization int8|int4|none [--quantization-group-size 32]] [--llama-cpp-dir DIR]
@@ -19,14 +19,14 @@ Workloads (every request a different prompt of exactly --prompt-len random token
 
 The phases run one after the other so no two of them share the cores: lmserve in-process, then HF, then the
 lmserve server (a subprocess, stopped before the next phase), then the peer. The benchmark model is the
-SmolLM-135M-shaped random Llama of bench/benchmark_model.py unless --model names an HF model directory or a
+SmolLM-135M-shaped random Llama of benchmarks/benchmark_model.py unless --model names an HF model directory or a
 .gguf file (lmserve and HF both dequantize it; llama.cpp's llama-server on the same file is a --peer-url). The peer
 gets prompts as token ids, so it must serve a model with at least that vocabulary (49152 for the benchmark
-model). Prints the table (ratios are lmserve / peer) and writes bench/results/cpu-<timestamp>.json.
+model). Prints the table (ratios are lmserve / peer) and writes benchmarks/results/cpu-<timestamp>.json.
 
 --quantization runs lmserve (engine and server) with int8 (W8A8) or int4 weights; HF stays float32. With
 --llama-cpp-dir the peer is llama.cpp's llama-server on the same model converted to GGUF at the matching
-width (F32 / Q8_0 / Q4_0; bench/llama_cpp_peer.py), --threads threads, --concurrency slots.
+width (F32 / Q8_0 / Q4_0; benchmarks/llama_cpp_peer.py), --threads threads, --concurrency slots.
 
 With --model FILE.gguf and --llama-cpp-dir, llama-server and lmserve serve that same file: lmserve runs its
 Q8_0 / Q4_0 / Q4_1 tensors as they are (no --quantization; `none` dequantizes). --gguf-type Q8_0 first

@@ -1,4 +1,4 @@
-"""The machine description every bench/ JSON carries: CPU model, cores, memory, the instruction sets that
+"""The machine description every benchmarks/ JSON carries: CPU model, cores, memory, the instruction sets that
 pick lmserve's (and peers') kernels, versions, git commit and load average. Machines differ between sessions:
 a figure means nothing without this."""
 
@@ -103,7 +103,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def write_result(out_dir: Path, name: str, args: Any, payload: dict[str, Any], suffix: str = "") -> Path:
-    """bench/results-style JSON: {benchmark, args, machine, time, **payload} as `<name>-<timestamp><suffix>.json`
+    """benchmarks/results-style JSON: {benchmark, args, machine, time, **payload} as `<name>-<timestamp><suffix>.json`
     under out_dir; prints and returns the path."""
     import json
     import time

@@ -4,8 +4,8 @@
 2. a batch-32 decode step with 32 JSON-schema requests vs 32 unconstrained (the issue's bound: <= 10 % more);
 3. time to first token for a never-seen schema vs the same schema again (cached).
 
-python bench/bench_structured.py [--batch 32] [--steps 30] [--prompt-len 128] [--quick]
-Prints a table and writes bench/results/structured-<timestamp>.json. --quick: the bundled model, tiny sizes
+python benchmarks/bench_structured.py [--batch 32] [--steps 30] [--prompt-len 128] [--quick]
+Prints a table and writes benchmarks/results/structured-<timestamp>.json. --quick: the bundled model, tiny sizes
 (a smoke test, numbers meaningless).
 """
 

@@ -3,7 +3,7 @@
 second on the event loop, as `/v1/dashboard/stream` does). Prints the mean step time both ways; the budget is
 ≤ 1 % at 32 streams.
 
-    python bench/bench_dashboard.py [--streams 32] [--prompt-len 128] [--output-len 256] [--repeats 3]
+    python benchmarks/bench_dashboard.py [--streams 32] [--prompt-len 128] [--output-len 256] [--repeats 3]
                                     [--kv-cache-memory-gib 2] [--threads N] [--quick]
 
 --quick: the bundled tiny model, 4 streams, 24 tokens (a smoke test of the script, not a measurement).

@@ -1,9 +1,9 @@
 """Scoring throughput through the server, and the memory of scoring one long prompt.
 
-    python bench/bench_scoring.py [--requests 1000] [--prompt-len 256] [--concurrency 8] [--rounds 1]
+    python benchmarks/bench_scoring.py [--requests 1000] [--prompt-len 256] [--concurrency 8] [--rounds 1]
         [--threads 2] [--peak-prompt-len 2000] [--model DIR] [--out DIR] [--quick] [--no-peak]
 
-One `lmserve serve` (the benchmark model of bench/benchmark_model.py unless --model: 49,152-token vocabulary),
+One `lmserve serve` (the benchmark model of benchmarks/benchmark_model.py unless --model: 49,152-token vocabulary),
 every request a different prompt of exactly --prompt-len random token ids, --concurrency in flight (closed loop,
 non-streaming /v1/completions). Two modes on the same prompts, alternating which goes first each round (ABBA):
 
@@ -19,7 +19,7 @@ Then the peak memory of one --peak-prompt-len prompt with prompt_logprobs 5 and 
 in one step), offline in a fresh process: the process's peak RSS after a plain prefill of the same prompt, and
 after scoring it, once with the log_softmax in 16 MiB slices of rows (lmserve's) and once over the whole
 [prompt_len, vocab] (the slice made larger than the prompt), to show what slicing saves.
-Writes bench/results/scoring-<timestamp>.json.
+Writes benchmarks/results/scoring-<timestamp>.json.
 """
 
 from __future__ import annotations

