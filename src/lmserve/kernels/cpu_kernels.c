@@ -1111,10 +1111,18 @@ KQ_INLINE __m512 kq_table(float d1, float m1, float base) {
     return _mm512_fmadd_ps(_mm512_add_ps(codes, _mm512_set1_ps(base)), _mm512_set1_ps(d1), _mm512_set1_ps(-m1));
 }
 
-KQ_INLINE void kq_block_q4k_q5k(int type, const uint8_t *b, const float *x, int64_t K, int N, __m512 (*acc)[KQ_ACC],
-                                float *out) {
-    /* the 8 scales and mins, unpacked four at a time in 32-bit words (kq_scale_min's bits, llama.cpp's trick),
-     * then d * sc and dmin * m as vectors: scalar conversions and broadcasts cost as much as the lookups did */
+/* A super-block's scales as floats, sd[0..31]: Q4_K / Q5_K d * sc[8], then dmin * m[8] (the 8 six-bit scales and
+ * mins unpacked four at a time in 32-bit words: kq_scale_min's bits, llama.cpp's trick); Q6_K d * sc[16], then
+ * -32 times those (all exact). kq_rows decodes a run of super-blocks' scales before their weights: broadcasting
+ * them from memory right after storing them (or from registers) cost as much as the lookups themselves. */
+KQ_INLINE void kq_scales(int type, const uint8_t *b, float *sd) {
+    if (type == KQ_Q6_K) {
+        __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        __m512 ds = _mm512_mul_ps(_mm512_set1_ps(kq_f16c(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        _mm512_storeu_ps(sd, ds);
+        _mm512_storeu_ps(sd + 16, _mm512_mul_ps(ds, _mm512_set1_ps(-32.f)));
+        return;
+    }
     uint32_t u[3], sc[2], mn[2];
     memcpy(u, b + 4, sizeof u);
     sc[0] = u[0] & 0x3f3f3f3fu;
@@ -1124,32 +1132,46 @@ KQ_INLINE void kq_block_q4k_q5k(int type, const uint8_t *b, const float *x, int6
     uint64_t sc8, mn8;
     memcpy(&sc8, sc, sizeof sc8);
     memcpy(&mn8, mn, sizeof mn8);
-    float d1[8], m1[8];
     __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)));
     __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8)));
-    _mm256_storeu_ps(d1, _mm256_mul_ps(_mm256_set1_ps(kq_f16c(b)), scf));
-    _mm256_storeu_ps(m1, _mm256_mul_ps(_mm256_set1_ps(kq_f16c(b + 2)), mnf));
+    _mm256_storeu_ps(sd, _mm256_mul_ps(_mm256_set1_ps(kq_f16c(b)), scf));
+    _mm256_storeu_ps(sd + 8, _mm256_mul_ps(_mm256_set1_ps(kq_f16c(b + 2)), mnf));
+}
+
+/* Q4_K / Q5_K super-block b (scales sd from kq_scales) into N rows' sums, or dequantized (N = 0). Q5_K: the 5th bit
+ * of each weight (bit s of qh[l] for sub-block s) shifted to bit 4 of its code's lane, and the 32-entry table
+ * (codes 0..15, 16..31) looked up with one vpermt2ps (it reads the low 5 bits of each lane). */
+KQ_INLINE void kq_block_q4k_q5k(int type, const uint8_t *b, const float *sd, const float *x, int64_t K, int N,
+                                __m512 (*acc)[KQ_ACC], float *out) {
+    const float *d1 = sd, *m1 = sd + 8;
     const uint8_t *ql = type == KQ_Q5_K ? b + 48 : b + 16;
-    __m256i qh = type == KQ_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    __m512i qh[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* Q5_K: qh[16h + i] in lane i */
+    if (type == KQ_Q5_K) {
+        qh[0] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
+        qh[1] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32)));
+    }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
         __m512 ta = kq_table(d1[2 * j], m1[2 * j], 0.f), tb = kq_table(d1[2 * j + 1], m1[2 * j + 1], 0.f);
         __m512 ta16 = ta, tb16 = tb;
-        __mmask32 ka = 0, kb = 0; /* Q5_K: which of the 32 weights of sub-blocks 2j / 2j + 1 have their 5th bit */
         if (type == KQ_Q5_K) {
             ta16 = kq_table(d1[2 * j], m1[2 * j], 16.f);
             tb16 = kq_table(d1[2 * j + 1], m1[2 * j + 1], 16.f);
-            ka = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j))));
-            kb = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j + 1))));
         }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             __m512i ia = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 32 * j + 16 * h)));
             __m512i ib = _mm512_srli_epi32(ia, 4); /* (vpermps reads the low 4 bits: the low nibble needs no mask) */
-            __m512 wa = _mm512_permutexvar_ps(ia, ta), wb = _mm512_permutexvar_ps(ib, tb);
-            if (type == KQ_Q5_K) {
-                wa = _mm512_mask_permutexvar_ps(wa, (__mmask16)(ka >> (16 * h)), ia, ta16);
-                wb = _mm512_mask_permutexvar_ps(wb, (__mmask16)(kb >> (16 * h)), ib, tb16);
+            __m512 wa, wb;
+            if (type == KQ_Q5_K) { /* bits 0-3 the nibble, bit 4 the qh bit (bits above: ignored) */
+                const __m512i nib = _mm512_set1_epi32(0x0f);
+                __m512i ha = 2 * j <= 4 ? _mm512_slli_epi32(qh[h], 4 - 2 * j) : _mm512_srli_epi32(qh[h], 2 * j - 4);
+                __m512i hb = 2 * j + 1 <= 4 ? _mm512_slli_epi32(qh[h], 3 - 2 * j) : _mm512_srli_epi32(qh[h], 2 * j - 3);
+                wa = _mm512_permutex2var_ps(ta, _mm512_ternarylogic_epi32(ia, ha, nib, 0xe4), ta16);
+                wb = _mm512_permutex2var_ps(tb, _mm512_ternarylogic_epi32(ib, hb, nib, 0xe4), tb16);
+            } else {
+                wa = _mm512_permutexvar_ps(ia, ta);
+                wb = _mm512_permutexvar_ps(ib, tb);
             }
             kq_put(wa, x, K, 64 * j + 16 * h, N, 4 * j + h, acc, out);
             kq_put(wb, x, K, 64 * j + 32 + 16 * h, N, 4 * j + 2 + h, acc, out);
@@ -1157,12 +1179,9 @@ KQ_INLINE void kq_block_q4k_q5k(int type, const uint8_t *b, const float *x, int6
     }
 }
 
-KQ_INLINE void kq_block_q6k(const uint8_t *b, const float *x, int64_t K, int N, __m512 (*acc)[KQ_ACC], float *out) {
-    __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
-    float ds[16], nds[16]; /* d * scale of each sub-block of 16 (exact), and -32 times it */
-    __m512 dsv = _mm512_mul_ps(_mm512_set1_ps(kq_f16c(b + 208)), scales);
-    _mm512_storeu_ps(ds, dsv);
-    _mm512_storeu_ps(nds, _mm512_mul_ps(dsv, _mm512_set1_ps(-32.f)));
+/* Q6_K super-block b (scales sd from kq_scales) into N rows' sums, or dequantized (N = 0). */
+KQ_INLINE void kq_block_q6k(const uint8_t *b, const float *sd, const float *x, int64_t K, int N,
+                            __m512 (*acc)[KQ_ACC], float *out) {
     const __m512i m4 = _mm512_set1_epi32(0x0f), m2 = _mm512_set1_epi32(3);
 #pragma GCC unroll 2
     for (int n = 0; n < 2; n++) {
@@ -1182,39 +1201,50 @@ KQ_INLINE void kq_block_q6k(const uint8_t *b, const float *x, int64_t K, int N, 
 #pragma GCC unroll 4
             for (int g = 0; g < 4; g++) {
                 int i = 8 * n + 2 * g + h; /* (q - 32) * s exactly: q * s and 32 * s are exact */
-                __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[g]), _mm512_set1_ps(ds[i]), _mm512_set1_ps(nds[i]));
+                __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[g]), _mm512_set1_ps(sd[i]), _mm512_set1_ps(sd[16 + i]));
                 kq_put(w, x, K, 128 * n + 32 * g + 16 * h, N, 8 * n + 2 * g + h, acc, out);
             }
         }
     }
 }
 
-KQ_INLINE void kq_block(int type, const uint8_t *b, const float *x, int64_t K, int N, __m512 (*acc)[KQ_ACC],
-                        float *out) {
-    if (type == KQ_Q6_K)
-        kq_block_q6k(b, x, K, N, acc, out);
-    else
-        kq_block_q4k_q5k(type, b, x, K, N, acc, out);
+#define KQ_RUN 16 /* super-blocks whose scales kq_walk decodes ahead of their weights (2 KiB of stack) */
+
+/* The N rows' sums of weight row wr (N = 0: its float32 weights into out), a run of KQ_RUN super-blocks at a time:
+ * their scales first, then their weights, KQ_PREFETCH bytes of the stream ahead into L2 (the hardware prefetcher
+ * alone left the lookups waiting on DRAM: 4 GB/s a core). */
+KQ_INLINE void kq_walk(int type, const uint8_t *wr, const float *x, int64_t K, int N, __m512 (*acc)[KQ_ACC],
+                       float *out) {
+    const int64_t bb = kq_block_bytes(type), nb = K / QK_K;
+    float sd[KQ_RUN][32];
+    for (int64_t j0 = 0; j0 < nb; j0 += KQ_RUN) {
+        int64_t n = nb - j0 < KQ_RUN ? nb - j0 : KQ_RUN;
+        for (int64_t j = 0; j < n; j++) kq_scales(type, wr + (j0 + j) * bb, sd[j]);
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *b = wr + (j0 + j) * bb;
+            const char *pf = (const char *)b + KQ_PREFETCH;
+            _mm_prefetch(pf, _MM_HINT_T1);
+            _mm_prefetch(pf + 64, _MM_HINT_T1);
+            _mm_prefetch(pf + 128, _MM_HINT_T1);
+            if (type == KQ_Q6_K) _mm_prefetch(pf + 192, _MM_HINT_T1);
+            const float *xb = N ? x + (j0 + j) * QK_K : NULL;
+            float *ob = N ? NULL : out + (j0 + j) * QK_K;
+            if (type == KQ_Q6_K)
+                kq_block_q6k(b, sd[j], xb, K, N, acc, ob);
+            else
+                kq_block_q4k_q5k(type, b, sd[j], xb, K, N, acc, ob);
+        }
+    }
 }
 
 /* y[m * ldy] = x[m] . (weight row wr) for the N (a constant after inlining) rows of x. */
 KQ_INLINE void kq_rows(int type, const uint8_t *wr, const float *x, int64_t K, int N, float *y, int64_t ldy) {
     const int A = N == 1 ? 4 : N == 2 ? 2 : 1;
-    const int64_t bb = kq_block_bytes(type);
     __m512 acc[KQ_MAX_ROWS][KQ_ACC];
 #pragma GCC unroll 8
     for (int m = 0; m < N; m++)
         for (int a = 0; a < KQ_ACC; a++) acc[m][a] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < K / QK_K; j++) {
-        /* the weight stream KQ_PREFETCH bytes ahead, into L2 (the hardware prefetcher alone left the lookups
-         * waiting on DRAM: 4 GB/s a core) */
-        const char *pf = (const char *)wr + j * bb + KQ_PREFETCH;
-        _mm_prefetch(pf, _MM_HINT_T1);
-        _mm_prefetch(pf + 64, _MM_HINT_T1);
-        _mm_prefetch(pf + 128, _MM_HINT_T1);
-        if (type == KQ_Q6_K) _mm_prefetch(pf + 192, _MM_HINT_T1);
-        kq_block(type, wr + j * bb, x + j * QK_K, K, N, acc, NULL);
-    }
+    kq_walk(type, wr, x, K, N, acc, NULL);
 #pragma GCC unroll 8
     for (int m = 0; m < N; m++) {
         __m512 s = acc[m][0];
@@ -1261,15 +1291,12 @@ static KQ_TARGET void kq_linear_avx512(int type, const float *x, const uint8_t *
 }
 
 static KQ_TARGET void kq_dequant_row_avx512(int type, const uint8_t *wr, float *out, int64_t K) {
-    const int64_t bb = kq_block_bytes(type);
-    for (int64_t j = 0; j < K / QK_K; j++) {
-        if (type == KQ_Q4_K)
-            kq_block(KQ_Q4_K, wr + j * bb, NULL, K, 0, NULL, out + j * QK_K);
-        else if (type == KQ_Q5_K)
-            kq_block(KQ_Q5_K, wr + j * bb, NULL, K, 0, NULL, out + j * QK_K);
-        else
-            kq_block(KQ_Q6_K, wr + j * bb, NULL, K, 0, NULL, out + j * QK_K);
-    }
+    if (type == KQ_Q4_K)
+        kq_walk(KQ_Q4_K, wr, NULL, K, 0, NULL, out);
+    else if (type == KQ_Q5_K)
+        kq_walk(KQ_Q5_K, wr, NULL, K, 0, NULL, out);
+    else
+        kq_walk(KQ_Q6_K, wr, NULL, K, 0, NULL, out);
 }
 #endif
 
