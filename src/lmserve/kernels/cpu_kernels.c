@@ -1023,21 +1023,25 @@ static inline void kq_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
     }
 }
 
-/* One super-block of `type` to its 256 float32 weights (the reference the AVX-512 path matches bit for bit). */
+/* One super-block of `type` to its 256 float32 weights (the reference the AVX-512 path matches bit for bit). The
+ * loops run over 16 or 32 weights of one scale, so that the compiler vectorizes them (the portable path). */
 static void kq_dequant_block(int type, const uint8_t *b, float *out) {
     if (type == KQ_Q6_K) {
         const float d = kq_f16(b + 208);
         const int8_t *scales = (const int8_t *)(b + 192);
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
-            const int8_t *s = scales + 8 * n;
             float *y = out + 128 * n;
-            for (int l = 0; l < 32; l++) {
-                int is = l / 16;
-                y[l] = d * s[is] * (float)(((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) - 32);
-                y[l + 32] = d * s[is + 2] * (float)(((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32);
-                y[l + 64] = d * s[is + 4] * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-                y[l + 96] = d * s[is + 6] * (float)(((ql[l + 32] >> 4) | ((qh[l] >> 6) << 4)) - 32);
+            for (int half = 0; half < 2; half++) { /* weights l = 16 half .. 16 half + 15 of each group of 32 */
+                float s0 = d * scales[8 * n + half], s1 = d * scales[8 * n + half + 2];
+                float s2 = d * scales[8 * n + half + 4], s3 = d * scales[8 * n + half + 6];
+#pragma omp simd
+                for (int l = 16 * half; l < 16 * half + 16; l++) {
+                    y[l] = s0 * (float)(((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) - 32);
+                    y[l + 32] = s1 * (float)(((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                    y[l + 64] = s2 * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                    y[l + 96] = s3 * (float)(((ql[l + 32] >> 4) | ((qh[l] >> 6) << 4)) - 32);
+                }
             }
         }
         return;
@@ -1048,14 +1052,20 @@ static void kq_dequant_block(int type, const uint8_t *b, float *out) {
     const uint8_t *qh = b + 16, *ql = type == KQ_Q5_K ? b + 48 : b + 16;
     for (int j = 0; j < 4; j++) {
         float d1 = d * sc[2 * j], m1 = dmin * mn[2 * j], d2 = d * sc[2 * j + 1], m2 = dmin * mn[2 * j + 1];
-        for (int l = 0; l < 32; l++) {
-            int lo = ql[32 * j + l] & 0x0f, hi = ql[32 * j + l] >> 4;
-            if (type == KQ_Q5_K) {
-                lo += ((qh[l] >> (2 * j)) & 1) << 4;
-                hi += ((qh[l] >> (2 * j + 1)) & 1) << 4;
+        const uint8_t *q = ql + 32 * j;
+        float *y = out + 64 * j;
+        if (type == KQ_Q5_K) {
+#pragma omp simd
+            for (int l = 0; l < 32; l++) {
+                y[l] = d1 * (float)((q[l] & 0x0f) | (((qh[l] >> (2 * j)) & 1) << 4)) - m1;
+                y[l + 32] = d2 * (float)((q[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4)) - m2;
             }
-            out[64 * j + l] = d1 * (float)lo - m1;
-            out[64 * j + 32 + l] = d2 * (float)hi - m2;
+        } else {
+#pragma omp simd
+            for (int l = 0; l < 32; l++) {
+                y[l] = d1 * (float)(q[l] & 0x0f) - m1;
+                y[l + 32] = d2 * (float)(q[l] >> 4) - m2;
+            }
         }
     }
 }
