@@ -91,8 +91,10 @@ class ModelRunner:
                 config.weight_dtype or mc.dtype,
             )
             if config.quantization is not None and config.quantization.method == "gguf":
-                logger.info("GGUF blocks kept as they are in %d Linear layers (embeddings, norms: %s)",
-                            sum(getattr(m, "quant_method", None) is not None for m in self.model.modules()), mc.dtype)
+                embed = getattr(self.model.model.embed_tokens, "kq_type", None) or mc.dtype  # (K-quant: kept)
+                logger.info("GGUF blocks kept as they are in %d Linear layers (token embedding: %s, norms: %s)",
+                            sum(getattr(m, "quant_method", None) is not None for m in self.model.modules()), embed,
+                            mc.dtype)
             elif config.quantization is not None:
                 logger.info("projections quantized to %s (embeddings, LM head, norms: %s)",
                             config.quantization.method, mc.dtype)
