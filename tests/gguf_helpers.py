@@ -83,6 +83,9 @@ def write_gguf(model_dir: Path, out: Path, weight_type: str = "F32", overrides: 
         qtype_name = (overrides or {}).get(name, weight_type) if array.ndim == 2 else "F32"
         if qtype_name == "F32":
             w.add_tensor(gguf_name(name), array)
+        elif qtype_name in KQUANT_TYPES:
+            qtype = gguf.GGMLQuantizationType[qtype_name]
+            w.add_tensor(gguf_name(name), quantize_kquant(array, qtype_name), raw_dtype=qtype)
         else:
             qtype = gguf.GGMLQuantizationType[qtype_name]
             w.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
@@ -91,6 +94,82 @@ def write_gguf(model_dir: Path, out: Path, weight_type: str = "F32", overrides: 
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# ---- K-quants: gguf's Python package dequantizes Q4_K / Q5_K / Q6_K but cannot quantize them ---------------
+
+KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float32)
+
+
+def quantize_kquant(w: np.ndarray, type_name: str) -> np.ndarray:
+    """(rows, cols) float32 → (rows, cols / 256 * block bytes) uint8 super-blocks of ggml's layouts (block_q4_K,
+    block_q5_K, block_q6_K in ggml-common.h), by a plain min/max (Q4_K, Q5_K) or absmax (Q6_K) choice of sub-block
+    scales, quantized to 6 / 8 bits against the super-block's float16 d / dmin as ggml's reference quantizer does
+    (it searches the scales harder; any scales make valid blocks, and gguf's dequantizer is the reference)."""
+    rows, cols = w.shape
+    assert cols % 256 == 0, f"{type_name}: {cols} columns is not a multiple of 256"
+    x = w.reshape(-1, 256).astype(np.float32)
+    n = x.shape[0]
+    if type_name == "Q6_K":
+        sub = x.reshape(n, 16, 16)
+        amax = np.abs(sub).max(axis=-1)
+        scale = amax / 31
+        d = _f16(np.abs(scale).max(axis=-1) / 127)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ls = np.where(d[:, None] > 0, np.clip(np.round(scale / d[:, None]), -128, 127), 0)
+            step = (d[:, None] * ls)[..., None]
+            q = np.where(step > 0, np.clip(np.round(sub / step), -32, 31), 0).astype(np.int32) + 32
+        q = q.reshape(n, 2, 4, 32)  # (half, group of 32, l)
+        ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], -1)
+        qh = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+        parts = [ql.reshape(n, 128), qh.reshape(n, 64), ls.astype(np.int8).view(np.uint8)]
+        parts.append(d.astype(np.float16).view(np.uint8).reshape(n, 2))
+        return np.concatenate([p.astype(np.uint8) for p in parts], axis=-1).reshape(rows, -1)
+    levels = 15 if type_name == "Q4_K" else 31
+    sub = x.reshape(n, 8, 32)
+    lo = np.minimum(sub.min(axis=-1), 0)
+    scale = (sub.max(axis=-1) - lo) / levels
+    d, dmin = _f16(scale.max(axis=-1) / 63), _f16((-lo).max(axis=-1) / 63)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.where(d[:, None] > 0, np.clip(np.round(scale / d[:, None]), 0, 63), 0).astype(np.int32)
+        lm = np.where(dmin[:, None] > 0, np.clip(np.round(-lo / dmin[:, None]), 0, 63), 0).astype(np.int32)
+        step = (d[:, None] * ls)[..., None]
+        q = np.where(step > 0, np.round((sub + (dmin[:, None] * lm)[..., None]) / step), 0)
+    q = np.clip(q, 0, levels).astype(np.int32)  # (n, 8 sub-blocks, 32)
+    packed = np.empty((n, 12), np.int32)  # ggml's get_scale_min_k4, inverted
+    packed[:, 0:4] = ls[:, 0:4] | (ls[:, 4:8] >> 4) << 6
+    packed[:, 4:8] = lm[:, 0:4] | (lm[:, 4:8] >> 4) << 6
+    packed[:, 8:12] = (ls[:, 4:8] & 15) | (lm[:, 4:8] & 15) << 4
+    pairs = q.reshape(n, 4, 2, 32)
+    qs = (pairs[:, :, 0] & 15 | (pairs[:, :, 1] & 15) << 4).reshape(n, 128)
+    parts = [d.astype(np.float16).view(np.uint8).reshape(n, 2), dmin.astype(np.float16).view(np.uint8).reshape(n, 2)]
+    parts.append(packed)
+    if type_name == "Q5_K":
+        parts.append((q >> 4 << np.arange(8)[None, :, None]).sum(axis=1))  # bit s of qh[l]: sub-block s
+    parts.append(qs)
+    return np.concatenate([p.astype(np.uint8) for p in parts], axis=-1).reshape(rows, -1)
+
+
+def q4_k_m_types(num_layers: int, base: str = "Q4_K", tied: bool = False) -> dict[str, str]:
+    """llama-quantize's Q4_K_M (base "Q4_K") / Q5_K_M ("Q5_K") choice per HF weight name (llama.cpp
+    src/llama-quant.cpp, llama_tensor_get_type): Q6_K for the LM head (the token embedding when tied) and, on the
+    layers use_more_bits picks (the first and last eighth, and every third one between), for attn_v and ffn_down;
+    every other 2-D weight the base type."""
+
+    def use_more_bits(i: int) -> bool:
+        return i < num_layers // 8 or i >= 7 * num_layers // 8 or (i - num_layers // 8) % 3 == 2
+
+    types = {"model.embed_tokens.weight": "Q6_K" if tied else base, "lm_head.weight": "Q6_K"}
+    for i in range(num_layers):
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"):
+            types[f"model.layers.{i}.{part}.weight"] = base
+        for part in ("self_attn.v_proj", "mlp.down_proj"):
+            types[f"model.layers.{i}.{part}.weight"] = "Q6_K" if use_more_bits(i) else base
+    return types
 
 
 def dequantized_hf_model(model_dir: Path, gguf_file: Path, out_dir: Path) -> Path:

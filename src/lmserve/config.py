@@ -30,7 +30,8 @@ QUANTIZATION_FORMAT = "lmserve-v1"  # `quantization_config.format` of checkpoint
 @dataclass(frozen=True)
 class QuantizationConfig:
     """Quantized projection weights (lmserve.model.quantization): "int8" W8A8 or "int4" weight-only, or
-    "gguf": a GGUF file's block-32 tensors (Q8_0 / Q4_0 / Q4_1) kept as they are (group 32)."""
+    "gguf": a GGUF file's block-32 tensors (Q8_0 / Q4_0 / Q4_1, group 32) and K-quants (Q4_K / Q5_K / Q6_K)
+    kept as they are."""
 
     method: str
     group_size: int | None  # int4 / gguf: inputs per scale; None for int8 (one scale per output channel)
@@ -46,13 +47,13 @@ class QuantizationConfig:
 
 
 def _gguf_quantization(model: ModelConfig, device: str, weight_dtype: str | None) -> QuantizationConfig | None:
-    """A GGUF file with Q8_0 / Q4_0 / Q4_1 tensors keeps them as they are on the CPU float32 path (else, and
-    with quantization="none", every quantized tensor is dequantized at load, logged)."""
-    from lmserve.model.gguf import BLOCK32_TYPES, GGUFCheckpoint
+    """A GGUF file with Q8_0 / Q4_0 / Q4_1 or Q4_K / Q5_K / Q6_K tensors keeps them as they are on the CPU float32
+    path (else, and with quantization="none", every quantized tensor is dequantized at load, logged)."""
+    from lmserve.model.gguf import KEPT_TYPES, GGUFCheckpoint
 
     if model.dtype != "float32" or not device.startswith("cpu") or weight_dtype is not None:
         return None
-    if not set(GGUFCheckpoint(model.path).bytes_by_type()) & set(BLOCK32_TYPES):
+    if not set(GGUFCheckpoint(model.path).bytes_by_type()) & set(KEPT_TYPES):
         return None
     return QuantizationConfig("gguf", 32, prequantized=True)
 

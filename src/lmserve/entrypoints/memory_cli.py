@@ -188,16 +188,18 @@ def _gguf_file(args: argparse.Namespace) -> Path | None:
 
 
 def _keeps_gguf_blocks(gguf_file: Path, weight_dtype: str) -> bool:
-    """Whether the engine keeps this GGUF's block-32 tensors as they are (float32 weights, no --quantization)."""
-    from lmserve.model.gguf import BLOCK32_TYPES, GGUFCheckpoint
+    """Whether the engine keeps this GGUF's block-32 / K-quant tensors as they are (float32 weights, no
+    --quantization)."""
+    from lmserve.model.gguf import KEPT_TYPES, GGUFCheckpoint
 
-    return dtype_bytes(weight_dtype) == 4 and bool(set(GGUFCheckpoint(gguf_file).bytes_by_type()) & set(BLOCK32_TYPES))
+    return dtype_bytes(weight_dtype) == 4 and bool(set(GGUFCheckpoint(gguf_file).bytes_by_type()) & set(KEPT_TYPES))
 
 
 def gguf_notes(gguf_file: Path, weight_dtype: str, keep: bool = False) -> tuple[str, ...]:
     """What the GGUF file holds per tensor type, and what its weights take once lmserve has loaded them
-    (`keep`: its Q8_0 / Q4_0 / Q4_1 projections and LM head stay as they are, the rest is dequantized)."""
-    from lmserve.model.gguf import UNQUANTIZED_TYPES, GGUFCheckpoint, resident_weight_bytes
+    (`keep`: its Q8_0 / Q4_0 / Q4_1 projections and LM head, and its K-quant ones and K-quant token embedding,
+    stay as they are, the rest is dequantized)."""
+    from lmserve.model.gguf import BLOCK32_TYPES, KQUANT_TYPES, UNQUANTIZED_TYPES, GGUFCheckpoint, resident_weight_bytes
 
     ckpt = GGUFCheckpoint(gguf_file)
     by_type = ckpt.bytes_by_type()
@@ -207,8 +209,12 @@ def gguf_notes(gguf_file: Path, weight_dtype: str, keep: bool = False) -> tuple[
     quantized = sorted(t for t in by_type if t not in UNQUANTIZED_TYPES)
     notes = [f"GGUF file: {format_bytes(file_bytes)} of tensors ({parts})"]
     if keep:
+        kinds = [
+            k for k, types in (("block-32", BLOCK32_TYPES), ("K-quant", KQUANT_TYPES)) if set(by_type) & set(types)
+        ]
+        what = "projections, LM head, token embedding" if "K-quant" in kinds else "projections, LM head"
         notes.append(
-            f"lmserve keeps {format_bytes(kept)} of block-32 tensors as they are (projections, LM head) and "
+            f"lmserve keeps {format_bytes(kept)} of {' and '.join(kinds)} tensors as they are ({what}) and "
             f"dequantizes the rest to {weight_dtype}: the weights take {format_bytes(resident)} in memory "
             f"({resident / file_bytes:.1f}x the file; --quantization none dequantizes everything)"
         )

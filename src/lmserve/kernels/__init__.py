@@ -125,6 +125,7 @@ def _load() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.rope_write_kv_q.restype = None
     _declare_quantized(lib)
+    _declare_kquant(lib)
     lib.decode_stack.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int]
     lib.decode_stack.restype = ctypes.c_int
     return lib
@@ -506,6 +507,80 @@ def dequant_i8w(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     o, k = qweight.shape
     out = torch.empty(o, k, dtype=torch.float32)
     _lib.dequant_i8w_f32(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), o, k, group, torch.get_num_threads())
+    return out
+
+
+# ---- GGUF K-quant kernels (Q4_K / Q5_K / Q6_K super-blocks as they are in the file); the C side is the K-quant
+# ---- section of cpu_kernels.c, the layout lmserve.model.quantization's "kquant".
+
+KQ_MAX_ROWS = 8  # rows linear_kq takes in one pass over the weights (KQ_MAX_ROWS in the C source)
+KQ_BLOCK = 256  # weights a super-block (ggml's QK_K)
+KQ_TYPES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # GGML type -> the C kernels' type code (KQ_Q4_K ...)
+KQ_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def _declare_kquant(lib: ctypes.CDLL) -> None:
+    lib.kq_kernel_isa.argtypes, lib.kq_kernel_isa.restype = [], ctypes.c_int
+    lib.kq_force_portable.argtypes, lib.kq_force_portable.restype = [ctypes.c_int], None
+    lib.linear_kq_f32.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.linear_kq_f32.restype = None
+    lib.dequant_kq_f32.argtypes = [ctypes.c_int, _P, _P, _I, _I, ctypes.c_int]
+    lib.dequant_kq_f32.restype = None
+
+
+def kquant_kernel_name() -> str:
+    """Which path the K-quant kernels take on this CPU now (chosen at run time by its features)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    return "AVX-512 (chosen at run time)" if _lib.kq_kernel_isa() else "portable C"
+
+
+def force_kquant_portable(on: bool) -> None:
+    """Make the K-quant kernels take their portable C path whatever the CPU has (on=False: back to the CPU's)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    _lib.kq_force_portable(int(on))
+
+
+def linear_kq(
+    x: torch.Tensor, qweight: torch.Tensor, segments: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """K-quant weight-only linear: x (M, K) float32; qweight uint8, the row segments' super-block bytes one after
+    the other; segments (S, 3) int64 rows (type code, rows, byte offset in qweight) covering the out_features
+    output rows in order (lmserve.model.quantization.kquant_segment_table). Returns (M, out_features) float32.
+    Up to KQ_MAX_ROWS rows cost about one pass over the weights; more are served in runs of it (Linear
+    dequantizes tiles for the float32 GEMM then)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    _check(x, "x")
+    m, k = x.shape
+    assert k % KQ_BLOCK == 0, f"K-quant rows hold whole super-blocks of {KQ_BLOCK}, got {k} inputs"
+    _check(qweight, "qweight", torch.uint8)
+    _check(segments, "segments", torch.int64)
+    assert segments.dim() == 2 and segments.shape[1] == 3, f"segments {tuple(segments.shape)}: (S, 3) rows"
+    if bias is not None:
+        _check(bias, "bias")
+        assert bias.shape == (out_features,), f"bias {tuple(bias.shape)} for {out_features} outputs"
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    _lib.linear_kq_f32(
+        x.data_ptr(), qweight.data_ptr(), segments.data_ptr(), segments.shape[0], _ptr(bias), y.data_ptr(), m,
+        out_features, k, torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def dequant_kq(type_name: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows of one K-quant type, blocks (rows, in_features / 256 * block bytes) uint8, as float32 (rows,
+    in_features): exactly gguf's dequantized values."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    assert type_name in KQ_TYPES, f"{type_name} is not a K-quant type ({', '.join(KQ_TYPES)})"
+    _check(blocks, "blocks", torch.uint8)
+    assert in_features % KQ_BLOCK == 0, f"K-quant rows hold whole super-blocks of {KQ_BLOCK}, got {in_features}"
+    rows = blocks.shape[0]
+    row_bytes = in_features // KQ_BLOCK * KQ_BLOCK_BYTES[type_name]
+    assert blocks.numel() == rows * row_bytes, f"{type_name} blocks {tuple(blocks.shape)} for {in_features} inputs"
+    out = torch.empty(rows, in_features, dtype=torch.float32)
+    _lib.dequant_kq_f32(
+        KQ_TYPES[type_name], blocks.data_ptr(), out.data_ptr(), rows, in_features, torch.get_num_threads()
+    )
     return out
 
 

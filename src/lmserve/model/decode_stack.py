@@ -29,7 +29,7 @@ from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
 
 # ls_linear.kind in cpu_kernels.c
-_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4}
+_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5}
 
 
 class _Linear(ctypes.Structure):
@@ -63,6 +63,9 @@ def _linear(m: Linear) -> tuple[_Linear, int]:
         w, kind = (m._weight_bf16 if bf16 else m.weight), ("bf16w" if bf16 else "float32")
         scales = mins = sums = None
         group = 0
+    elif m.quant_method == "kquant":  # (GGUF K-quants: `scales` points at the segment table, G counts its rows)
+        w, scales, mins, sums, kind = m.qweight, m._kq_table, None, None, "kquant"
+        group = m._kq_table.shape[0]
     else:
         w, scales, mins, kind = m.qweight, m.scales, m.mins, m.quant_method
         group, sums = (0 if kind == "int8" else m.in_features // m.scales.shape[1]), None

@@ -6,12 +6,15 @@ from an HF directory: the config keys `ModelConfig.from_hf` parses, the HF param
 torch, so `lmserve memory --model file.gguf` stays torch-free.
 
 Tensor types: F32/F16 arrive as they are, BF16 widened exactly to float32. The block-32 types (Q8_0,
-Q4_0, Q4_1) of the projections and the LM head are kept as they are in the file by default
-(`kept_block32`: the loader claims them through `iter_hf_tensors`' hook and hands `GGUFTensor.blocks()`,
-rows already un-permuted, to lmserve.model.quantization's int8w / int4 layouts, whose kernels run the same
-block math). Everything else quantized (K-quants, the token embedding's lookup table, a projection fused
-with a part of another type, or all of them with quantization="none") is dequantized at load to float32
-by gguf's own dequantizer (the loader then casts to the compute dtype), logged with what it costs.
+Q4_0, Q4_1) of the projections and the LM head, and the K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks)
+of the projections, the LM head and the token embedding, are kept as they are in the file by default
+(`kept_quantized`: the loader claims them through `iter_hf_tensors`' hook and hands `GGUFTensor.blocks()`,
+rows already un-permuted, to lmserve.model.quantization's int8w / int4 / kquant layouts, whose kernels run
+the same block math). A fused projection (qkv, gate_up) is kept when its parts share one block-32 type, or
+are all K-quants (of any mix: Q4_K_M files give some layers' attn_v Q6_K beside Q4_K q / k). Everything else
+quantized (a block-32 token embedding's lookup table, a projection fused with a part of another kind, other
+types such as Q5_0 or Q3_K, or all of them with quantization="none") is dequantized at load to float32 by
+gguf's own dequantizer (the loader then casts to the compute dtype), logged with what it costs.
 `unpack_block32` splits blocks into scales / mins / integer values (the reference the tests check).
 """
 
@@ -64,6 +67,8 @@ LAYER_TENSOR_NAMES = {
 
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 BLOCK32_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # same block-32 scales as the int8w / int4 weight kernels
+KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks, run by the K-quant kernels as they are
+KEPT_TYPES = BLOCK32_TYPES + KQUANT_TYPES  # what the CPU float32 path keeps as it is in the file
 # HF weights of the decoder's Linear layers (the ones a quantized layout can hold), and the parts the model
 # fuses into one matrix (loader.STACKED_PARAMS): those are kept as blocks only when every part has one type.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -275,28 +280,34 @@ def _open_reader(path: Path):
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
 
 
-def kept_block32(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dict[str, GGUFTensor]:
-    """HF weight name → block-32 tensor the quantized weight path keeps as it is: every projection whose
-    fused parts share one block-32 type, and the LM head (`output.weight`, or for a tied model the token
-    embedding's tensor as "lm_head.weight": the embedding itself is still dequantized for its lookup)."""
+def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dict[str, GGUFTensor]:
+    """HF weight name → quantized tensor the quantized weight path keeps as it is: every projection whose fused
+    parts share one block-32 type or are all K-quants, the LM head (`output.weight`, or for a tied model the
+    token embedding's tensor as "lm_head.weight"), and a K-quant token embedding ("model.embed_tokens.weight",
+    looked up row by row; a block-32 one is dequantized for its lookup, and a tied head then keeps its own copy
+    of the blocks, where a K-quant tied head shares the embedding's)."""
     tensors = {t.hf_name: t for t in checkpoint.tensors()}
     kept = {}
     for name, t in tensors.items():
         parts = name.split(".")
-        if t.type_name not in BLOCK32_TYPES or parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
+        if t.type_name not in KEPT_TYPES or parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
             continue
         group = next((g for g in FUSED_PARTS if parts[-2] in g), (parts[-2],))
         siblings = [tensors.get(".".join([*parts[:-2], p, "weight"])) for p in group]
-        if all(s is not None and s.type_name == t.type_name for s in siblings):
+        kinds = {None if s is None else "K" if s.type_name in KQUANT_TYPES else s.type_name for s in siblings}
+        if kinds in ({t.type_name}, {"K"}):  # one block-32 type, or K-quants of any mix
             kept[name] = t
-    head = tensors.get("lm_head.weight") or (tensors.get("model.embed_tokens.weight") if tie_word_embeddings else None)
-    if head is not None and head.type_name in BLOCK32_TYPES:
+    embed = tensors.get("model.embed_tokens.weight")
+    head = tensors.get("lm_head.weight") or (embed if tie_word_embeddings else None)
+    if head is not None and head.type_name in KEPT_TYPES:
         kept["lm_head.weight"] = head
+    if embed is not None and embed.type_name in KQUANT_TYPES:
+        kept["model.embed_tokens.weight"] = embed
     return kept
 
 
-# A quantized weight path's claim on a block-32 tensor: (HF name, tensor) → True when it keeps the blocks
-# itself (`GGUFTensor.blocks()` / `unpack_block32`); the tensor is then not dequantized nor yielded.
+# A quantized weight path's claim on a block-32 or K-quant tensor: (HF name, tensor) → True when it keeps the
+# blocks itself (`GGUFTensor.blocks()` / `unpack_block32`); the tensor is then not dequantized nor yielded.
 Block32Hook = Callable[[str, GGUFTensor], bool]
 
 
@@ -307,13 +318,13 @@ def iter_hf_tensors(
     take_block32: Block32Hook | None = None,
     why_block32: str = "quantization='none', or an engine that is not CPU float32",
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array) for every tensor not claimed by `take_block32`, dequantizing what needs it (logged;
-    `why_block32`: why the block-32 ones that were not claimed are dequantized)."""
+    """(HF name, array) for every tensor not claimed by `take_block32` (offered every block-32 and K-quant one),
+    dequantizing what needs it (logged; `why_block32`: why the kept types' tensors not claimed are dequantized)."""
     tensors = checkpoint.tensors()
     claimed = {
         t.gguf_name
         for t in tensors
-        if t.type_name in BLOCK32_TYPES and take_block32 is not None and take_block32(t.hf_name, t)
+        if t.type_name in KEPT_TYPES and take_block32 is not None and take_block32(t.hf_name, t)
     }
     dequantized = [t for t in tensors if t.type_name not in UNQUANTIZED_TYPES and t.gguf_name not in claimed]
     log_dequantized(dequantized, compute_dtype, dtype_bytes, why_block32)
@@ -332,7 +343,7 @@ def log_dequantized(
     for type_name, group in sorted(by_type.items()):
         file_bytes = sum(t.num_bytes for t in group)
         resident = sum(int(np.prod(t.shape)) for t in group) * dtype_bytes
-        why = why_block32 if type_name in BLOCK32_TYPES else "no kernel for this type"
+        why = why_block32 if type_name in KEPT_TYPES else "no kernel for this type"
         logger.info(
             "GGUF: %d %s tensors dequantized to %s at load (%s): "
             "%.1f MiB in the file -> %.1f MiB in memory (+%.1f MiB)",
@@ -342,25 +353,27 @@ def log_dequantized(
 
 
 def log_kept(kept: dict[str, GGUFTensor]) -> None:
-    """One log line per block-32 type kept as it is in the file: how many tensors, the bytes they hold."""
-    by_type: dict[str, list[GGUFTensor]] = {}
-    for t in kept.values():
-        by_type.setdefault(t.type_name, []).append(t)
+    """One log line per quantized type kept as it is in the file: how many tensors, the bytes they hold."""
+    by_type: dict[str, dict[str, GGUFTensor]] = {}
+    for t in kept.values():  # (a K-quant tied head and its embedding: one tensor)
+        by_type.setdefault(t.type_name, {})[t.gguf_name] = t
     for type_name, group in sorted(by_type.items()):
         logger.info(
-            "GGUF: %d %s tensors kept as they are in the file (their block-32 kernels run them): %.1f MiB",
-            len(group), type_name, sum(t.num_bytes for t in group) / 2**20,
+            "GGUF: %d %s tensors kept as they are in the file (their %s kernels run them): %.1f MiB",
+            len(group), type_name, "K-quant" if type_name in KQUANT_TYPES else "block-32",
+            sum(t.num_bytes for t in group.values()) / 2**20,
         )  # fmt: skip
 
 
 def resident_weight_bytes(checkpoint: GGUFCheckpoint, dtype_bytes: float, keep_block32: bool) -> tuple[int, int]:
-    """(bytes the loaded weights take, of which kept block-32 bytes): kept tensors hold exactly their bytes in
+    """(bytes the loaded weights take, of which kept quantized bytes): kept tensors hold exactly their bytes in
     the file (lmserve.model.quantization's int4 / int8w layouts are the blocks regrouped: Q4_0 18, Q4_1 20,
-    Q8_0 34 bytes per 32 weights), a tied head kept from the token embedding is one more copy of it, and
-    everything else is dequantized to `dtype_bytes` per element."""
+    Q8_0 34 bytes per 32 weights; kquant is the K-quant blocks themselves), a tied head kept from a block-32
+    token embedding is one more copy of it (a K-quant one shares the embedding's), and everything else is
+    dequantized to `dtype_bytes` per element."""
     hf = checkpoint.hf_config()
-    kept = kept_block32(checkpoint, hf["tie_word_embeddings"]) if keep_block32 else {}
-    kept_bytes = sum(t.num_bytes for t in kept.values())
+    kept = kept_quantized(checkpoint, hf["tie_word_embeddings"]) if keep_block32 else {}
     kept_names = {t.gguf_name for name, t in kept.items() if name == t.hf_name}
+    kept_bytes = sum(t.num_bytes for name, t in kept.items() if name == t.hf_name or t.gguf_name not in kept_names)
     rest = sum(int(np.prod(t.shape)) for t in checkpoint.tensors() if t.gguf_name not in kept_names)
     return math.ceil(rest * dtype_bytes) + kept_bytes, kept_bytes

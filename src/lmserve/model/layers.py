@@ -43,9 +43,12 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
     _weight_bf16: torch.Tensor | None = None  # set by round_weights_to_bf16: what the C kernel reads
     # Quantized (lmserve.model.quantization): `weight` is None and buffers `qweight`, `scales` (and for GGUF
-    # Q4_1 blocks `mins`) hold it; quant_method "int8" | "int4" | "int8w" (GGUF Q8_0 blocks).
+    # Q4_1 blocks `mins`) hold it; quant_method "int8" | "int4" | "int8w" (GGUF Q8_0 blocks) | "kquant" (GGUF
+    # Q4_K / Q5_K / Q6_K super-blocks: `qweight` alone, its row segments in kq_segments).
     quant_method: str | None = None
     group_size: int | None = None
+    kq_segments: tuple[quant.KQuantSegment, ...] | None = None
+    _kq_table: torch.Tensor | None = None  # kquant: the segments as the C kernel reads them
     _row_sums: torch.Tensor | None = None  # int8: sum of each qweight row (the VNNI kernel's correction)
     # few rows: None = the C kernel; "onednn" / "torch" (float) or "int8_gemm" where choose_small_m_paths measured
     # them faster on this CPU, or LMSERVE_SMALL_M_LINEAR=torch forced them
@@ -70,8 +73,36 @@ class Linear(nn.Linear):
         q, s, *m = (torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in specs.values())
         self._set_quantized(method, group_size, q, s, m[0] if m else None)
 
+    def prepare_kquant(self, parts: list[tuple[str, int]]) -> None:
+        """Empty "kquant" bytes for GGUF K-quant parts (type, rows) in output-row order (the loader fills them)."""
+        segments = quant.kquant_segments(parts, self.in_features)
+        assert segments[-1].end == self.out_features, f"K-quant parts {parts} for {self.out_features} rows"
+        nbytes = segments[-1].offset + segments[-1].rows * segments[-1].row_bytes
+        self.set_kquant(torch.empty(nbytes, dtype=torch.uint8, device=self.weight.device), segments)
+
+    def set_kquant(self, qweight: torch.Tensor, segments: tuple[quant.KQuantSegment, ...]) -> None:
+        """Hold the weight as K-quant super-blocks: qweight (bytes,) uint8, the segments' rows one after the other."""
+        last = segments[-1]
+        assert qweight.dtype == torch.uint8 and qweight.numel() == last.offset + last.rows * last.row_bytes, (
+            f"K-quant bytes {qweight.numel()} for segments {segments}"
+        )
+        self._set_quantized("kquant", quant.KQ_BLOCK, qweight, None)
+        self.kq_segments, self._kq_table = segments, quant.kquant_segment_table(segments)
+
+    def kquant_rows(self, start: int, rows: int) -> torch.Tensor:
+        """The (rows, row bytes) view of output rows start..start + rows, which lie in one segment."""
+        seg = next((s for s in self.kq_segments or () if s.start <= start < s.end), None)
+        assert seg is not None and start + rows <= seg.end, f"rows {start}+{rows} across K-quant {self.kq_segments}"
+        first = seg.offset + (start - seg.start) * seg.row_bytes
+        return self.qweight[first : first + rows * seg.row_bytes].view(rows, seg.row_bytes)
+
     def _set_quantized(
-        self, method: str, group_size: int | None, q: torch.Tensor, s: torch.Tensor, mins: torch.Tensor | None = None
+        self,
+        method: str,
+        group_size: int | None,
+        q: torch.Tensor,
+        s: torch.Tensor | None,
+        mins: torch.Tensor | None = None,
     ) -> None:
         self.register_parameter("weight", None)
         self.register_buffer("qweight", q)
@@ -79,9 +110,15 @@ class Linear(nn.Linear):
         self.register_buffer("mins", mins)  # None (not saved) unless the layout has mins
         self.quant_method, self.group_size = method, group_size
         self._packed = self._weight_bf16 = self._row_sums = None
+        self.kq_segments = self._kq_table = None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the quantized one stands for (the reference the tests compare with)."""
+        if self.quant_method == "kquant":
+            return torch.cat([
+                quant.dequantize_kquant(s.type_name, self.kquant_rows(s.start, s.rows), self.in_features)
+                for s in self.kq_segments
+            ])  # fmt: skip
         return quant.dequantize_layout(self.quant_method, self.qweight, self.scales, self.mins)
 
     def round_weights_to_bf16(self) -> None:
@@ -101,7 +138,7 @@ class Linear(nn.Linear):
         paths return float32 (they only exist for float32 weights and inputs). Quantized weights:
         "int8_kernel" / "int4_kernel" (C, few rows, weights streamed once), "int8_gemm" (torch._int_mm),
         "int4_dequant" (weights dequantized, then the float32 GEMM); GGUF Q8_0 blocks: "int8w_kernel" /
-        "int8w_dequant" likewise."""
+        "int8w_dequant" likewise, GGUF K-quants "kquant_kernel" / "kquant_dequant"."""
         if self.quant_method is not None:
             assert x.dim() == 2 and x.dtype == torch.float32, f"quantized Linear: 2-D float32 input, got {x.dtype}"
             few = x.shape[0] <= kernel_max_rows(self) and kernels.usable(x)
@@ -124,7 +161,7 @@ class Linear(nn.Linear):
             return kernels.linear(x, w, self.bias)
         if path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
-        if path is not None and path.startswith("int"):
+        if path is not None and self.quant_method is not None:
             return self._quantized_forward(path, x)
         return super().forward(x)
 
@@ -140,23 +177,31 @@ class Linear(nn.Linear):
             return kernels.linear_i4(x, self.qweight, self.scales, self.bias, self.mins)
         if path == "int8w_kernel":
             return kernels.linear_i8w(x, self.qweight, self.scales, self.bias)
-        assert path in ("int4_dequant", "int8w_dequant"), f"unknown path {path}"
+        if path == "kquant_kernel":
+            return kernels.linear_kq(x, self.qweight, self._kq_table, self.out_features, self.bias)
+        assert path in ("int4_dequant", "int8w_dequant", "kquant_dequant"), f"unknown path {path}"
         if not kernels.usable(x):
             return nn.functional.linear(x, self.dequantized_weight(), self.bias)
         # beyond 8 rows: dequantize DEQUANT_TILE_BYTES of float32 weight rows at a time and multiply them while they
         # are in cache (a whole 49152 x 576 head dequantized at once was written to and read back from DRAM)
         o = self.out_features
         step = max(1, DEQUANT_TILE_BYTES // (4 * self.in_features))
-        if step >= o:
+        # (K-quant tiles stay inside one segment: one type each)
+        bounds = [(s.start, s.end) for s in self.kq_segments] if path == "kquant_dequant" else [(0, o)]
+        if len(bounds) == 1 and step >= o:
             return nn.functional.linear(x, self._dequantized_rows(path, 0, o), self.bias)
         out = torch.empty(x.shape[0], o, dtype=torch.float32)
-        for start in range(0, o, step):
-            end = min(o, start + step)
-            torch.mm(x, self._dequantized_rows(path, start, end).t(), out=out[:, start:end])
+        for first, last in bounds:
+            for start in range(first, last, step):
+                end = min(last, start + step)
+                torch.mm(x, self._dequantized_rows(path, start, end).t(), out=out[:, start:end])
         return out + self.bias if self.bias is not None else out
 
     def _dequantized_rows(self, path: str, start: int, end: int) -> torch.Tensor:
         """Output rows start..end of the weight in float32, by the C kernel of the layout."""
+        if path == "kquant_dequant":
+            seg = next(s for s in self.kq_segments if s.start <= start < s.end)
+            return kernels.dequant_kq(seg.type_name, self.kquant_rows(start, end - start), self.in_features)
         q, s = self.qweight[start:end], self.scales[start:end]
         if path == "int4_dequant":
             return kernels.dequant_i4(q, s, None if self.mins is None else self.mins[start:end])
@@ -167,6 +212,8 @@ def kernel_max_rows(m: Linear) -> int:
     """The most rows of input m's C decode kernel takes in one pass over its weights (0: no kernel)."""
     if m.quant_method == "int8":
         return I8_KERNEL_MAX_ROWS if kernels.available() else 0
+    if m.quant_method == "kquant":
+        return kernels.KQ_MAX_ROWS if kernels.available() else 0
     if m.quant_method is not None:
         return kernels.I4_MAX_ROWS if kernels.available() else 0
     return kernels.f32_max_rows()
@@ -300,6 +347,45 @@ def pack_linear_weights(model: nn.Module, max_extra_bytes: int) -> int:
     for m in layers:
         m.pack_for_onednn()
     return extra
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding, or for a GGUF K-quant token embedding its rows kept as the file's super-blocks (`qweight`
+    (bytes,) uint8, `weight` None), each looked-up row dequantized exactly as gguf's dequantizer does (the C
+    kernel, else gguf itself). A tied LM head kept as K-quant shares the same bytes (one copy for both)."""
+
+    kq_type: str | None = None
+
+    def prepare_kquant(self, type_name: str) -> None:
+        row_bytes = quant.kquant_row_bytes(type_name, self.embedding_dim, "token embedding")
+        dev = self.weight.device
+        self.register_parameter("weight", None)
+        self.register_buffer("qweight", torch.empty(self.num_embeddings * row_bytes, dtype=torch.uint8, device=dev))
+        self.kq_type = type_name
+
+    @property
+    def kq_segments(self) -> tuple[quant.KQuantSegment, ...] | None:
+        """The table as one K-quant segment (as a K-quant Linear's), or None."""
+        if self.kq_type is None:
+            return None
+        row_bytes = quant.kquant_row_bytes(self.kq_type, self.embedding_dim)
+        return (quant.KQuantSegment(self.kq_type, 0, self.num_embeddings, 0, row_bytes),)
+
+    def kquant_rows(self, start: int, rows: int) -> torch.Tensor:
+        """The (rows, row bytes) view of embedding rows start..start + rows."""
+        row_bytes = self.qweight.numel() // self.num_embeddings
+        assert 0 <= start and start + rows <= self.num_embeddings, f"rows {start}+{rows} of {self.num_embeddings}"
+        return self.qweight[start * row_bytes : (start + rows) * row_bytes].view(rows, row_bytes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.kq_type is None:
+            return super().forward(ids)
+        rows = self.kquant_rows(0, self.num_embeddings)[ids.reshape(-1)]
+        if kernels.available() and rows.device.type == "cpu":
+            values = kernels.dequant_kq(self.kq_type, rows, self.embedding_dim)
+        else:
+            values = quant.dequantize_kquant(self.kq_type, rows.cpu(), self.embedding_dim).to(rows.device)
+        return values.reshape(*ids.shape, self.embedding_dim)
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ from lmserve import kernels
 from lmserve.config import ModelConfig
 from lmserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from lmserve.model.decode_stack import DecodeStack
-from lmserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from lmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 LOGITS_SLICE = 2048  # vocabulary rows per LM-head product
 LOGITS_SLICE_MIN_ROWS = 8  # below this the product is bandwidth-bound and one call is fastest
@@ -115,7 +115,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_scale = cfg.embed_scale

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def load_model(
     dtype = TORCH_DTYPES[cfg.dtype]
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
-    kept = None  # GGUF: HF weight name → the block-32 tensor kept as it is
+    kept = None  # GGUF: HF weight name → the block-32 / K-quant tensor kept as it is
     if quantization is not None and quantization.method == "gguf":
         kept = _prepare_gguf_blocks(model, cfg)
     elif quantization is not None and quantization.prequantized:
@@ -60,10 +61,14 @@ def load_model(
         model.model.build_rotary(cfg, max_positions)
     if cfg.tie_word_embeddings and model.lm_head.quant_method is None:  # (a quantized head has its own copy)
         model.lm_head.weight = model.model.embed_tokens.weight
+    embed = model.model.embed_tokens
+    if cfg.tie_word_embeddings and embed.kq_type is not None:  # a K-quant tied head reads the embedding's bytes
+        model.lm_head.set_kquant(embed.qweight, model.lm_head.kq_segments)
     if dtype != torch.float32:  # (float32 already; .to() would also turn float16 int4 scales into float32)
         model = model.to(dtype)
     params = dict(model.named_parameters())
     params.update((n, b) for n, b in model.named_buffers() if n.endswith((".qweight", ".scales", ".mins")))
+    kquant = {f"{n}.qweight": m for n, m in model.named_modules() if _is_kquant(m)}  # GGUF K-quant modules
     loaded: set[str] = set()
     for file_name, name, tensor in _checkpoint_tensors(cfg, kept):
         if name.endswith(IGNORED_SUFFIXES):
@@ -74,7 +79,10 @@ def load_model(
                 continue  # some tied checkpoints still save the head
             raise ValueError(f"checkpoint tensor {name!r} in {file_name} has no place in {cfg.architecture}")
         try:
-            _copy_into(params[target], target, tensor, shard, cfg)
+            if target in kquant:
+                _copy_kquant(kquant[target], target, tensor, shard, cfg)
+            else:
+                _copy_into(params[target], target, tensor, shard, cfg)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r} in {file_name}: {e}") from None
         loaded.add(target if shard is None else f"{target}#{shard}")
@@ -87,28 +95,42 @@ def load_model(
 
 
 def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig) -> dict:
-    """Give every Linear whose GGUF tensors are kept as blocks (gguf.kept_block32) the empty buffers of its
-    layout (Q8_0 → int8w, Q4_0 → int4, Q4_1 → int4 with mins; group 32); returns the kept tensors."""
-    from lmserve.model.gguf import GGUFCheckpoint, kept_block32, log_kept
+    """Give every module whose GGUF tensors are kept as blocks (gguf.kept_quantized) the empty buffers of its
+    layout (Q8_0 → int8w, Q4_0 → int4, Q4_1 → int4 with mins, group 32; Q4_K / Q5_K / Q6_K → kquant, the
+    fused parts' types in their order); returns the kept tensors."""
+    from lmserve.model.gguf import KQUANT_TYPES, GGUFCheckpoint, kept_quantized, log_kept
+    from lmserve.model.layers import Embedding
     from lmserve.model.quantization import GGUF_GROUP_SIZE, GGUF_LAYOUTS
 
     assert TORCH_DTYPES[cfg.dtype] == torch.float32, "GGUF blocks compute in float32"
-    kept = kept_block32(GGUFCheckpoint(cfg.path), cfg.tie_word_embeddings)
+    kept = kept_quantized(GGUFCheckpoint(cfg.path), cfg.tie_word_embeddings)
     modules = dict(model.named_modules())
+    kquant_parts: dict[str, list[tuple[int, str, int]]] = {}  # module → (shard, type, rows) of its parts
     for name, tensor in kept.items():
-        module = modules[_map_name(name)[0].removesuffix(".weight")]
+        target, shard = _map_name(name)
+        module_name = target.removesuffix(".weight")
+        if tensor.type_name in KQUANT_TYPES:
+            kquant_parts.setdefault(module_name, []).append((shard or 0, tensor.type_name, tensor.shape[0]))
+            continue
         layout, mins = GGUF_LAYOUTS[tensor.type_name]
-        if module.quant_method is None:  # (fused parts: the first one sets the layout they share)
-            module.prepare_quantized(layout, GGUF_GROUP_SIZE, mins)
+        if modules[module_name].quant_method is None:  # (fused parts: the first one sets the layout they share)
+            modules[module_name].prepare_quantized(layout, GGUF_GROUP_SIZE, mins)
+    for module_name, parts in kquant_parts.items():
+        module = modules[module_name]
+        if isinstance(module, Embedding):
+            module.prepare_kquant(parts[0][1])
+        else:
+            module.prepare_kquant([(type_name, rows) for _, type_name, rows in sorted(parts)])
     log_kept(kept)
     return kept
 
 
 def _checkpoint_tensors(cfg: ModelConfig, kept: dict | None = None) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(file name, HF tensor name, tensor) for every tensor of the checkpoint, read lazily. GGUF tensors in
-    `kept` come as their layout's buffers (`<name>.qweight`, `.scales`, `.mins`) instead of `<name>.weight`."""
+    `kept` come as their layout's buffers (`<name>.qweight`, `.scales`, `.mins`) instead of `<name>.weight`
+    (K-quants: `<name>.qweight`, the file's (rows, row bytes) block view itself, copied once into the model)."""
     if cfg.path.endswith(".gguf"):
-        from lmserve.model.gguf import GGUFCheckpoint, iter_hf_tensors
+        from lmserve.model.gguf import KQUANT_TYPES, GGUFCheckpoint, iter_hf_tensors
         from lmserve.model.quantization import gguf_block32_tensors
 
         file_name = Path(cfg.path).name
@@ -123,6 +145,13 @@ def _checkpoint_tensors(cfg: ModelConfig, kept: dict | None = None) -> Iterator[
         for name, array in tensors:
             yield file_name, name, torch.from_numpy(np.array(array))  # a copy: the file map is read-only
         for name, t in kept.items():
+            if t.type_name in KQUANT_TYPES:
+                if name != t.hf_name and t.gguf_name in claimed:
+                    continue  # a tied head sharing the embedding's bytes
+                with warnings.catch_warnings():  # the map is read-only; the loader only reads it
+                    warnings.simplefilter("ignore", UserWarning)
+                    yield file_name, f"{name.removesuffix('.weight')}.qweight", torch.from_numpy(t.blocks())
+                continue
             for suffix, tensor in gguf_block32_tensors(t.type_name, t.blocks()).items():
                 yield file_name, f"{name.removesuffix('.weight')}.{suffix}", tensor
         return
@@ -151,10 +180,15 @@ def _open_checkpoint(file: Path):  # noqa: ANN202 (safetensors' handle type is p
 
 
 def _check_scales(model: CausalLM) -> None:
+    from lmserve.model import quantization as quant
     from lmserve.model.layers import Linear
 
     for name, m in model.named_modules():
-        if isinstance(m, Linear) and m.quant_method is not None and not bool(torch.isfinite(m.scales).all()):
+        if _is_kquant(m):
+            for s in m.kq_segments:
+                if not bool(torch.isfinite(quant.kquant_scales(s.type_name, m.kquant_rows(s.start, s.rows))).all()):
+                    raise ValueError(f"checkpoint tensor {name} holds non-finite {s.type_name} scales (corrupt file?)")
+        elif isinstance(m, Linear) and m.quant_method is not None and not bool(torch.isfinite(m.scales).all()):
             raise ValueError(f"checkpoint tensor {name}.scales holds non-finite scales (corrupt file?)")
 
 
@@ -187,6 +221,28 @@ def _copy_into(
                 f"shape mismatch: fused shard {tuple(dst.shape)} vs checkpoint {tuple(tensor.shape)}"
             )
         dst.copy_(tensor)
+
+
+def _is_kquant(m: torch.nn.Module) -> bool:
+    from lmserve.model.layers import Embedding, Linear
+
+    return isinstance(m, Linear) and m.quant_method == "kquant" or isinstance(m, Embedding) and m.kq_type is not None
+
+
+def _copy_kquant(
+    module: torch.nn.Module, target: str, blocks: torch.Tensor, shard: int | None, cfg: ModelConfig
+) -> None:
+    """A K-quant part's (rows, row bytes) blocks into the rows of module's kquant bytes it covers."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(
+            f"{target} needs (rows, row bytes) uint8 K-quant blocks, got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    start = 0 if shard is None else sum(_shard_sizes(target, cfg)[:shard])
+    dst = module.kquant_rows(start, blocks.shape[0])
+    if dst.shape != blocks.shape:
+        raise ValueError(f"shape mismatch: K-quant rows {tuple(dst.shape)} vs checkpoint {tuple(blocks.shape)}")
+    with torch.no_grad():
+        dst.copy_(blocks)
 
 
 def _shard_sizes(fused_name: str, cfg: ModelConfig) -> list[int]:

@@ -24,6 +24,8 @@ same bytes, no re-quantization), into two more per-Linear layouts of the same fa
   Q4_1 → "int4", group 32, with mins: w = code * d + m (codes 0..15 not offset, one float16 min per group).
   Q8_0 → "int8w", weight-only int8 with one float16 scale per group of 32: w = q * d; activations float32
          (not the W8A8 path: that would re-quantize the weights per channel).
+and its K-quant tensors (Q4_K, Q5_K, Q6_K: 256-weight super-blocks with 6-bit sub-block scales) into a
+"kquant" layout that is the file's bytes themselves (see the K-quant section below; weight-only, x float32).
 
 Layouts (what the C kernels read):
   int8  qweight (O, K) int8, scales (O,) float32, row_sums (O,) int32 (sum of each qweight row; not saved)
@@ -31,17 +33,20 @@ Layouts (what the C kernels read):
         nibble and input i + 16 in its high nibble; scales (O, K / group_size) float16; optional mins
         (O, K / group_size) float16 (then w = code * scale + min)
   int8w qweight (O, K) int8, scales (O, K / group_size) float16 (GGUF Q8_0 blocks; the int4 method's LM head)
+  kquant qweight (bytes,) uint8: row segments of ggml Q4_K / Q5_K / Q6_K super-blocks, no scales tensor
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from lmserve.config import QUANTIZATION_FORMAT, QuantizationConfig
+from lmserve.kernels import KQ_BLOCK, KQ_BLOCK_BYTES, KQ_TYPES
 
 INT4_BLOCK = 32  # inputs per packed run (16 bytes); group sizes are multiples of it
 INT8W_GROUP = 32  # the int8w layout's group (GGUF Q8_0's block)
@@ -170,6 +175,79 @@ def gguf_block32_tensors(type_name: str, blocks: np.ndarray) -> dict[str, torch.
     body = b[..., head:].reshape(rows, -1).copy()
     out["qweight"] = torch.from_numpy(body.view(np.int8) if type_name == "Q8_0" else body)
     return out
+
+
+# ---- GGUF K-quant tensors (Q4_K, Q5_K, Q6_K), as they are in the file ------------------------------------------
+# The "kquant" layout: qweight (bytes,) uint8, the file's super-block bytes of one or more row segments one after
+# the other (a fused projection whose parts have different K-quant types: llama-quantize's Q4_K_M gives some
+# layers' attn_v / ffn_down Q6_K and the rest Q4_K), each segment of one type; the C kernels read the blocks as
+# ggml lays them out (cpu_kernels.c, the K-quant section). No scales tensor: the scales are inside the blocks.
+
+KQUANT_TYPES = tuple(KQ_TYPES)  # ("Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass(frozen=True)
+class KQuantSegment:
+    """Output rows [start, start + rows) of a K-quant weight: their type and where their bytes begin in qweight."""
+
+    type_name: str
+    start: int
+    rows: int
+    offset: int
+    row_bytes: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+
+def kquant_row_bytes(type_name: str, in_features: int, what: str = "weight") -> int:
+    """Bytes one row of `in_features` weights takes as `type_name` super-blocks (ValueError naming `what`)."""
+    if type_name not in KQ_TYPES:
+        raise ValueError(f"{what}: {type_name} is not a K-quant type ({', '.join(KQ_TYPES)})")
+    if in_features % KQ_BLOCK:
+        raise ValueError(f"{what}: {type_name} rows hold whole super-blocks of {KQ_BLOCK}, got {in_features} inputs")
+    return in_features // KQ_BLOCK * KQ_BLOCK_BYTES[type_name]
+
+
+def kquant_segments(parts: list[tuple[str, int]], in_features: int) -> tuple[KQuantSegment, ...]:
+    """(type, rows) of each part of a weight, in output-row order → its segments (neighbours of one type merged)."""
+    segments: list[KQuantSegment] = []
+    start = offset = 0
+    for type_name, rows in parts:
+        row_bytes = kquant_row_bytes(type_name, in_features)
+        last = segments[-1] if segments else None
+        if last is not None and last.type_name == type_name:
+            segments[-1] = KQuantSegment(type_name, last.start, last.rows + rows, last.offset, row_bytes)
+        else:
+            segments.append(KQuantSegment(type_name, start, rows, offset, row_bytes))
+        start, offset = start + rows, offset + rows * row_bytes
+    return tuple(segments)
+
+
+def kquant_segment_table(segments: tuple[KQuantSegment, ...]) -> torch.Tensor:
+    """The (S, 3) int64 table the C kernel reads: (type code, rows, byte offset) per segment."""
+    return torch.tensor([[KQ_TYPES[s.type_name], s.rows, s.offset] for s in segments], dtype=torch.int64)
+
+
+def dequantize_kquant(type_name: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """(rows, row bytes) uint8 super-blocks → (rows, in_features) float32 by gguf's own dequantizer (the reference
+    kernels.dequant_kq matches bit for bit)."""
+    import gguf
+
+    rows = blocks.shape[0]
+    assert blocks.numel() == rows * kquant_row_bytes(type_name, in_features), f"{type_name} {tuple(blocks.shape)}"
+    values = gguf.dequantize(blocks.reshape(rows, -1).numpy(), gguf.GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(rows, in_features))
+
+
+def kquant_scales(type_name: str, blocks: torch.Tensor) -> torch.Tensor:
+    """The float16 super-block scales of (rows, row bytes) blocks: d and dmin (Q4_K / Q5_K), d (Q6_K); for the
+    check that a file holds finite ones."""
+    size = KQ_BLOCK_BYTES[type_name]
+    b = blocks.reshape(-1, size)
+    fields = b[:, 208:210] if type_name == "Q6_K" else b[:, 0:4]
+    return fields.contiguous().view(torch.float16)
 
 
 def dequantize_layout(

@@ -35,8 +35,13 @@ def _log_quantized_kernels(method: str) -> None:
     """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo)."""
     flags = kernels.cpu_flags()
     relevant = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "avx512_bf16", "avx512bw", "avx2"})
-    for layout in ("int4", "int8w") if method == "gguf" else (method,):  # GGUF blocks: Q4_0/Q4_1, Q8_0
-        decode = kernels.quantized_kernel_names()[layout] if kernels.available() else "PyTorch ops (no C kernels)"
+    for layout in ("int4", "int8w", "kquant") if method == "gguf" else (method,):  # Q4_0/Q4_1, Q8_0, K-quants
+        if not kernels.available():
+            decode = "PyTorch ops (no C kernels)"
+        elif layout == "kquant":
+            decode = kernels.kquant_kernel_name()
+        else:
+            decode = kernels.quantized_kernel_names()[layout]
         batched = "torch._int_mm (oneDNN int8)" if layout == "int8" else "dequantize + float32 GEMM"
         rows = I8_KERNEL_MAX_ROWS if layout == "int8" else kernels.I4_MAX_ROWS
         logger.info("%s weights: 1-%d row kernel %s; batched rows %s; CPU flags %s", layout, rows, decode, batched,
@@ -89,8 +94,10 @@ class ModelRunner:
                 config.weight_dtype or mc.dtype,
             )
             if config.quantization is not None and config.quantization.method == "gguf":
-                logger.info("GGUF blocks kept as they are in %d Linear layers (embeddings, norms: %s)",
-                            sum(getattr(m, "quant_method", None) is not None for m in self.model.modules()), mc.dtype)
+                embed = getattr(self.model.model.embed_tokens, "kq_type", None) or mc.dtype  # (K-quant: kept)
+                logger.info("GGUF blocks kept as they are in %d Linear layers (token embedding: %s, norms: %s)",
+                            sum(getattr(m, "quant_method", None) is not None for m in self.model.modules()), embed,
+                            mc.dtype)
             elif config.quantization is not None:
                 logger.info("projections quantized to %s (embeddings, LM head, norms: %s)",
                             config.quantization.method, mc.dtype)
