@@ -182,6 +182,8 @@ class Scheduler:
     def _num_lookahead(self, request: Request, num_new: int) -> int:
         """Slots past this step that a draft model writes while proposing after it: only for a step that
         reaches the end of the request's tokens, never past the longest the request can get."""
+        if not self.num_lookahead_tokens:
+            return 0
         end = request.num_computed_tokens + num_new
         if end < request.num_tokens + len(request.spec_token_ids):
             return 0
