@@ -172,6 +172,8 @@ def profile_grid(rec: _StepRecorder, grid: Grid, seed: int = 0, log: Any = None)
         for _ in range(grid.repeats):
             for p in grid.prefills:
                 for c in grid.prefill_contexts:
+                    if p + c >= engine.config.scheduler.max_model_len:
+                        continue
                     prompt = (seeds[c] if c else []) + _ids(rng, p, vocab)
                     engine.add_request(None, prompt, one)
                     rec.step()  # the decodes and this prefill in one step (the budget holds them)
@@ -424,14 +426,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], max(grid.decode_batches) + 2)
         engine_args = EngineArgs.from_kwargs(model, **kwargs)
         config = engine_args.create_engine_config()
-        need = max(grid.decode_contexts) + max(grid.prefills) + max(grid.prefill_contexts) + 64
-        if config.scheduler.max_model_len < need:
-            grid = dataclasses.replace(
-                grid,
-                decode_contexts=tuple(c for c in grid.decode_contexts if c < config.scheduler.max_model_len // 2),
-                prefills=tuple(p for p in grid.prefills if p < config.scheduler.max_model_len // 3),
-                prefill_contexts=tuple(c for c in grid.prefill_contexts if c < config.scheduler.max_model_len // 3),
-            )
+        max_len = config.scheduler.max_model_len
+        grid = dataclasses.replace(grid, decode_contexts=tuple(c for c in grid.decode_contexts if c + 200 < max_len))
+        if not grid.decode_contexts:
+            raise ValueError(f"max_model_len {max_len} is too short for the calibration grid (needs > 232)")
         if config.speculative is not None:
             raise ValueError("--speculative-config: the simulator does not model speculative decoding")
     except ValueError as e:
