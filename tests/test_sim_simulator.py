@@ -313,3 +313,45 @@ def _in_flight(records) -> list[int]:
         level += d
         out.append(level)
     return out
+
+
+def test_lazy_block_pool_hands_out_blocks_as_the_real_one() -> None:
+    import random
+
+    from lmserve.core.block_pool import BlockPool, block_key
+    from lmserve.sim.lazy_pool import LazyBlockPool
+
+    rng = random.Random(0)
+    real, lazy = BlockPool(40), LazyBlockPool(40)
+    held: list[tuple[list, list]] = []  # (real blocks, lazy blocks) of one holder
+    keys = [block_key(None, (i,)) for i in range(12)]
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.35 and real.num_free_blocks:
+            n = rng.randrange(1, min(5, real.num_free_blocks) + 1)
+            a, b = real.get_new_blocks(n), lazy.get_new_blocks(n)
+            assert [x.block_id for x in a] == [x.block_id for x in b], f"op {step}: other blocks handed out"
+            held.append((a, b))
+        elif op < 0.6 and held:
+            a, b = held.pop(rng.randrange(len(held)))
+            order = list(range(len(a)))
+            rng.shuffle(order)
+            real.free_blocks([a[i] for i in order])
+            lazy.free_blocks([b[i] for i in order])
+        elif op < 0.8 and held:
+            a, b = held[rng.randrange(len(held))]
+            i, key = rng.randrange(len(a)), rng.choice(keys)
+            real.cache_block(a[i], key)
+            lazy.cache_block(b[i], key)
+        else:
+            key = rng.choice(keys)
+            a, b = real.lookup(key), lazy.lookup(key)
+            assert (a is None) == (b is None) and (a is None or a.block_id == b.block_id), f"op {step}: lookups differ"
+            if a is not None:
+                real.touch([a])
+                lazy.touch([b])
+                held.append(([a], [b]))
+        assert real.num_free_blocks == lazy.num_free_blocks and real.usage == lazy.usage, f"op {step}: free counts"
+        real.check_invariants()
+        lazy.check_invariants()
+    assert [b.ref_cnt for b in real.blocks] == [b.ref_cnt for b in lazy.blocks]

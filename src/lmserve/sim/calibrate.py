@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from lmserve.sim.step_model import (
+    LinearStepModel,
     Overheads,
     StepFeatures,
     StepProfile,
@@ -110,6 +111,7 @@ class _StepRecorder:
         self.engine = engine
         self.backoff = backoff
         self.samples: list[tuple[StepFeatures, float]] = []
+        self.counted: list[float] = []  # per sample, the part the engine's own step counter times (execute + update)
         self.threads_used: dict[int, int] = {}  # torch threads → steps taken with them
         self._last: StepFeatures | None = None
         inner = engine.scheduler.schedule
@@ -126,11 +128,13 @@ class _StepRecorder:
 
         if self.backoff is not None and (threads := self.backoff.poll()) is not None:
             torch.set_num_threads(threads)
+        counted = self.engine.counters.step_time_s_total
         t = time.perf_counter()
         self.engine.step()
         dt = time.perf_counter() - t
         if keep and self._last is not None and dt > 0:
             self.samples.append((self._last, dt))
+            self.counted.append(self.engine.counters.step_time_s_total - counted)
             n = torch.get_num_threads()
             self.threads_used[n] = self.threads_used.get(n, 0) + 1
         return dt
@@ -161,6 +165,10 @@ def profile_grid(rec: _StepRecorder, grid: Grid, seed: int = 0, log: Any = None)
         engine.add_request(None, ids + _ids(rng, block, vocab), one)
     drain()
     states = [(d, ctx) for d in grid.decode_batches for ctx in (grid.decode_contexts if d else (0,))]
+    # a shuffled order: a busy machine's load drifts over minutes, and in grid order the drift would be read as the
+    # effect of whatever the last states have most of (long contexts, large batches)
+    states = [states[i] for i in rng.permutation(len(states))]
+    injections = [(p, c) for p in grid.prefills for c in grid.prefill_contexts]
     for k, (d, ctx) in enumerate(states):
         t0 = time.perf_counter()
         long = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
@@ -170,15 +178,16 @@ def profile_grid(rec: _StepRecorder, grid: Grid, seed: int = 0, log: Any = None)
         for _ in range(grid.decode_steps if d else 0):
             rec.step()
         for _ in range(grid.repeats):
-            for p in grid.prefills:
-                for c in grid.prefill_contexts:
-                    if p + c >= engine.config.scheduler.max_model_len:
-                        continue
+            for j in rng.permutation(len(injections)):
+                p, c = injections[j]
+                if p + c < engine.config.scheduler.max_model_len:
                     prompt = (seeds[c] if c else []) + _ids(rng, p, vocab)
                     engine.add_request(None, prompt, one)
                     rec.step()  # the decodes and this prefill in one step (the budget holds them)
                     while any(r.max_tokens == 1 for r in engine.scheduler.requests.values()):
                         rec.step()
+                    if d:
+                        rec.step()  # and a decode-only step: those make TPOT, spread over the run's time
         engine.abort_request(ids)
         if log:
             log(f"  state {k + 1}/{len(states)}: {d} decodes at context {ctx}: {time.perf_counter() - t0:.1f} s, "
@@ -226,8 +235,9 @@ def _profile_child(config: Any, grid: Grid, num_threads: int, backoff: bool, con
         rec = _StepRecorder(engine, policy)
         grid_samples = list(profile_grid(rec, grid, log=lambda m: conn.send(("log", m))))
         held = list(profile_workload(rec, grid.workload_requests))
+        counted = [c / t for c, (_, t) in zip(rec.counted, rec.samples, strict=True)]
         conn.send(("done", ([(f.as_tuple(), t) for f, t in grid_samples], [(f.as_tuple(), t) for f, t in held],
-                            rec.threads_used)))  # fmt: skip
+                            rec.threads_used, float(np.median(counted)) if counted else 1.0)))  # fmt: skip
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"{type(e).__name__}: {e}"))
     finally:
@@ -236,7 +246,7 @@ def _profile_child(config: Any, grid: Grid, num_threads: int, backoff: bool, con
 
 def profile_in_core_process(
     config: Any, grid: Grid, num_threads: int, cpu_policy: str, log: Any
-) -> tuple[list[tuple[StepFeatures, float]], list[tuple[StepFeatures, float]], dict[int, int]]:
+) -> tuple[list[tuple[StepFeatures, float]], list[tuple[StepFeatures, float]], dict[int, int], float]:
     """Profile in a spawned process with an engine core's environment (engine/core_client.py: OMP_NUM_THREADS and
     the --cpu-wait-policy's OpenMP settings, read by the child before anything runs; `adaptive` also backs off to
     one thread while other processes use the CPUs): the steps are timed as a served core would take them."""
@@ -271,9 +281,9 @@ def profile_in_core_process(
             elif kind == "error":
                 raise RuntimeError(f"profiling failed: {payload}")
             else:
-                grid_raw, held_raw, threads = payload
+                grid_raw, held_raw, threads, counted = payload
                 return ([(StepFeatures(*f), t) for f, t in grid_raw], [(StepFeatures(*f), t) for f, t in held_raw],
-                        threads)  # fmt: skip
+                        threads, counted)  # fmt: skip
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -328,11 +338,12 @@ def measure_overheads(
     """Requests sent one at a time to `lmserve serve` on the same flags; around each, the engine's own step-time
     counters (/metrics) give its prefill step and its decode steps, so: TTFT − that prefill step = ingress +
     egress, and TPOT − its mean decode step = the core loop's per-step cost (not from the fit: exact even when the
-    fit is off). The fitted model's error on those server steps is reported beside them."""
+    fit is off). The counters time execute + update only; they are divided by the calibration's counted_fraction to
+    stand for whole LLMEngine.step()s, as the step model's do. The fitted model's error on those server steps is
+    reported beside them."""
     from lmserve.bench.datasets import DatasetConfig, build_requests, load_tokenizer
     from lmserve.bench.experiments import lmserve_server
-    from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
-    from lmserve.bench.metrics import request_latency
+    from lmserve.bench.loadgen import LoadConfig, run_load
 
     tok = load_tokenizer(tokenizer_path)
     out_len = 16
@@ -340,31 +351,41 @@ def measure_overheads(
     for i, n in enumerate((32, 128, 256)):
         reqs += build_requests(DatasetConfig(num_requests=max(1, num_requests // 3), input_len=n, output_len=out_len,
                                              seed=100 + i), tok)  # fmt: skip
-    ttft_extra, tpot_extra, fit_err = [], [], []
     with lmserve_server(model, flags, out_dir / "calibrate-server.log") as (url, _):
         cfg = LoadConfig(base_url=url, max_concurrency=1, seed=0)
         warm = build_requests(DatasetConfig(num_requests=2, input_len=16, output_len=4, seed=99), tok)
         asyncio.run(run_load(warm, cfg))
-        for req in reqs:
-            before = scrape_step_counters(url)
-            result = asyncio.run(run_load([req], cfg))
-            after = scrape_step_counters(url)
-            (rec,) = finalize_all(result, [req], cfg, tok)
-            if not rec.success:
-                raise RuntimeError(f"overhead measurement failed: {result.fatal_error or rec.error}")
-            d = {k: after[k] - before[k] for k in after}
-            lat = request_latency(rec)
-            assert lat.ttft_from_send_s is not None and lat.tpot_s is not None, "a successful request has both"
-            if d["steps"] - d["decode_steps"] != 1 or d["decode_steps"] < 1:
-                continue  # not one prefill step and its decodes (a stray step): no clean reading
-            prefill_s = d["step_s"] - d["decode_s"]
-            decode_s = d["decode_s"] / d["decode_steps"]
-            ttft_extra.append(lat.ttft_from_send_s - prefill_s)
-            tpot_extra.append(lat.tpot_s - decode_s)
-            p = rec.effective_prompt_len
-            fitted_prefill = profile.step_time_s(StepFeatures(p, 1, 0, 0, p * (p + 1) / 2))
-            fitted_decode = profile.step_time_s(StepFeatures(0, 0, 1, p + out_len // 2, 0.0))
-            fit_err += [(fitted_prefill - prefill_s) / prefill_s, (fitted_decode - decode_s) / decode_s]
+        return overheads_on_server(url, profile, tok, reqs, out_len)
+
+
+def overheads_on_server(url: str, profile: StepProfile, tok: Any, reqs: list[Any], out_len: int) -> Overheads:
+    """measure_overheads' readings on a running server (validation reads them again before its points)."""
+    from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
+    from lmserve.bench.metrics import request_latency
+
+    cfg = LoadConfig(base_url=url, max_concurrency=1, seed=0)
+    ttft_extra, tpot_extra, fit_err = [], [], []
+    for req in reqs:
+        before = scrape_step_counters(url)
+        result = asyncio.run(run_load([req], cfg))
+        after = scrape_step_counters(url)
+        (rec,) = finalize_all(result, [req], cfg, tok)
+        if not rec.success:
+            raise RuntimeError(f"overhead measurement failed: {result.fatal_error or rec.error}")
+        d = {k: after[k] - before[k] for k in after}
+        lat = request_latency(rec)
+        assert lat.ttft_from_send_s is not None and lat.tpot_s is not None, "a successful request has both"
+        if d["steps"] - d["decode_steps"] != 1 or d["decode_steps"] < 1:
+            continue  # not one prefill step and its decodes (a stray step): no clean reading
+        frac = float(profile.calibration.get("counted_fraction") or 1.0)  # counters time execute + update only
+        prefill_s = (d["step_s"] - d["decode_s"]) / frac
+        decode_s = d["decode_s"] / d["decode_steps"] / frac
+        ttft_extra.append(lat.ttft_from_send_s - prefill_s)
+        tpot_extra.append(lat.tpot_s - decode_s)
+        p = rec.effective_prompt_len
+        fitted_prefill = profile.step_time_s(StepFeatures(p, 1, 0, 0, p * (p + 1) / 2))
+        fitted_decode = profile.step_time_s(StepFeatures(0, 0, 1, p + out_len // 2, 0.0))
+        fit_err += [(fitted_prefill - prefill_s) / prefill_s, (fitted_decode - decode_s) / decode_s]
     if not ttft_extra:
         raise RuntimeError("no request gave a clean reading of the server's step counters")
     ttft_extra_s = max(0.0, float(np.median(ttft_extra)))
@@ -384,6 +405,12 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--out", default="step-model.json", help="the step model JSON to write (default step-model.json)")
     p.add_argument("--quick", action="store_true", help="a small grid (minutes on the bundled model)")
+    p.add_argument(
+        "--refit",
+        default=None,
+        metavar="STEP_MODEL",
+        help="fit again from the steps saved in this step model (no profiling)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="times each mixed step is taken (default: the grid's)")
     p.add_argument(
         "--no-server",
@@ -401,7 +428,43 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
 
+def refit(path: str, out: str) -> int:
+    """The fit again from a step model's saved samples (its overheads, machine and grid kept)."""
+    try:
+        profile = StepProfile.load(path)
+        cal = profile.calibration
+        samples = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("samples") or []]
+        held = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("workload_samples") or []]
+        if len(samples) < 10:
+            raise ValueError(f"--refit: {path} holds {len(samples)} profiled steps; at least 10 are needed")
+    except ValueError as e:
+        print(f"lmserve simulate calibrate: error: {e}", file=sys.stderr)
+        return 2
+    _fit_into(profile, samples, held)
+    profile.calibration = {**cal, "refit_of": path, "refit_time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    out_path = profile.save(out)
+    print(format_profile(profile))
+    print(f"wrote {out_path}")
+    return 0
+
+
+def _fit_into(
+    profile: StepProfile, samples: list[tuple[StepFeatures, float]], held: list[tuple[StepFeatures, float]]
+) -> None:
+    linear, quality, comparison = choose_form(samples)
+    profile.kind, profile.linear = "linear", linear
+    profile.noise_quantiles = ratio_quantiles(linear, samples)
+    profile.fit = {
+        **comparison,
+        "heldout_grid": asdict(quality),
+        "heldout_workload": _quality(profile, held),
+        "weighting": "least absolute relative error (IRLS), coefficients >= 0",
+    }
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
+    if args.refit:
+        return refit(args.refit, args.out)
     import dataclasses
     import shlex
 
@@ -445,7 +508,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     load_start = os.getloadavg()[0]
     try:
-        samples, held, threads_used = profile_in_core_process(config, grid, num_threads, args.cpu_wait_policy, log)
+        samples, held, threads_used, counted_fraction = profile_in_core_process(
+            config, grid, num_threads, args.cpu_wait_policy, log
+        )
     except RuntimeError as e:
         print(f"lmserve simulate calibrate: error: {e}", file=sys.stderr)
         return 1
@@ -454,8 +519,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if len(samples) < 10:
         print("lmserve simulate calibrate: error: too few steps profiled to fit", file=sys.stderr)
         return 1
-    linear, quality, comparison = choose_form(samples)
-    noise = ratio_quantiles(linear, samples)
     name = args.model or "bundled (lmserve/default_model/target)"
     profile = StepProfile(
         kind="linear",
@@ -466,16 +529,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         weight_dtype=config.weight_dtype,
         device=config.device,
         machine={},
-        linear=linear,
-        noise_quantiles=noise,
+        linear=LinearStepModel(0.0, {}),
     )
-    workload_quality = _quality(profile, held)
-    profile.fit = {
-        **comparison,
-        "heldout_grid": asdict(quality),
-        "heldout_workload": workload_quality,
-        "weighting": "least squares on relative error (1 / step time), coefficients >= 0",
-    }
+    _fit_into(profile, samples, held)
+    profile.calibration = {"counted_fraction": counted_fraction}
     overheads = Overheads()
     if args.server:
         flags = _server_flags(args)
@@ -487,6 +544,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     profile.overheads = overheads
     profile.machine = machine_description(config.device)
     profile.calibration = {
+        # median of (the engine's own step counter: execute + update) / LLMEngine.step()'s wall time: what a server's
+        # /metrics step times are of the step model's steps (schedule, detokenize and outputs are outside them)
+        "counted_fraction": counted_fraction,
         "grid": asdict(grid),
         "num_threads": num_threads,
         "cpu_wait_policy": args.cpu_wait_policy,

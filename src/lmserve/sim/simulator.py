@@ -36,8 +36,9 @@ from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.core.scheduler import Scheduler
 from lmserve.engine.router import choose_core
-from lmserve.request import Request
+from lmserve.request import Request, RequestStatus
 from lmserve.sampling_params import SamplingParams
+from lmserve.sim.lazy_pool import LazyBlockPool
 from lmserve.sim.step_model import Overheads, StepProfile, StepTimeFn, step_features
 from lmserve.sim.workload import Workload
 
@@ -45,6 +46,7 @@ from lmserve.sim.workload import Workload
 # start), requests reaching a core, client arrivals (not in the heap: a sorted list), then an idle core's wake-up,
 # so that requests arriving together start together (the core drains every queued message before it steps)
 _STEP_END, _DELIVER, _ARRIVE, _WAKE = 0, 1, 2, 3
+FINISHED = RequestStatus.FINISHED
 
 
 def sim_token(prompt_hash: int, position: int, vocab_size: int) -> int:
@@ -109,6 +111,7 @@ class StepTrace:
 class ReplicaStats:
     num_steps: int = 0
     busy_s: float = 0.0
+    step_s: float = 0.0  # of busy_s, the step model's time (without the core loop's overhead)
     num_requests: int = 0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
@@ -156,13 +159,14 @@ class _Facts:
 class _Replica:
     __slots__ = (
         "index", "kv", "scheduler", "inbox", "busy", "load", "kv_usage", "pending", "applied", "sched", "start_s",
-        "stats", "now", "trace", "sampling", "waking",
+        "stats", "now", "trace", "sampling", "waking", "output",
     )  # fmt: skip
 
     def __init__(self, index: int, config: EngineConfig) -> None:
         cc = config.cache
         self.index = index
-        self.kv = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching, cc.sliding_window)
+        self.kv = KVCacheManager(1, cc.block_size, cc.enable_prefix_caching, cc.sliding_window)
+        self.kv.pool = LazyBlockPool(cc.num_blocks, cc.enable_prefix_caching)  # the same order, built on first use
         self.now = 0.0
         self.scheduler = Scheduler(config.scheduler, self.kv, clock=self._clock)
         self.inbox: deque[Request] = deque()
@@ -177,6 +181,7 @@ class _Replica:
         self.stats = ReplicaStats()
         self.trace: StepTrace | None = None  # the current step's, when steps are recorded
         self.sampling: list[Request] = []  # the current step's requests that sample a token
+        self.output = ModelRunnerOutput({})  # reused: the scheduler only reads it (sampled ids set per step)
 
     def _clock(self) -> float:
         return self.now
@@ -219,6 +224,7 @@ class Simulator:
             for i in range(n)
         ]
         prompt_hash: dict[str, int] = {}
+        record_of: dict[str, RequestRecord] = {}  # requests in an engine → their records
         params_by_len: dict[int, SamplingParams] = {}
         steps: list[StepTrace] = []
         heap: list[tuple[float, int, int, int]] = []
@@ -268,6 +274,7 @@ class Simulator:
             rid = str(i)
             req = Request(rid, ids, params, max_tokens, self.eos_token_ids, arrival_time=t)
             prompt_hash[rid] = hash(tuple(ids))
+            record_of[rid] = rec
             rec.server_prompt_len = len(ids)
             rep.pending += 1
             rep.stats.num_requests += 1
@@ -294,6 +301,7 @@ class Simulator:
             dt = step_time(prefill, segments, rows, context, pairs)
             if noise is not None:
                 dt *= noise()
+            rep.stats.step_s += dt
             dt += core_overhead
             assert dt > 0, f"step time must be positive, got {dt} for features {(prefill, segments, rows, context)}"
             rep.busy = True
@@ -314,17 +322,18 @@ class Simulator:
             sched = rep.sched
             assert sched is not None, f"replica {rep.index}: a step ended that never started"
             rep.now = t
-            sampled = {
-                r.request_id: sim_token(prompt_hash[r.request_id], len(r.all_token_ids), vocab) for r in rep.sampling
-            }
+            out = rep.output
+            out.sampled_token_ids = {
+                r.request_id: (prompt_hash[r.request_id] + 7919 * len(r.all_token_ids)) % vocab for r in rep.sampling
+            }  # sim_token, inlined (the hot path)
             sch = rep.scheduler
-            updated = sch.update_from_output(sched, ModelRunnerOutput(sampled), max_model_len)
+            updated = sch.update_from_output(sched, out, max_model_len)
             chunk_s = t + egress
             finished = []
             for req in updated:
-                rec = records[int(req.request_id)]
+                rec = record_of[req.request_id]
                 rec.chunk_times_s.append(chunk_s)
-                if req.is_finished:
+                if req.status is FINISHED:
                     rec.chunk_num_tokens = [1] * len(rec.chunk_times_s)
                     rec.num_output_tokens = req.num_output_tokens
                     rec.end_s = chunk_s
@@ -344,15 +353,14 @@ class Simulator:
             rep.applied = 0
             rep.sched = None
             for rid in finished:
+                del record_of[rid]
                 finish_client(int(rid), chunk_s)
             start_step(rep, t)
 
-        def next_event_time() -> float:
-            return heap[0][0] if heap else math.inf
-
+        inf = math.inf
         while next_arrival < n or heap:
             if next_arrival < n and (
-                arrivals[next_arrival] < next_event_time()
+                arrivals[next_arrival] < (heap[0][0] if heap else inf)
                 or (arrivals[next_arrival] == heap[0][0] and heap[0][1] > _ARRIVE)
             ):
                 i = next_arrival

@@ -11,10 +11,14 @@ Features of a step (a SchedulerOutput, read before update_from_output advances t
 Two step models share one interface (`step_time_s(features)`) and one JSON file format:
 
 * LinearStepModel, fitted by `lmserve simulate calibrate` from timed LLMEngine steps:
-      t = c0 + c1·prefill_tokens + c2·decode_rows + c3·decode_context_tokens [+ c4·prefill_attention_pairs]
+      t = c0 + c1·prefill_tokens + cs·prefill_segments + c2·decode_rows + c3·decode_context_tokens
+          [+ c4·prefill_attention_pairs]
   c0 is the per-step overhead (schedule, launch, the LM head's fixed part), c1 the per-token cost of the
-  projections, c2 a decode row's cost (its small-M matmul share, sampling, detokenizing), c3 reading its KV;
-  c4, the quadratic prefill attention, is kept only when it lowers the held-out error (calibrate says which).
+  projections, cs a prefill segment's own cost (its attention call, its sampled row; on the CPU a step with a
+  prefill beside decodes also leaves the one-call decode stack, which this term absorbs: without it the held-out
+  median error on mixed workloads doubled), c2 a decode row's cost (its small-M matmul share, sampling,
+  detokenizing), c3 reading its KV; c4, the quadratic prefill attention, is kept only when it lowers the held-out
+  error (calibrate says which).
 * RooflineStepModel, an analytic estimate for machines we do not have: per step
       t = overhead + max(FLOPs / (peak · mfu), bytes / (bandwidth · mbu)) + all-reduces (tensor parallel)
   from published peak FLOP/s and memory bandwidth. Labelled an estimate everywhere it is printed.
@@ -43,7 +47,7 @@ FEATURE_NAMES = (
     "decode_context_tokens",
     "prefill_attention_pairs",
 )
-LINEAR_TERMS = ("prefill_tokens", "decode_rows", "decode_context_tokens")  # the base form
+LINEAR_TERMS = ("prefill_tokens", "prefill_segments", "decode_rows", "decode_context_tokens")  # the base form
 QUADRATIC_TERM = "prefill_attention_pairs"
 DEFAULT_TP_EFFICIENCY = 0.85  # assumed for fitted profiles (calibrate runs one process; no TP to time)
 
@@ -446,6 +450,18 @@ class StepProfile:
 
     def step_time_s(self, f: StepFeatures, tp: int = 1) -> float:
         return self.step_time_fn(tp)(*f.as_tuple())
+
+    def scaled(self, factor: float) -> StepProfile:
+        """A copy whose fitted step times are `factor` times longer (validation: the machine's drift since the
+        calibration, measured on the server, taken out to see the rest of the error)."""
+        import dataclasses
+
+        if self.linear is None or not factor > 0:
+            raise ValueError(f"only a fitted (linear) profile can be scaled, by a factor > 0 (got {factor!r})")
+        lin = LinearStepModel(
+            self.linear.intercept_s * factor, {k: v * factor for k, v in self.linear.coefficients_s.items()}
+        )
+        return dataclasses.replace(self, linear=lin)
 
     def noise_sampler(self, seed: int) -> Callable[[], float] | None:
         """A seeded draw of a step's measured / fitted ratio from noise_quantiles (None: the profile has none)."""
