@@ -355,3 +355,37 @@ def test_lazy_block_pool_hands_out_blocks_as_the_real_one() -> None:
         real.check_invariants()
         lazy.check_invariants()
     assert [b.ref_cnt for b in real.blocks] == [b.ref_cnt for b in lazy.blocks]
+
+
+def test_tensor_parallel_is_a_step_time_factor(llama_dir: Path) -> None:
+    from lmserve.memory_presets import get_preset
+    from lmserve.sim.step_model import roofline_profile
+
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 2.0, decode_rows=1.0)
+    f = StepFeatures(0, 0, 8, 1000, 0.0)
+    t1, t2 = profile.step_time_s(f), profile.step_time_s(f, tp=2)
+    assert t2 == pytest.approx(0.002 + (t1 - 0.002) / (2 * profile.tp_efficiency))
+    roof = roofline_profile("h200", dict(get_preset("llama-3-8b").config), "llama-3-8b")
+    assert roof.estimate and "ESTIMATE" in roof.label
+    decode = StepFeatures(0, 0, 32, 32 * 1024, 0.0)
+    r1, r2, r8 = (roof.step_time_s(decode, tp=tp) for tp in (1, 2, 8))
+    assert r8 < r2 < r1 and r2 > r1 / 2  # the all-reduces and the fixed overhead do not split
+    prefill = StepFeatures(2048, 1, 0, 0, 2048 * 2049 / 2)
+    assert roof.step_time_s(prefill) > 10 * roof.step_time_s(StepFeatures(0, 0, 1, 100, 0.0))  # compute-bound
+    with pytest.raises(ValueError, match="--hardware"):
+        roofline_profile("tpu", dict(get_preset("llama-3-8b").config), "x")
+
+
+def test_step_noise_is_seeded(llama_dir: Path, tmp_path: Path) -> None:
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 5.0, decode_rows=1.0)
+    profile.noise_quantiles = [0.5 + i / 100 for i in range(201)]  # ratios 0.5 .. 2.5
+    w = Workload([list(range(1, 30)), list(range(40, 70))], [8, 8], [0.0, 0.01])
+    runs = [Simulator(profile, SimConfig(config, step_noise=True, seed=s)).run(w) for s in (1, 1, 2)]
+    times = [[r.chunk_times_s for r in run.records] for run in runs]
+    assert times[0] == times[1] and times[0] != times[2]
+    loaded = StepProfile.load(profile.save(tmp_path / "noisy.json"))
+    assert loaded.noise_quantiles == profile.noise_quantiles
+    with pytest.raises(ValueError, match="no measured noise"):
+        Simulator(_profile(config, 5.0), SimConfig(config, step_noise=True))

@@ -187,7 +187,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"lmserve simulate run: error: {e}", file=sys.stderr)
         return 2
-    summary = summarize(result.records, result.duration_s or None, args.request_rate, args.max_concurrency, slos)
+    rate = None if args.trace else args.request_rate  # a trace's arrivals are its own
+    summary = summarize(result.records, result.duration_s or None, rate, args.max_concurrency, slos)
     estimate = profile.estimate or args.tensor_parallel_size > 1
     title = f"simulate: {args.label or profile.model.get('name')}" + (" (ESTIMATE)" if estimate else "")
     print(format_summary(summary, title))
