@@ -26,7 +26,7 @@ from lmserve.bench.metrics import summarize
 from lmserve.config import EngineArgs
 from lmserve.default_model import default_model_path
 from lmserve.sim.inputs import engine_config
-from lmserve.sim.simulator import SimConfig, Simulator
+from lmserve.sim.simulator import SimConfig, Simulator, paused_gc
 from lmserve.sim.step_model import LinearStepModel, Overheads, StepProfile, profile_for
 from lmserve.sim.workload import Workload, build_workload
 
@@ -73,7 +73,8 @@ def main() -> None:
     else:
         result = sim.run(workload)
     t2, c2 = time.perf_counter(), time.process_time()
-    summary = summarize(result.records, result.duration_s, rate)
+    with paused_gc():  # as `lmserve simulate run` summarizes
+        summary = summarize(result.records, result.duration_s, rate)
     t3, c3 = time.perf_counter(), time.process_time()
     stats = result.stats_dict()
     tokens = summary.total_output_tokens

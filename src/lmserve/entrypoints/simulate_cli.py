@@ -187,8 +187,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"lmserve simulate run: error: {e}", file=sys.stderr)
         return 2
+    from lmserve.sim.simulator import paused_gc
+
     rate = None if args.trace else args.request_rate  # a trace's arrivals are its own
-    summary = summarize(result.records, result.duration_s or None, rate, args.max_concurrency, slos)
+    with paused_gc():
+        summary = summarize(result.records, result.duration_s or None, rate, args.max_concurrency, slos)
     estimate = profile.estimate or args.tensor_parallel_size > 1
     title = f"simulate: {args.label or profile.model.get('name')}" + (" (ESTIMATE)" if estimate else "")
     print(format_summary(summary, title))
@@ -256,6 +259,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from lmserve.bench.metrics import parse_slos, summarize
     from lmserve.bench.report import json_safe, load_pyplot
     from lmserve.sim.plan import Candidate, format_plan, parse_space, plot_plan, search, slo_lower_bound
+    from lmserve.sim.simulator import paused_gc
     from lmserve.sim.step_model import StepProfile
 
     try:
@@ -286,7 +290,8 @@ def run_plan(args: argparse.Namespace) -> int:
                               args.step_noise, args.seed)  # fmt: skip
         except ValueError as e:
             return None, str(e), 0.0
-        s = summarize(result.records, result.duration_s or None, args.request_rate, args.max_concurrency, slos)
+        with paused_gc():
+            s = summarize(result.records, result.duration_s or None, args.request_rate, args.max_concurrency, slos)
         return s, None, result.wall_s
 
     tps = space.get("tensor-parallel-size", (1,))
