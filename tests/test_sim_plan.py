@@ -108,13 +108,57 @@ def test_cli_run_writes_bench_serve_keys_and_plan_runs(llama_dir: Path, tmp_path
 
     plan_out = tmp_path / "plan.json"
     code = main(["simulate", "plan", *common, "--goodput", "ttft:100", "--search", "data-parallel-size",
-                 "--grid", "data-parallel-size=1,2", "--output-json", str(plan_out)])  # fmt: skip
+                 "--grid", "data-parallel-size=1,2", "--output-json", str(plan_out), "--plot"])  # fmt: skip
     text = capsys.readouterr().out
     assert ("winner" in text) == (code == 0)
     assert json.loads(plan_out.read_text())["trials"]
+    assert (tmp_path / "plan_plan.png").is_file()
 
     bf16 = ["--dtype", "bfloat16"]
     assert main(["simulate", "run", *common, *bf16, "--output-json", str(out)]) == 2
     assert "dtype='float32'" in capsys.readouterr().err
     assert main(["simulate", "run", *common, "--disaggregation", "2P1D"]) == 2
     assert "#33" in capsys.readouterr().err
+
+
+def test_cli_roofline_then_run_a_model_we_do_not_have(tmp_path: Path, capsys) -> None:
+    """An H200 estimate for Llama-3-8B (public config numbers only, no weights) runs through the real scheduler."""
+    path = tmp_path / "h200.json"
+    assert main(["simulate", "roofline", "--hardware", "h200", "--preset", "llama-3-8b", "--out", str(path)]) == 0
+    assert "ESTIMATE" in capsys.readouterr().out
+    out = tmp_path / "sim.json"
+    args = ["simulate", "run", "--step-model", str(path), "--input-len", "512", "--output-len", "16",
+            "--num-requests", "20", "--request-rate", "50", "--output-json", str(out)]  # fmt: skip
+    assert main([*args, "--tensor-parallel-size", "2", "--data-parallel-size", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "(ESTIMATE)" in text and "x TP 2" in text
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["num_succeeded"] == 20 and doc["simulation"]["estimate"] is True
+    assert doc["simulation"]["num_kv_blocks_per_replica"] > 10_000  # two H200s' memory beside the weights
+
+
+def test_cli_calibrate_refit_from_saved_steps(llama_dir: Path, tmp_path: Path, capsys) -> None:
+    import random
+
+    from lmserve.sim.step_model import StepFeatures, StepProfile
+
+    config = EngineArgs.from_kwargs(str(llama_dir)).create_engine_config()
+    truth = LinearStepModel(0.001, {"prefill_tokens": 2e-5, "prefill_segments": 1e-3, "decode_rows": 3e-4,
+                                    "decode_context_tokens": 1e-6})  # fmt: skip
+    rng = random.Random(1)
+    rows = []
+    for _ in range(120):
+        p = rng.choice([0, 0, 16, 256])
+        f = StepFeatures(p, int(p > 0), rng.randrange(1, 40), rng.randrange(100, 9000), p * (p + 1) / 2)
+        rows.append([*f.as_tuple(), truth.step_time_s(f) * rng.uniform(0.99, 1.01)])
+    profile = profile_for(
+        config, LinearStepModel(0.0, {}), calibration={"samples": rows, "workload_samples": rows[:20]}
+    )
+    path = profile.save(tmp_path / "old.json")
+    assert main(["simulate", "calibrate", "--refit", str(path), "--out", str(tmp_path / "new.json")]) == 0
+    assert "held-out grid steps" in capsys.readouterr().out
+    new = StepProfile.load(tmp_path / "new.json")
+    assert new.linear is not None and new.fit["chosen"] == "linear"
+    for k, v in truth.coefficients_s.items():
+        assert new.linear.coefficients_s[k] == pytest.approx(v, rel=0.1)
+    assert len(new.noise_quantiles) == 201 and 0.95 < new.noise_quantiles[100] < 1.05

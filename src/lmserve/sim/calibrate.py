@@ -200,7 +200,7 @@ def profile_workload(rec: _StepRecorder, num_requests: int, seed: int = 1) -> li
     from lmserve.sampling_params import SamplingParams
 
     engine = rec.engine
-    rec.samples = []
+    rec.samples, rec.counted = [], []
     rng = np.random.default_rng(seed)
     vocab = engine.config.model.vocab_size
     max_len = engine.config.scheduler.max_model_len
@@ -234,8 +234,8 @@ def _profile_child(config: Any, grid: Grid, num_threads: int, backoff: bool, con
             policy = ThreadBackoff(num_threads, CpuShare(os.sched_getaffinity(0), pids))
         rec = _StepRecorder(engine, policy)
         grid_samples = list(profile_grid(rec, grid, log=lambda m: conn.send(("log", m))))
+        counted = [c / t for c, (_, t) in zip(rec.counted, grid_samples, strict=True)]
         held = list(profile_workload(rec, grid.workload_requests))
-        counted = [c / t for c, (_, t) in zip(rec.counted, rec.samples, strict=True)]
         conn.send(("done", ([(f.as_tuple(), t) for f, t in grid_samples], [(f.as_tuple(), t) for f, t in held],
                             rec.threads_used, float(np.median(counted)) if counted else 1.0)))  # fmt: skip
     except BaseException as e:  # noqa: BLE001 - reported to the parent
