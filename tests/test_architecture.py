@@ -30,7 +30,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("core",)),
     ("model", ("kernels", "model", "worker", "spec_decode", "structured_output")),
     ("engine", ("engine", "metrics")),
-    ("entrypoints", ("lmserve", "entrypoints", "diagnose", "metrics_window", "bench", "web")),
+    ("entrypoints", ("lmserve", "entrypoints", "diagnose", "metrics_window", "bench", "sim", "web")),
 ]
 
 # Known exceptions (module names without the "lmserve." prefix): a circle as its set of modules, an upward import as

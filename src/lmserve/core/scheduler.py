@@ -42,6 +42,9 @@ class Scheduler:
         self.spec_num_drafts_total = 0
         self.spec_num_draft_tokens_total = 0
         self.spec_num_accepted_tokens_total = 0
+        # ScheduledRequest.block_ids for the model runner; the simulator (lmserve.sim), which runs no model, turns
+        # them off (no decision reads them; building them touches every block of every running request per step)
+        self.emit_block_ids = True
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -118,7 +121,7 @@ class Scheduler:
                 table = self.kv.allocate_slots(request, num_slots)
             if table is None:
                 break
-            ids = [b.block_id for b in table]
+            ids = [b.block_id for b in table] if self.emit_block_ids else []
             scheduled.append(ScheduledRequest(request, num_new, ids, len(request.spec_token_ids)))
             self._share_in_step(request, num_new)
             budget -= num_new
@@ -143,7 +146,8 @@ class Scheduler:
             if table is None:
                 break
             self._admit(request, num_hit_tokens)
-            scheduled.append(ScheduledRequest(request, num_new, [b.block_id for b in table]))
+            ids = [b.block_id for b in table] if self.emit_block_ids else []
+            scheduled.append(ScheduledRequest(request, num_new, ids))
             self._share_in_step(request, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
@@ -182,6 +186,8 @@ class Scheduler:
     def _num_lookahead(self, request: Request, num_new: int) -> int:
         """Slots past this step that a draft model writes while proposing after it: only for a step that
         reaches the end of the request's tokens, never past the longest the request can get."""
+        if not self.num_lookahead_tokens:
+            return 0
         end = request.num_computed_tokens + num_new
         if end < request.num_tokens + len(request.spec_token_ids):
             return 0

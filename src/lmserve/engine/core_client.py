@@ -64,14 +64,15 @@ from lmserve.engine.messages import (
     StepOutputs,
     WatchBlockMap,
 )
+from lmserve.engine.router import AFFINITY_ENTRIES as AFFINITY_ENTRIES
+from lmserve.engine.router import AFFINITY_SLACK as AFFINITY_SLACK
+from lmserve.engine.router import choose_core
 from lmserve.engine.snapshot import EngineSnapshot, aggregate_snapshots
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-AFFINITY_SLACK = 4  # sequences: a prefix-affine core is used unless its load exceeds the minimum by more
-AFFINITY_ENTRIES = 4096  # first-block hashes remembered (least recently used dropped)
 BACKENDS = ("mp", "ray")
 
 class _Facts:
@@ -338,27 +339,10 @@ class EngineCoreClient:
     # ---- routing ----------------------------------------------------------------------------
 
     def _route(self, prompt_ids: list[int]) -> _Core:
-        """The core for a new request (with _lock held): least loaded, or prefix-affine unless overloaded."""
-        live = [c for c in self._cores if c.alive]
-        assert live, "routing with no live core (dead_error is set first)"
-        if len(live) == 1:
-            return live[0]
-        loads = {c.index: c.load() for c in live}
-        best = min(live, key=lambda c: loads[c.index])
-        bs = self.config.cache.block_size
-        if len(prompt_ids) < bs:
-            return best
-        key = hash(tuple(prompt_ids[:bs]))
-        affine = self._affinity.get(key)
-        chosen = best
-        if affine is not None and self._cores[affine].alive:
-            if loads[affine][0] <= loads[best.index][0] + AFFINITY_SLACK:
-                chosen = self._cores[affine]
-        self._affinity[key] = chosen.index
-        self._affinity.move_to_end(key)
-        if len(self._affinity) > AFFINITY_ENTRIES:
-            self._affinity.popitem(last=False)
-        return chosen
+        """The core for a new request (with _lock held): engine/router.choose_core on the live cores' loads."""
+        loads = {c.index: c.load() for c in self._cores if c.alive}
+        assert loads, "routing with no live core (dead_error is set first)"
+        return self._cores[choose_core(loads, self._affinity, prompt_ids, self.config.cache.block_size)]
 
     # ---- start-up ---------------------------------------------------------------------------
 

@@ -1,0 +1,335 @@
+"""The simulator against the real server on the same workloads: an error table.
+
+    python benchmarks/validate_sim.py --step-model step-model.json [--quick] [--out benchmarks/results]
+
+For every point the same requests (token ids from bench/datasets.py) with the same arrival offsets (the load
+generator's arrival_offsets_s, same seed) and the same client concurrency cap go to `lmserve serve` (started here on
+the bundled model, through the bench load generator) and to `lmserve.sim` with the same engine flags. Points: the
+six seed experiments' configurations (bench/experiments.py: prompt sweep and output sweep one at a time, the
+concurrency sweep, the burst the HF comparison uses, static vs continuous batching, prefix cache on vs off), plus
+Poisson arrivals at three rates up to saturation (the saturation throughput is the simulator's own estimate for the
+workload sent all at once). Errors are (simulated − measured) / measured of mean and P99 TTFT and TPOT and of the
+output throughput; the simulator runs deterministic, with the step model's measured step noise, and with the step
+model rescaled per point by the server's measured mean step time over the simulated one (its /metrics step counters
+read around the point) and the API / core-loop overheads read again on each server before its points (calibrate's
+procedure): that takes the machine's drift since calibration out, leaving the scheduling / queueing model's own
+error. The engine step counts of both sides are printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmserve.bench.datasets import BenchRequest, DatasetConfig, build_requests, load_tokenizer
+from lmserve.bench.experiments import lmserve_server
+from lmserve.bench.loadgen import LoadConfig, arrival_offsets_s, finalize_all, run_load
+from lmserve.bench.metrics import BenchSummary, summarize
+from lmserve.bench.report import json_safe
+from lmserve.sim.calibrate import overheads_on_server, scrape_step_counters
+from lmserve.sim.inputs import engine_config
+from lmserve.sim.simulator import SimConfig, Simulator
+from lmserve.sim.step_model import StepProfile
+from lmserve.sim.workload import Workload
+
+METRICS = (
+    ("TTFT mean", "ttft_ms", "mean"),
+    ("TTFT P99", "ttft_ms", "p99"),
+    ("TPOT mean", "tpot_ms", "mean"),
+    ("TPOT P99", "tpot_ms", "p99"),
+    ("out tok/s", "output_throughput_tok_s", None),
+)
+BASE_FLAGS = ["--kv-cache-memory-gib", "0.25"]
+SERVERS = {  # name → extra `lmserve serve` flags (and the engine keywords the simulator gets for them)
+    "default": ([], {}),
+    "static": (["--scheduling-policy", "static", "--max-num-seqs", "4"],
+               {"scheduling_policy": "static", "max_num_seqs": 4}),
+    "no-prefix-cache": (["--no-prefix-caching"], {"enable_prefix_caching": False}),
+}  # fmt: skip
+
+
+@dataclass
+class Point:
+    name: str
+    server: str
+    requests: list[BenchRequest]
+    rate_rps: float = math.inf
+    max_concurrency: int | None = None
+    real: BenchSummary | None = None
+    sim: BenchSummary | None = None
+    sim_noise: BenchSummary | None = None
+    sim_rescaled: BenchSummary | None = None  # the step model scaled by the server's measured / simulated step time
+    server_steps: int | None = None  # engine steps the server took for the point (its /metrics counters)
+    server_step_s: float | None = None  # their mean wall time
+    sim_steps: int | None = None
+    sim_step_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _value(s: BenchSummary, attr: str, q: str | None) -> float | None:
+    v = getattr(s, attr)
+    return v if q is None else getattr(v, q)
+
+
+def error_pct(sim: BenchSummary, real: BenchSummary, attr: str, q: str | None) -> float | None:
+    a, b = _value(sim, attr, q), _value(real, attr, q)
+    if a is None or b is None or b == 0:
+        return None
+    return 100.0 * (a - b) / b
+
+
+def build_points(tok: Any, quick: bool, seed: int) -> list[Point]:
+    n = 0
+
+    def reqs(num: int, input_len: int, output_len: int, **kw: Any) -> list[BenchRequest]:
+        nonlocal n
+        n += 1
+        return build_requests(DatasetConfig(num_requests=num, input_len=input_len, output_len=output_len,
+                                             seed=seed * 1000 + n, **kw), tok)  # fmt: skip
+
+    per = 3 if quick else 8
+    pts: list[Point] = []
+    for p in (16, 64, 256) if quick else (32, 128, 256, 512):
+        pts.append(Point(f"1 prompt {p}, one at a time", "default", reqs(per, p, 4), max_concurrency=1))
+    for o in (4, 16, 48) if quick else (16, 64, 128):
+        pts.append(Point(f"2 output {o}, one at a time", "default", reqs(per, 32, o), max_concurrency=1))
+    for c in (1, 2, 4, 8) if quick else (1, 4, 16, 32):
+        pts.append(Point(f"3 concurrency {c}", "default", reqs(max(per, 2 * c), 32, 16), max_concurrency=c))
+    pts.append(Point("4 burst of 8 (HF comparison's)", "default", reqs(8, 32, 16)))
+    mixed = reqs(12 if quick else 32, 32, 24, range_ratio=0.6)
+    pts.append(Point("5 continuous, mixed lengths", "default", mixed))
+    pts.append(Point("5 static (max-num-seqs 4)", "static", mixed))
+    prefix = build_requests(DatasetConfig(name="prefix", num_requests=8 if quick else 24, input_len=16, output_len=8,
+                                          prefix_len=384, seed=seed * 1000 + 99), tok)  # fmt: skip
+    pts.append(Point("6 prefix cache on, shared 384-token prefix", "default", prefix, max_concurrency=1))
+    pts.append(Point("6 prefix cache off", "no-prefix-cache", prefix, max_concurrency=1))
+    return pts
+
+
+def poisson_points(tok: Any, profile: StepProfile, config: Any, quick: bool, seed: int) -> list[Point]:
+    num = 30 if quick else 100
+    base = build_requests(DatasetConfig(num_requests=num, input_len=64, output_len=32, seed=seed * 1000 + 500), tok)
+    burst, _ = simulate(profile, config, base, math.inf, None, seed, False)
+    sat = burst.request_throughput_rps
+    pts = []
+    for frac in (0.3, 0.6, 0.9):
+        p = Point(f"Poisson {frac:.0%} of saturation ({frac * sat:.2f} req/s)", "default", base, rate_rps=frac * sat)
+        pts.append(p)
+    return pts
+
+
+def simulate(profile: StepProfile, config: Any, requests: list[BenchRequest], rate: float, cap: int | None,
+             seed: int, noise: bool) -> tuple[BenchSummary, Any]:  # fmt: skip
+    arrivals = arrival_offsets_s(len(requests), rate, 1.0, seed)
+    w = Workload([r.prompt_token_ids for r in requests], [r.output_len for r in requests], arrivals)
+    result = Simulator(profile, SimConfig(config, max_concurrency=cap, step_noise=noise, seed=seed)).run(w)
+    return summarize(result.records, result.duration_s or None, rate, cap), result
+
+
+def measure(url: str, p: Point, tok: Any, seed: int, timeout_s: float) -> tuple[BenchSummary, dict[str, float]]:
+    """The point on the server; with the change of its engine's step counters over the run."""
+    cfg = LoadConfig(base_url=url, request_rate_rps=p.rate_rps, max_concurrency=p.max_concurrency, seed=seed,
+                     timeout_s=timeout_s)  # fmt: skip
+    before = scrape_step_counters(url)
+    result = asyncio.run(run_load(p.requests, cfg))
+    after = scrape_step_counters(url)
+    records = finalize_all(result, p.requests, cfg, tok)
+    if result.fatal_error:
+        raise RuntimeError(result.fatal_error)
+    return summarize(records, result.duration_s or None, p.rate_rps, p.max_concurrency), {
+        k: after[k] - before[k] for k in after
+    }
+
+
+def format_table(points: list[Point], which: str) -> str:
+    head = f"{'point':<48}" + "".join(f"{m:>12}" for m, _, _ in METRICS)
+    lines = [head, "-" * len(head)]
+    for p in points:
+        sim = getattr(p, which)
+        if p.real is None or sim is None:
+            lines.append(f"{p.name:<48}  (not run: {'; '.join(p.notes) or 'skipped'})")
+            continue
+        cells = []
+        for _, attr, q in METRICS:
+            e = error_pct(sim, p.real, attr, q)
+            cells.append(f"{'-':>12}" if e is None else f"{e:>+11.1f}%")
+        lines.append(f"{p.name:<48}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def format_values(points: list[Point]) -> str:
+    head = f"{'point':<48}{'measured TTFT/TPOT mean (ms)':>30}{'simulated':>22}{'measured tok/s':>16}{'simulated':>11}"
+    lines = [head, "-" * len(head)]
+    for p in points:
+        if p.real is None or p.sim is None:
+            continue
+        r, s = p.real, p.sim
+        lines.append(
+            f"{p.name:<48}{_f(r.ttft_ms.mean):>15} / {_f(r.tpot_ms.mean):<12}{_f(s.ttft_ms.mean):>10} / "
+            f"{_f(s.tpot_ms.mean):<9}{_f(r.output_throughput_tok_s):>16}{_f(s.output_throughput_tok_s):>11}"
+        )
+    return "\n".join(lines)
+
+
+def format_steps(points: list[Point]) -> str:
+    head = f"{'point':<48}{'engine steps measured / simulated':>36}{'mean step (ms) measured / simulated':>38}"
+    lines = [head, "-" * len(head)]
+    for p in points:
+        if p.server_steps is None:
+            continue
+        ms = "-" if p.server_step_s is None else f"{1e3 * p.server_step_s:.2f}"
+        lines.append(f"{p.name:<48}{p.server_steps:>24} / {p.sim_steps:<9}{ms:>26} / {1e3 * (p.sim_step_s or 0):.2f}")
+    return "\n".join(lines)
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--step-model", required=True)
+    ap.add_argument("--quick", action="store_true", help="fewer, smaller points (a busy 2-core machine)")
+    ap.add_argument("--only", default=None, help="comma-separated point-name prefixes to run (e.g. 1,3,Poisson)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args()
+    from lmserve.default_model import default_model_path
+
+    model = default_model_path()
+    profile = StepProfile.load(args.step_model)
+    tok = load_tokenizer(model)
+    base_kwargs = {"kv_cache_memory_gib": 0.25}
+    configs = {name: engine_config(profile, {**base_kwargs, **kw}, None) for name, (_, kw) in SERVERS.items()}
+    points = build_points(tok, args.quick, args.seed) + poisson_points(tok, profile, configs["default"], args.quick,
+                                                                      args.seed)  # fmt: skip
+    if args.only:
+        prefixes = [x.strip() for x in args.only.split(",") if x.strip()]
+        points = [p for p in points if any(p.name.startswith(x) for x in prefixes)]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    fresh_overheads: dict[str, Any] = {}
+    for server in SERVERS:
+        todo = [p for p in points if p.server == server]
+        if not todo:
+            continue
+        flags = BASE_FLAGS + SERVERS[server][0]
+        print(f"server {server}: lmserve serve {' '.join(flags)}", flush=True)
+        with lmserve_server(model, flags, out_dir / f"validate-server-{server}.log") as (url, _):
+            measure(url, Point("warm-up", server, build_requests(DatasetConfig(num_requests=2, input_len=16,
+                                                                                output_len=4, seed=7), tok)),
+                    tok, args.seed, args.request_timeout)  # fmt: skip
+            fresh = profile.overheads
+            try:  # the API/core overheads now, on this server, read as calibrate reads them
+                probe = [r for n in (32, 128) for r in build_requests(
+                    DatasetConfig(num_requests=2, input_len=n, output_len=16, seed=300 + n), tok)]  # fmt: skip
+                fresh = overheads_on_server(url, profile, tok, probe, 16)
+                print(f"  overheads now: ingress+egress {1e3 * (fresh.ingress_s + fresh.egress_s):.2f} ms, core loop "
+                      f"{1e3 * fresh.core_step_overhead_s:.2f} ms/step (calibration: "
+                      f"{1e3 * (profile.overheads.ingress_s + profile.overheads.egress_s):.2f} / "
+                      f"{1e3 * profile.overheads.core_step_overhead_s:.2f})", flush=True)  # fmt: skip
+            except RuntimeError as e:
+                print(f"  overheads not re-read: {e}")
+            fresh_overheads[server] = fresh
+            for p in todo:
+                try:
+                    p.real, counters = measure(url, p, tok, args.seed, args.request_timeout)
+                except RuntimeError as e:
+                    p.notes.append(f"server: {e}")
+                    continue
+                cfg = configs[server]
+                p.sim, result = simulate(profile, cfg, p.requests, p.rate_rps, p.max_concurrency, args.seed, False)
+                if profile.noise_quantiles:
+                    p.sim_noise, _ = simulate(profile, cfg, p.requests, p.rate_rps, p.max_concurrency, args.seed, True)
+                p.server_steps = int(counters["steps"])
+                frac = float(profile.calibration.get("counted_fraction") or 1.0)  # counters: execute + update only
+                p.server_step_s = counters["step_s"] / counters["steps"] / frac if counters["steps"] else None
+                p.sim_steps = result.num_steps
+                p.sim_step_s = sum(r.step_s for r in result.replicas) / max(1, result.num_steps)
+                if p.server_step_s and p.sim_step_s:
+                    drift = p.server_step_s / p.sim_step_s
+                    rescaled = dataclasses.replace(profile.scaled(drift), overheads=fresh)
+                    p.sim_rescaled, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, args.seed,
+                                                 False)  # fmt: skip
+                e = error_pct(p.sim, p.real, "ttft_ms", "mean")
+                print(f"  {p.name}: measured TTFT {_f(p.real.ttft_ms.mean)} ms, TPOT {_f(p.real.tpot_ms.mean)} ms; "
+                      f"simulated {_f(p.sim.ttft_ms.mean)} / {_f(p.sim.tpot_ms.mean)} ms"
+                      + ("" if e is None else f" (TTFT {e:+.1f} %)")
+                      + f"; steps {p.server_steps} / {p.sim_steps}, mean step {_f(1e3 * (p.server_step_s or 0))} / "
+                      f"{_f(1e3 * p.sim_step_s)} ms", flush=True)  # fmt: skip
+    load_end = os.getloadavg()[0]
+    text = [
+        f"# simulator vs lmserve serve ({'quick, ' if args.quick else ''}load average {load_start:.2f} → "
+        f"{load_end:.2f} on {os.cpu_count()} CPUs; {time.perf_counter() - t0:.0f} s)",
+        f"step model: {profile.source} — {profile.label}",
+        "",
+        "errors (simulated − measured) / measured, deterministic step model:",
+        format_table(points, "sim"),
+        "",
+        "with the step model's measured step noise (--step-noise):",
+        format_table(points, "sim_noise"),
+        "",
+        "the step model rescaled, per point, by the server's measured mean step / the simulated mean step, and the "
+        "overheads read again on the server before its points (takes the machine's drift since calibration out; what "
+        "is left is the scheduling / queueing model's own error):",
+        format_table(points, "sim_rescaled"),
+        "",
+        format_steps(points),
+        "",
+        format_values(points),
+    ]
+    report = "\n".join(text)
+    print(report)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out_dir / f"validate-sim-{stamp}.txt").write_text(report + "\n")
+    doc = {
+        "benchmark": "validate_sim",
+        "args": vars(args),
+        "step_model": {"source": profile.source, "label": profile.label, "machine": profile.machine},
+        "load_avg_1m": [load_start, load_end],
+        "overheads_at_validation": {k: dataclasses.asdict(v) for k, v in fresh_overheads.items()},
+        "points": [
+            {
+                "name": p.name,
+                "server": p.server,
+                "server_flags": BASE_FLAGS + SERVERS[p.server][0],
+                "num_requests": len(p.requests),
+                "rate_rps": p.rate_rps,
+                "max_concurrency": p.max_concurrency,
+                "measured": p.real,
+                "simulated": p.sim,
+                "simulated_with_noise": p.sim_noise,
+                "simulated_rescaled": p.sim_rescaled,
+                "engine_steps": {"measured": p.server_steps, "simulated": p.sim_steps},
+                "mean_step_s": {"measured": p.server_step_s, "simulated": p.sim_step_s},
+                "errors_pct": {m: error_pct(p.sim, p.real, a, q) for m, a, q in METRICS} if p.real and p.sim else None,
+                "errors_rescaled_pct": (
+                    {m: error_pct(p.sim_rescaled, p.real, a, q) for m, a, q in METRICS}
+                    if p.real and p.sim_rescaled
+                    else None
+                ),
+                "notes": p.notes,
+            }
+            for p in points
+        ],
+    }
+    path = out_dir / f"validate-sim-{stamp}.json"
+    path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

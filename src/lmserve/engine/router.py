@@ -1,0 +1,64 @@
+"""The data-parallel routing rule as a pure function: which engine core a new request goes to.
+
+`EngineCoreClient._route` (engine/core_client.py) applies this rule to its live cores; the simulator
+(lmserve.sim) applies it to its simulated replicas, so both choose alike on the same loads (a test compares them
+choice by choice). The rule:
+
+    least loaded live core: load = running + waiting sequences (latest snapshot) + added-not-yet-acknowledged,
+                            ties → lower KV usage, then the lower index
+    prefix affinity:        the hash of the prompt's first full KV block maps (LRU, AFFINITY_ENTRIES) to the core
+                            that served it last; that core gets the request unless its load exceeds the minimum
+                            by more than AFFINITY_SLACK sequences. The choice is remembered for the block.
+
+No torch, no sockets: the constants live here so core_client can import them from this module (importing them
+the other way round would make the two modules import each other once core_client calls choose_core).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+AFFINITY_SLACK = 4  # sequences: a prefix-affine core is used unless its load exceeds the minimum by more
+AFFINITY_ENTRIES = 4096  # first-block hashes remembered (least recently used dropped)
+
+Load = tuple[int, float]  # (sequences queued or running, KV usage fraction)
+
+
+def first_block_key(prompt_ids: Sequence[int], block_size: int) -> int | None:
+    """The affinity key of a prompt: the hash of its first full KV block (None: shorter than a block)."""
+    if len(prompt_ids) < block_size:
+        return None
+    return hash(tuple(prompt_ids[:block_size]))
+
+
+def choose_core(
+    loads: Mapping[int, Load],
+    affinity: OrderedDict[int, int],
+    prompt_ids: Sequence[int],
+    block_size: int,
+    max_entries: int = AFFINITY_ENTRIES,
+    slack: int = AFFINITY_SLACK,
+) -> int:
+    """The index of the core for a new request.
+
+    loads: the live cores' loads, in core-index order (a dead core is absent). affinity: first-block hash → core
+    index, updated in place (the caller keeps it between calls). Returns a key of `loads`.
+    """
+    assert loads, "routing with no live core"
+    live = list(loads)
+    if len(live) == 1:
+        return live[0]
+    best = min(live, key=loads.__getitem__)
+    key = first_block_key(prompt_ids, block_size)
+    if key is None:
+        return best
+    affine = affinity.get(key)
+    chosen = best
+    if affine is not None and affine in loads and loads[affine][0] <= loads[best][0] + slack:
+        chosen = affine
+    affinity[key] = chosen
+    affinity.move_to_end(key)
+    if len(affinity) > max_entries:
+        affinity.popitem(last=False)
+    return chosen

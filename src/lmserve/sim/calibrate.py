@@ -1,0 +1,628 @@
+"""`lmserve simulate calibrate`: time real LLMEngine steps over a grid, fit the step-time model, measure the
+server's overheads, save a StepProfile.
+
+The grid is a set of engine states and the steps taken from them:
+
+    for each decode batch D and context L:   D requests with L-token prompts are prefilled (those prefill steps
+                                             are samples too), then `decode_steps` pure decode steps are timed,
+        for each prefill P and cached context c:   one request of c cached + P new tokens joins the D decodes:
+                                             a mixed step (c > 0 reuses an earlier prompt's cached blocks)
+
+Each step's features are read from the SchedulerOutput the engine actually ran (a wrapped schedule()), so a
+point that came out differently from the plan (a prefix block evicted, say) is still a correct sample. The time
+is LLMEngine.step()'s wall time: schedule, the model, update, detokenize. A separate mixed workload (Poisson-like
+arrivals of random lengths through the same engine) is the held-out check of the fitted model.
+
+Overheads: with a server (`lmserve serve` on the same flags, started here unless --no-server), requests sent one
+at a time give TTFT = ingress + prefill step + egress and TPOT = decode step + the core loop's own per-step cost;
+the fitted step times are subtracted. The client cannot tell ingress from egress: the sum is split evenly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmserve.sim.step_model import (
+    LinearStepModel,
+    Overheads,
+    StepFeatures,
+    StepProfile,
+    choose_form,
+    model_description,
+    ratio_quantiles,
+)
+
+
+@dataclass(frozen=True)
+class Grid:
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    prefills: tuple[int, ...]
+    prefill_contexts: tuple[int, ...]
+    decode_steps: int = 4
+    repeats: int = 2
+    workload_requests: int = 24
+
+    @staticmethod
+    def quick() -> Grid:
+        return Grid((0, 1, 8, 32), (64, 384), (16, 128, 384), (0, 256), decode_steps=3, repeats=2, workload_requests=16)
+
+    @staticmethod
+    def full() -> Grid:
+        return Grid((0, 1, 2, 4, 8, 16, 32, 64), (32, 256, 640), (8, 32, 128, 256, 512), (0, 128, 384), 4, 3, 48)
+
+    def max_tokens_per_step(self) -> int:
+        return max(self.prefills) + max(self.decode_batches) + 1
+
+
+def machine_description(device: str) -> dict[str, Any]:
+    """The repo's machine description (benchmarks/machine.py or bench/machine.py: CPU model, ISA flags, memory,
+    versions, commit, load) when this is a checkout, else its minimal fields."""
+    import platform
+
+    repo = Path(__file__).resolve().parents[3]
+    for folder in ("benchmarks", "bench"):
+        path = repo / folder / "machine.py"
+        if path.is_file():
+            try:
+                import importlib.util
+
+                spec = importlib.util.spec_from_file_location("_lmserve_machine", path)
+                assert spec is not None and spec.loader is not None
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                info = dict(mod.machine_info())
+                break
+            except Exception:  # noqa: BLE001 - a broken checkout file must not stop calibration
+                continue
+    else:
+        info = {
+            "cpu_model": platform.processor() or platform.machine(),
+            "logical_cpus": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        }
+    import torch
+
+    info["device"] = device
+    info["torch_threads"] = torch.get_num_threads()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    info["load_avg_1m_end"] = os.getloadavg()[0]
+    return info
+
+
+class _StepRecorder:
+    """Wraps an engine's scheduler.schedule to keep each step's features; times engine.step(). Between steps it
+    applies the served engine core's thread back-off (engine/cpu_share.py), as the core's loop does."""
+
+    def __init__(self, engine: Any, backoff: Any = None) -> None:
+        self.engine = engine
+        self.backoff = backoff
+        self.samples: list[tuple[StepFeatures, float]] = []
+        self.counted: list[float] = []  # per sample, the part the engine's own step counter times (execute + update)
+        self.threads_used: dict[int, int] = {}  # torch threads → steps taken with them
+        self._last: StepFeatures | None = None
+        inner = engine.scheduler.schedule
+
+        def schedule() -> Any:
+            out = inner()
+            self._last = None if out.is_empty else StepFeatures.of(out)
+            return out
+
+        engine.scheduler.schedule = schedule
+
+    def step(self, keep: bool = True) -> float:
+        import torch
+
+        if self.backoff is not None and (threads := self.backoff.poll()) is not None:
+            torch.set_num_threads(threads)
+        counted = self.engine.counters.step_time_s_total
+        t = time.perf_counter()
+        self.engine.step()
+        dt = time.perf_counter() - t
+        if keep and self._last is not None and dt > 0:
+            self.samples.append((self._last, dt))
+            self.counted.append(self.engine.counters.step_time_s_total - counted)
+            n = torch.get_num_threads()
+            self.threads_used[n] = self.threads_used.get(n, 0) + 1
+        return dt
+
+
+def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(1, vocab, n).tolist()
+
+
+def profile_grid(rec: _StepRecorder, grid: Grid, seed: int = 0, log: Any = None) -> list[tuple[StepFeatures, float]]:
+    from lmserve.sampling_params import SamplingParams
+
+    engine = rec.engine
+    vocab = engine.config.model.vocab_size
+    rng = np.random.default_rng(seed)
+    block = engine.config.cache.block_size
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    seeds = {c: _ids(rng, c, vocab) for c in grid.prefill_contexts if c > 0}
+
+    def drain(keep: bool = True) -> None:
+        while engine.has_unfinished_requests():
+            rec.step(keep)
+
+    # warm-up: the first steps pick kernels and fault in memory; not samples
+    engine.add_request(None, _ids(rng, 64, vocab), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    drain(keep=False)
+    for ids in seeds.values():  # the cached contexts (their blocks stay findable while the pool has room)
+        engine.add_request(None, ids + _ids(rng, block, vocab), one)
+    drain()
+    states = [(d, ctx) for d in grid.decode_batches for ctx in (grid.decode_contexts if d else (0,))]
+    # a shuffled order: a busy machine's load drifts over minutes, and in grid order the drift would be read as the
+    # effect of whatever the last states have most of (long contexts, large batches)
+    states = [states[i] for i in rng.permutation(len(states))]
+    injections = [(p, c) for p in grid.prefills for c in grid.prefill_contexts]
+    for k, (d, ctx) in enumerate(states):
+        t0 = time.perf_counter()
+        long = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+        ids = [engine.add_request(None, _ids(rng, ctx, vocab), long) for _ in range(d)]
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+            rec.step()
+        for _ in range(grid.decode_steps if d else 0):
+            rec.step()
+        for _ in range(grid.repeats):
+            for j in rng.permutation(len(injections)):
+                p, c = injections[j]
+                if p + c < engine.config.scheduler.max_model_len:
+                    prompt = (seeds[c] if c else []) + _ids(rng, p, vocab)
+                    engine.add_request(None, prompt, one)
+                    rec.step()  # the decodes and this prefill in one step (the budget holds them)
+                    while any(r.max_tokens == 1 for r in engine.scheduler.requests.values()):
+                        rec.step()
+                    if d:
+                        rec.step()  # and a decode-only step: those make TPOT, spread over the run's time
+        engine.abort_request(ids)
+        if log:
+            log(f"  state {k + 1}/{len(states)}: {d} decodes at context {ctx}: {time.perf_counter() - t0:.1f} s, "
+                f"{len(rec.samples)} steps so far")  # fmt: skip
+    return rec.samples
+
+
+def profile_workload(rec: _StepRecorder, num_requests: int, seed: int = 1) -> list[tuple[StepFeatures, float]]:
+    """A mixed workload (random prompt / output lengths, a few arrivals per step): held-out steps."""
+    from lmserve.sampling_params import SamplingParams
+
+    engine = rec.engine
+    rec.samples, rec.counted = [], []
+    rng = np.random.default_rng(seed)
+    vocab = engine.config.model.vocab_size
+    max_len = engine.config.scheduler.max_model_len
+    added = 0
+    while added < num_requests or engine.has_unfinished_requests():
+        for _ in range(int(rng.poisson(0.5)) if added < num_requests else 0):
+            p = int(rng.integers(8, min(512, max_len // 2)))
+            o = int(rng.integers(4, 64))
+            engine.add_request(
+                None, _ids(rng, p, vocab), SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)
+            )
+            added += 1
+        if engine.has_unfinished_requests():
+            rec.step()
+    return rec.samples
+
+
+def _profile_child(config: Any, grid: Grid, num_threads: int, backoff: bool, conn: Any) -> None:
+    """In a process started like an engine core (its OpenMP environment, threads, back-off): profile, send back."""
+    import torch
+
+    torch.set_num_threads(num_threads)
+    try:
+        from lmserve.engine.cpu_share import CpuShare, ThreadBackoff
+        from lmserve.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+        policy = None
+        if backoff and num_threads > 1:
+            pids = (os.getpid(), os.getppid())
+            policy = ThreadBackoff(num_threads, CpuShare(os.sched_getaffinity(0), pids))
+        rec = _StepRecorder(engine, policy)
+        grid_samples = list(profile_grid(rec, grid, log=lambda m: conn.send(("log", m))))
+        counted = [c / t for c, (_, t) in zip(rec.counted, grid_samples, strict=True)]
+        held = list(profile_workload(rec, grid.workload_requests))
+        conn.send(("done", ([(f.as_tuple(), t) for f, t in grid_samples], [(f.as_tuple(), t) for f, t in held],
+                            rec.threads_used, float(np.median(counted)) if counted else 1.0)))  # fmt: skip
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+def profile_in_core_process(
+    config: Any, grid: Grid, num_threads: int, cpu_policy: str, log: Any
+) -> tuple[list[tuple[StepFeatures, float]], list[tuple[StepFeatures, float]], dict[int, int], float]:
+    """Profile in a spawned process with an engine core's environment (engine/core_client.py: OMP_NUM_THREADS and
+    the --cpu-wait-policy's OpenMP settings, read by the child before anything runs; `adaptive` also backs off to
+    one thread while other processes use the CPUs): the steps are timed as a served core would take them."""
+    import multiprocessing
+
+    from lmserve.engine.core_client import CPU_POLICIES
+
+    env = {"OMP_NUM_THREADS": str(num_threads), **CPU_POLICIES[cpu_policy]}
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_profile_child, args=(config, grid, num_threads, cpu_policy == "adaptive", child),
+                       name="lmserve-calibrate", daemon=True)  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    child.close()
+    try:
+        while True:
+            try:
+                kind, payload = parent.recv()
+            except EOFError:
+                raise RuntimeError(f"the profiling process died (exit code {proc.exitcode})") from None
+            if kind == "log":
+                log(payload)
+            elif kind == "error":
+                raise RuntimeError(f"profiling failed: {payload}")
+            else:
+                grid_raw, held_raw, threads, counted = payload
+                return ([(StepFeatures(*f), t) for f, t in grid_raw], [(StepFeatures(*f), t) for f, t in held_raw],
+                        threads, counted)  # fmt: skip
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _quality(profile: StepProfile, samples: list[tuple[StepFeatures, float]]) -> dict[str, float]:
+    if not samples:
+        return {}
+    pred = np.array([profile.step_time_s(f) for f, _ in samples])
+    y = np.array([t for _, t in samples])
+    ape = 100 * np.abs(pred - y) / y
+    total = float(((y - y.mean()) ** 2).sum())
+    return {
+        "num_steps": len(samples),
+        "r2": 1 - float(((y - pred) ** 2).sum()) / total if total > 0 else math.nan,
+        "mape_pct": float(ape.mean()),
+        "median_ape_pct": float(np.median(ape)),
+        "sum_error_pct": float(100 * (pred.sum() - y.sum()) / y.sum()),  # the total time of the run
+    }
+
+
+SERVER_STEP_COUNTERS = {
+    "lmserve:engine_step_time_seconds_total": "step_s",
+    "lmserve:decode_step_time_seconds_total": "decode_s",
+    "lmserve:num_decode_steps_total": "decode_steps",
+    "lmserve:num_steps_total": "steps",
+}
+
+
+def scrape_step_counters(base_url: str) -> dict[str, float]:
+    """The engine's step-time counters from a server's /metrics (unlabelled by engine: the aggregate)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {v: 0.0 for v in SERVER_STEP_COUNTERS.values()}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            key = SERVER_STEP_COUNTERS.get(sample.name)
+            if key is not None and "engine" not in sample.labels:
+                out[key] += sample.value
+    return out
+
+
+def measure_overheads(
+    profile: StepProfile, model: str, flags: list[str], tokenizer_path: str, out_dir: Path, num_requests: int = 6
+) -> Overheads:
+    """Requests sent one at a time to `lmserve serve` on the same flags; around each, the engine's own step-time
+    counters (/metrics) give its prefill step and its decode steps, so: TTFT − that prefill step = ingress +
+    egress, and TPOT − its mean decode step = the core loop's per-step cost (not from the fit: exact even when the
+    fit is off). The counters time execute + update only; they are divided by the calibration's counted_fraction to
+    stand for whole LLMEngine.step()s, as the step model's do. The fitted model's error on those server steps is
+    reported beside them."""
+    from lmserve.bench.datasets import DatasetConfig, build_requests, load_tokenizer
+    from lmserve.bench.experiments import lmserve_server
+    from lmserve.bench.loadgen import LoadConfig, run_load
+
+    tok = load_tokenizer(tokenizer_path)
+    out_len = 16
+    reqs = []
+    for i, n in enumerate((32, 128, 256)):
+        reqs += build_requests(DatasetConfig(num_requests=max(1, num_requests // 3), input_len=n, output_len=out_len,
+                                             seed=100 + i), tok)  # fmt: skip
+    with lmserve_server(model, flags, out_dir / "calibrate-server.log") as (url, _):
+        cfg = LoadConfig(base_url=url, max_concurrency=1, seed=0)
+        warm = build_requests(DatasetConfig(num_requests=2, input_len=16, output_len=4, seed=99), tok)
+        asyncio.run(run_load(warm, cfg))
+        return overheads_on_server(url, profile, tok, reqs, out_len)
+
+
+def overheads_on_server(url: str, profile: StepProfile, tok: Any, reqs: list[Any], out_len: int) -> Overheads:
+    """measure_overheads' readings on a running server (validation reads them again before its points)."""
+    from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
+    from lmserve.bench.metrics import request_latency
+
+    cfg = LoadConfig(base_url=url, max_concurrency=1, seed=0)
+    ttft_extra, tpot_extra, fit_err = [], [], []
+    for req in reqs:
+        before = scrape_step_counters(url)
+        result = asyncio.run(run_load([req], cfg))
+        after = scrape_step_counters(url)
+        (rec,) = finalize_all(result, [req], cfg, tok)
+        if not rec.success:
+            raise RuntimeError(f"overhead measurement failed: {result.fatal_error or rec.error}")
+        d = {k: after[k] - before[k] for k in after}
+        lat = request_latency(rec)
+        assert lat.ttft_from_send_s is not None and lat.tpot_s is not None, "a successful request has both"
+        if d["steps"] - d["decode_steps"] != 1 or d["decode_steps"] < 1:
+            continue  # not one prefill step and its decodes (a stray step): no clean reading
+        frac = float(profile.calibration.get("counted_fraction") or 1.0)  # counters time execute + update only
+        prefill_s = (d["step_s"] - d["decode_s"]) / frac
+        decode_s = d["decode_s"] / d["decode_steps"] / frac
+        ttft_extra.append(lat.ttft_from_send_s - prefill_s)
+        tpot_extra.append(lat.tpot_s - decode_s)
+        p = rec.effective_prompt_len
+        fitted_prefill = profile.step_time_s(StepFeatures(p, 1, 0, 0, p * (p + 1) / 2))
+        fitted_decode = profile.step_time_s(StepFeatures(0, 0, 1, p + out_len // 2, 0.0))
+        fit_err += [(fitted_prefill - prefill_s) / prefill_s, (fitted_decode - decode_s) / decode_s]
+    if not ttft_extra:
+        raise RuntimeError("no request gave a clean reading of the server's step counters")
+    ttft_extra_s = max(0.0, float(np.median(ttft_extra)))
+    core_s = max(0.0, float(np.median(tpot_extra)))
+    how = (
+        f"lmserve serve, {len(ttft_extra)} requests one at a time (prompts 32/128/256, {out_len} output tokens), "
+        f"the engine's step-time counters read around each: median TTFT − the prefill step = "
+        f"{ttft_extra_s * 1e3:.2f} ms (split evenly into ingress and egress: the client cannot tell them apart), "
+        f"median TPOT − the mean decode step = {core_s * 1e3:.2f} ms (the core loop's per-step cost); the fitted "
+        f"model's median error on those server steps: {100 * float(np.median(np.abs(fit_err))):.1f} %"
+    )
+    return Overheads(ttft_extra_s / 2, ttft_extra_s / 2, core_s, measured=True, how=how)
+
+
+def add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    from lmserve.entrypoints.engine_args_cli import add_engine_args
+
+    p.add_argument("--out", default="step-model.json", help="the step model JSON to write (default step-model.json)")
+    p.add_argument("--quick", action="store_true", help="a small grid (minutes on the bundled model)")
+    p.add_argument(
+        "--refit",
+        default=None,
+        metavar="STEP_MODEL",
+        help="fit again from the steps saved in this step model (no profiling)",
+    )
+    p.add_argument("--repeats", type=int, default=None, help="times each mixed step is taken (default: the grid's)")
+    p.add_argument(
+        "--no-server",
+        dest="server",
+        action="store_false",
+        help="do not start `lmserve serve` to measure the API/network overheads (they stay 0)",
+    )
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: as a served engine core)")
+    p.add_argument(
+        "--cpu-wait-policy",
+        default="adaptive",
+        choices=["adaptive", "bounded", "spin", "passive"],
+        help="the OpenMP wait policy of the profiling process, as lmserve serve's (default adaptive)",
+    )
+    add_engine_args(p)
+
+
+def refit(path: str, out: str) -> int:
+    """The fit again from a step model's saved samples (its overheads, machine and grid kept)."""
+    try:
+        profile = StepProfile.load(path)
+        cal = profile.calibration
+        samples = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("samples") or []]
+        held = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("workload_samples") or []]
+        if len(samples) < 10:
+            raise ValueError(f"--refit: {path} holds {len(samples)} profiled steps; at least 10 are needed")
+    except ValueError as e:
+        print(f"lmserve simulate calibrate: error: {e}", file=sys.stderr)
+        return 2
+    _fit_into(profile, samples, held)
+    profile.calibration = {**cal, "refit_of": path, "refit_time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    out_path = profile.save(out)
+    print(format_profile(profile))
+    print(f"wrote {out_path}")
+    return 0
+
+
+def _fit_into(
+    profile: StepProfile, samples: list[tuple[StepFeatures, float]], held: list[tuple[StepFeatures, float]]
+) -> None:
+    linear, quality, comparison = choose_form(samples)
+    profile.kind, profile.linear = "linear", linear
+    profile.noise_quantiles = ratio_quantiles(linear, samples)
+    profile.fit = {
+        **comparison,
+        "heldout_grid": asdict(quality),
+        "heldout_workload": _quality(profile, held),
+        "weighting": "least absolute relative error (IRLS), coefficients >= 0",
+    }
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    if args.refit:
+        return refit(args.refit, args.out)
+    import dataclasses
+    import shlex
+
+    from lmserve.config import EngineArgs
+    from lmserve.entrypoints.engine_args_cli import engine_kwargs, model_path
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    try:
+        grid = Grid.quick() if args.quick else Grid.full()
+        if args.repeats is not None:
+            if args.repeats < 1:
+                raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+            grid = dataclasses.replace(grid, repeats=args.repeats)
+        if args.num_threads is not None and args.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+        model = model_path(args)
+        kwargs = engine_kwargs(args)
+        # the grid's steps must fit one step's budget and the sequence limit; the KV pool must hold the states
+        kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"] or 0, grid.max_tokens_per_step())
+        kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], max(grid.decode_batches) + 2)
+        engine_args = EngineArgs.from_kwargs(model, **kwargs)
+        config = engine_args.create_engine_config()
+        max_len = config.scheduler.max_model_len
+        grid = dataclasses.replace(grid, decode_contexts=tuple(c for c in grid.decode_contexts if c + 200 < max_len))
+        if not grid.decode_contexts:
+            raise ValueError(f"max_model_len {max_len} is too short for the calibration grid (needs > 232)")
+        if config.speculative is not None:
+            raise ValueError("--speculative-config: the simulator does not model speculative decoding")
+    except ValueError as e:
+        print(f"lmserve simulate calibrate: error: {e}", file=sys.stderr)
+        return 2
+    from lmserve.engine.core_client import default_num_threads
+
+    num_threads = args.num_threads or default_num_threads(1)
+    log(f"calibrating {model} ({config.model.dtype}, KV {config.cache.kv_cache_dtype}, "
+        f"quantization {config.quantization.method if config.quantization else None}) in a process set up as an "
+        f"engine core: {num_threads} threads, --cpu-wait-policy {args.cpu_wait_policy}; "
+        f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    try:
+        samples, held, threads_used, counted_fraction = profile_in_core_process(
+            config, grid, num_threads, args.cpu_wait_policy, log
+        )
+    except RuntimeError as e:
+        print(f"lmserve simulate calibrate: error: {e}", file=sys.stderr)
+        return 1
+    log(f"profiled {len(samples)} grid steps and {len(held)} workload steps in {time.perf_counter() - t0:.0f} s "
+        f"(steps by torch threads: {threads_used})")  # fmt: skip
+    if len(samples) < 10:
+        print("lmserve simulate calibrate: error: too few steps profiled to fit", file=sys.stderr)
+        return 1
+    name = args.model or "bundled (lmserve/default_model/target)"
+    profile = StepProfile(
+        kind="linear",
+        model=model_description(config, name),
+        dtype=config.model.dtype,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        quantization=config.quantization.method if config.quantization else None,
+        weight_dtype=config.weight_dtype,
+        device=config.device,
+        machine={},
+        linear=LinearStepModel(0.0, {}),
+    )
+    _fit_into(profile, samples, held)
+    profile.calibration = {"counted_fraction": counted_fraction}
+    overheads = Overheads()
+    if args.server:
+        flags = _server_flags(args)
+        log(f"measuring API/network overheads: lmserve serve {shlex.join(flags)}")
+        try:
+            overheads = measure_overheads(profile, model, flags, config.tokenizer, Path(args.out).resolve().parent)
+        except Exception as e:  # noqa: BLE001 - the fit is still worth saving
+            log(f"warning: overheads not measured ({type(e).__name__}: {e}); they stay 0")
+    profile.overheads = overheads
+    profile.machine = machine_description(config.device)
+    profile.calibration = {
+        # median of (the engine's own step counter: execute + update) / LLMEngine.step()'s wall time: what a server's
+        # /metrics step times are of the step model's steps (schedule, detokenize and outputs are outside them)
+        "counted_fraction": counted_fraction,
+        "grid": asdict(grid),
+        "num_threads": num_threads,
+        "cpu_wait_policy": args.cpu_wait_policy,
+        "steps_by_torch_threads": threads_used,
+        "load_avg_1m_start": load_start,
+        "elapsed_s": time.perf_counter() - t0,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "samples": [[*f.as_tuple(), t] for f, t in samples],
+        "workload_samples": [[*f.as_tuple(), t] for f, t in held],
+        "sample_columns": [
+            "prefill_tokens",
+            "prefill_segments",
+            "decode_rows",
+            "decode_context_tokens",
+            "prefill_attention_pairs",
+            "step_time_s",
+        ],  # fmt: skip
+    }
+    out = profile.save(args.out)
+    print(format_profile(profile))
+    print(f"wrote {out}")
+    return 0
+
+
+def _server_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of this calibration as `lmserve serve` arguments."""
+    from lmserve.entrypoints.engine_args_cli import ENGINE_ARG_NAMES
+
+    defaults = argparse.ArgumentParser()
+    from lmserve.entrypoints.engine_args_cli import add_engine_args
+
+    add_engine_args(defaults)
+    base = vars(defaults.parse_args([]))
+    flags: list[str] = []
+    negated = {"enable_prefix_caching": "--no-prefix-caching", "enable_chunked_prefill": "--no-chunked-prefill",
+               "share_prefix_in_step": "--no-in-step-prefix-sharing"}  # fmt: skip
+    for name in ENGINE_ARG_NAMES:
+        value = getattr(args, name)
+        if value == base.get(name):
+            continue
+        if name in negated:
+            flags.append(negated[name])
+        else:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if args.cpu_wait_policy != "adaptive":
+        flags += ["--cpu-wait-policy", args.cpu_wait_policy]
+    if args.num_threads is not None:
+        flags += ["--num-threads", str(args.num_threads)]
+    if args.num_kv_blocks is None and args.kv_cache_memory_gib is None:
+        flags += ["--kv-cache-memory-gib", "0.25"]  # the measurement needs little KV; do not reserve the default pool
+    return flags
+
+
+def format_profile(profile: StepProfile) -> str:
+    lines = [f"step model ({profile.label}): kind {profile.kind}"]
+    if profile.linear is not None:
+        lines.append("  " + profile.linear.formula())
+    fit = profile.fit
+    if fit:
+        lines.append(f"  form: {fit.get('chosen')} — {fit.get('why')}")
+        g = fit.get("heldout_grid") or {}
+        if g:
+            lines.append(
+                f"  held-out grid steps: R² {g['r2_heldout']:.3f}, median |error| {g['median_ape_heldout_pct']:.1f} %, "
+                f"mean {g['mape_heldout_pct']:.1f} % (train R² {g['r2_train']:.3f}, mean {g['mape_train_pct']:.1f} %; "
+                f"{g['num_train']} / {g['num_heldout']} steps)"
+            )
+        w = fit.get("heldout_workload") or {}
+        if w:
+            lines.append(
+                f"  held-out workload steps: R² {w['r2']:.3f}, median |error| {w['median_ape_pct']:.1f} %, mean "
+                f"{w['mape_pct']:.1f} %, total time {w['sum_error_pct']:+.1f} % ({w['num_steps']} steps)"
+            )
+    ov = profile.overheads
+    lines.append(
+        f"  overheads: ingress {ov.ingress_s * 1e3:.2f} ms, egress {ov.egress_s * 1e3:.2f} ms, core loop "
+        f"{ov.core_step_overhead_s * 1e3:.2f} ms/step ({'measured' if ov.measured else 'not measured'})"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""BlockPool with the real pool's allocation order, its blocks created on first use.
+
+BlockPool builds every block and a free-list entry for it up front: 64 replicas of an H200-sized pool are 3.4 M
+objects and most of a simulation's start-up, while a simulation touches a fraction of them. The real free list is
+always [never-used blocks in id order] + [freed blocks, least recently freed first] (a never-used block holds no
+key, so touch() never takes one out of the middle), so handing out never-used ids in order before the freed ones
+is the same sequence. Everything else (reference counts, the prefix index, eviction) is BlockPool's own code.
+tests/test_sim_simulator.py drives both pools with the same random operations and compares every result.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from lmserve.core.block_pool import BlockKey, BlockPool, KVCacheBlock
+
+
+class LazyBlockPool(BlockPool):
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:  # noqa: D107 - no super(): nothing eager
+        assert num_blocks > 0, "the pool needs at least one block"
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self._created: list[KVCacheBlock] = []  # ids 0 .. len - 1, handed out at least once
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict()  # freed blocks, least recently freed first
+        self._index: dict[BlockKey, KVCacheBlock] = {}
+
+    @property
+    def blocks(self) -> list[KVCacheBlock]:  # type: ignore[override]
+        """Every block (never-used ones as fresh free blocks; for reading: block maps, invariant checks)."""
+        return self._created + [KVCacheBlock(i) for i in range(len(self._created), self.num_blocks)]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + self.num_blocks - len(self._created)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        assert n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
+        out = []
+        created = self._created
+        for _ in range(n):
+            if len(created) < self.num_blocks:  # the head of the real free list: never-used blocks, in id order
+                block = KVCacheBlock(len(created))
+                created.append(block)
+            else:
+                _, block = self._free.popitem(last=False)
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def check_invariants(self, block_tables: list[list[KVCacheBlock]] | None = None) -> None:
+        for block in self._created:
+            assert (block.block_id in self._free) == (block.ref_cnt == 0), f"block {block.block_id}: free list"
+        for key, block in self._index.items():
+            assert block.key == key, f"index key of block {block.block_id} does not match its contents"

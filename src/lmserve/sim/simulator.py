@@ -1,0 +1,420 @@
+"""The event-driven simulator: the engine's own Scheduler / KVCacheManager per replica, a step-time model instead
+of the model runner, the server's routing rule between replicas, the load generator's client in front.
+
+    client (bench loadgen)          API process                    engine core r (one per DP replica)
+    ─────────────────────           ───────────                    ─────────────────────────────────
+    ARRIVE i at scheduled_s ─ cap ─▶ send_s ── ingress_s ──▶ DELIVER: validate (400s), route (engine/router.py)
+                                                                    → inbox of core r; an idle core starts a step
+                                                             step start: inbox → Scheduler.add_request,
+                                                                    Scheduler.schedule() → features → dt
+    chunk at t + egress_s ◀──────────────────────────────── STEP_END at start + dt: update_from_output (the
+                                                                    sampled token per request that reached the end
+                                                                    of its tokens), snapshot for the router, next
+                                                                    step at once (the core's busy loop)
+
+Everything is a heap of timed events; no clock is read, nothing sleeps. Output lengths are fixed by the workload
+(ignore_eos, max_tokens = output length), so a request finishes exactly where the real engine's would. The
+"sampled" token of a request is a function of its prompt and position (two equal prompts get equal outputs, as
+greedy decoding gives them), which only matters to the prefix cache.
+
+Not simulated: stop strings and EOS (outputs are ignore_eos), speculative decoding, structured outputs,
+max_queued_requests (429s), a dying core. Prefill/decode disaggregation raises until the engine has it (#33).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import heapq
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmserve.bench.metrics import RequestRecord
+from lmserve.config import EngineConfig
+from lmserve.core.kv_cache_manager import KVCacheManager
+from lmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from lmserve.core.scheduler import Scheduler
+from lmserve.engine.router import choose_core
+from lmserve.request import Request, RequestStatus
+from lmserve.sampling_params import SamplingParams
+from lmserve.sim.lazy_pool import LazyBlockPool
+from lmserve.sim.step_model import Overheads, StepProfile, StepTimeFn, step_features
+from lmserve.sim.workload import Workload
+
+# event kinds, in the order simultaneous events are handled: a step's end (its outputs, then the next step's
+# start), requests reaching a core, client arrivals (not in the heap: a sorted list), then an idle core's wake-up,
+# so that requests arriving together start together (the core drains every queued message before it steps)
+_STEP_END, _DELIVER, _ARRIVE, _WAKE = 0, 1, 2, 3
+FINISHED = RequestStatus.FINISHED
+
+
+def sim_token(prompt_hash: int, position: int, vocab_size: int) -> int:
+    """The token a simulated request 'samples' at `position`: a function of its prompt, as greedy decoding is."""
+    return (prompt_hash + 7919 * position) % vocab_size
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    engine: EngineConfig
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    max_concurrency: int | None = None  # the client's cap on requests in flight (bench serve --max-concurrency)
+    disaggregation: str | None = None  # "xPyD": not yet (#33)
+    record_steps: bool = False  # keep a StepTrace per step (tests, debugging; costs memory)
+    step_noise: bool = False  # multiply each step by a draw from the profile's measured/fitted ratios
+    seed: int = 0  # of the step noise
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size!r}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.disaggregation is not None:
+            check_disaggregation(self.disaggregation)
+        if self.engine.speculative is not None:
+            raise ValueError("--speculative-config: speculative decoding is not simulated (acceptance is not modelled)")
+
+
+def check_disaggregation(spec: str) -> tuple[int, int]:
+    """Parse "xPyD" (x prefill replicas, y decode replicas) — and refuse it: the engine has no prefill/decode
+    disaggregation yet (issue #33), so there is no KV transfer to model and no real system to validate against."""
+    import re
+
+    m = re.fullmatch(r"(\d+)P(\d+)D", spec.strip(), re.IGNORECASE)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"--disaggregation must look like 2P1D (prefill and decode replicas), got {spec!r}")
+    raise ValueError(
+        f"--disaggregation {spec}: prefill/decode disaggregation is not simulated yet: the engine has no PD mode "
+        "(issue #33), so there is no KV transfer path to model (per-block transfer cost) or to validate against; "
+        "use --data-parallel-size for now"
+    )
+
+
+@dataclass
+class StepTrace:
+    """One simulated step of one replica (SimConfig.record_steps)."""
+
+    replica: int
+    index: int  # the replica's step number, from 0
+    start_s: float
+    end_s: float
+    scheduled: list[tuple[str, int, int]]  # (request id, start, num_new_tokens) in scheduled order
+    admitted: list[str]  # requests that were not running before this step's schedule()
+    preempted: list[str]
+    finished: list[str]
+
+
+@dataclass
+class ReplicaStats:
+    num_steps: int = 0
+    busy_s: float = 0.0
+    step_s: float = 0.0  # of busy_s, the step model's time (without the core loop's overhead)
+    num_requests: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    max_running: int = 0
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    duration_s: float  # first arrival to the last response's end (bench serve's duration)
+    replicas: list[ReplicaStats]
+    wall_s: float  # what the simulation itself took
+    steps: list[StepTrace] = field(default_factory=list)
+
+    @property
+    def num_steps(self) -> int:
+        return sum(r.num_steps for r in self.replicas)
+
+    def stats_dict(self) -> dict[str, Any]:
+        reps = self.replicas
+        queries = sum(r.prefix_cache_queries for r in reps)
+        return {
+            "num_replicas": len(reps),
+            "num_steps": self.num_steps,
+            "num_preemptions": sum(r.num_preemptions for r in reps),
+            "prefix_cache_hit_rate": sum(r.prefix_cache_hits for r in reps) / queries if queries else 0.0,
+            "mean_replica_utilization": (
+                sum(r.busy_s for r in reps) / (len(reps) * self.duration_s) if self.duration_s > 0 else 0.0
+            ),
+            "requests_per_replica": [r.num_requests for r in reps],
+            "max_running_per_replica": [r.max_running for r in reps],
+            "simulation_wall_s": self.wall_s,
+        }
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for a block: a simulation allocates millions of long-lived objects
+    (requests, blocks, records, chunk times) and nothing cyclic that needs collecting; its full collections cost a
+    fifth of a 64-replica run, and as much again in summarize() over the records afterwards."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class _Facts:
+    """What LLMEngine.validate reads (the config and the KV geometry), as the API process holds them."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(1, config.cache.block_size, False, config.cache.sliding_window)
+
+
+class _Replica:
+    __slots__ = (
+        "index", "kv", "scheduler", "inbox", "busy", "load", "kv_usage", "pending", "applied", "sched", "start_s",
+        "stats", "now", "trace", "sampling", "waking", "output",
+    )  # fmt: skip
+
+    def __init__(self, index: int, config: EngineConfig) -> None:
+        cc = config.cache
+        self.index = index
+        self.kv = KVCacheManager(1, cc.block_size, cc.enable_prefix_caching, cc.sliding_window)
+        self.kv.pool = LazyBlockPool(cc.num_blocks, cc.enable_prefix_caching)  # the same order, built on first use
+        self.now = 0.0
+        self.scheduler = Scheduler(config.scheduler, self.kv, clock=self._clock)
+        self.scheduler.emit_block_ids = False  # no model runner reads them
+        self.inbox: deque[Request] = deque()
+        self.busy = False
+        self.waking = False  # a wake-up is queued
+        self.load = 0  # running + waiting at the latest step's end (the snapshot the router reads)
+        self.kv_usage = 0.0
+        self.pending = 0  # routed here, not yet acknowledged by a step's output
+        self.applied = 0  # of those, added to the scheduler at the current step's start
+        self.sched: SchedulerOutput | None = None
+        self.start_s = 0.0
+        self.stats = ReplicaStats()
+        self.trace: StepTrace | None = None  # the current step's, when steps are recorded
+        self.sampling: list[Request] = []  # the current step's requests that sample a token
+        self.output = ModelRunnerOutput({})  # reused: the scheduler only reads it (sampled ids set per step)
+
+    def _clock(self) -> float:
+        return self.now
+
+
+class Simulator:
+    """Simulate a workload on `config.data_parallel_size` replicas of the engine, timed by `profile`."""
+
+    def __init__(self, profile: StepProfile, config: SimConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+        profile.check_compatible(config.engine)
+        self.profile = profile
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.step_time: StepTimeFn = profile.step_time_fn(config.tensor_parallel_size)
+        self.overheads: Overheads = profile.overheads
+        self.noise = profile.noise_sampler(config.seed) if config.step_noise else None
+        if config.step_noise and self.noise is None:
+            raise ValueError(f"--step-noise: the step model {profile.source or ''} has no measured noise (a roofline "
+                             "or an old profile); run without it")  # fmt: skip
+
+    def run(self, workload: Workload) -> SimResult:
+        """Simulate the workload to its end (the cyclic garbage collector paused: see paused_gc)."""
+        with paused_gc():
+            return self._run(workload)
+
+    def _run(self, workload: Workload) -> SimResult:
+        from lmserve.engine.llm_engine import LLMEngine
+
+        wall0 = time.perf_counter()
+        cfg = self.config
+        engine = cfg.engine
+        max_model_len = engine.scheduler.max_model_len
+        vocab = engine.model.vocab_size
+        block_size = engine.cache.block_size
+        ingress, egress = self.overheads.ingress_s, self.overheads.egress_s
+        core_overhead = self.overheads.core_step_overhead_s
+        step_time = self.step_time
+        noise = self.noise
+        facts = _Facts(engine)
+        replicas = [_Replica(i, engine) for i in range(cfg.data_parallel_size)]
+        affinity: OrderedDict[int, int] = OrderedDict()
+        n = len(workload)
+        records = [
+            RequestRecord(i, len(workload.prompt_token_ids[i]), workload.output_lens[i], workload.arrivals_s[i])
+            for i in range(n)
+        ]
+        prompt_hash: dict[str, int] = {}
+        ints = list(range(max(vocab, 1 + max((int(max(p)) for p in workload.prompt_token_ids if len(p)), default=0))))
+        record_of: dict[str, RequestRecord] = {}  # requests in an engine → their records
+        params_by_len: dict[int, SamplingParams] = {}
+        steps: list[StepTrace] = []
+        heap: list[tuple[float, int, int, int]] = []
+        seq = 0
+        cap = cfg.max_concurrency
+        waiting_client: deque[int] = deque()
+        in_flight = 0
+        arrivals = workload.arrivals_s
+        next_arrival = 0
+
+        def push(t: float, kind: int, payload: int) -> None:
+            nonlocal seq
+            heapq.heappush(heap, (t, kind, seq, payload))
+            seq += 1
+
+        def send(i: int, t: float) -> None:
+            nonlocal in_flight
+            in_flight += 1
+            records[i].send_s = t
+            push(t + ingress, _DELIVER, i)
+
+        def finish_client(i: int, t: float) -> None:
+            nonlocal in_flight
+            in_flight -= 1
+            if waiting_client:
+                send(waiting_client.popleft(), t)
+
+        def deliver(i: int, t: float) -> None:
+            rec = records[i]
+            # one shared int object per token id (not one per position, as tolist() makes): the requests of 64
+            # replicas then fit the CPU caches much better (measured: 1.6x faster at 64 replicas)
+            ids = [ints[t] for t in workload.prompt_token_ids[i]]
+            out_len = workload.output_lens[i]
+            params = params_by_len.get(out_len)
+            if params is None:
+                params = params_by_len[out_len] = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+            try:
+                max_tokens = LLMEngine.validate(facts, ids, params)  # type: ignore[arg-type]
+            except ValueError as e:
+                rec.error, rec.end_s = f"HTTP 400: {e}", t + egress
+                finish_client(i, t + egress)
+                return
+            if len(replicas) == 1:
+                rep = replicas[0]
+            else:
+                loads = {r.index: (r.load + r.pending, r.kv_usage) for r in replicas}
+                rep = replicas[choose_core(loads, affinity, ids, block_size)]
+            rid = str(i)
+            req = Request(rid, ids, params, max_tokens, self.eos_token_ids, arrival_time=t)
+            prompt_hash[rid] = hash(tuple(ids))
+            record_of[rid] = rec
+            rec.server_prompt_len = len(ids)
+            rep.pending += 1
+            rep.stats.num_requests += 1
+            rep.inbox.append(req)
+            if not rep.busy and not rep.waking:
+                rep.waking = True
+                push(t, _WAKE, rep.index)
+
+        def start_step(rep: _Replica, t: float) -> None:
+            sch = rep.scheduler
+            rep.now = t
+            while rep.inbox:
+                sch.add_request(rep.inbox.popleft())
+                rep.applied += 1
+            before = {r.request_id for r in sch.running} if cfg.record_steps else None
+            sched = sch.schedule()
+            if sched.is_empty:
+                rep.busy = False
+                assert not sch.running, f"replica {rep.index}: running requests but nothing scheduled"
+                return
+            sampling: list[Request] = []
+            prefill, segments, rows, context, pairs = step_features(sched, sampling)
+            rep.sampling = sampling
+            dt = step_time(prefill, segments, rows, context, pairs)
+            if noise is not None:
+                dt *= noise()
+            rep.stats.step_s += dt
+            dt += core_overhead
+            assert dt > 0, f"step time must be positive, got {dt} for features {(prefill, segments, rows, context)}"
+            rep.busy = True
+            rep.sched = sched
+            rep.start_s = t
+            if before is not None:
+                scheduled = [
+                    (s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled
+                ]
+                admitted = [r for r, _, _ in scheduled if r not in before]
+                rep.trace = StepTrace(
+                    rep.index, rep.stats.num_steps, t, t + dt, scheduled, admitted, list(sched.preempted_ids), []
+                )
+                steps.append(rep.trace)
+            push(t + dt, _STEP_END, rep.index)
+
+        def end_step(rep: _Replica, t: float) -> None:
+            sched = rep.sched
+            assert sched is not None, f"replica {rep.index}: a step ended that never started"
+            rep.now = t
+            out = rep.output
+            out.sampled_token_ids = {
+                r.request_id: (prompt_hash[r.request_id] + 7919 * len(r.all_token_ids)) % vocab for r in rep.sampling
+            }  # sim_token, inlined (the hot path)
+            sch = rep.scheduler
+            updated = sch.update_from_output(sched, out, max_model_len)
+            chunk_s = t + egress
+            finished = []
+            for req in updated:
+                rec = record_of[req.request_id]
+                rec.chunk_times_s.append(chunk_s)
+                if req.status is FINISHED:
+                    rec.chunk_num_tokens = [1] * len(rec.chunk_times_s)
+                    rec.num_output_tokens = req.num_output_tokens
+                    rec.end_s = chunk_s
+                    rec.success = True
+                    rec.output_tokens_source = rec.chunk_tokens_source = "simulator"
+                    del prompt_hash[req.request_id]
+                    finished.append(req.request_id)
+            st = rep.stats
+            st.num_steps += 1
+            st.busy_s += t - rep.start_s
+            st.max_running = max(st.max_running, len(sch.running) + len(finished))
+            if rep.trace is not None:
+                rep.trace.finished = finished
+            rep.load = len(sch.running) + len(sch.waiting)
+            rep.kv_usage = rep.kv.usage
+            rep.pending -= rep.applied
+            rep.applied = 0
+            rep.sched = None
+            for rid in finished:
+                del record_of[rid]
+                finish_client(int(rid), chunk_s)
+            start_step(rep, t)
+
+        inf = math.inf
+        while next_arrival < n or heap:
+            if next_arrival < n and (
+                arrivals[next_arrival] < (heap[0][0] if heap else inf)
+                or (arrivals[next_arrival] == heap[0][0] and heap[0][1] > _ARRIVE)
+            ):
+                i = next_arrival
+                next_arrival += 1
+                t = arrivals[i]
+                if cap is not None and in_flight >= cap:
+                    waiting_client.append(i)
+                else:
+                    send(i, t)
+                continue
+            t, kind, _, payload = heapq.heappop(heap)
+            if kind == _STEP_END:
+                end_step(replicas[payload], t)
+            elif kind == _DELIVER:
+                deliver(payload, t)
+            else:
+                rep = replicas[payload]
+                rep.waking = False
+                if not rep.busy:
+                    start_step(rep, t)
+
+        assert not waiting_client and in_flight == 0, f"{in_flight} requests still in flight at the end"
+        for rep in replicas:
+            sch = rep.scheduler
+            assert not sch.has_unfinished_requests(), f"replica {rep.index}: requests left unfinished"
+            rep.stats.num_preemptions = sch.num_preemptions_total
+            rep.stats.prefix_cache_queries = sch.prefix_cache_queries_total
+            rep.stats.prefix_cache_hits = sch.prefix_cache_hits_total
+        duration = max((r.end_s or 0.0 for r in records), default=0.0)
+        if cfg.record_steps:
+            steps.sort(key=lambda s: (s.start_s, s.replica))
+        return SimResult(records, duration, [r.stats for r in replicas], time.perf_counter() - wall0, steps)

@@ -1,0 +1,690 @@
+"""How long one engine step takes, as a function of what the scheduler put in it.
+
+Features of a step (a SchedulerOutput, read before update_from_output advances the counters):
+
+    prefill_tokens            tokens of requests still in their prompt (chunks, recompute after preemption)
+    prefill_segments          such requests (each prefill chunk is its own attention call)
+    decode_rows               requests past their prompt (one query each)
+    decode_context_tokens     keys the decode rows attend to: Σ (start + 1)   — the KV a decode step reads
+    prefill_attention_pairs   query-key pairs of the prefill chunks: Σ n·c + n(n+1)/2 (chunk n, cached context c)
+
+Two step models share one interface (`step_time_s(features)`) and one JSON file format:
+
+* LinearStepModel, fitted by `lmserve simulate calibrate` from timed LLMEngine steps:
+      t = c0 + c1·prefill_tokens + cs·prefill_segments + c2·decode_rows + c3·decode_context_tokens
+          [+ c4·prefill_attention_pairs]
+  c0 is the per-step overhead (schedule, launch, the LM head's fixed part), c1 the per-token cost of the
+  projections, cs a prefill segment's own cost (its attention call, its sampled row; on the CPU a step with a
+  prefill beside decodes also leaves the one-call decode stack, which this term absorbs: without it the held-out
+  median error on mixed workloads doubled), c2 a decode row's cost (its small-M matmul share, sampling,
+  detokenizing), c3 reading its KV; c4, the quadratic prefill attention, is kept only when it lowers the held-out
+  error (calibrate says which).
+* RooflineStepModel, an analytic estimate for machines we do not have: per step
+      t = overhead + max(FLOPs / (peak · mfu), bytes / (bandwidth · mbu)) + all-reduces (tensor parallel)
+  from published peak FLOP/s and memory bandwidth. Labelled an estimate everywhere it is printed.
+
+Tensor parallelism is a step-time factor: the roofline splits FLOPs, weights and KV over the ranks and adds two
+all-reduces per layer; a fitted profile (one process) scales its variable part by 1 / (tp · efficiency) with an
+assumed efficiency stored in the file. Both are estimates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "lmserve-step-model-v1"
+FEATURE_NAMES = (
+    "prefill_tokens",
+    "prefill_segments",
+    "decode_rows",
+    "decode_context_tokens",
+    "prefill_attention_pairs",
+)
+LINEAR_TERMS = ("prefill_tokens", "prefill_segments", "decode_rows", "decode_context_tokens")  # the base form
+QUADRATIC_TERM = "prefill_attention_pairs"
+DEFAULT_TP_EFFICIENCY = 0.85  # assumed for fitted profiles (calibrate runs one process; no TP to time)
+
+StepTimeFn = Callable[[int, int, int, int, float], float]  # (prefill, segments, rows, context, pairs) → s
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    prefill_tokens: int = 0
+    prefill_segments: int = 0
+    decode_rows: int = 0
+    decode_context_tokens: int = 0
+    prefill_attention_pairs: float = 0.0
+
+    @staticmethod
+    def of(sched: Any) -> StepFeatures:
+        """The features of a SchedulerOutput (call before update_from_output)."""
+        return StepFeatures(*step_features(sched))
+
+    def as_tuple(self) -> tuple[int, int, int, int, float]:
+        return (
+            self.prefill_tokens,
+            self.prefill_segments,
+            self.decode_rows,
+            self.decode_context_tokens,
+            self.prefill_attention_pairs,
+        )
+
+
+def step_features(sched: Any, sampling: list[Any] | None = None) -> tuple[int, int, int, int, float]:
+    """(prefill_tokens, prefill_segments, decode_rows, decode_context_tokens, prefill_attention_pairs) of a
+    SchedulerOutput; a request is decoding when its step starts at its last token (as Scheduler.schedule counts).
+    `sampling`, if given, gets the requests whose step reaches the end of their tokens (those that sample; no
+    speculative proposals), in scheduled order."""
+    prefill = segments = rows = context = 0
+    pairs = 0.0
+    for s in sched.scheduled:
+        req = s.request
+        start, n = req.num_computed_tokens, s.num_new_tokens
+        num_tokens = len(req.all_token_ids)
+        if start >= num_tokens - 1:
+            rows += 1
+            context += start + n
+        else:
+            prefill += n
+            segments += 1
+            pairs += n * start + n * (n + 1) / 2
+        if sampling is not None and start + n == num_tokens:
+            sampling.append(req)
+    return prefill, segments, rows, context, pairs
+
+
+# ---- overheads outside the step ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Time a served request spends outside engine steps (constants; calibrate measures them on a server)."""
+
+    ingress_s: float = 0.0  # client send → the engine core has the request (HTTP, tokenize, validate, route)
+    egress_s: float = 0.0  # a step's end → its token chunk at the client (outputs, zmq, SSE, HTTP)
+    core_step_overhead_s: float = 0.0  # per step, the core loop beyond LLMEngine.step (encode, send, drain)
+    measured: bool = False
+    how: str = "not measured (zeros)"
+
+    def __post_init__(self) -> None:
+        for name in ("ingress_s", "egress_s", "core_step_overhead_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"overheads.{name} must be a number of seconds >= 0, got {value!r}")
+
+
+# ---- the fitted model ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearStepModel:
+    """t = intercept_s + Σ coefficients_s[term] · feature[term] (seconds)."""
+
+    intercept_s: float
+    coefficients_s: dict[str, float]
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.coefficients_s) - set(FEATURE_NAMES))
+        if unknown:
+            raise ValueError(f"linear step model: unknown terms {unknown}; known: {list(FEATURE_NAMES)}")
+        for name, value in [("intercept_s", self.intercept_s), *self.coefficients_s.items()]:
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"linear step model: {name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        return tuple(t for t in FEATURE_NAMES if t in self.coefficients_s)
+
+    def step_time_s(self, f: StepFeatures) -> float:
+        return self.fast()(*f.as_tuple())
+
+    def fast(self, tp: int = 1, tp_efficiency: float = DEFAULT_TP_EFFICIENCY) -> StepTimeFn:
+        """The model as a plain function of the feature tuple (the simulator's hot path)."""
+        c = self.coefficients_s
+        c0 = self.intercept_s
+        scale = 1.0 if tp == 1 else 1.0 / (tp * tp_efficiency)
+        c1, cs, c2 = (
+            c.get("prefill_tokens", 0.0) * scale,
+            c.get("prefill_segments", 0.0) * scale,
+            c.get("decode_rows", 0.0) * scale,
+        )
+        c3, c4 = c.get("decode_context_tokens", 0.0) * scale, c.get("prefill_attention_pairs", 0.0) * scale
+
+        def step_time(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
+            return c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
+
+        return step_time
+
+    def formula(self) -> str:
+        parts = [f"{self.intercept_s * 1e3:.4g} ms"]
+        parts += [f"{self.coefficients_s[t] * 1e6:.4g} µs·{t}" for t in self.terms]
+        return "t = " + " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class FitQuality:
+    num_train: int
+    num_heldout: int
+    r2_train: float
+    r2_heldout: float
+    mape_train_pct: float  # mean |pred − t| / t
+    mape_heldout_pct: float
+    max_ape_heldout_pct: float
+    median_ape_heldout_pct: float
+
+
+def fit_linear(
+    samples: list[tuple[StepFeatures, float]], terms: tuple[str, ...], heldout_fraction: float = 0.25, seed: int = 0
+) -> tuple[LinearStepModel, FitQuality]:
+    """Least absolute relative error (each step's error relative to its time, so a 2 ms decode step counts as much
+    as a 300 ms prefill: TPOT is made of the small ones; absolute, not squared, so the model follows the typical
+    step and not the stalls a busy machine adds to a few), non-negative coefficients (a negative one is dropped and
+    the rest refitted). A random `heldout_fraction` of the samples is kept out of the fit and scored; the returned
+    model is refitted on all samples."""
+    if len(samples) < len(terms) + 2:
+        raise ValueError(
+            f"fitting {len(terms) + 1} coefficients needs at least {len(terms) + 2} steps, got {len(samples)}"
+        )
+    x = np.array([[getattr(f, t) for t in terms] for f, _ in samples], dtype=np.float64)
+    y = np.array([t for _, t in samples], dtype=np.float64)
+    assert (y > 0).all(), "step times must be positive"
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(y))
+    num_heldout = max(1, int(round(len(y) * heldout_fraction))) if heldout_fraction > 0 else 0
+    test, train = order[:num_heldout], order[num_heldout:]
+    model = _nnls_fit(x[train], y[train], terms)
+    quality = FitQuality(
+        num_train=len(train),
+        num_heldout=len(test),
+        r2_train=_r2(model, x[train], y[train], terms),
+        r2_heldout=_r2(model, x[test], y[test], terms) if len(test) else math.nan,
+        mape_train_pct=_mape(model, x[train], y[train], terms),
+        mape_heldout_pct=_mape(model, x[test], y[test], terms) if len(test) else math.nan,
+        max_ape_heldout_pct=float(np.max(_ape(model, x[test], y[test], terms))) if len(test) else math.nan,
+        median_ape_heldout_pct=float(np.median(_ape(model, x[test], y[test], terms))) if len(test) else math.nan,
+    )
+    return _nnls_fit(x, y, terms), quality
+
+
+def _nnls_fit(x: np.ndarray, y: np.ndarray, terms: tuple[str, ...], iterations: int = 40) -> LinearStepModel:
+    """min Σ |pred − y| / y over coefficients >= 0: iteratively reweighted least squares (weights 1 / |relative
+    residual|), a term whose coefficient goes negative dropped and the fit redone."""
+    active = list(range(len(terms)))
+    while True:
+        design = np.column_stack([np.ones(len(y)), x[:, active]]) / y[:, None]
+        target = np.ones(len(y))  # y / y
+        weights = np.ones(len(y))
+        coef = np.zeros(design.shape[1])
+        for _ in range(iterations):
+            coef, *_ = np.linalg.lstsq(design * weights[:, None], target * weights, rcond=None)
+            resid = np.abs(design @ coef - target)
+            weights = 1.0 / np.sqrt(np.maximum(resid, 1e-4))
+        negative = [i for i, c in enumerate(coef[1:]) if c < 0]
+        if not negative:
+            break
+        worst = min(negative, key=lambda i: coef[1 + i])
+        del active[worst]
+    intercept = max(0.0, float(coef[0]))
+    coefs = {t: 0.0 for t in terms}
+    for i, c in zip(active, coef[1:], strict=True):
+        coefs[terms[i]] = float(c)
+    return LinearStepModel(intercept, coefs)
+
+
+def _predict(model: LinearStepModel, x: np.ndarray, terms: tuple[str, ...]) -> np.ndarray:
+    coef = np.array([model.coefficients_s[t] for t in terms])
+    return model.intercept_s + x @ coef
+
+
+def _r2(model: LinearStepModel, x: np.ndarray, y: np.ndarray, terms: tuple[str, ...]) -> float:
+    resid = y - _predict(model, x, terms)
+    total = float(((y - y.mean()) ** 2).sum())
+    return 1.0 - float((resid**2).sum()) / total if total > 0 else math.nan
+
+
+def _ape(model: LinearStepModel, x: np.ndarray, y: np.ndarray, terms: tuple[str, ...]) -> np.ndarray:
+    return 100.0 * np.abs(_predict(model, x, terms) - y) / y
+
+
+def _mape(model: LinearStepModel, x: np.ndarray, y: np.ndarray, terms: tuple[str, ...]) -> float:
+    return float(np.mean(_ape(model, x, y, terms)))
+
+
+def choose_form(
+    samples: list[tuple[StepFeatures, float]], seed: int = 0, min_gain_pct: float = 5.0
+) -> tuple[LinearStepModel, FitQuality, dict[str, Any]]:
+    """Fit the base form and the form with the quadratic prefill-attention term; keep the quadratic one only if
+    its held-out median relative error is lower by at least min_gain_pct percent (relative) and its coefficient
+    survives the non-negativity. Returns (model, its quality, the comparison for the JSON)."""
+    base, base_q = fit_linear(samples, LINEAR_TERMS, seed=seed)
+    quad, quad_q = fit_linear(samples, (*LINEAR_TERMS, QUADRATIC_TERM), seed=seed)
+    gain = 100.0 * (base_q.median_ape_heldout_pct - quad_q.median_ape_heldout_pct) / base_q.median_ape_heldout_pct
+    use_quad = quad.coefficients_s[QUADRATIC_TERM] > 0 and gain >= min_gain_pct
+    why = (
+        f"the quadratic prefill-attention term lowers the held-out median relative error by {gain:.1f} % "
+        f"({base_q.median_ape_heldout_pct:.1f} % → {quad_q.median_ape_heldout_pct:.1f} %)"
+        if use_quad
+        else f"the quadratic prefill-attention term does not help enough on held-out steps (gain {gain:.1f} % < "
+        f"{min_gain_pct:g} %, or its coefficient fitted to 0): the linear form is kept"
+    )
+    comparison = {
+        "chosen": "linear+quadratic_prefill_attention" if use_quad else "linear",
+        "why": why,
+        "linear": {"model": _model_dict(base), "fit": asdict(base_q)},
+        "linear+quadratic_prefill_attention": {"model": _model_dict(quad), "fit": asdict(quad_q)},
+    }
+    return (quad, quad_q, comparison) if use_quad else (base, base_q, comparison)
+
+
+def ratio_quantiles(model: LinearStepModel, samples: list[tuple[StepFeatures, float]], num: int = 201) -> list[float]:
+    """measured / predicted step time at num evenly spaced quantiles of the samples."""
+    ratios = np.array([t / model.step_time_s(f) for f, t in samples if model.step_time_s(f) > 0])
+    return [float(v) for v in np.quantile(ratios, np.linspace(0, 1, num))] if len(ratios) else []
+
+
+def _model_dict(m: LinearStepModel) -> dict[str, Any]:
+    return {"intercept_s": m.intercept_s, "coefficients_s": dict(m.coefficients_s)}
+
+
+# ---- the analytic estimate -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator's published figures (dense, no sparsity) and the interconnect between ranks."""
+
+    name: str
+    peak_flops: float  # FLOP/s at the compute dtype (16-bit)
+    peak_flops_8bit: float  # FP8 / INT8 tensor FLOP/s (W8A8 / fp8 paths)
+    mem_bw_bytes_s: float
+    mem_bytes: float
+    link_bw_bytes_s: float  # per direction, per GPU (NVLink)
+    link_latency_s: float = 5e-6  # per all-reduce (assumed)
+    step_overhead_s: float = 1e-3  # per step: scheduling, launches, sampling (assumed, CUDA graphs not modelled)
+    source: str = ""
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h200": Hardware(
+        "NVIDIA H200 SXM", 989e12, 1979e12, 4.8e12, 141e9, 450e9,
+        source="NVIDIA H200 datasheet: 989 TFLOP/s BF16 dense, 1979 FP8 dense, HBM3e 4.8 TB/s, 141 GB, "
+        "NVLink 900 GB/s (bidirectional)",
+    ),
+    "h100": Hardware(
+        "NVIDIA H100 SXM", 989e12, 1979e12, 3.35e12, 80e9, 450e9,
+        source="NVIDIA H100 datasheet: 989 TFLOP/s BF16 dense, 1979 FP8 dense, HBM3 3.35 TB/s, 80 GB, "
+        "NVLink 900 GB/s (bidirectional)",
+    ),
+    "a100": Hardware(
+        "NVIDIA A100 SXM 80GB", 312e12, 624e12, 2.039e12, 80e9, 300e9,
+        source="NVIDIA A100 datasheet: 312 TFLOP/s BF16 dense, 624 TOPS INT8, HBM2e 2.039 TB/s, 80 GB, "
+        "NVLink 600 GB/s (bidirectional)",
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RooflineStepModel:
+    """Analytic step time on `hardware` for a dense decoder (an estimate: no measured kernel efficiencies)."""
+
+    hardware: Hardware
+    hf_config: dict[str, Any]
+    weight_dtype_bytes: float
+    kv_bytes_per_token: int  # all layers, one replica (all ranks together)
+    quantization: str | None = None
+    mfu: float = 0.5  # achievable fraction of peak FLOP/s (assumed)
+    mbu: float = 0.8  # achievable fraction of memory bandwidth (assumed)
+
+    def __post_init__(self) -> None:
+        for name in ("mfu", "mbu"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ValueError(f"roofline {name} must be in (0, 1], got {v!r}")
+
+    def fast(self, tp: int = 1, tp_efficiency: float = 1.0) -> StepTimeFn:
+        from lmserve import memory
+
+        shape = memory.model_shape_from_hf_config(dict(self.hf_config))
+        hw = self.hardware
+        params_rank = memory.num_parameters_per_rank(shape, tp)
+        weights_rank = memory.weight_bytes_per_rank(shape, self.weight_dtype_bytes, tp, self.quantization)
+        embed_rank = math.ceil(shape.vocab_size / tp) * shape.hidden_size
+        flops_per_token = 2.0 * (params_rank - embed_rank * (1 if shape.tie_word_embeddings else 0))
+        heads_rank = shape.num_attention_heads // tp
+        attn_flops_per_pair = 4.0 * shape.num_layers * heads_rank * shape.head_dim  # QKᵀ and PV
+        kv_rank = self.kv_bytes_per_token * memory.kv_heads_per_rank(shape.num_kv_heads, tp) / shape.num_kv_heads
+        peak = (hw.peak_flops_8bit if self.quantization == "int8" else hw.peak_flops) * self.mfu
+        bw = hw.mem_bw_bytes_s * self.mbu
+        act_bytes = shape.hidden_size * 2.0  # bf16 activations all-reduced per token per all-reduce
+        num_allreduce = 2 * shape.num_layers if tp > 1 else 0
+        ring = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
+
+        def step_time(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
+            tokens = prefill + rows
+            flops = flops_per_token * tokens + attn_flops_per_pair * (pairs + context)
+            # KV read: decode rows read their context; prefill chunks read cached context (≈ pairs / n, bounded
+            # by the chunk's own keys when there is none), written once per new token
+            kv_bytes = kv_rank * (context + tokens)
+            compute_s = flops / peak
+            memory_s = (weights_rank + kv_bytes) / bw
+            comm_s = num_allreduce * (hw.link_latency_s + ring * tokens * act_bytes / hw.link_bw_bytes_s)
+            return hw.step_overhead_s + max(compute_s, memory_s) + comm_s
+
+        return step_time
+
+    def step_time_s(self, f: StepFeatures, tp: int = 1) -> float:
+        return self.fast(tp)(*f.as_tuple())
+
+
+# ---- the file --------------------------------------------------------------------------------------------
+
+# ModelConfig fields that decide a step's cost: a profile from another model (or dtype) is refused
+SHAPE_FIELDS = (
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+)
+
+
+@dataclass
+class StepProfile:
+    """A step-time model with what it is valid for, as saved to / loaded from JSON."""
+
+    kind: str  # "linear" | "roofline"
+    model: dict[str, Any]  # name, hf_config (config.json subset), and SHAPE_FIELDS
+    dtype: str
+    kv_cache_dtype: str
+    quantization: str | None
+    weight_dtype: str | None
+    device: str
+    machine: dict[str, Any]
+    overheads: Overheads = field(default_factory=Overheads)
+    linear: LinearStepModel | None = None
+    roofline: RooflineStepModel | None = None
+    tp_efficiency: float = DEFAULT_TP_EFFICIENCY
+    estimate: bool = False
+    fit: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
+    # measured / fitted step time at evenly spaced quantiles (0 %, 0.5 %, ..., 100 %) of the calibration steps: the
+    # machine's step-to-step variation (a busy machine's stalls), which the simulator can sample (step noise)
+    noise_quantiles: list[float] = field(default_factory=list)
+    source: str = ""  # the file it was loaded from
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "roofline"):
+            raise ValueError(f"step model kind must be 'linear' or 'roofline', got {self.kind!r}")
+        if self.kind == "linear" and self.linear is None:
+            raise ValueError("step model kind 'linear' needs its 'linear' coefficients")
+        if self.kind == "roofline" and self.roofline is None:
+            raise ValueError("step model kind 'roofline' needs its 'roofline' description")
+        if not 0 < self.tp_efficiency <= 1:
+            raise ValueError(f"tensor_parallel.efficiency must be in (0, 1], got {self.tp_efficiency!r}")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "roofline":
+            assert self.roofline is not None
+            return f"roofline ESTIMATE for {self.roofline.hardware.name} (not measured)"
+        return f"fitted on {self.machine.get('cpu_model') or self.machine.get('device') or 'this machine'}"
+
+    def step_time_fn(self, tp: int = 1) -> StepTimeFn:
+        if tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
+        if self.kind == "roofline":
+            assert self.roofline is not None
+            return self.roofline.fast(tp)
+        assert self.linear is not None
+        return self.linear.fast(tp, self.tp_efficiency)
+
+    def step_time_s(self, f: StepFeatures, tp: int = 1) -> float:
+        return self.step_time_fn(tp)(*f.as_tuple())
+
+    def scaled(self, factor: float) -> StepProfile:
+        """A copy whose fitted step times are `factor` times longer (validation: the machine's drift since the
+        calibration, measured on the server, taken out to see the rest of the error)."""
+        import dataclasses
+
+        if self.linear is None or not factor > 0:
+            raise ValueError(f"only a fitted (linear) profile can be scaled, by a factor > 0 (got {factor!r})")
+        lin = LinearStepModel(
+            self.linear.intercept_s * factor, {k: v * factor for k, v in self.linear.coefficients_s.items()}
+        )
+        return dataclasses.replace(self, linear=lin)
+
+    def noise_sampler(self, seed: int) -> Callable[[], float] | None:
+        """A seeded draw of a step's measured / fitted ratio from noise_quantiles (None: the profile has none)."""
+        q = self.noise_quantiles
+        if len(q) < 2:
+            return None
+        import random
+
+        rng = random.Random(seed)
+        last = len(q) - 1
+
+        def draw() -> float:
+            x = rng.random() * last
+            i = int(x)
+            return q[i] + (q[min(i + 1, last)] - q[i]) * (x - i)
+
+        return draw
+
+    def check_compatible(self, config: Any) -> None:
+        """ValueError naming the first field where this profile's model / dtypes differ from an EngineConfig's."""
+        mc = config.model
+        where = f"step model {self.source or '(in memory)'} was made for {self.model.get('name', '?')}"
+        for name in SHAPE_FIELDS:
+            mine, theirs = self.model.get(name), getattr(mc, name)
+            if mine != theirs:
+                raise ValueError(
+                    f"{where} with {name}={mine!r}, but the engine config's model ({mc.path}) has {name}={theirs!r}: "
+                    f"calibrate for this model (lmserve simulate calibrate --model ...)"
+                )
+        quant = config.quantization.method if config.quantization is not None else None
+        for name, mine, theirs in (
+            ("dtype", self.dtype, mc.dtype),
+            ("kv_cache_dtype", self.kv_cache_dtype, config.cache.kv_cache_dtype),
+            ("quantization", self.quantization, quant),
+            ("weight_dtype", self.weight_dtype, config.weight_dtype),
+        ):
+            if mine != theirs:
+                raise ValueError(
+                    f"{where} with {name}={mine!r}, but the engine config has {name}={theirs!r}: pass "
+                    f"--{name.replace('_', '-')} {mine} or calibrate with this {name}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "format": FORMAT,
+            "kind": self.kind,
+            "estimate": self.estimate,
+            "label": self.label,
+            "model": self.model,
+            "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "quantization": self.quantization,
+            "weight_dtype": self.weight_dtype,
+            "device": self.device,
+            "machine": self.machine,
+            "overheads": asdict(self.overheads),
+            "tensor_parallel": {
+                "efficiency": self.tp_efficiency,
+                "note": "an estimate: a fitted profile scales its variable part by 1 / (tp · efficiency) "
+                "(efficiency assumed, not measured); a roofline splits FLOPs, weights and KV and adds two "
+                "all-reduces per layer",
+            },
+            "fit": self.fit,
+            "noise": {
+                "ratio_quantiles": self.noise_quantiles,
+                "note": "measured / fitted step time at quantiles 0, 0.5, ..., 100 % of the calibration steps; "
+                "`simulate run --step-noise` multiplies each step by a draw from it",
+            },
+            "calibration": self.calibration,
+        }
+        if self.linear is not None:
+            doc["linear"] = {**_model_dict(self.linear), "formula": self.linear.formula()}
+        if self.roofline is not None:
+            r = self.roofline
+            doc["roofline"] = {
+                "hardware": asdict(r.hardware),
+                "hf_config": r.hf_config,
+                "weight_dtype_bytes": r.weight_dtype_bytes,
+                "kv_bytes_per_token": r.kv_bytes_per_token,
+                "quantization": r.quantization,
+                "mfu": r.mfu,
+                "mbu": r.mbu,
+            }
+        return doc
+
+    def save(self, path: str | Path) -> Path:
+        from lmserve.bench.report import json_safe
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(json_safe(self.to_dict()), indent=1, allow_nan=False))
+        return path
+
+    @staticmethod
+    def from_dict(doc: dict[str, Any], source: str = "") -> StepProfile:
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise ValueError(f"--step-model {source}: not a step model file (format {got!r}, expected {FORMAT!r})")
+        try:
+            linear = roofline = None
+            if "linear" in doc:
+                lin = doc["linear"]
+                linear = LinearStepModel(
+                    float(lin["intercept_s"]), {k: float(v) for k, v in lin["coefficients_s"].items()}
+                )
+            if "roofline" in doc:
+                r = doc["roofline"]
+                roofline = RooflineStepModel(
+                    Hardware(**r["hardware"]), dict(r["hf_config"]), float(r["weight_dtype_bytes"]),
+                    int(r["kv_bytes_per_token"]), r.get("quantization"), float(r["mfu"]), float(r["mbu"]),
+                )  # fmt: skip
+            ov = doc.get("overheads") or {}
+            return StepProfile(
+                kind=doc["kind"],
+                model=dict(doc["model"]),
+                dtype=doc["dtype"],
+                kv_cache_dtype=doc["kv_cache_dtype"],
+                quantization=doc.get("quantization"),
+                weight_dtype=doc.get("weight_dtype"),
+                device=doc.get("device", "cpu"),
+                machine=dict(doc.get("machine") or {}),
+                overheads=Overheads(**ov),
+                linear=linear,
+                roofline=roofline,
+                tp_efficiency=float((doc.get("tensor_parallel") or {}).get("efficiency", DEFAULT_TP_EFFICIENCY)),
+                estimate=bool(doc.get("estimate", False)),
+                fit=dict(doc.get("fit") or {}),
+                calibration=dict(doc.get("calibration") or {}),
+                noise_quantiles=[float(q) for q in (doc.get("noise") or {}).get("ratio_quantiles") or []],
+                source=source,
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"--step-model {source}: malformed step model file ({type(e).__name__}: {e})") from None
+
+    @staticmethod
+    def load(path: str | Path) -> StepProfile:
+        p = Path(path)
+        try:
+            doc = json.loads(p.read_text())
+        except OSError as e:
+            raise ValueError(f"--step-model: cannot read {path}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--step-model: {path} is not JSON: {e}") from None
+        return StepProfile.from_dict(doc, str(path))
+
+
+def model_description(config: Any, name: str) -> dict[str, Any]:
+    """The `model` entry of a profile: a name, the config.json it was built from, and the SHAPE_FIELDS."""
+    mc = config.model
+    hf_config: dict[str, Any] = {}
+    cfg_file = Path(mc.path) / "config.json"
+    if cfg_file.is_file():
+        hf_config = json.loads(cfg_file.read_text())
+        hf_config.pop("quantization_config", None)
+    return {"name": name, "path": mc.path, "hf_config": hf_config, **{f: getattr(mc, f) for f in SHAPE_FIELDS}}
+
+
+def profile_for(
+    config: Any, step_model: LinearStepModel | RooflineStepModel, name: str = "", **kwargs: Any
+) -> StepProfile:
+    """A profile for an EngineConfig's model and dtypes around a step model (tests, toy planning)."""
+    kind = "linear" if isinstance(step_model, LinearStepModel) else "roofline"
+    quant = config.quantization.method if config.quantization is not None else None
+    return StepProfile(
+        kind=kind,
+        model=model_description(config, name or Path(config.model.path).name),
+        dtype=config.model.dtype,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        quantization=quant,
+        weight_dtype=config.weight_dtype,
+        device=config.device,
+        machine=kwargs.pop("machine", {}),
+        linear=step_model if kind == "linear" else None,
+        roofline=step_model if kind == "roofline" else None,
+        estimate=kind == "roofline",
+        **kwargs,
+    )
+
+
+def roofline_profile(
+    hardware: str,
+    hf_config: dict[str, Any],
+    name: str,
+    dtype: str = "bfloat16",
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+    mfu: float = 0.5,
+    mbu: float = 0.8,
+    overheads: Overheads | None = None,
+) -> StepProfile:
+    """An analytic profile of `hf_config`'s model on a HARDWARE entry (an estimate, labelled so)."""
+    from lmserve import memory
+    from lmserve.config import ModelConfig
+    from lmserve.sim.model_dir import materialize_model_dir
+
+    key = hardware.lower()
+    if key not in HARDWARE:
+        raise ValueError(f"--hardware must be one of {sorted(HARDWARE)}, got {hardware!r}")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"--dtype must be bfloat16, float16 or float32 for a roofline, got {dtype!r}")
+    if quantization not in (None, "int8", "int4"):
+        raise ValueError(f"--quantization must be int8 or int4 (or none), got {quantization!r}")
+    model_dir = materialize_model_dir(hf_config)
+    mc = ModelConfig.from_hf(model_dir, dtype, "cuda")
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv_bpt = memory.kv_cache_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    roof = RooflineStepModel(HARDWARE[key], dict(hf_config), memory.dtype_bytes(dtype), kv_bpt, quantization, mfu, mbu)
+    hw = HARDWARE[key]
+    return StepProfile(
+        kind="roofline",
+        model={"name": name, "path": None, "hf_config": dict(hf_config), **{f: getattr(mc, f) for f in SHAPE_FIELDS}},
+        dtype=dtype,
+        kv_cache_dtype=kv_dtype,
+        quantization=quantization,
+        weight_dtype=None,
+        device="cuda",
+        machine={"device": hw.name, "source": hw.source, "estimate": True},
+        overheads=overheads
+        or Overheads(how="not measured for this machine (zeros); --overheads-from copies measured ones"),
+        roofline=roof,
+        estimate=True,
+        fit={
+            "note": f"analytic roofline ESTIMATE: mfu {mfu}, mbu {mbu}, per-step overhead "
+            f"{hw.step_overhead_s * 1e3:g} ms and all-reduce latency {hw.link_latency_s * 1e6:g} µs assumed"
+        },
+    )

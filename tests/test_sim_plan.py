@@ -1,0 +1,164 @@
+"""lmserve.sim.plan on a toy space with a known optimum, an impossible SLO, and the CLI end to end (simulate run
+writes bench serve's JSON keys; plan prints its table and winner)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmserve.bench.metrics import BenchSummary, RequestRecord, SLOs, summarize
+from lmserve.config import EngineArgs
+from lmserve.entrypoints.cli import main
+from lmserve.sim.plan import Candidate, format_plan, parse_space, search, slo_lower_bound
+from lmserve.sim.simulator import SimConfig, Simulator
+from lmserve.sim.step_model import LinearStepModel, profile_for
+from lmserve.sim.workload import Workload
+
+RATE = 150.0  # requests/s, evenly spaced
+
+
+def _toy(llama_dir: Path):
+    """t = 5 ms + 0.5 ms per decode row, 10 output tokens. Batched (max-num-seqs 64) a replica at λ req/s decodes
+    rows = 9 λ TPOT (Little), so TPOT = 5 ms / (1 − 0.0045 λ): 150 req/s on one replica → 15 ms, on two → 7.5 ms.
+    One at a time (max-num-seqs 1) a replica finishes a request per 5 + 9 · 5.5 ms: at most 18 req/s, so 150 req/s
+    needs 9 of them. With TPOT <= 10 ms the optimum of {1, 2, 3, 4, 6} x {1, 64} is 2 replicas of 64."""
+    config = EngineArgs.from_kwargs(str(llama_dir), num_kv_blocks=512).create_engine_config()
+    profile = profile_for(config, LinearStepModel(0.005, {"decode_rows": 0.0005}))
+    n = 600
+    workload = Workload([[1 + (i * 7 + j) % 400 for j in range(16)] for i in range(n)], [10] * n,
+                        [i / RATE for i in range(n)])  # fmt: skip
+    return config, profile, workload
+
+
+def test_plan_finds_the_known_optimum(llama_dir: Path) -> None:
+    config, profile, workload = _toy(llama_dir)
+    slos = SLOs(ttft_ms=200, tpot_ms=10)
+    configs = {}
+
+    def evaluate(c: Candidate):
+        mns = c.values["max-num-seqs"]
+        if mns not in configs:
+            configs[mns] = EngineArgs.from_kwargs(
+                str(llama_dir), num_kv_blocks=512, max_num_seqs=mns
+            ).create_engine_config()
+        r = Simulator(profile, SimConfig(configs[mns], data_parallel_size=c.dp)).run(workload)
+        return summarize(r.records, r.duration_s, RATE, None, slos), None, r.wall_s
+
+    space = parse_space(["data-parallel-size,max-num-seqs"], ["data-parallel-size=1,2,3,4,6", "max-num-seqs=1,64"])
+    result = search(space, evaluate, 90.0)
+    assert result.winner is not None
+    assert result.winner.candidate.values == {"data-parallel-size": 2, "max-num-seqs": 64}
+    tried = {(t.candidate.dp, t.candidate.values["max-num-seqs"]) for t in result.trials}
+    assert (3, 64) not in tried and (6, 1) in tried  # a line stops at the first size that meets
+    full = search(space, evaluate, 90.0, exhaustive=True)
+    meeting = {(t.candidate.dp, t.candidate.values["max-num-seqs"]) for t in full.trials if t.meets}
+    assert meeting == {(2, 64), (3, 64), (4, 64), (6, 64)} and full.winner.candidate == result.winner.candidate
+    text = format_plan(result, slos)
+    assert "winner" in text and "data-parallel-size=2 max-num-seqs=64" in text
+
+
+def test_impossible_slo_says_so_and_shows_the_closest(llama_dir: Path) -> None:
+    config, profile, workload = _toy(llama_dir)
+    slos = SLOs(tpot_ms=2)  # below an idle replica's 5.5 ms decode step
+    bound = slo_lower_bound(slos, [16] * len(workload), workload.output_lens, profile.step_time_fn(), profile.overheads,
+                            90.0)  # fmt: skip
+    assert bound is not None and "no configuration can meet" in bound
+
+    def evaluate(c: Candidate):
+        r = Simulator(profile, SimConfig(config, data_parallel_size=c.dp)).run(workload)
+        return summarize(r.records, r.duration_s, RATE, None, slos), None, r.wall_s
+
+    result = search(parse_space(["data-parallel-size"], ["data-parallel-size=1,2,4"]), evaluate, 90.0)
+    result.impossible = bound
+    assert result.winner is None and result.closest is not None
+    text = format_plan(result, slos)
+    assert "NO configuration" in text and "closest:" in text and "no configuration can meet" in text
+    assert slo_lower_bound(SLOs(tpot_ms=10), [16], [10], profile.step_time_fn(), profile.overheads, 90.0) is None
+
+
+def test_parse_space_names_bad_flags() -> None:
+    assert parse_space(["max-num-seqs"], None) == {"max-num-seqs": (16, 32, 64, 128, 256)}
+    with pytest.raises(ValueError, match="cannot be searched"):
+        parse_space(["max-model-len"], None)
+    with pytest.raises(ValueError, match="--grid"):
+        parse_space(["max-num-seqs"], ["max-num-seqs=a,b"])
+    with pytest.raises(ValueError, match="no default values"):
+        parse_space(["num-kv-blocks"], None)
+
+
+def test_cli_run_writes_bench_serve_keys_and_plan_runs(llama_dir: Path, tmp_path: Path, capsys) -> None:
+    config = EngineArgs.from_kwargs(str(llama_dir)).create_engine_config()
+    step_model = profile_for(config, LinearStepModel(0.002, {"prefill_tokens": 1e-5, "decode_rows": 5e-4}))
+    step_model.save(tmp_path / "sm.json")
+    out = tmp_path / "sim.json"
+    common = ["--step-model", str(tmp_path / "sm.json"), "--model", str(llama_dir), "--dataset", "random",
+              "--input-len", "24", "--output-len", "6", "--num-requests", "40", "--request-rate", "20"]  # fmt: skip
+    assert main(["simulate", "run", *common, "--goodput", "ttft:100", "tpot:20", "--output-json", str(out),
+                 "--data-parallel-size", "2"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "simulate:" in text and "TTFT (ms)" in text and "goodput" in text
+    doc = json.loads(out.read_text())
+    assert {"args", "summary", "run", "requests"} <= set(doc)
+    assert set(doc["summary"]) == set(BenchSummary.__dataclass_fields__)
+    assert set(doc["requests"][0]) == set(RequestRecord.__dataclass_fields__)
+    assert doc["summary"]["num_succeeded"] == 40 and doc["summary"]["output_len"]["mean"] == 6
+    assert doc["simulation"]["data_parallel_size"] == 2
+
+    plan_out = tmp_path / "plan.json"
+    code = main(["simulate", "plan", *common, "--goodput", "ttft:100", "--search", "data-parallel-size",
+                 "--grid", "data-parallel-size=1,2", "--output-json", str(plan_out), "--plot"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert ("winner" in text) == (code == 0)
+    assert json.loads(plan_out.read_text())["trials"]
+    assert (tmp_path / "plan_plan.png").is_file()
+
+    bf16 = ["--dtype", "bfloat16"]
+    assert main(["simulate", "run", *common, *bf16, "--output-json", str(out)]) == 2
+    assert "dtype='float32'" in capsys.readouterr().err
+    assert main(["simulate", "run", *common, "--disaggregation", "2P1D"]) == 2
+    assert "#33" in capsys.readouterr().err
+
+
+def test_cli_roofline_then_run_a_model_we_do_not_have(tmp_path: Path, capsys) -> None:
+    """An H200 estimate for Llama-3-8B (public config numbers only, no weights) runs through the real scheduler."""
+    path = tmp_path / "h200.json"
+    assert main(["simulate", "roofline", "--hardware", "h200", "--preset", "llama-3-8b", "--out", str(path)]) == 0
+    assert "ESTIMATE" in capsys.readouterr().out
+    out = tmp_path / "sim.json"
+    args = ["simulate", "run", "--step-model", str(path), "--input-len", "512", "--output-len", "16",
+            "--num-requests", "20", "--request-rate", "50", "--output-json", str(out)]  # fmt: skip
+    assert main([*args, "--tensor-parallel-size", "2", "--data-parallel-size", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "(ESTIMATE)" in text and "x TP 2" in text
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["num_succeeded"] == 20 and doc["simulation"]["estimate"] is True
+    assert doc["simulation"]["num_kv_blocks_per_replica"] > 10_000  # two H200s' memory beside the weights
+
+
+def test_cli_calibrate_refit_from_saved_steps(llama_dir: Path, tmp_path: Path, capsys) -> None:
+    import random
+
+    from lmserve.sim.step_model import StepFeatures, StepProfile
+
+    config = EngineArgs.from_kwargs(str(llama_dir)).create_engine_config()
+    truth = LinearStepModel(0.001, {"prefill_tokens": 2e-5, "prefill_segments": 1e-3, "decode_rows": 3e-4,
+                                    "decode_context_tokens": 1e-6})  # fmt: skip
+    rng = random.Random(1)
+    rows = []
+    for _ in range(120):
+        p = rng.choice([0, 0, 16, 256])
+        f = StepFeatures(p, int(p > 0), rng.randrange(1, 40), rng.randrange(100, 9000), p * (p + 1) / 2)
+        rows.append([*f.as_tuple(), truth.step_time_s(f) * rng.uniform(0.99, 1.01)])
+    profile = profile_for(
+        config, LinearStepModel(0.0, {}), calibration={"samples": rows, "workload_samples": rows[:20]}
+    )
+    path = profile.save(tmp_path / "old.json")
+    assert main(["simulate", "calibrate", "--refit", str(path), "--out", str(tmp_path / "new.json")]) == 0
+    assert "held-out grid steps" in capsys.readouterr().out
+    new = StepProfile.load(tmp_path / "new.json")
+    assert new.linear is not None and new.fit["chosen"] == "linear"
+    for k, v in truth.coefficients_s.items():
+        assert new.linear.coefficients_s[k] == pytest.approx(v, rel=0.1)
+    assert len(new.noise_quantiles) == 201 and 0.95 < new.noise_quantiles[100] < 1.05

@@ -1,0 +1,391 @@
+"""lmserve.sim: hand-checkable latencies from a step model with known coefficients, the simulator's scheduling
+decisions equal to the real engine's (model runner stubbed) step by step, bad input, workloads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from lmserve.bench.datasets import DatasetConfig, build_requests, load_tokenizer
+from lmserve.bench.metrics import request_latency, summarize
+from lmserve.config import EngineArgs
+from lmserve.core.outputs import ModelRunnerOutput
+from lmserve.engine.llm_engine import LLMEngine
+from lmserve.sampling_params import SamplingParams
+from lmserve.sim.simulator import SimConfig, Simulator, check_disaggregation, sim_token
+from lmserve.sim.step_model import (
+    LinearStepModel,
+    Overheads,
+    StepFeatures,
+    StepProfile,
+    fit_linear,
+    profile_for,
+)
+from lmserve.sim.workload import Workload, build_workload, fast_prompts, trace_workload
+
+MS = 1e-3
+
+
+def _config(model_dir: Path, **kw):
+    return EngineArgs.from_kwargs(str(model_dir), **kw).create_engine_config()
+
+
+def _profile(config, intercept_ms: float, **coef_ms: float) -> StepProfile:
+    lin = LinearStepModel(intercept_ms * MS, {k: v * MS for k, v in coef_ms.items()})
+    return profile_for(config, lin)
+
+
+def test_two_requests_hand_checked(llama_dir: Path) -> None:
+    """t = 10 ms + 0.1 ms/prefill token + 1 ms/decode row. A: 100-token prompt, 3 tokens, arrives at 0;
+    B: 50-token prompt, 2 tokens, arrives at 25 ms (during A's second step):
+
+        step 1  [0, 20]    prefill A (100 tokens): 10 + 10        → A token 1 at 20
+        step 2  [20, 31]   decode A: 10 + 1                       → A token 2 at 31
+        step 3  [31, 47]   decode A + prefill B (50): 10 + 1 + 5  → A token 3 (done), B token 1 at 47
+        step 4  [47, 58]   decode B: 10 + 1                       → B token 2 (done) at 58
+    """
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
+    workload = Workload([list(range(1, 101)), list(range(200, 250))], [3, 2], [0.0, 0.025])
+    result = Simulator(profile, SimConfig(config)).run(workload)
+    a, b = result.records
+    assert a.chunk_times_s == pytest.approx([0.020, 0.031, 0.047])
+    assert b.chunk_times_s == pytest.approx([0.047, 0.058])
+    la, lb = request_latency(a), request_latency(b)
+    assert la.ttft_s == pytest.approx(0.020) and lb.ttft_s == pytest.approx(0.022)
+    assert la.tpot_s == pytest.approx(0.0135) and lb.tpot_s == pytest.approx(0.011)
+    assert la.e2e_s == pytest.approx(0.047) and lb.e2e_s == pytest.approx(0.033)
+    assert la.itls_s == pytest.approx([0.011, 0.016])
+    s = summarize(result.records, result.duration_s)
+    assert s.duration_s == pytest.approx(0.058) and result.num_steps == 4
+    assert s.ttft_ms.mean == pytest.approx(21.0) and s.tpot_ms.mean == pytest.approx(12.25)
+    assert s.num_succeeded == 2 and s.total_output_tokens == 5
+
+
+def test_overheads_shift_as_documented(llama_dir: Path) -> None:
+    """ingress 1 ms delays admission, egress 2 ms delays every chunk, the core loop adds 0.5 ms per step."""
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
+    profile.overheads = Overheads(ingress_s=0.001, egress_s=0.002, core_step_overhead_s=0.0005)
+    workload = Workload([list(range(1, 101))], [3], [0.0])
+    (a,) = Simulator(profile, SimConfig(config)).run(workload).records
+    # steps [1, 21.5], [21.5, 33], [33, 44.5]; chunks 2 ms later
+    assert a.chunk_times_s == pytest.approx([0.0235, 0.035, 0.0465])
+    assert a.send_s == 0.0
+
+
+# ---- the simulator decides as the engine does ---------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    scheduled: list[tuple[str, int, int]]
+    preempted: list[str]
+    finished: list[str]
+
+
+def _engine_trace(config, prompts, out_lens, arrive_before_step) -> list[Trace]:
+    """The real LLMEngine with its model runner stubbed by the simulator's token function."""
+    engine = LLMEngine(config)
+    vocab = config.model.vocab_size
+    hashes: dict[str, int] = {}
+
+    def execute(sched):
+        return ModelRunnerOutput({
+            s.request.request_id: sim_token(hashes[s.request.request_id], s.request.num_tokens, vocab)
+            for s in sched.scheduled if s.samples
+        })  # fmt: skip
+
+    engine.runner.execute = execute
+    captured = {}
+    inner = engine.scheduler.schedule
+
+    def schedule():
+        out = inner()
+        captured["s"] = [(s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
+        captured["p"] = list(out.preempted_ids)
+        return out
+
+    engine.scheduler.schedule = schedule
+    traces: list[Trace] = []
+    pending = sorted(range(len(prompts)), key=lambda i: (arrive_before_step[i], i))
+    while pending or engine.has_unfinished_requests():
+        step = len(traces)
+        while pending and arrive_before_step[pending[0]] <= step:
+            i = pending.pop(0)
+            hashes[str(i)] = hash(tuple(prompts[i]))
+            engine.add_request(
+                str(i), prompts[i], SamplingParams(max_tokens=out_lens[i], temperature=0.0, ignore_eos=True)
+            )
+        outputs = engine.step()
+        assert captured["s"], f"step {step}: the engine idled (the test's arrivals must keep it busy)"
+        traces.append(Trace(captured["s"], captured["p"], [o.request_id for o in outputs if o.finished]))
+    return traces
+
+
+def _sim_trace(config, prompts, out_lens, arrive_before_step) -> list[Trace]:
+    """The simulator with 1 s steps: step k runs [k, k + 1), so an arrival at k − 0.5 joins step k."""
+    profile = _profile(config, 1000.0)
+    order = sorted(range(len(prompts)), key=lambda i: (arrive_before_step[i], i))
+    arrivals = [max(0.0, arrive_before_step[i] - 0.5) for i in order]
+    workload = Workload([prompts[i] for i in order], [out_lens[i] for i in order], arrivals)
+    result = Simulator(profile, SimConfig(config, record_steps=True)).run(workload)
+    name = {str(k): str(i) for k, i in enumerate(order)}  # workload index → the engine's request id
+    traces = []
+    for k, st in enumerate(result.steps):
+        assert st.start_s == pytest.approx(k), f"simulated step {k} starts at {st.start_s}: the replica idled"
+        traces.append(Trace([(name[r], s, n) for r, s, n in st.scheduled], [name[r] for r in st.preempted],
+                            sorted(name[r] for r in st.finished)))  # fmt: skip
+    return traces
+
+
+def _workload(num: int, seed: int, shared_prefix: bool):
+    import random
+
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 500) for _ in range(12)]
+    prompts, out_lens, arrive = [], [], []
+    for i in range(num):
+        body = [rng.randrange(1, 500) for _ in range(rng.randrange(4, 20))]
+        prompts.append((prefix if shared_prefix and i % 2 else []) + body)
+        out_lens.append(rng.randrange(1, 24))
+        arrive.append(0 if i < 3 else rng.randrange(0, 25))
+    prompts[0], out_lens[0] = prompts[0][:8], 44  # keeps the engine busy past the last arrival
+    return prompts, out_lens, arrive
+
+
+CASES = {
+    # tight pool: preemption by recompute; small budget: chunked prefill; shared prefixes: cache hits
+    "continuous-preempt-chunked": dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
+                                       max_model_len=56),
+    "static": dict(num_kv_blocks=40, block_size=4, max_num_seqs=4, scheduling_policy="static", max_model_len=56),
+    "no-chunked-prefill": dict(num_kv_blocks=18, block_size=4, max_num_batched_tokens=56, enable_chunked_prefill=False,
+                               max_model_len=56),
+    "no-prefix-caching": dict(num_kv_blocks=16, block_size=4, max_num_batched_tokens=32, enable_prefix_caching=False,
+                              max_model_len=56),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_decisions_equal_the_engines(llama_dir: Path, case: str) -> None:
+    config = _config(llama_dir, **CASES[case])
+    prompts, out_lens, arrive = _workload(14, seed=len(case), shared_prefix=True)
+    engine = _engine_trace(config, prompts, out_lens, arrive)
+    sim = _sim_trace(config, prompts, out_lens, arrive)
+    assert len(sim) == len(engine), f"{len(sim)} simulated steps, {len(engine)} engine steps"
+    for k, (e, s) in enumerate(zip(engine, sim, strict=True)):
+        assert s.scheduled == e.scheduled, f"step {k}: scheduled differently"
+        assert s.preempted == e.preempted, f"step {k}: preempted differently"
+        assert s.finished == sorted(e.finished), f"step {k}: finished differently"
+    if case == "continuous-preempt-chunked":
+        assert any(t.preempted for t in engine), "the case is meant to preempt"
+        assert any(start > 0 and start < len(prompts[int(r)]) for t in engine for r, start, _ in t.scheduled), "chunked"
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------
+
+
+def test_step_model_for_another_model_or_dtype_is_refused(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    config = _config(model_dirs["llama-gqa"], num_kv_blocks=64)
+    profile = _profile(config, 5.0, decode_rows=1.0)
+    path = profile.save(tmp_path / "sm.json")
+    loaded = StepProfile.load(path)
+    loaded.check_compatible(config)  # the same model and dtypes: fine
+    other = _config(model_dirs["qwen3"], num_kv_blocks=64)
+    with pytest.raises(ValueError, match="head_dim=16.*head_dim=32|architecture"):
+        loaded.check_compatible(other)
+    bf16 = _config(model_dirs["llama-gqa"], num_kv_blocks=64, dtype="bfloat16")
+    with pytest.raises(ValueError, match="dtype='float32'.*dtype='bfloat16'"):
+        Simulator(loaded, SimConfig(bf16))
+    kv8 = _config(model_dirs["llama-gqa"], num_kv_blocks=64, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        loaded.check_compatible(kv8)
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ValueError, match="not a step model file"):
+        StepProfile.load(tmp_path / "bad.json")
+
+
+def test_disaggregation_is_not_yet(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="not simulated yet.*#33"):
+        check_disaggregation("2P1D")
+    with pytest.raises(ValueError, match="must look like 2P1D"):
+        check_disaggregation("two")
+    config = _config(llama_dir, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="#33"):
+        SimConfig(config, disaggregation="1P1D")
+
+
+def test_a_request_that_cannot_fit_fails_like_a_400(llama_dir: Path) -> None:
+    config = _config(llama_dir, num_kv_blocks=4, block_size=4, max_model_len=16)
+    profile = _profile(config, 1.0, decode_rows=1.0)
+    result = Simulator(profile, SimConfig(config)).run(Workload([[1] * 20, [2] * 4], [2, 2], [0.0, 0.1]))
+    bad, good = result.records
+    assert not bad.success and "HTTP 400" in (bad.error or "") and "max_model_len" in bad.error
+    assert good.success and good.num_output_tokens == 2
+
+
+# ---- the fit ---------------------------------------------------------------------------------------------------
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    import random
+
+    rng = random.Random(0)
+    truth = LinearStepModel(0.002, {"prefill_tokens": 3e-5, "decode_rows": 4e-4, "decode_context_tokens": 1e-6})
+    samples = []
+    for _ in range(200):
+        f = StepFeatures(rng.choice([0, 16, 128, 512]), 1, rng.randrange(0, 64), rng.randrange(0, 20000), 0.0)
+        if f.prefill_tokens == 0 and f.decode_rows == 0:
+            continue
+        t = truth.step_time_s(f) * (1 + rng.uniform(-0.02, 0.02))
+        if rng.random() < 0.05:
+            t *= 8  # a stall on a busy machine: the absolute-error fit ignores it
+        samples.append((f, t))
+    model, q = fit_linear(samples, ("prefill_tokens", "decode_rows", "decode_context_tokens"))
+    assert model.intercept_s == pytest.approx(0.002, rel=0.05)
+    for k, v in truth.coefficients_s.items():
+        assert model.coefficients_s[k] == pytest.approx(v, rel=0.05)
+    assert q.median_ape_heldout_pct < 3
+
+
+# ---- workloads -------------------------------------------------------------------------------------------------
+
+
+def test_fast_prompts_have_benchs_lengths_and_prefix_sharing(llama_dir: Path) -> None:
+    tok = load_tokenizer(str(llama_dir))
+    cfg = DatasetConfig(name="random", num_requests=30, input_len=40, output_len=8, range_ratio=0.5, seed=3)
+    exact = build_requests(cfg, tok)
+    fast = fast_prompts(cfg, tok)
+    assert fast is not None
+    assert [len(p) for p in fast[0]] == [r.prompt_len for r in exact]
+    assert fast[1] == [r.output_len for r in exact]
+    pcfg = DatasetConfig(name="prefix", num_requests=12, input_len=10, output_len=4, prefix_len=32, num_prefix_groups=3)
+    exact = build_requests(pcfg, tok)
+    ids, _ = fast_prompts(pcfg, tok)
+    assert [len(p) for p in ids] == [r.prompt_len for r in exact]
+    assert list(ids[0][:32]) == list(ids[3][:32]) and list(ids[0][:32]) != list(ids[1][:32])
+
+
+def test_trace_replays_a_bench_serve_json(llama_dir: Path, tmp_path: Path) -> None:
+    tok = load_tokenizer(str(llama_dir))
+    args = {"dataset": "random", "num_requests": 5, "input_len": 20, "output_len": 6, "range_ratio": 0.0, "seed": 0,
+            "warmup_requests": 0}  # fmt: skip
+    reqs = build_requests(DatasetConfig(num_requests=5, input_len=20, output_len=6), tok)
+    records = [{"index": i, "prompt_len": r.prompt_len, "requested_output_len": 6, "scheduled_s": 10.0 + 0.5 * i,
+                "success": True, "num_output_tokens": 6 - (i == 2)} for i, r in enumerate(reqs)]  # fmt: skip
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps({"args": args, "summary": {}, "requests": records}))
+    w = trace_workload(path, tok)
+    assert w.arrivals_s == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0])
+    assert w.output_lens == [6, 6, 5, 6, 6]
+    assert [list(p) for p in w.prompt_token_ids] == [r.prompt_token_ids for r in reqs]  # the same token ids
+    assert "rebuilt" in w.description["prompts"]
+    args["seed"] = 7  # another seed: lengths still match, but the ids would not; lengths are all that's checked
+    records[0]["prompt_len"] = 99
+    path.write_text(json.dumps({"args": args, "requests": records}))
+    w = trace_workload(path, tok)
+    assert "synthetic" in w.description["prompts"] and len(w.prompt_token_ids[0]) == 99
+
+
+def test_poisson_workload_and_dp_replicas(llama_dir: Path) -> None:
+    tok = load_tokenizer(str(llama_dir))
+    config = _config(llama_dir, num_kv_blocks=256)
+    profile = _profile(config, 5.0, prefill_tokens=0.05, decode_rows=0.5)
+    w = build_workload(DatasetConfig(num_requests=60, input_len=32, output_len=8), tok, 40.0, 1.0, 0)
+    one = Simulator(profile, SimConfig(config)).run(w)
+    four = Simulator(profile, SimConfig(config, data_parallel_size=4)).run(w)
+    assert all(r.success for r in one.records + four.records)
+    assert all(n > 0 for n in four.stats_dict()["requests_per_replica"])
+    s1, s4 = summarize(one.records, one.duration_s), summarize(four.records, four.duration_s)
+    assert s4.ttft_ms.mean < s1.ttft_ms.mean  # four replicas queue less
+    capped = Simulator(profile, SimConfig(config, max_concurrency=2)).run(w)
+    assert max(_in_flight(capped.records)) <= 2
+    assert any(r.send_s > r.scheduled_s for r in capped.records)  # waited in the client
+
+
+def _in_flight(records) -> list[int]:
+    events = sorted([(r.send_s, 1) for r in records] + [(r.end_s, -1) for r in records], key=lambda e: (e[0], e[1]))
+    level, out = 0, []
+    for _, d in events:
+        level += d
+        out.append(level)
+    return out
+
+
+def test_lazy_block_pool_hands_out_blocks_as_the_real_one() -> None:
+    import random
+
+    from lmserve.core.block_pool import BlockPool, block_key
+    from lmserve.sim.lazy_pool import LazyBlockPool
+
+    rng = random.Random(0)
+    real, lazy = BlockPool(40), LazyBlockPool(40)
+    held: list[tuple[list, list]] = []  # (real blocks, lazy blocks) of one holder
+    keys = [block_key(None, (i,)) for i in range(12)]
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.35 and real.num_free_blocks:
+            n = rng.randrange(1, min(5, real.num_free_blocks) + 1)
+            a, b = real.get_new_blocks(n), lazy.get_new_blocks(n)
+            assert [x.block_id for x in a] == [x.block_id for x in b], f"op {step}: other blocks handed out"
+            held.append((a, b))
+        elif op < 0.6 and held:
+            a, b = held.pop(rng.randrange(len(held)))
+            order = list(range(len(a)))
+            rng.shuffle(order)
+            real.free_blocks([a[i] for i in order])
+            lazy.free_blocks([b[i] for i in order])
+        elif op < 0.8 and held:
+            a, b = held[rng.randrange(len(held))]
+            i, key = rng.randrange(len(a)), rng.choice(keys)
+            real.cache_block(a[i], key)
+            lazy.cache_block(b[i], key)
+        else:
+            key = rng.choice(keys)
+            a, b = real.lookup(key), lazy.lookup(key)
+            assert (a is None) == (b is None) and (a is None or a.block_id == b.block_id), f"op {step}: lookups differ"
+            if a is not None:
+                real.touch([a])
+                lazy.touch([b])
+                held.append(([a], [b]))
+        assert real.num_free_blocks == lazy.num_free_blocks and real.usage == lazy.usage, f"op {step}: free counts"
+        real.check_invariants()
+        lazy.check_invariants()
+    assert [b.ref_cnt for b in real.blocks] == [b.ref_cnt for b in lazy.blocks]
+
+
+def test_tensor_parallel_is_a_step_time_factor(llama_dir: Path) -> None:
+    from lmserve.memory_presets import get_preset
+    from lmserve.sim.step_model import roofline_profile
+
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 2.0, decode_rows=1.0)
+    f = StepFeatures(0, 0, 8, 1000, 0.0)
+    t1, t2 = profile.step_time_s(f), profile.step_time_s(f, tp=2)
+    assert t2 == pytest.approx(0.002 + (t1 - 0.002) / (2 * profile.tp_efficiency))
+    roof = roofline_profile("h200", dict(get_preset("llama-3-8b").config), "llama-3-8b")
+    assert roof.estimate and "ESTIMATE" in roof.label
+    decode = StepFeatures(0, 0, 32, 32 * 1024, 0.0)
+    r1, r2, r8 = (roof.step_time_s(decode, tp=tp) for tp in (1, 2, 8))
+    assert r8 < r2 < r1 and r2 > r1 / 2  # the all-reduces and the fixed overhead do not split
+    prefill = StepFeatures(2048, 1, 0, 0, 2048 * 2049 / 2)
+    assert roof.step_time_s(prefill) > 10 * roof.step_time_s(StepFeatures(0, 0, 1, 100, 0.0))  # compute-bound
+    with pytest.raises(ValueError, match="--hardware"):
+        roofline_profile("tpu", dict(get_preset("llama-3-8b").config), "x")
+
+
+def test_step_noise_is_seeded(llama_dir: Path, tmp_path: Path) -> None:
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 5.0, decode_rows=1.0)
+    profile.noise_quantiles = [0.5 + i / 100 for i in range(201)]  # ratios 0.5 .. 2.5
+    w = Workload([list(range(1, 30)), list(range(40, 70))], [8, 8], [0.0, 0.01])
+    runs = [Simulator(profile, SimConfig(config, step_noise=True, seed=s)).run(w) for s in (1, 1, 2)]
+    times = [[r.chunk_times_s for r in run.records] for run in runs]
+    assert times[0] == times[1] and times[0] != times[2]
+    loaded = StepProfile.load(profile.save(tmp_path / "noisy.json"))
+    assert loaded.noise_quantiles == profile.noise_quantiles
+    with pytest.raises(ValueError, match="no measured noise"):
+        Simulator(_profile(config, 5.0), SimConfig(config, step_noise=True))
