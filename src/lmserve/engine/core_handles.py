@@ -16,27 +16,34 @@ from lmserve.engine.core import CoreLaunch, run_engine_core
 logger = logging.getLogger(__name__)
 
 
+_ENV_LOCK = threading.Lock()
+
+
+def start_with_env(process: multiprocessing.process.BaseProcess, env: dict[str, str]) -> None:
+    """Start a spawned `process` with `env` in its environment: a spawned child's OpenMP reads its environment
+    before anything of ours runs, so the variables are in os.environ for the moment of the start (and restored)."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            process.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 class _ProcessHandle:
     """An engine core in a spawned process (daemonic: multiprocessing also ends it at interpreter exit)."""
-
-    _env_lock = threading.Lock()
 
     def __init__(self, launch: CoreLaunch, env: dict[str, str]) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(
             target=run_engine_core, args=(launch,), name=f"lmserve-core-{launch.engine_index}", daemon=True
         )
-        with self._env_lock:  # the child's OpenMP reads its environment before anything of ours runs
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                self.process.start()
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+        start_with_env(self.process, env)
 
     def exited(self) -> bool:
         return not self.process.is_alive()

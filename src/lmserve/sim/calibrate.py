@@ -253,22 +253,14 @@ def profile_in_core_process(
     import multiprocessing
 
     from lmserve.engine.core_client import CPU_POLICIES
+    from lmserve.engine.core_handles import start_with_env
 
     env = {"OMP_NUM_THREADS": str(num_threads), **CPU_POLICIES[cpu_policy]}
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_profile_child, args=(config, grid, num_threads, cpu_policy == "adaptive", child),
                        name="lmserve-calibrate", daemon=True)  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        proc.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    start_with_env(proc, env)
     child.close()
     try:
         while True:
