@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -15,6 +16,7 @@ from lmserve.model.layers import (
     I8_KERNEL_MAX_ROWS,
     choose_small_m_paths,
     pack_linear_weights,
+    pack_w4a8_weights,
     quantize_linear_weights,
     round_linear_weights_to_bf16,
 )
@@ -28,11 +30,19 @@ from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 logger = logging.getLogger(__name__)
 
 
-def _log_quantized_kernels(method: str) -> None:
-    """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo)."""
+def _log_quantized_kernels(method: str, w4a8_layers: int = 0, lm_head: str | None = None) -> None:
+    """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo); w4a8_layers: int4
+    Linears packed for the W4A8 kernels."""
     flags = kernels.cpu_flags()
     relevant = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "avx512_bf16", "avx512bw", "avx2"})
-    for layout in ("int4", "int8w") if method == "gguf" else (method,):  # GGUF blocks: Q4_0/Q4_1, Q8_0
+    if w4a8_layers:
+        logger.info("int4 weights: W4A8 in %d Linear layers, every row count: %s (activations int8 per block of 32, "
+                    "int4_compute=w4a8; %s=%s); CPU flags %s", w4a8_layers, kernels.w4a8_isa_name(kernels.w4a8_isa()),
+                    kernels.W4A8_ISA_ENV, os.environ.get(kernels.W4A8_ISA_ENV, "auto"), relevant or "none")  # fmt: skip
+    layouts = ("int4", "int8w") if method == "gguf" else tuple(dict.fromkeys((method, lm_head or method)))
+    for layout in layouts:  # GGUF blocks: Q4_0/Q4_1, Q8_0; int4's LM head: int8w
+        if layout == "int4" and w4a8_layers:
+            continue
         decode = kernels.quantized_kernel_names()[layout] if kernels.available() else "PyTorch ops (no C kernels)"
         batched = "torch._int_mm (oneDNN int8)" if layout == "int8" else "dequantize + float32 GEMM"
         rows = I8_KERNEL_MAX_ROWS if layout == "int8" else kernels.I4_MAX_ROWS
@@ -68,7 +78,10 @@ class ModelRunner:
         if config.quantization is not None:
             if not config.quantization.prequantized:
                 quantize_linear_weights(self.model, config.quantization)
-            _log_quantized_kernels(config.quantization.method)
+            w4a8 = 0
+            if config.quantization.int4_compute == "w4a8" and kernels.available():
+                w4a8 = pack_w4a8_weights(self.model)
+            _log_quantized_kernels(config.quantization.method, w4a8, config.quantization.lm_head)
         self.packed_weight_bytes = 0
         if config.weight_dtype == "bfloat16":
             if not kernels.available():
