@@ -974,6 +974,9 @@ void linear_i8w_f32(const float *x, const int8_t *w, const uint16_t *scales, con
  *   W4A8_AVX2     vpmaddubsw + vpmaddwd (no VNNI): the 8 products of a block summed in int16 (|.| <= 8 * 2 *
  *                 15 * 127 = 30480, no saturation), widened once a block
  *   W4A8_SCALAR   portable C over the same layout
+ * Every path computes each output with the same float operations in the same order (per block one FMA of the
+ * exact integer sum into the row's accumulator, with mins a second one; the bias added last), and a row's result
+ * does not depend on the other rows: all paths and row counts give the same bits (tests/test_w4a8.py checks).
  * Rows of x: up to 8 at a time against one panel, all accumulators in registers (the row count is a literal
  * after inlining); more rows (prefill, batches) loop over runs of 8 with the panel outermost, so a panel
  * (16 rows x K / 2 bytes) stays in L1 / L2 while every run of x meets it: a blocked GEMM on the packed codes,
@@ -1024,18 +1027,26 @@ int w4a8_vnni256_vex(void) {
 #endif
 }
 
-/* The quantized activations of M rows: q (M, K) int8, per block of 32 (NB = K / 32 a row): d (M, NB) float32
- * scales, corr (M, NB) int32 = -off * s (the integer accumulator's start: off 8 for symmetric codes, 0 with
- * mins), ds (M, NB) float32 = d * s (what a block's min multiplies). Same operations as the PyTorch reference,
- * so the same bits. */
+/* The quantized activations of M rows, per block of 32 inputs (NB = K / 32 a row): q int8 (32 a block), d float32
+ * scales, corr int32 = -off * s (the integer accumulator's start: off 8 for symmetric codes, 0 with mins), ds
+ * float32 = d * s (what a block's min multiplies). Same operations as the PyTorch reference, so the same bits.
+ * Index space: rows in chunks of R (the W4A8_MR rows one pass over a panel serves; M itself when fewer), and
+ * (row m, block b) at w4a8_ai = ((m / R) * NB + b) * R + m % R: a block's R rows are adjacent, so a kernel
+ * addresses all of them from one base (per-row pointers ran the x86 registers out). R = 1 is the row-major
+ * (M, NB) layout (what w4a8_quantize_rows gives the tests). */
 typedef struct {
-    int8_t *q;
+    int8_t *q; /* q of (m, b) at 32 * w4a8_ai(m, b) */
     float *d, *ds;
     int32_t *corr;
+    int64_t R, NB;
 } w4a8_act;
 
-static void w4a8_quantize_row(const float *x, int8_t *q, float *d, int32_t *corr, float *ds, int64_t K, int32_t off) {
-    for (int64_t b = 0; b < K / 32; b++) {
+static inline int64_t w4a8_ai(const w4a8_act *a, int64_t m, int64_t b) {
+    return ((m / a->R) * a->NB + b) * a->R + m % a->R;
+}
+
+static void w4a8_quantize_row(const float *x, const w4a8_act *a, int64_t m, int32_t off) {
+    for (int64_t b = 0; b < a->NB; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.f;
         for (int i = 0; i < 32; i++) {
@@ -1043,25 +1054,31 @@ static void w4a8_quantize_row(const float *x, int8_t *q, float *d, int32_t *corr
             amax = a > amax ? a : amax;
         }
         float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        const int64_t ai = w4a8_ai(a, m, b);
+        int8_t *q = a->q + 32 * ai;
         int32_t s = 0;
         for (int i = 0; i < 32; i++) {
             float r = nearbyintf(xb[i] * id);
             r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-            q[32 * b + i] = (int8_t)r;
+            q[i] = (int8_t)r;
             s += (int32_t)r;
         }
-        d[b] = db;
-        corr[b] = -off * s;
-        ds[b] = db * (float)s;
+        a->d[ai] = db;
+        a->corr[ai] = -off * s;
+        a->ds[ai] = db * (float)s;
     }
 }
 
-/* Exposed for the tests: the activation blocks the kernels compute with. */
+static void w4a8_quantize(const float *x, const w4a8_act *a, int64_t M, int32_t off, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * a->NB > 2048)
+    for (int64_t m = 0; m < M; m++) w4a8_quantize_row(x + m * a->NB * 32, a, m, off);
+}
+
+/* Exposed for the tests: the activation blocks the kernels compute with, row-major: q (M, K), d, corr, ds (M, K / 32). */
 void w4a8_quantize_rows(const float *x, int8_t *q, float *d, int32_t *corr, float *ds, int64_t M, int64_t K,
                         int32_t off, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
-    for (int64_t m = 0; m < M; m++)
-        w4a8_quantize_row(x + m * K, q + m * K, d + m * (K / 32), corr + m * (K / 32), ds + m * (K / 32), K, off);
+    const w4a8_act a = {q, d, ds, corr, 1, K / 32};
+    w4a8_quantize(x, &a, M, off, nthreads);
 }
 
 /* y[m * O + o0 + j] = acc lane j (+ bias), for the first n (< 16 at the last panel) lanes. */
@@ -1075,21 +1092,23 @@ static void w4a8_panel_scalar(const w4a8_act *a, int64_t m0, int64_t MR, const u
                               int64_t G) {
     const int64_t NB = K / 32, BPG = G / 32;
     for (int64_t m = m0; m < m0 + MR; m++) {
-        const int8_t *xq = a->q + m * K;
         float acc[W4A8_PANEL];
         for (int j = 0; j < W4A8_PANEL; j++) {
             float f = 0.f;
             for (int64_t bl = 0; bl < NB; bl++) {
                 const uint8_t *blk = pc + bl * 256;
-                int32_t s = a->corr[m * NB + bl];
+                const int64_t ai = w4a8_ai(a, m, bl);
+                const int8_t *xq = a->q + 32 * ai;
+                int32_t s = a->corr[ai];
                 for (int t = 0; t < 4; t++)
                     for (int i = 0; i < 4; i++) {
                         uint8_t c = blk[64 * t + 4 * j + i];
-                        s += (int32_t)(c & 0x0f) * xq[32 * bl + 4 * t + i] + (int32_t)(c >> 4) * xq[32 * bl + 16 + 4 * t + i];
+                        s += (int32_t)(c & 0x0f) * xq[4 * t + i] + (int32_t)(c >> 4) * xq[16 + 4 * t + i];
                     }
                 const int64_t g = bl / BPG;
-                f += (float)s * (f16_to_f32(ps[g * W4A8_PANEL + j]) * a->d[m * NB + bl]);
-                if (pm) f += f16_to_f32(pm[g * W4A8_PANEL + j]) * a->ds[m * NB + bl];
+                /* fmaf: the vector paths' per-lane operations, so every path gives the same bits */
+                f = fmaf((float)s, f16_to_f32(ps[g * W4A8_PANEL + j]) * a->d[ai], f);
+                if (pm) f = fmaf(f16_to_f32(pm[g * W4A8_PANEL + j]), a->ds[ai], f);
             }
             acc[j] = f;
         }
@@ -1122,16 +1141,18 @@ w4a8_body512(const w4a8_act *a, int64_t m0, const int MR, const uint8_t *pc, con
             _mm_prefetch((const char *)blk + 2048 + 64, _MM_HINT_T0);
             _mm_prefetch((const char *)blk + 2048 + 128, _MM_HINT_T0);
             _mm_prefetch((const char *)blk + 2048 + 192, _MM_HINT_T0);
+            const int64_t ab = w4a8_ai(a, m0, bl); /* row m0 + m of this block: ab + m */
+            const int8_t *xb = a->q + 32 * ab;
             __m512i ia[W4A8_MR], ib[W4A8_MR];
             for (int m = 0; m < MR; m++) {
-                ia[m] = _mm512_set1_epi32(a->corr[(m0 + m) * NB + bl]);
+                ia[m] = _mm512_set1_epi32(a->corr[ab + m]);
                 ib[m] = _mm512_setzero_si512();
             }
             for (int t = 0; t < 4; t++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * t));
                 const __m512i lo = _mm512_and_si512(v, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
                 for (int m = 0; m < MR; m++) {
-                    const int8_t *xq = a->q + (m0 + m) * K + 32 * bl + 4 * t;
+                    const int8_t *xq = xb + 32 * m + 4 * t;
                     int32_t w0, w1;
                     memcpy(&w0, xq, 4);
                     memcpy(&w1, xq + 16, 4);
@@ -1144,9 +1165,8 @@ w4a8_body512(const w4a8_act *a, int64_t m0, const int MR, const uint8_t *pc, con
             }
             for (int m = 0; m < MR; m++) {
                 const __m512i s = split ? _mm512_add_epi32(ia[m], ib[m]) : ia[m];
-                const int64_t ab = (m0 + m) * NB + bl;
-                f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wd, _mm512_set1_ps(a->d[ab])), f[m]);
-                if (pm) f[m] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a->ds[ab]), f[m]);
+                f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wd, _mm512_set1_ps(a->d[ab + m])), f[m]);
+                if (pm) f[m] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a->ds[ab + m]), f[m]);
             }
         }
     }
@@ -1195,11 +1215,11 @@ __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, 
                     lo[t] = _mm256_and_si256(v, lo4);                                                            \
                     hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);                                      \
                 }                                                                                                \
+                const int64_t ab = w4a8_ai(a, m0, bl);                                                           \
                 for (int m = 0; m < MR; m++) {                                                                   \
-                    const int64_t ab = (m0 + m) * NB + bl;                                                       \
-                    const __m256i s = DOT(_mm256_set1_epi32(a->corr[ab]), lo, hi, a->q + (m0 + m) * K + 32 * bl); \
-                    f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wd, _mm256_set1_ps(a->d[ab])), f[m]); \
-                    if (pm) f[m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a->ds[ab]), f[m]);                         \
+                    const __m256i s = DOT(_mm256_set1_epi32(a->corr[ab + m]), lo, hi, a->q + 32 * (ab + m));     \
+                    f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wd, _mm256_set1_ps(a->d[ab + m])), f[m]); \
+                    if (pm) f[m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a->ds[ab + m]), f[m]);                     \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
@@ -1283,11 +1303,12 @@ int linear_w4a8_f32(const float *x, const uint8_t *pc, const uint16_t *ps, const
                     float *y, int64_t M, int64_t O, int64_t K, int64_t G, int isa, int nthreads) {
     if (!w4a8_isa_supported(isa)) return -1;
     const int64_t NB = K / 32, P = (O + W4A8_PANEL - 1) / W4A8_PANEL, NG = K / G;
-    char *buf = (char *)malloc((size_t)(M * K + M * NB * 12));
+    const int64_t R = M < W4A8_MR ? M : W4A8_MR, Mp = (M + R - 1) / R * R; /* rows padded to whole chunks */
+    char *buf = (char *)malloc((size_t)(Mp * K + Mp * NB * 12));
     if (!buf) return -1;
-    w4a8_act a = {(int8_t *)buf, (float *)(buf + M * K), (float *)(buf + M * K + 4 * M * NB),
-                  (int32_t *)(buf + M * K + 8 * M * NB)};
-    w4a8_quantize_rows(x, a.q, a.d, a.corr, a.ds, M, K, pm ? 0 : 8, nthreads);
+    const w4a8_act a = {(int8_t *)buf, (float *)(buf + Mp * K), (float *)(buf + Mp * K + 4 * Mp * NB),
+                        (int32_t *)(buf + Mp * K + 8 * Mp * NB), R, NB};
+    w4a8_quantize(x, &a, M, pm ? 0 : 8, nthreads);
     const w4a8_panel_fn fn = w4a8_panel_for(isa);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t p = 0; p < P; p++) {
