@@ -96,10 +96,14 @@ def bench_kernels(rows: list[int], isas: list[str], rounds: int) -> dict:
     return out
 
 
-def _decode_step_ms(llm: LLM, steps: int) -> float:
+def _decode_step_ms(llm: LLM, steps: int, streams: int = 1) -> float:
+    """Mean engine step of `streams` requests decoding together, each after a 128-token prompt."""
     eng = llm.engine
-    eng.add_request("d", list(range(1, 129)), SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
-    eng.step()  # prefill
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    for i in range(streams):
+        eng.add_request(f"d{i}", [1 + (i + j) % 1000 for j in range(128)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()  # prefill
     eng.step()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -117,19 +121,22 @@ def _prefill_ms(llm: LLM, prompt: list[int]) -> float:
 
 
 def bench_engine(model: str, rounds: int, steps: int = 32) -> dict:
-    llms = {c: LLM(model, quantization=None if model.endswith(".gguf") else "int4", int4_compute=c,
-                   enable_prefix_caching=False, max_model_len=1024) for c in ("weight-only", "w4a8")}  # fmt: skip
+    gguf = model.endswith(".gguf")
+    extra = {"tokenizer": str(Path(model).parent)} if gguf and (Path(model).parent / "tokenizer.json").is_file() else {}
+    llms = {c: LLM(model, quantization=None if gguf else "int4", int4_compute=c, enable_prefix_caching=False,
+                   max_model_len=1024, **extra) for c in ("weight-only", "w4a8")}  # fmt: skip
     vocab = llms["w4a8"].engine.config.model.vocab_size
     prompts = random_prompts(rounds + 1, 128, vocab, seed=1)
-    res: dict[str, dict[str, list[float]]] = {c: {"decode_step_ms": [], "prefill_128_ms": []} for c in llms}
+    keys = ("decode_step_ms", "decode_step_32_streams_ms", "prefill_128_ms")
+    res: dict[str, dict[str, list[float]]] = {c: {k: [] for k in keys} for c in llms}
     for r in range(rounds + 1):
         for c, llm in llms.items():
-            d, p = _decode_step_ms(llm, steps), _prefill_ms(llm, prompts[r])
+            run = (_decode_step_ms(llm, steps), _decode_step_ms(llm, 8, 32), _prefill_ms(llm, prompts[r]))
             if r:
-                res[c]["decode_step_ms"].append(d)
-                res[c]["prefill_128_ms"].append(p)
+                for k, v in zip(keys, run, strict=True):
+                    res[c][k].append(v)
     out = {}
-    for key in ("decode_step_ms", "prefill_128_ms"):
+    for key in keys:
         med = {c: statistics.median(v[key]) for c, v in res.items()}
         out[key] = {c: {"median": med[c], "best": min(res[c][key])} for c in res}
         out[key]["ratio_weight_only_over_w4a8"] = med["weight-only"] / med["w4a8"]

@@ -274,6 +274,8 @@ def quantized_reference(
             mod.register_forward_pre_hook(lambda _m, args: (Q.fake_quantize_activations(args[0]),))
         elif name == "lm_head":
             mod.weight.data = Q.dequantize_int8w(*Q.quantize_int8w(w))
+            if int4_compute == "w4a8":  # the 8-bit head runs with int8 activations per block of 32 too
+                mod.register_forward_pre_hook(lambda _m, args: (Q.fake_quantize_activation_blocks(args[0]),))
         else:
             mod.weight.data = Q.dequantize_int4(*Q.quantize_int4(w, group))
             if int4_compute == "w4a8":
@@ -318,9 +320,9 @@ def test_greedy_matches_quantized_reference(model_dirs: dict[str, Path], name: s
     compute = "weight-only" if method.endswith("weight-only") else "w4a8"
     method = method.removesuffix("-weight-only")
     llm = LLM(str(model_dirs[name]), num_kv_blocks=64, quantization=method, int4_compute=compute)
-    if method == "int4":
+    if method == "int4":  # the projections and the 8-bit head
         w4a8 = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m._w4a8 is not None]
-        assert len(w4a8) == (4 * llm.engine.config.model.num_layers if compute == "w4a8" else 0)
+        assert len(w4a8) == (4 * llm.engine.config.model.num_layers + 1 if compute == "w4a8" else 0)
     assert_matches_reference(llm, quantized_reference(model_dirs[name], method, int4_compute=compute), PROMPTS)
 
 
@@ -415,8 +417,10 @@ def test_int8_quantizes_the_lm_head_and_keeps_a_tied_embedding_float32(llama_dir
 
 
 def test_int4_gives_the_lm_head_8_bits_weight_only(llama_dir: Path) -> None:
-    """int4's head: llama.cpp's Q8_0 block rule (int8w, group 32), float32 activations, the tied embedding kept."""
-    model = LLM(str(llama_dir), num_kv_blocks=16, quantization="int4").engine.runner.model
+    """int4's head: llama.cpp's Q8_0 block rule (int8w, group 32), the tied embedding kept; float32 activations
+    with int4_compute="weight-only" (W4A8: tests/test_w4a8.py)."""
+    llm = LLM(str(llama_dir), num_kv_blocks=16, quantization="int4", int4_compute="weight-only")
+    model = llm.engine.runner.model
     head, embed = model.lm_head, model.model.embed_tokens.weight
     assert head.quant_method == "int8w" and head.weight is None and head.qweight.dtype == torch.int8
     assert head.scales.dtype == torch.float16 and head.scales.shape == (embed.shape[0], embed.shape[1] // 32)
@@ -463,8 +467,7 @@ def test_checkpoint_round_trip_carries_the_lm_head(
     assert llm.engine.config.quantization.prequantized and model.lm_head.quant_method == head
     on_the_fly = LLM(str(model_dirs[name]), num_kv_blocks=64, quantization=method)
     fresh = on_the_fly.engine.runner.model
-    assert torch.equal(model.lm_head.qweight, fresh.lm_head.qweight)
-    assert torch.equal(model.lm_head.scales, fresh.lm_head.scales)
+    assert torch.equal(model.lm_head.dequantized_weight(), fresh.lm_head.dequantized_weight())
     assert torch.equal(model.model.embed_tokens.weight, fresh.model.embed_tokens.weight)
     a = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     b = on_the_fly.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -155,6 +155,8 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 def _reference_linear_w4a8(x: torch.Tensor, w: Q.W4A8Weights, bias: torch.Tensor | None, isa=None) -> torch.Tensor:
+    if w.bits == 8:
+        return Q.w8a8_blocks_reference(x, *Q.unpack_w4a8(w)[:2], bias)
     return Q.w4a8_reference(x, *Q.unpack_w4a8(w), bias)
 
 
@@ -168,7 +170,7 @@ def test_w4a8_engine_matches_its_own_reference(
         llm = LLM(str(model_dirs[name]), num_kv_blocks=64, quantization="int4")
     assert llm.engine.config.quantization.int4_compute == "w4a8"
     logged = " ".join(r.getMessage() for r in caplog.records)
-    assert "W4A8 in 8 Linear layers" in logged and kernels.w4a8_isa_name(kernels.w4a8_isa()) in logged, logged
+    assert "W4A8 in 9 Linear layers" in logged and kernels.w4a8_isa_name(kernels.w4a8_isa()) in logged, logged
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     model = llm.engine.runner.model.model
     assert model.decode_stack(llm.engine.runner.kv_caches) is not None, "the decode stack ran the W4A8 kernels"
@@ -186,6 +188,37 @@ def test_every_path_generates_the_same_tokens(llama_dir: Path, isa: str, monkeyp
     monkeypatch.setenv(kernels.W4A8_ISA_ENV, isa)
     forced = LLM(str(llama_dir), num_kv_blocks=64, quantization="int4").generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in forced] == [o.outputs[0].token_ids for o in best]
+
+
+def test_the_int4_methods_8_bit_head_runs_w8a8_blocks(llama_dir: Path) -> None:
+    """With W4A8 the int4 method's int8w head is repacked into the kernels' 8-bit panels (codes + 128): the same
+    weights, int8 activations per block of 32, the exact integer math of quantization.w8a8_blocks_reference."""
+    exact = LLM(str(llama_dir), num_kv_blocks=16, quantization="int4", int4_compute="weight-only").engine.runner.model
+    model = LLM(str(llama_dir), num_kv_blocks=16, quantization="int4").engine.runner.model
+    head = model.lm_head
+    assert head.quant_method == "int8w" and head.qweight is None and head._w4a8.bits == 8
+    assert torch.equal(head.dequantized_weight(), exact.lm_head.dequantized_weight())
+    hidden = torch.randn(11, model.config.hidden_size)
+    assert head.fast_path(hidden) == "w4a8"
+    ref = Q.w8a8_blocks_reference(hidden, exact.lm_head.qweight, exact.lm_head.scales)
+    torch.testing.assert_close(model.compute_logits(hidden), ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 9, 33])
+def test_8_bit_panels_match_the_reference(isa: str, m: int) -> None:
+    _isa_or_skip(isa)
+    g = torch.Generator().manual_seed(m)
+    qw, s = Q.quantize_int8w(torch.randn(37, 160, generator=g))
+    qw[0, :32] = -128  # outside Q8_0's range, but a file could hold it: the sign trick's edge (|-128| = 128)
+    packed = Q.pack_w8a8(qw, s)
+    assert packed.codes.shape == (3, 5, 8, 64) and packed.bits == 8
+    back = Q.unpack_w4a8(packed)
+    assert torch.equal(back[0], qw) and torch.equal(back[1], s) and back[2] is None
+    x, bias = torch.randn(m, 160, generator=g), torch.randn(37, generator=g)
+    y = kernels.linear_w4a8(x, packed, bias, isa)
+    torch.testing.assert_close(y, Q.w8a8_blocks_reference(x, qw, s, bias), atol=1e-4, rtol=1e-5)
+    assert torch.equal(y, kernels.linear_w4a8(x, packed, bias, "scalar"))
 
 
 def test_weight_only_stays_available(llama_dir: Path) -> None:

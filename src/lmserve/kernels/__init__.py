@@ -358,7 +358,7 @@ def _declare_quantized(lib: ctypes.CDLL) -> None:
     lib.w4a8_vnni256_vex.argtypes, lib.w4a8_vnni256_vex.restype = [], ctypes.c_int
     lib.w4a8_quantize_rows.argtypes = [_P, _P, _P, _P, _P, _I, _I, ctypes.c_int32, ctypes.c_int]
     lib.w4a8_quantize_rows.restype = None
-    lib.linear_w4a8_f32.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.linear_w4a8_f32.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.linear_w4a8_f32.restype = ctypes.c_int
 
 
@@ -603,8 +603,8 @@ def w4a8_quantize_rows(x: torch.Tensor, offset: int = 8) -> tuple[torch.Tensor, 
 
 def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | None = None) -> torch.Tensor:
     """W4A8 for any number of rows: x (M, K) float32 quantized inside per row per block of 32; w a
-    lmserve.model.quantization.W4A8Weights (the packed int4 panels); bias (O,) or None; isa as w4a8_isa.
-    Returns (M, O) float32."""
+    lmserve.model.quantization.W4A8Weights (the packed int4 panels, or 8-bit ones: W8A8 blocks); bias (O,) or None;
+    isa as w4a8_isa. Returns (M, O) float32."""
     assert _lib is not None, "kernels not loaded: call available() first"
     x = x.contiguous()
     _check(x, "x")
@@ -613,7 +613,8 @@ def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | N
     o = w.out_features
     _check(w.codes, "codes", torch.uint8)
     _check(w.scales, "scales", torch.float16)
-    assert w.codes.shape == (-(-o // 16), k // 32, 4, 64), f"codes {tuple(w.codes.shape)} for ({o}, {k})"
+    assert w.codes.shape == (-(-o // 16), k // 32, w.bits, 64), f"codes {tuple(w.codes.shape)} for ({o}, {k})"
+    assert w.bits == 4 or w.mins is None, "8-bit panels have no mins"
     assert w.scales.shape == (w.codes.shape[0], k // w.group_size, 16), f"scales {tuple(w.scales.shape)}"
     if w.mins is not None:
         _check(w.mins, "mins", torch.float16)
@@ -625,7 +626,7 @@ def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | N
         return y
     rc = _lib.linear_w4a8_f32(
         x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.mins), _ptr(bias), y.data_ptr(), m, o, k,
-        w.group_size, W4A8_ISAS[w4a8_isa(isa)], torch.get_num_threads(),
+        w.group_size, w.bits, W4A8_ISAS[w4a8_isa(isa)], torch.get_num_threads(),
     )  # fmt: skip
     assert rc == 0, "linear_w4a8_f32: out of memory for the activation scratch"
     return y

@@ -966,6 +966,9 @@ void linear_i8w_f32(const float *x, const int8_t *w, const uint16_t *scales, con
  *          4 products into each of 16 rows' lanes (no horizontal sums, one x word feeds 16 rows).
  *          The 256-bit paths read each vector's two halves (lanes 0-7, 8-15) as two 8-row panels.
  *   scales (P, K / G, 16) float16 bits, row j of the panel in lane j; mins the same, or NULL.
+ *   W8A8 blocks (bits = 8: the int4 method's 8-bit LM head, llama.cpp's Q8_0 rule): codes (P, K / 32, 8, 64),
+ *          byte 4j + i of vector t = q(row 16p + j, input 32b + 4t + i) + 128 (unsigned), no mins; the offset 128
+ *          is corrected like the nibbles' 8 (block dot = w_d d (sum c q - 128 s)).
  *
  * Paths (w4a8_isa_supported says which this CPU runs; LMSERVE_W4A8_ISA forces one, e.g. in the tests):
  *   W4A8_VNNI512  AVX512-VNNI vpdpbusd zmm, 16 rows a step
@@ -1039,6 +1042,7 @@ typedef struct {
     float *d, *ds;
     int32_t *corr;
     int64_t R, NB;
+    int64_t bits; /* of the weight codes: 4 (nibbles) or 8 (W8A8 blocks, see below) */
 } w4a8_act;
 
 static inline int64_t w4a8_ai(const w4a8_act *a, int64_t m, int64_t b) {
@@ -1077,7 +1081,7 @@ static void w4a8_quantize(const float *x, const w4a8_act *a, int64_t M, int32_t 
 /* Exposed for the tests: the activation blocks the kernels compute with, row-major: q (M, K), d, corr, ds (M, K / 32). */
 void w4a8_quantize_rows(const float *x, int8_t *q, float *d, int32_t *corr, float *ds, int64_t M, int64_t K,
                         int32_t off, int nthreads) {
-    const w4a8_act a = {q, d, ds, corr, 1, K / 32};
+    const w4a8_act a = {q, d, ds, corr, 1, K / 32, 4};
     w4a8_quantize(x, &a, M, off, nthreads);
 }
 
@@ -1090,21 +1094,25 @@ static inline void w4a8_store(const float *acc, const float *b, float *y, int64_
 static void w4a8_panel_scalar(const w4a8_act *a, int64_t m0, int64_t MR, const uint8_t *pc, const uint16_t *ps,
                               const uint16_t *pm, const float *b, float *y, int64_t O, int64_t o0, int64_t K,
                               int64_t G) {
-    const int64_t NB = K / 32, BPG = G / 32;
+    const int64_t NB = K / 32, BPG = G / 32, bits = a->bits;
     for (int64_t m = m0; m < m0 + MR; m++) {
         float acc[W4A8_PANEL];
         for (int j = 0; j < W4A8_PANEL; j++) {
             float f = 0.f;
             for (int64_t bl = 0; bl < NB; bl++) {
-                const uint8_t *blk = pc + bl * 256;
+                const uint8_t *blk = pc + bl * 64 * bits;
                 const int64_t ai = w4a8_ai(a, m, bl);
                 const int8_t *xq = a->q + 32 * ai;
                 int32_t s = a->corr[ai];
-                for (int t = 0; t < 4; t++)
-                    for (int i = 0; i < 4; i++) {
-                        uint8_t c = blk[64 * t + 4 * j + i];
-                        s += (int32_t)(c & 0x0f) * xq[4 * t + i] + (int32_t)(c >> 4) * xq[16 + 4 * t + i];
-                    }
+                if (bits == 8) /* vector t: inputs 4t .. 4t + 3 */
+                    for (int t = 0; t < 8; t++)
+                        for (int i = 0; i < 4; i++) s += (int32_t)blk[64 * t + 4 * j + i] * xq[4 * t + i];
+                else
+                    for (int t = 0; t < 4; t++)
+                        for (int i = 0; i < 4; i++) {
+                            uint8_t c = blk[64 * t + 4 * j + i];
+                            s += (int32_t)(c & 0x0f) * xq[4 * t + i] + (int32_t)(c >> 4) * xq[16 + 4 * t + i];
+                        }
                 const int64_t g = bl / BPG;
                 /* fmaf: the vector paths' per-lane operations, so every path gives the same bits */
                 f = fmaf((float)s, f16_to_f32(ps[g * W4A8_PANEL + j]) * a->d[ai], f);
@@ -1124,8 +1132,8 @@ static void w4a8_panel_scalar(const w4a8_act *a, int64_t m0, int64_t MR, const u
  * and one FMA into the float accumulator with (w_d lanes) * d. Up to 4 rows of x keep two integer chains each
  * (the low- and high-nibble products), so a block's 8 dependent vpdpbusd become two chains of 4. */
 __attribute__((target(W4A8_T512))) static inline __attribute__((always_inline)) void
-w4a8_body512(const w4a8_act *a, int64_t m0, const int MR, const uint8_t *pc, const uint16_t *ps, const uint16_t *pm,
-             const float *b, float *y, int64_t O, int64_t o0, int64_t K, int64_t G) {
+w4a8_body512(const int MR, const int BITS, const w4a8_act *a, int64_t m0, const uint8_t *pc, const uint16_t *ps,
+             const uint16_t *pm, const float *b, float *y, int64_t O, int64_t o0, int64_t K, int64_t G) {
     const int64_t NB = K / 32, BPG = G / 32;
     const int split = MR <= 4;
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
@@ -1136,11 +1144,8 @@ w4a8_body512(const w4a8_act *a, int64_t m0, const int MR, const uint8_t *pc, con
         const __m512 wm = pm ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pm + g * W4A8_PANEL)))
                              : _mm512_setzero_ps();
         for (int64_t bl = g * BPG; bl < (g + 1) * BPG; bl++) {
-            const uint8_t *blk = pc + bl * 256;
-            _mm_prefetch((const char *)blk + 2048, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + 2048 + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + 2048 + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + 2048 + 192, _MM_HINT_T0);
+            const uint8_t *blk = pc + bl * 64 * BITS;
+            for (int t = 0; t < BITS; t++) _mm_prefetch((const char *)blk + 2048 + 64 * t, _MM_HINT_T0);
             const int64_t ab = w4a8_ai(a, m0, bl); /* row m0 + m of this block: ab + m */
             const int8_t *xb = a->q + 32 * ab;
             __m512i ia[W4A8_MR], ib[W4A8_MR];
@@ -1149,8 +1154,15 @@ w4a8_body512(const w4a8_act *a, int64_t m0, const int MR, const uint8_t *pc, con
                 ib[m] = _mm512_setzero_si512();
             }
             for (int t = 0; t < 4; t++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * t));
-                const __m512i lo = _mm512_and_si512(v, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                __m512i lo, hi; /* the codes meeting x words 4t and 16 + 4t */
+                if (BITS == 8) {
+                    lo = _mm512_loadu_si512((const void *)(blk + 64 * t));
+                    hi = _mm512_loadu_si512((const void *)(blk + 64 * (t + 4)));
+                } else {
+                    const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * t));
+                    lo = _mm512_and_si512(v, lo4);
+                    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                }
                 for (int m = 0; m < MR; m++) {
                     const int8_t *xq = xb + 32 * m + 4 * t;
                     int32_t w0, w1;
@@ -1176,29 +1188,37 @@ w4a8_body512(const w4a8_act *a, int64_t m0, const int MR, const uint8_t *pc, con
     for (int m = 0; m < MR; m++) _mm512_mask_storeu_ps(y + (m0 + m) * O + o0, k, _mm512_add_ps(f[m], bias));
 }
 
+/* BODY(MR, args...) for a literal MR = the run's row count: the compiler keeps every accumulator in a register. */
+#define W4A8_ROWS_SWITCH(MR, BODY, ...)                                                                          \
+    switch (MR) {                                                                                                \
+    case 1: BODY(1, __VA_ARGS__); break;                                                                         \
+    case 2: BODY(2, __VA_ARGS__); break;                                                                         \
+    case 3: BODY(3, __VA_ARGS__); break;                                                                         \
+    case 4: BODY(4, __VA_ARGS__); break;                                                                         \
+    case 5: BODY(5, __VA_ARGS__); break;                                                                         \
+    case 6: BODY(6, __VA_ARGS__); break;                                                                         \
+    case 7: BODY(7, __VA_ARGS__); break;                                                                         \
+    default: BODY(8, __VA_ARGS__); break;                                                                        \
+    }
+
 __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, int64_t m0, int64_t MR,
                                                               const uint8_t *pc, const uint16_t *ps,
                                                               const uint16_t *pm, const float *b, float *y, int64_t O,
                                                               int64_t o0, int64_t K, int64_t G) {
-    switch (MR) { /* a literal row count per case: the compiler keeps every accumulator in a register */
-    case 1: w4a8_body512(a, m0, 1, pc, ps, pm, b, y, O, o0, K, G); break;
-    case 2: w4a8_body512(a, m0, 2, pc, ps, pm, b, y, O, o0, K, G); break;
-    case 3: w4a8_body512(a, m0, 3, pc, ps, pm, b, y, O, o0, K, G); break;
-    case 4: w4a8_body512(a, m0, 4, pc, ps, pm, b, y, O, o0, K, G); break;
-    case 5: w4a8_body512(a, m0, 5, pc, ps, pm, b, y, O, o0, K, G); break;
-    case 6: w4a8_body512(a, m0, 6, pc, ps, pm, b, y, O, o0, K, G); break;
-    case 7: w4a8_body512(a, m0, 7, pc, ps, pm, b, y, O, o0, K, G); break;
-    default: w4a8_body512(a, m0, 8, pc, ps, pm, b, y, O, o0, K, G); break;
+    if (a->bits == 8) {
+        W4A8_ROWS_SWITCH(MR, w4a8_body512, 8, a, m0, pc, ps, pm, b, y, O, o0, K, G)
+    } else {
+        W4A8_ROWS_SWITCH(MR, w4a8_body512, 4, a, m0, pc, ps, pm, b, y, O, o0, K, G)
     }
 }
 
 /* ---- 256-bit paths: 8 rows a step (half h of a panel: bytes 32h .. 32h + 31 of each 64-byte vector) ------- *
  * One body, three instruction sets: W4A8_DEFINE_256(name, target, DOT) defines w4a8_panel256_<name>, where
- * DOT(acc, lo[4], hi[4], xq) returns acc plus the block's 32 products per 32-bit lane. */
+ * DOT(acc, lo[4], hi[4], xq, bits) returns acc plus the block's 32 products per 32-bit lane. */
 #define W4A8_DEFINE_256(NAME, TARGET, DOT)                                                                       \
     __attribute__((target(TARGET))) static inline __attribute__((always_inline)) void w4a8_body256_##NAME(      \
-        const w4a8_act *a, int64_t m0, const int MR, const uint8_t *pc, const uint16_t *ps, const uint16_t *pm, \
-        const float *b, float *y, int64_t O, int64_t o0, int64_t K, int64_t G, int h) {                        \
+        const int MR, const int BITS, const w4a8_act *a, int64_t m0, const uint8_t *pc, const uint16_t *ps,     \
+        const uint16_t *pm, const float *b, float *y, int64_t O, int64_t o0, int64_t K, int64_t G, int h) {    \
         const int64_t NB = K / 32, BPG = G / 32;                                                                 \
         const __m256i lo4 = _mm256_set1_epi8(0x0f);                                                              \
         __m256 f[W4A8_MR];                                                                                       \
@@ -1208,16 +1228,17 @@ __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, 
             const __m256 wm = pm ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pm + g * W4A8_PANEL + 8 * h))) \
                                  : _mm256_setzero_ps();                                                          \
             for (int64_t bl = g * BPG; bl < (g + 1) * BPG; bl++) {                                               \
-                const uint8_t *blk = pc + bl * 256 + 32 * h;                                                     \
+                const uint8_t *blk = pc + bl * 64 * BITS + 32 * h;                                               \
                 __m256i lo[4], hi[4];                                                                            \
                 for (int t = 0; t < 4; t++) {                                                                    \
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * t));                       \
-                    lo[t] = _mm256_and_si256(v, lo4);                                                            \
-                    hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);                                      \
+                    lo[t] = BITS == 8 ? v : _mm256_and_si256(v, lo4);                                            \
+                    hi[t] = BITS == 8 ? _mm256_loadu_si256((const __m256i *)(blk + 64 * (t + 4)))                \
+                                      : _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);                          \
                 }                                                                                                \
                 const int64_t ab = w4a8_ai(a, m0, bl);                                                           \
                 for (int m = 0; m < MR; m++) {                                                                   \
-                    const __m256i s = DOT(_mm256_set1_epi32(a->corr[ab + m]), lo, hi, a->q + 32 * (ab + m));     \
+                    const __m256i s = DOT(_mm256_set1_epi32(a->corr[ab + m]), lo, hi, a->q + 32 * (ab + m), BITS); \
                     f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wd, _mm256_set1_ps(a->d[ab + m])), f[m]); \
                     if (pm) f[m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a->ds[ab + m]), f[m]);                     \
                 }                                                                                                \
@@ -1233,21 +1254,19 @@ __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, 
     __attribute__((target(TARGET))) static void w4a8_panel256_##NAME(                                           \
         const w4a8_act *a, int64_t m0, int64_t MR, const uint8_t *pc, const uint16_t *ps, const uint16_t *pm,   \
         const float *b, float *y, int64_t O, int64_t o0, int64_t K, int64_t G) {                               \
-        for (int h = 0; h < 2 && o0 + 8 * h < O; h++) switch (MR) {                                              \
-            case 1: w4a8_body256_##NAME(a, m0, 1, pc, ps, pm, b, y, O, o0, K, G, h); break;                      \
-            case 2: w4a8_body256_##NAME(a, m0, 2, pc, ps, pm, b, y, O, o0, K, G, h); break;                      \
-            case 3: w4a8_body256_##NAME(a, m0, 3, pc, ps, pm, b, y, O, o0, K, G, h); break;                      \
-            case 4: w4a8_body256_##NAME(a, m0, 4, pc, ps, pm, b, y, O, o0, K, G, h); break;                      \
-            case 5: w4a8_body256_##NAME(a, m0, 5, pc, ps, pm, b, y, O, o0, K, G, h); break;                      \
-            case 6: w4a8_body256_##NAME(a, m0, 6, pc, ps, pm, b, y, O, o0, K, G, h); break;                      \
-            case 7: w4a8_body256_##NAME(a, m0, 7, pc, ps, pm, b, y, O, o0, K, G, h); break;                      \
-            default: w4a8_body256_##NAME(a, m0, 8, pc, ps, pm, b, y, O, o0, K, G, h); break;                     \
+        for (int h = 0; h < 2 && o0 + 8 * h < O; h++) {                                                         \
+            if (a->bits == 8) {                                                                                  \
+                W4A8_ROWS_SWITCH(MR, w4a8_body256_##NAME, 8, a, m0, pc, ps, pm, b, y, O, o0, K, G, h)            \
+            } else {                                                                                             \
+                W4A8_ROWS_SWITCH(MR, w4a8_body256_##NAME, 4, a, m0, pc, ps, pm, b, y, O, o0, K, G, h)            \
             }                                                                                                    \
+        }                                                                                                        \
     }
 
 /* One block's 32 products per lane: two independent vpdpbusd chains (low and high nibbles) of 4. */
 #define W4A8_DOT_VNNI(FN)                                                                                       \
     {                                                                                                           \
+        (void)bits;                                                                                             \
         __m256i s0 = acc, s1 = _mm256_setzero_si256();                                                          \
         for (int t = 0; t < 4; t++) {                                                                           \
             int32_t w0, w1;                                                                                     \
@@ -1259,14 +1278,29 @@ __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, 
         return _mm256_add_epi32(s0, s1);                                                                        \
     }
 __attribute__((target("avxvnni,avx2,fma,f16c"))) static inline __attribute__((always_inline)) __m256i
-w4a8_dot_vex(__m256i acc, const __m256i *lo, const __m256i *hi, const int8_t *xq) W4A8_DOT_VNNI(_mm256_dpbusd_avx_epi32)
+w4a8_dot_vex(__m256i acc, const __m256i *lo, const __m256i *hi, const int8_t *xq, int bits)
+    W4A8_DOT_VNNI(_mm256_dpbusd_avx_epi32)
 #define W4A8_T256E "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
 __attribute__((target(W4A8_T256E))) static inline __attribute__((always_inline)) __m256i
-w4a8_dot_evex(__m256i acc, const __m256i *lo, const __m256i *hi, const int8_t *xq) W4A8_DOT_VNNI(_mm256_dpbusd_epi32)
-/* AVX2: vpmaddubsw gives pairs of products in int16; the block's 8 of them per int16 lane stay below 30480, so
- * they add in int16 and vpmaddwd against ones widens once a block. */
+w4a8_dot_evex(__m256i acc, const __m256i *lo, const __m256i *hi, const int8_t *xq, int bits)
+    W4A8_DOT_VNNI(_mm256_dpbusd_epi32)
+/* AVX2: vpmaddubsw gives pairs of products in int16; with 4-bit codes the block's 8 of them per int16 lane stay
+ * below 30480, so they add in int16 and vpmaddwd against ones widens once a block. 8-bit codes (c = q + 128) would
+ * saturate a pair (2 * 255 * 127): that path multiplies |q| by x * sign(q) instead (a pair <= 2 * 128 * 127), widening
+ * each pair, and its activations come with corr = 0 (linear_w4a8_f32 quantizes them with offset 0). */
 __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline)) __m256i
-w4a8_dot_avx2(__m256i acc, const __m256i *lo, const __m256i *hi, const int8_t *xq) {
+w4a8_dot_avx2(__m256i acc, const __m256i *lo, const __m256i *hi, const int8_t *xq, int bits) {
+    if (bits == 8) {
+        const __m256i sign = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+        for (int t = 0; t < 8; t++) {
+            int32_t w;
+            memcpy(&w, xq + 4 * t, 4);
+            const __m256i q = _mm256_xor_si256(t < 4 ? lo[t] : hi[t - 4], sign); /* the signed weights */
+            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(_mm256_set1_epi32(w), q));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+        }
+        return acc;
+    }
     __m256i s = _mm256_setzero_si256();
     for (int t = 0; t < 4; t++) {
         int32_t w0, w1;
@@ -1295,24 +1329,28 @@ static w4a8_panel_fn w4a8_panel_for(int isa) {
     return w4a8_panel_scalar;
 }
 
-/* y (M, O) = x (M, K) float32 times the packed int4 weight (layout above; K a multiple of G, G of 32), with x
- * quantized here per row per block of 32; b (O,) or NULL; isa a path w4a8_isa_supported accepts (the caller
- * checks). Any M: rows in runs of W4A8_MR per panel, panels split over the threads. Returns 0, or -1 when the
- * activation scratch could not be allocated or isa is not runnable (y untouched). */
+/* y (M, O) = x (M, K) float32 times the packed weight (layout above: bits 4, or 8 for the W8A8 blocks; K a
+ * multiple of G, G of 32), with x quantized here per row per block of 32; b (O,) or NULL; isa a path
+ * w4a8_isa_supported accepts (the caller checks). Any M: rows in runs of W4A8_MR per panel, panels split over the
+ * threads. Returns 0, or -1 when the activation scratch could not be allocated, isa is not runnable or bits is
+ * neither 4 nor 8 (y untouched). */
 int linear_w4a8_f32(const float *x, const uint8_t *pc, const uint16_t *ps, const uint16_t *pm, const float *b,
-                    float *y, int64_t M, int64_t O, int64_t K, int64_t G, int isa, int nthreads) {
-    if (!w4a8_isa_supported(isa)) return -1;
+                    float *y, int64_t M, int64_t O, int64_t K, int64_t G, int bits, int isa, int nthreads) {
+    if (!w4a8_isa_supported(isa) || (bits != 4 && bits != 8) || (bits == 8 && pm)) return -1;
     const int64_t NB = K / 32, P = (O + W4A8_PANEL - 1) / W4A8_PANEL, NG = K / G;
     const int64_t R = M < W4A8_MR ? M : W4A8_MR, Mp = (M + R - 1) / R * R; /* rows padded to whole chunks */
     char *buf = (char *)malloc((size_t)(Mp * K + Mp * NB * 12));
     if (!buf) return -1;
     const w4a8_act a = {(int8_t *)buf, (float *)(buf + Mp * K), (float *)(buf + Mp * K + 4 * Mp * NB),
-                        (int32_t *)(buf + Mp * K + 8 * Mp * NB), R, NB};
-    w4a8_quantize(x, &a, M, pm ? 0 : 8, nthreads);
+                        (int32_t *)(buf + Mp * K + 8 * Mp * NB), R, NB, bits};
+    /* the codes' offset the block sums correct: 8 (symmetric nibbles), 0 (with mins), 128 (8-bit; 0 on AVX2,
+     * whose sign trick multiplies the signed weights themselves) */
+    const int32_t off = bits == 4 ? (pm ? 0 : 8) : (isa == W4A8_AVX2 ? 0 : 128);
+    w4a8_quantize(x, &a, M, off, nthreads);
     const w4a8_panel_fn fn = w4a8_panel_for(isa);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t p = 0; p < P; p++) {
-        const uint8_t *pcp = pc + p * NB * 256;
+        const uint8_t *pcp = pc + p * NB * 64 * bits;
         const uint16_t *psp = ps + p * NG * W4A8_PANEL, *pmp = pm ? pm + p * NG * W4A8_PANEL : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += W4A8_MR)
             fn(&a, m0, M - m0 < W4A8_MR ? M - m0 : W4A8_MR, pcp, psp, pmp, b, y, O, p * W4A8_PANEL, K, G);
@@ -1373,7 +1411,7 @@ static int ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M
         break;
     case LS_W4A8:
         return linear_w4a8_f32(x, (const uint8_t *)l->w, (const uint16_t *)l->scales, (const uint16_t *)l->mins,
-                               l->bias, y, M, l->O, l->K, l->G, (int)l->isa, nthreads);
+                               l->bias, y, M, l->O, l->K, l->G, 4, (int)l->isa, nthreads);
     default:
         linear_i8w_f32(x, (const int8_t *)l->w, (const uint16_t *)l->scales, l->bias, y, M, l->O, l->K, l->G,
                        nthreads);

@@ -63,6 +63,7 @@ def _linear(m: Linear) -> tuple[_Linear, int]:
     isa = 0
     if m._w4a8 is not None:  # int4 packed for W4A8: the panels, the path resolved now (kernels.w4a8_isa)
         p = m._w4a8
+        assert p.bits == 4, "the decode stack's projections: int4 panels"
         w, scales, mins, kind, group, sums = p.codes, p.scales, p.mins, "w4a8", p.group_size, None
         isa = kernels.W4A8_ISAS[kernels.w4a8_isa()]
     elif m.quant_method is None:

@@ -84,11 +84,14 @@ class Linear(nn.Linear):
         self._packed = self._weight_bf16 = self._row_sums = self._w4a8 = None
 
     def pack_w4a8(self, keep_int4: bool = False) -> None:
-        """Repack int4 codes (lmserve int4, GGUF Q4_0 / Q4_1) into the W4A8 kernels' panels; every row count then
-        runs W4A8 (activations int8 per block of 32). Unless keep_int4, the int4-layout buffers are dropped (the
-        panels hold the same codes, scales and mins)."""
-        assert self.quant_method == "int4" and self.qweight is not None, f"W4A8 packs int4, not {self.quant_method}"
-        self._w4a8 = quant.pack_w4a8(self.qweight, self.scales, self.mins)
+        """Repack int4 codes (lmserve int4, GGUF Q4_0 / Q4_1) into the W4A8 kernels' panels, or int8w weights (the
+        int4 method's LM head) into their 8-bit panels; every row count then runs with int8 activations per block
+        of 32. Unless keep_int4, the source layout's buffers are dropped (the panels hold the same values)."""
+        assert self.quant_method in ("int4", "int8w") and self.qweight is not None, f"W4A8: not {self.quant_method}"
+        if self.quant_method == "int8w":
+            self._w4a8 = quant.pack_w8a8(self.qweight, self.scales)
+        else:
+            self._w4a8 = quant.pack_w4a8(self.qweight, self.scales, self.mins)
         if not keep_int4:
             self.qweight = self.scales = self.mins = None
 
@@ -96,7 +99,7 @@ class Linear(nn.Linear):
         """The float32 weight the quantized one stands for (the reference the tests compare with)."""
         if self.qweight is None:
             assert self._w4a8 is not None, "quantized Linear without weights"
-            return quant.dequantize_int4(*quant.unpack_w4a8(self._w4a8))
+            return quant.dequantize_w4a8(self._w4a8)
         return quant.dequantize_layout(self.quant_method, self.qweight, self.scales, self.mins)
 
     def round_weights_to_bf16(self) -> None:
@@ -212,10 +215,17 @@ def quantize_linear_weights(model: nn.Module, config: QuantizationConfig) -> Non
         m.quantize(layout, group)
 
 
-def pack_w4a8_weights(model: nn.Module, keep_int4: bool = False) -> int:
-    """int4_compute="w4a8": repack every int4 Linear (lmserve int4, GGUF Q4_0 / Q4_1) for the W4A8 kernels;
-    returns how many. Needs the C kernels (the caller checks kernels.available())."""
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m.quant_method == "int4" and m._w4a8 is None]
+def pack_w4a8_weights(model: nn.Module, head: bool = False, keep_int4: bool = False) -> int:
+    """int4_compute="w4a8": repack every int4 Linear (lmserve int4, GGUF Q4_0 / Q4_1) for the W4A8 kernels, and
+    with head an int8w LM head (the int4 method's) for the same kernels' 8-bit path; returns how many Linears.
+    Needs the C kernels (the caller checks kernels.available())."""
+    layers = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, Linear)
+        and m._w4a8 is None
+        and (m.quant_method == "int4" or (head and name == "lm_head" and m.quant_method == "int8w"))
+    ]
     for m in layers:
         m.pack_w4a8(keep_int4)
     return len(layers)

@@ -161,8 +161,9 @@ W4A8_PANEL = 16  # output rows per panel of the packed layout
 
 @dataclass(frozen=True)
 class W4A8Weights:
-    """An int4 weight in the W4A8 kernels' layout: codes (P, K/32, 4, 64) uint8, scales (P, K/G, 16) float16,
-    mins the same or None; P = ceil(O / 16) panels, rows past O zero."""
+    """A weight in the W4A8 kernels' layout: codes (P, K/32, bits, 64) uint8, scales (P, K/G, 16) float16, mins the
+    same or None; P = ceil(O / 16) panels, rows past O zero. bits 4: int4 codes (pack_w4a8); bits 8: the int8w
+    layout's weights + 128 (pack_w8a8: the int4 method's 8-bit LM head with int8 activations too)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -170,6 +171,7 @@ class W4A8Weights:
     out_features: int
     in_features: int
     group_size: int
+    bits: int = 4
 
     @property
     def nbytes(self) -> int:
@@ -191,25 +193,52 @@ def pack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | 
     c = codes.reshape(p, W4A8_PANEL, k // INT4_BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
     packed = (c[..., 0] | (c[..., 1] << 4)).reshape(p, k // INT4_BLOCK, 4, 64).contiguous()
 
-    def panels(t: torch.Tensor) -> torch.Tensor:
-        padded = torch.zeros(p * W4A8_PANEL, t.shape[1], dtype=torch.float16)
-        padded[:o] = t
-        return padded.reshape(p, W4A8_PANEL, t.shape[1]).transpose(1, 2).contiguous()
+    return W4A8Weights(packed, _panels(scales, p), None if mins is None else _panels(mins, p), o, k, group)
 
-    return W4A8Weights(packed, panels(scales), None if mins is None else panels(mins), o, k, group)
+
+def _panels(t: torch.Tensor, p: int) -> torch.Tensor:
+    """(O, NG) per-row group values → (P, NG, 16), rows past O zero."""
+    padded = torch.zeros(p * W4A8_PANEL, t.shape[1], dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return padded.reshape(p, W4A8_PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _rows(t: torch.Tensor, o: int) -> torch.Tensor:
+    """Inverse of _panels."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:o].contiguous()
+
+
+def pack_w8a8(qweight: torch.Tensor, scales: torch.Tensor) -> W4A8Weights:
+    """The int8w layout (qweight (O, K) int8, scales (O, K/G) float16) → 8-bit panels: per panel p, block b and
+    vector t = 0..7, byte 4j + i = q(16p + j, 32b + 4t + i) + 128."""
+    o, k = qweight.shape
+    assert scales.shape[0] == o and k % scales.shape[1] == 0, f"scales {tuple(scales.shape)} for ({o}, {k})"
+    group = k // scales.shape[1]
+    assert group % INT4_BLOCK == 0 and qweight.dtype == torch.int8, f"int8 weights, group {group} (multiple of 32)"
+    p = -(-o // W4A8_PANEL)
+    codes = torch.zeros(p * W4A8_PANEL, k, dtype=torch.uint8)
+    codes[:o] = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    c = codes.reshape(p, W4A8_PANEL, k // INT4_BLOCK, 8, 4).permute(0, 2, 3, 1, 4)  # (panel, block, t, j, i)
+    return W4A8Weights(c.reshape(p, k // INT4_BLOCK, 8, 64).contiguous(), _panels(scales, p), None, o, k, group, 8)
 
 
 def unpack_w4a8(w: W4A8Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Inverse of pack_w4a8: (qweight, scales, mins) in the int4 layout."""
+    """Inverse of pack_w4a8 (qweight, scales, mins in the int4 layout) and of pack_w8a8 (qweight, scales in the
+    int8w layout, mins None)."""
     p, nb = w.codes.shape[:2]
+    if w.bits == 8:
+        q = w.codes.reshape(p, nb, 8, W4A8_PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * W4A8_PANEL, nb * INT4_BLOCK)
+        return (q[: w.out_features].to(torch.int16) - 128).to(torch.int8), _rows(w.scales, w.out_features), None
     b = w.codes.reshape(p, nb, 4, W4A8_PANEL, 4)
     c = torch.stack((b & 0x0F, b >> 4), dim=-1)  # (panel, block, t, j, i, half)
     codes = c.permute(0, 3, 1, 5, 2, 4).reshape(p * W4A8_PANEL, nb * INT4_BLOCK)[: w.out_features]
+    o = w.out_features
+    return pack_int4(codes.contiguous()), _rows(w.scales, o), None if w.mins is None else _rows(w.mins, o)
 
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(p * W4A8_PANEL, t.shape[1])[: w.out_features].contiguous()
 
-    return pack_int4(codes.contiguous()), rows(w.scales), None if w.mins is None else rows(w.mins)
+def dequantize_w4a8(w: W4A8Weights) -> torch.Tensor:
+    """The float32 weight packed panels stand for (exactly the source layout's)."""
+    return dequantize_int8w(*unpack_w4a8(w)[:2]) if w.bits == 8 else dequantize_int4(*unpack_w4a8(w))
 
 
 def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +260,20 @@ def fake_quantize_activation_blocks(x: torch.Tensor) -> torch.Tensor:
     m, k = q.shape
     deq = q.float().reshape(m, k // INT4_BLOCK, INT4_BLOCK) * d[..., None]
     return deq.reshape(x.shape).to(x.dtype)
+
+
+def w8a8_blocks_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The 8-bit panels' product (int8w weights, int8 activations per block of 32) in PyTorch: per block the exact
+    integer sum of q_w * q_x (|.| <= 32 * 127 * 128 < 2^24, exact in float32), times d_w * d_x, summed in float64."""
+    q, d = quantize_activation_blocks(x)
+    m, k = q.shape
+    o, nb, group = qweight.shape[0], k // INT4_BLOCK, k // scales.shape[1]
+    isum = torch.einsum("mbi,obi->mob", q.float().reshape(m, nb, 32), qweight.float().reshape(o, nb, 32)).double()
+    wd = scales.double().repeat_interleave(group // INT4_BLOCK, dim=1)
+    y = (isum * wd[None] * d.double()[:, None, :]).sum(-1).float()
+    return y + bias if bias is not None else y
 
 
 def w4a8_reference(

@@ -36,12 +36,14 @@ def _log_quantized_kernels(method: str, w4a8_layers: int = 0, lm_head: str | Non
     flags = kernels.cpu_flags()
     relevant = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "avx512_bf16", "avx512bw", "avx2"})
     if w4a8_layers:
-        logger.info("int4 weights: W4A8 in %d Linear layers, every row count: %s (activations int8 per block of 32, "
-                    "int4_compute=w4a8; %s=%s); CPU flags %s", w4a8_layers, kernels.w4a8_isa_name(kernels.w4a8_isa()),
-                    kernels.W4A8_ISA_ENV, os.environ.get(kernels.W4A8_ISA_ENV, "auto"), relevant or "none")  # fmt: skip
+        what = "int4 weights and the 8-bit LM head" if method == "int4" and lm_head == "int8w" else "int4 weights"
+        logger.info("%s: W4A8 in %d Linear layers, every row count: %s (activations int8 per block of 32, "
+                    "int4_compute=w4a8; %s=%s); CPU flags %s", what, w4a8_layers,
+                    kernels.w4a8_isa_name(kernels.w4a8_isa()), kernels.W4A8_ISA_ENV,
+                    os.environ.get(kernels.W4A8_ISA_ENV, "auto"), relevant or "none")  # fmt: skip
     layouts = ("int4", "int8w") if method == "gguf" else tuple(dict.fromkeys((method, lm_head or method)))
     for layout in layouts:  # GGUF blocks: Q4_0/Q4_1, Q8_0; int4's LM head: int8w
-        if layout == "int4" and w4a8_layers:
+        if w4a8_layers and (layout == "int4" or (layout == "int8w" and method == "int4")):
             continue
         decode = kernels.quantized_kernel_names()[layout] if kernels.available() else "PyTorch ops (no C kernels)"
         batched = "torch._int_mm (oneDNN int8)" if layout == "int8" else "dequantize + float32 GEMM"
@@ -80,7 +82,7 @@ class ModelRunner:
                 quantize_linear_weights(self.model, config.quantization)
             w4a8 = 0
             if config.quantization.int4_compute == "w4a8" and kernels.available():
-                w4a8 = pack_w4a8_weights(self.model)
+                w4a8 = pack_w4a8_weights(self.model, head=config.quantization.method == "int4")
             _log_quantized_kernels(config.quantization.method, w4a8, config.quantization.lm_head)
         self.packed_weight_bytes = 0
         if config.weight_dtype == "bfloat16":
