@@ -1004,7 +1004,8 @@ int w4a8_isa_supported(int isa) {
     switch (isa) {
     case W4A8_SCALAR: return 1;
     case W4A8_AVX2: return avx2;
-    case W4A8_VNNI256: return avx2 && (__builtin_cpu_supports("avxvnni") || (v512 && __builtin_cpu_supports("avx512vl")));
+    case W4A8_VNNI256:
+        return avx2 && (__builtin_cpu_supports("avxvnni") || (v512 && __builtin_cpu_supports("avx512vl")));
     case W4A8_VNNI512: return avx2 && v512;
     default: return 0;
     }
@@ -1078,7 +1079,8 @@ static void w4a8_quantize(const float *x, const w4a8_act *a, int64_t M, int32_t 
     for (int64_t m = 0; m < M; m++) w4a8_quantize_row(x + m * a->NB * 32, a, m, off);
 }
 
-/* Exposed for the tests: the activation blocks the kernels compute with, row-major: q (M, K), d, corr, ds (M, K / 32). */
+/* Exposed for the tests: the activation blocks the kernels compute with, row-major: q (M, K), d, corr, ds
+ * (M, K / 32). */
 void w4a8_quantize_rows(const float *x, int8_t *q, float *d, int32_t *corr, float *ds, int64_t M, int64_t K,
                         int32_t off, int nthreads) {
     const w4a8_act a = {q, d, ds, corr, 1, K / 32, 4};
@@ -1239,7 +1241,8 @@ __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, 
                 const int64_t ab = w4a8_ai(a, m0, bl);                                                           \
                 for (int m = 0; m < MR; m++) {                                                                   \
                     const __m256i s = DOT(_mm256_set1_epi32(a->corr[ab + m]), lo, hi, a->q + 32 * (ab + m), BITS); \
-                    f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wd, _mm256_set1_ps(a->d[ab + m])), f[m]); \
+                    const __m256 sc = _mm256_mul_ps(wd, _mm256_set1_ps(a->d[ab + m]));                           \
+                    f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, f[m]);                                     \
                     if (pm) f[m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a->ds[ab + m]), f[m]);                     \
                 }                                                                                                \
             }                                                                                                    \

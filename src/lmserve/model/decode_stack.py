@@ -9,7 +9,7 @@ removes the Python in between.
 Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per
 request, no prefill segment), at most `max_rows` of them (what each projection's few-row kernel serves,
 `layers.kernel_max_rows`: 8 for float32 / bf16-stored weights with AVX-512 (else 2), 2 for int8 W8A8, 8 for
-int4 and GGUF Q4 / Q8_0 blocks), float32 activations on
+int4 (weight-only or W4A8 panels) and GGUF Q4 / Q8_0 blocks), float32 activations on
 the CPU with the kernels loaded. Which models (`DecodeStack.supports`): the plain pre-norm Llama layout
 (Llama, Mistral, Qwen2, Phi-3, SmolLM ...) with full rotary, SiLU MLP, no q/k norms, no sandwich or post
 norms, no logit soft-capping, a KV cache the kernels read, and every projection on its C kernel (not

@@ -6,9 +6,11 @@ Two methods (EngineArgs.quantization):
 - "int8" (W8A8): symmetric int8 weights with one float32 scale per output channel, s_w = max|w_row| / 127;
   activations quantized per token inside the step, s_x = max|x_row| / 127 (dynamic, symmetric); the
   product accumulates in int32 and is scaled once: y = (x_q . w_q) * s_x * s_w (+ bias).
-- "int4" (weight-only): 4-bit codes with one float16 scale per group of `group_size` inputs along a row,
+- "int4": 4-bit codes with one float16 scale per group of `group_size` inputs along a row,
   symmetric with no zero point (llama.cpp's Q4_0 rule): d = m / -8 where m is the group's value of
-  largest magnitude, code = clamp(round(w / d), -8, 7) + 8, w ≈ (code - 8) * d. Activations stay float32.
+  largest magnitude, code = clamp(round(w / d), -8, 7) + 8, w ≈ (code - 8) * d. Computed W4A8 by default
+  (EngineArgs.int4_compute: activations int8 per block of 32, integer dot products; the W4A8 section below),
+  or weight-only (activations float32).
 
 The decoder's projections are quantized (qkv, o, gate_up, down), and the LM head too (as llama.cpp's Q8_0 and
 Q4_0 do; a float32 head is half the bytes of an int8 decode step, two thirds of an int4 one): with int8 as a
