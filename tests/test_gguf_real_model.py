@@ -211,11 +211,14 @@ def test_perplexity_deltas_on_held_out_text(llm: LLM, llm_q: LLM, smol_file: Pat
     assert int8.perplexity <= base.perplexity * 1.08 and int8.agreement(base) >= 0.82, report
 
 
-def test_ngram_speculation_accepts_on_repeating_prompts(llm_q: LLM, smol_file: Path) -> None:
+@pytest.mark.parametrize("compute", ["weight-only", "w4a8"])
+def test_ngram_speculation_accepts_on_repeating_prompts(smol_file: Path, compute: str) -> None:
     """n-gram proposals (prompt lookup) on prompts whose answer repeats them: a real model copies, so the
-    drafts get accepted (a random model accepts ~nothing), and greedy output is unchanged."""
+    drafts get accepted (a random model accepts ~nothing), and greedy output is unchanged (W4A8 too: each
+    verification row is computed as the plain decode row would be, bit for bit). W4A8's answer to the list is
+    the list once, then EOS (weight-only repeats it), so fewer of its tokens are copies: acceptance 0.42."""
     spec = LLM(
-        str(smol_file), num_kv_blocks=64, max_model_len=512,
+        str(smol_file), num_kv_blocks=64, max_model_len=512, int4_compute=compute,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
     )  # fmt: skip
     tok = spec.get_tokenizer()
@@ -226,13 +229,15 @@ def test_ngram_speculation_accepts_on_repeating_prompts(llm_q: LLM, smol_file: P
     prompts = [chat_ids(tok, [{"role": "user", "content": a}]) for a in asks]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     outs = spec.generate(prompts, params, use_tqdm=False)
-    plain = llm_q.generate(prompts, params, use_tqdm=False)
+    plain = LLM(str(smol_file), num_kv_blocks=64, max_model_len=512, int4_compute=compute)
+    plain = plain.generate(prompts, params, use_tqdm=False)
     for a, b in zip(outs, plain, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, "speculation must not change greedy tokens"
     m = spec.engine.get_metrics()
     print({k: v for k, v in m.items() if k.startswith("spec_decode")})
     assert m["spec_decode_num_draft_tokens_total"] > 0
-    assert m["spec_decode_acceptance_rate"] >= ACCEPTANCE_FLOOR and m["spec_decode_mean_accepted_length"] > 1.5
+    floor = ACCEPTANCE_FLOOR if compute == "weight-only" else 0.3
+    assert m["spec_decode_acceptance_rate"] >= floor and m["spec_decode_mean_accepted_length"] > 1.5
 
 
 # ---- lmserve serve --model file.gguf, driven by the openai client ---------------------------------------
