@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lmserve import kernels
 from lmserve.kernels import cpu_flags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,6 +82,17 @@ def git_commit() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
+def lmserve_kernels() -> dict[str, str]:
+    """The instructions lmserve's quantized kernels run on here, as the runner logs them (int8, int4 weight-only,
+    int8w, and the W4A8 path $LMSERVE_W4A8_ISA or cpuid picks); empty without the C kernels."""
+    if not kernels.available():
+        return {}
+    try:
+        return kernels.quantized_kernel_names()
+    except ValueError as e:  # a forced W4A8 path this CPU lacks
+        return {"error": str(e)}
+
+
 def machine_info() -> dict[str, Any]:
     import transformers
 
@@ -97,6 +109,7 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu_isa_flags": sorted(cpu_flags() & ISA_FLAGS),
+        "lmserve_kernels": lmserve_kernels(),
         "git": git_commit(),
         "load_avg_1m_start": os.getloadavg()[0],
     }

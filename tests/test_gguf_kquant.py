@@ -358,7 +358,7 @@ def test_resident_memory_after_load_is_about_the_file(tmp_path: Path) -> None:
     """A fresh process loading a ~37 MiB Q4_K_M file (float32 it would be 236 MiB): the weights' load grows the
     resident set by at most 1.3x the file, and the whole LLM() by 1.3x the file plus its KV pool and ~10 MiB of
     engine set-up; the file is unmapped afterwards."""
-    bench = Path(__file__).resolve().parents[1] / "bench"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
     sys.path.insert(0, str(bench))
     try:
         import bench_kquant

@@ -52,8 +52,10 @@ def llm(smol_file: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def llm_q(smol_file: Path) -> LLM:
-    """The default: the Q4_1 projections (int4 g32 with mins) and the Q8_0 tied head (int8w) as in the file."""
-    return LLM(str(smol_file), num_kv_blocks=64, max_model_len=512)
+    """The Q4_1 projections (int4 g32 with mins) and the Q8_0 tied head (int8w) as in the file, computed
+    weight-only: the file's block math exactly (the default, int4_compute="w4a8", also rounds the projections'
+    inputs to int8 blocks: test_perplexity_deltas_on_held_out_text)."""
+    return LLM(str(smol_file), num_kv_blocks=64, max_model_len=512, int4_compute="weight-only")
 
 
 @pytest.fixture(scope="module")
@@ -186,29 +188,37 @@ def test_perplexity_deltas_on_held_out_text(llm: LLM, llm_q: LLM, smol_file: Pat
     re-quantization of those weights. On the bundled model int8 met the quantization issue's +1 % / 97 %;
     on this trained model per-token int8 activations cost more (measured over 1,020 positions: +5.2 %
     perplexity, 85.6 % greedy agreement; int4 g32 re-quantization of the Q4_1 weights: +18.9 %, 67.8 %), so
-    the bounds here are the measured figures with room for float noise, a regression guard."""
+    the bounds here are the measured figures with room for float noise, a regression guard. The kept blocks
+    with int8 activations per block of 32 (W4A8, the default) cost far less than per-token int8."""
     from lmserve.bench.accuracy import heldout_windows, score
 
     windows = heldout_windows(llm, window=256, max_tokens=768)
     base = score(llm, windows)
     kept = score(llm_q, windows)
+    w4a8 = score(LLM(str(smol_file), num_kv_blocks=64, max_model_len=512), windows)  # the default: W4A8
     int8 = score(LLM(str(smol_file), num_kv_blocks=64, max_model_len=512, quantization="int8"), windows)
     report = {
         "positions": base.num_positions, "fp32 ppl": round(base.perplexity, 3),
         "kept Q4_1 ppl": round(kept.perplexity, 3), "kept agreement": kept.agreement(base),
+        "kept W4A8 ppl": round(w4a8.perplexity, 3), "W4A8 agreement": w4a8.agreement(base),
         "int8 ppl": round(int8.perplexity, 3), "int8 agreement": int8.agreement(base),
     }  # fmt: skip
     print(report)
     assert base.num_positions >= 700
     assert abs(kept.perplexity / base.perplexity - 1) < 1e-3 and kept.agreement(base) >= 0.99, report
+    # W4A8 measured over 765 positions: +0.03 % perplexity, 97.1 % agreement (int8 blocks of 32, not per token)
+    assert w4a8.perplexity <= base.perplexity * 1.01 and w4a8.agreement(base) >= 0.95, report
     assert int8.perplexity <= base.perplexity * 1.08 and int8.agreement(base) >= 0.82, report
 
 
-def test_ngram_speculation_accepts_on_repeating_prompts(llm_q: LLM, smol_file: Path) -> None:
+@pytest.mark.parametrize("compute", ["weight-only", "w4a8"])
+def test_ngram_speculation_accepts_on_repeating_prompts(smol_file: Path, compute: str) -> None:
     """n-gram proposals (prompt lookup) on prompts whose answer repeats them: a real model copies, so the
-    drafts get accepted (a random model accepts ~nothing), and greedy output is unchanged."""
+    drafts get accepted (a random model accepts ~nothing), and greedy output is unchanged (W4A8 too: each
+    verification row is computed as the plain decode row would be, bit for bit). W4A8's answer to the list is
+    the list once, then EOS (weight-only repeats it), so fewer of its tokens are copies: acceptance 0.42."""
     spec = LLM(
-        str(smol_file), num_kv_blocks=64, max_model_len=512,
+        str(smol_file), num_kv_blocks=64, max_model_len=512, int4_compute=compute,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
     )  # fmt: skip
     tok = spec.get_tokenizer()
@@ -219,13 +229,15 @@ def test_ngram_speculation_accepts_on_repeating_prompts(llm_q: LLM, smol_file: P
     prompts = [chat_ids(tok, [{"role": "user", "content": a}]) for a in asks]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     outs = spec.generate(prompts, params, use_tqdm=False)
-    plain = llm_q.generate(prompts, params, use_tqdm=False)
+    plain = LLM(str(smol_file), num_kv_blocks=64, max_model_len=512, int4_compute=compute)
+    plain = plain.generate(prompts, params, use_tqdm=False)
     for a, b in zip(outs, plain, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, "speculation must not change greedy tokens"
     m = spec.engine.get_metrics()
     print({k: v for k, v in m.items() if k.startswith("spec_decode")})
     assert m["spec_decode_num_draft_tokens_total"] > 0
-    assert m["spec_decode_acceptance_rate"] >= ACCEPTANCE_FLOOR and m["spec_decode_mean_accepted_length"] > 1.5
+    floor = ACCEPTANCE_FLOOR if compute == "weight-only" else 0.3
+    assert m["spec_decode_acceptance_rate"] >= floor and m["spec_decode_mean_accepted_length"] > 1.5
 
 
 # ---- lmserve serve --model file.gguf, driven by the openai client ---------------------------------------
@@ -234,7 +246,7 @@ def test_ngram_speculation_accepts_on_repeating_prompts(llm_q: LLM, smol_file: P
 @pytest.fixture(scope="module")
 def client(smol_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     root = tmp_path_factory.mktemp("serve-gguf")
-    srv = LiveServer(smol_file, root / "server.log")
+    srv = LiveServer(smol_file, root / "server.log", "--int4-compute", "weight-only")  # HF's exact block math
     try:
         srv.wait_healthy(timeout_s=900)
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)

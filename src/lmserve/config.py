@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,10 @@ GENERATION_CONFIG_MODES = ("auto", "vllm")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")  # auto: the model dtype
 QUANTIZATION_METHODS = ("int8", "int4")
 QUANTIZATION_FORMAT = "lmserve-v1"  # `quantization_config.format` of checkpoints `lmserve quantize` writes
+# How int4 weights (lmserve int4, GGUF Q4_0 / Q4_1) are computed with: "w4a8" (activations quantized to int8 per
+# block of 32 inside the step, integer dot products: llama.cpp's Q4_0 x Q8_0) or "weight-only" (float32 activations,
+# each weight dequantized exactly: the more accurate, slower option). Not saved in checkpoints: the codes are the same.
+INT4_COMPUTE_MODES = ("w4a8", "weight-only")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class QuantizationConfig:
     # the LM head's layout: "int8" (method int8), "int8w" (method int4: 8-bit weight-only, group 32), or None
     # (float32: gguf, whose file decides, and int4 checkpoints written before the head was quantized)
     lm_head: str | None = None
+    int4_compute: str = "w4a8"  # INT4_COMPUTE_MODES; an engine choice, not part of the checkpoint
 
     def to_hf(self) -> dict[str, Any]:
         """The `quantization_config` entry of a checkpoint's config.json."""
@@ -164,6 +169,7 @@ class EngineArgs:
     # tensors are kept as they are unless "none" (dequantized at load)
     quantization: str | None = None
     quantization_group_size: int = 32  # int4: inputs sharing one scale
+    int4_compute: str = "w4a8"  # int4 / GGUF Q4_0, Q4_1: "w4a8" (int8 activations) or "weight-only" (float32)
     speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
     structured_outputs_allow_additional_properties: bool = False  # see EngineConfig
 
@@ -265,7 +271,14 @@ class EngineArgs:
         )  # fmt: skip
 
     def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:
-        """The checkpoint's quantization, else the requested one, validated against the model's shapes."""
+        """The checkpoint's quantization, else the requested one, validated against the model's shapes, with
+        int4_compute."""
+        if self.int4_compute not in INT4_COMPUTE_MODES:
+            raise ValueError(f"int4_compute must be one of {list(INT4_COMPUTE_MODES)}, got {self.int4_compute!r}")
+        q = self._quantization_method(model, weight_dtype)
+        return None if q is None else replace(q, int4_compute=self.int4_compute)
+
+    def _quantization_method(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:
         saved = checkpoint_quantization(model.path)
         if self.quantization is not None and self.quantization not in (*QUANTIZATION_METHODS, "none"):
             raise ValueError(

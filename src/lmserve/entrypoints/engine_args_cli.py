@@ -41,12 +41,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=["int8", "int4", "none"],
-        help="int8: W8A8 (int8 weights per output channel, int8 activations per token); int4: weight-only, "
-        "group-wise scales. CPU, float32 compute; embeddings and LM head stay float32. A checkpoint written "
+        help="int8: W8A8 (int8 weights per output channel, int8 activations per token); int4: 4-bit weights with "
+        "group-wise scales (see --int4-compute). CPU, float32 compute; embeddings stay float32. A checkpoint written "
         "by `lmserve quantize` needs no flag; a GGUF file's Q8_0/Q4_0/Q4_1 tensors run as they are unless "
         "none (dequantized to float32 at load)",
     )
     g.add_argument("--quantization-group-size", type=int, default=32, help="int4: inputs per scale (default 32)")
+    g.add_argument(
+        "--int4-compute",
+        default="w4a8",
+        choices=["w4a8", "weight-only"],
+        help="int4 and GGUF Q4_0/Q4_1 weights: w4a8 (default) quantizes the activations to int8 per block of 32 "
+        "and runs integer dot products (VNNI / AVX2, chosen by the CPU at run time; llama.cpp's Q4_0 x Q8_0); "
+        "weight-only keeps them float32 (more accurate, slower)",
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -102,6 +110,7 @@ ENGINE_ARG_NAMES = (
     "share_prefix_in_step",
     "quantization",
     "quantization_group_size",
+    "int4_compute",
     "speculative_config",
     "structured_outputs_allow_additional_properties",
 )

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -356,6 +357,13 @@ def _declare_quantized(lib: ctypes.CDLL) -> None:
     lib.linear_i8w_f32.restype = None
     lib.dequant_i8w_f32.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.dequant_i8w_f32.restype = None
+    lib.w4a8_isa_supported.argtypes, lib.w4a8_isa_supported.restype = [ctypes.c_int], ctypes.c_int
+    lib.w4a8_isa_best.argtypes, lib.w4a8_isa_best.restype = [], ctypes.c_int
+    lib.w4a8_vnni256_vex.argtypes, lib.w4a8_vnni256_vex.restype = [], ctypes.c_int
+    lib.w4a8_quantize_rows.argtypes = [_P, _P, _P, _P, _P, _I, _I, ctypes.c_int32, ctypes.c_int]
+    lib.w4a8_quantize_rows.restype = None
+    lib.linear_w4a8_f32.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.linear_w4a8_f32.restype = ctypes.c_int
 
 
 def cpu_flags() -> set[str]:
@@ -376,6 +384,7 @@ def quantized_kernel_names() -> dict[str, str]:
         "int8": I8_KERNEL_NAMES[_lib.i8_kernel_isa()],
         "int4": "AVX-512" if _lib.i4_kernel_isa() else "portable C",
         "int8w": "AVX-512" if _lib.i4_kernel_isa() else "portable C",  # compiled with the int4 kernel's paths
+        "w4a8": w4a8_isa_name(w4a8_isa()),
     }
 
 
@@ -610,3 +619,92 @@ def decode_stack(
         model, h.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), b, block_tables.shape[1], torch.get_num_threads(),
     )  # fmt: skip
+
+
+# ---- W4A8 int4 (int8 activations per block of 32, integer dot products); the C side is cpu_kernels.c's
+# ---- "W4A8 int4 kernels" section, the packed layout lmserve.model.quantization.pack_w4a8.
+
+W4A8_ISA_ENV = "LMSERVE_W4A8_ISA"  # auto (the fastest this CPU runs) | vnni512 | vnni256 | avx2 | scalar
+W4A8_ISAS = {"scalar": 0, "avx2": 1, "vnni256": 2, "vnni512": 3}  # W4A8_* in the C source
+
+
+def w4a8_isa_supported(isa: str) -> bool:
+    """Whether this CPU (and OS) runs the W4A8 path isa, by cpuid at run time."""
+    assert isa in W4A8_ISAS, f"W4A8 path {isa!r}: one of {list(W4A8_ISAS)}"
+    return available() and bool(_lib.w4a8_isa_supported(W4A8_ISAS[isa]))
+
+
+def w4a8_isa(isa: str | None = None) -> str:
+    """The W4A8 path the kernels run: isa, else $LMSERVE_W4A8_ISA, else ("auto") the fastest this CPU supports.
+    A forced path the CPU lacks is a ValueError."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    want = (isa or os.environ.get(W4A8_ISA_ENV, "auto")).strip().lower() or "auto"
+    if want == "auto":
+        best = _lib.w4a8_isa_best()
+        return next(n for n, v in W4A8_ISAS.items() if v == best)
+    if want not in W4A8_ISAS:
+        raise ValueError(f"{W4A8_ISA_ENV} must be auto or one of {list(W4A8_ISAS)}, got {want!r}")
+    if not w4a8_isa_supported(want):
+        raise ValueError(f"W4A8 path {want!r} needs instructions this CPU lacks (flags: {sorted(cpu_flags())[:8]}...)")
+    return want
+
+
+def w4a8_isa_name(isa: str) -> str:
+    """What path isa runs, in words (the runner logs it, bench JSONs record it)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    vex = bool(_lib.w4a8_vnni256_vex())
+    return {
+        "vnni512": "W4A8 AVX512-VNNI (vpdpbusd zmm, 16-row panels)",
+        "vnni256": f"W4A8 {'AVX-VNNI (vpdpbusd ymm, VEX)' if vex else 'AVX512-VNNI/VL (vpdpbusd ymm, EVEX)'}, 8 rows",
+        "avx2": "W4A8 AVX2 (vpmaddubsw + vpmaddwd), 8 rows",
+        "scalar": "W4A8 portable C",
+    }[isa]
+
+
+def w4a8_quantize_rows(x: torch.Tensor, offset: int = 8) -> tuple[torch.Tensor, ...]:
+    """The activation blocks the W4A8 kernels compute with, for x (M, K) float32: q (M, K) int8, d (M, K/32)
+    float32, corr (M, K/32) int32 = -offset * (sum of the block's q), ds (M, K/32) float32 = d * sum q."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    _check(x, "x")
+    m, k = x.shape
+    assert k % 32 == 0, f"{k} inputs: not a multiple of 32"
+    q = torch.empty(m, k, dtype=torch.int8)
+    d, ds = torch.empty(m, k // 32), torch.empty(m, k // 32)
+    corr = torch.empty(m, k // 32, dtype=torch.int32)
+    _lib.w4a8_quantize_rows(
+        x.data_ptr(), q.data_ptr(), d.data_ptr(), corr.data_ptr(), ds.data_ptr(), m, k, offset,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return q, d, corr, ds
+
+
+def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | None = None) -> torch.Tensor:
+    """W4A8 for any number of rows: x (M, K) float32 quantized inside per row per block of 32; w a
+    lmserve.model.quantization.W4A8Weights (the packed int4 panels, or 8-bit ones: W8A8 blocks); bias (O,) or None;
+    isa as w4a8_isa. Returns (M, O) float32."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    _check(x, "x")
+    m, k = x.shape
+    assert k == w.in_features, f"x has {k} features, weight expects {w.in_features}"
+    o = w.out_features
+    _check(w.codes, "codes", torch.uint8)
+    _check(w.scales, "scales", torch.float16)
+    assert w.codes.shape == (-(-o // 16), k // 32, w.bits, 64), f"codes {tuple(w.codes.shape)} for ({o}, {k})"
+    assert w.bits == 4 or w.mins is None, "8-bit panels have no mins"
+    assert w.scales.shape == (w.codes.shape[0], k // w.group_size, 16), f"scales {tuple(w.scales.shape)}"
+    if w.mins is not None:
+        _check(w.mins, "mins", torch.float16)
+        assert w.mins.shape == w.scales.shape, f"mins {tuple(w.mins.shape)} vs scales {tuple(w.scales.shape)}"
+    if bias is not None:
+        _check(bias, "bias")
+    y = torch.empty(m, o, dtype=torch.float32)
+    if m == 0:
+        return y
+    rc = _lib.linear_w4a8_f32(
+        x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), _ptr(w.mins), _ptr(bias), y.data_ptr(), m, o, k,
+        w.group_size, w.bits, W4A8_ISAS[w4a8_isa(isa)], torch.get_num_threads(),
+    )  # fmt: skip
+    assert rc == 0, "linear_w4a8_f32: out of memory for the activation scratch"
+    return y

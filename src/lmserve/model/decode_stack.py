@@ -9,7 +9,7 @@ removes the Python in between.
 Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per
 request, no prefill segment), at most `max_rows` of them (what each projection's few-row kernel serves,
 `layers.kernel_max_rows`: 8 for float32 / bf16-stored weights with AVX-512 (else 2), 2 for int8 W8A8, 8 for
-int4 and GGUF Q4 / Q8_0 blocks), float32 activations on
+int4 (weight-only or W4A8 panels) and GGUF Q4 / Q8_0 blocks), float32 activations on
 the CPU with the kernels loaded. Which models (`DecodeStack.supports`): the plain pre-norm Llama layout
 (Llama, Mistral, Qwen2, Phi-3, SmolLM ...) with full rotary, SiLU MLP, no q/k norms, no sandwich or post
 norms, no logit soft-capping, a KV cache the kernels read, and every projection on its C kernel (not
@@ -29,13 +29,15 @@ from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
 
 # ls_linear.kind in cpu_kernels.c
-_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5}
+_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6}
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64) for n in ("kind", "O", "K", "G")] + [
-        (n, ctypes.c_void_p) for n in ("w", "scales", "mins", "row_sums", "bias")
-    ]
+    _fields_ = (
+        [(n, ctypes.c_int64) for n in ("kind", "O", "K", "G")]
+        + [(n, ctypes.c_void_p) for n in ("w", "scales", "mins", "row_sums", "bias")]
+        + [("isa", ctypes.c_int64)]
+    )
 
 
 class _Layer(ctypes.Structure):
@@ -58,7 +60,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _linear(m: Linear) -> tuple[_Linear, int]:
     """m's C description and the most rows its kernel takes in one call."""
-    if m.quant_method is None:
+    isa = 0
+    if m._w4a8 is not None:  # int4 packed for W4A8: the panels, the path resolved now (kernels.w4a8_isa)
+        p = m._w4a8
+        assert p.bits == 4, "the decode stack's projections: int4 panels"
+        w, scales, mins, kind, group, sums = p.codes, p.scales, p.mins, "w4a8", p.group_size, None
+        isa = kernels.W4A8_ISAS[kernels.w4a8_isa()]
+    elif m.quant_method is None:
         bf16 = m._weight_bf16 is not None
         w, kind = (m._weight_bf16 if bf16 else m.weight), ("bf16w" if bf16 else "float32")
         scales = mins = sums = None
@@ -74,7 +82,7 @@ def _linear(m: Linear) -> tuple[_Linear, int]:
                 m._row_sums = quant.int8_row_sums(m.qweight)
             sums = m._row_sums
     desc = _Linear(_KINDS[kind], m.out_features, m.in_features, group, _ptr(w), _ptr(scales), _ptr(mins), _ptr(sums),
-                   _ptr(m.bias))  # fmt: skip
+                   _ptr(m.bias), isa)  # fmt: skip
     return desc, kernel_max_rows(m)
 
 
@@ -85,6 +93,8 @@ def _kernel_linear(m: Linear) -> bool:
     if m.quant_method is None:  # the module path: float32 weights (read from their bf16 copy if rounded)
         w = m._weight_bf16 if m._weight_bf16 is not None else m.weight
         return m.weight.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+    if m._w4a8 is not None:
+        return True  # the panels are CPU tensors
     return m.quant_method in _KINDS and m.qweight.device.type == "cpu"
 
 

@@ -50,6 +50,9 @@ class Linear(nn.Linear):
     kq_segments: tuple[quant.KQuantSegment, ...] | None = None
     _kq_table: torch.Tensor | None = None  # kquant: the segments as the C kernel reads them
     _row_sums: torch.Tensor | None = None  # int8: sum of each qweight row (the VNNI kernel's correction)
+    # int4 with int4_compute="w4a8" (pack_w4a8): the codes in the W4A8 kernels' panels; qweight / scales / mins are
+    # then None (one copy of the codes; dequantized_weight unpacks the panels)
+    _w4a8: quant.W4A8Weights | None = None
     # few rows: None = the C kernel; "onednn" / "torch" (float) or "int8_gemm" where choose_small_m_paths measured
     # them faster on this CPU, or LMSERVE_SMALL_M_LINEAR=torch forced them
     _small_m_path: str | None = None
@@ -109,11 +112,26 @@ class Linear(nn.Linear):
         self.register_buffer("scales", s)
         self.register_buffer("mins", mins)  # None (not saved) unless the layout has mins
         self.quant_method, self.group_size = method, group_size
-        self._packed = self._weight_bf16 = self._row_sums = None
+        self._packed = self._weight_bf16 = self._row_sums = self._w4a8 = None
         self.kq_segments = self._kq_table = None
+
+    def pack_w4a8(self, keep_int4: bool = False) -> None:
+        """Repack int4 codes (lmserve int4, GGUF Q4_0 / Q4_1) into the W4A8 kernels' panels, or int8w weights (the
+        int4 method's LM head) into their 8-bit panels; every row count then runs with int8 activations per block
+        of 32. Unless keep_int4, the source layout's buffers are dropped (the panels hold the same values)."""
+        assert self.quant_method in ("int4", "int8w") and self.qweight is not None, f"W4A8: not {self.quant_method}"
+        if self.quant_method == "int8w":
+            self._w4a8 = quant.pack_w8a8(self.qweight, self.scales)
+        else:
+            self._w4a8 = quant.pack_w4a8(self.qweight, self.scales, self.mins)
+        if not keep_int4:
+            self.qweight = self.scales = self.mins = None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the quantized one stands for (the reference the tests compare with)."""
+        if self.qweight is None:
+            assert self._w4a8 is not None, "quantized Linear without weights"
+            return quant.dequantize_w4a8(self._w4a8)
         if self.quant_method == "kquant":
             return torch.cat([
                 quant.dequantize_kquant(s.type_name, self.kquant_rows(s.start, s.rows), self.in_features)
@@ -137,10 +155,13 @@ class Linear(nn.Linear):
         """Which CPU fast path forward(x) takes: "kernel", "onednn", or None for nn.Linear's. Both fast
         paths return float32 (they only exist for float32 weights and inputs). Quantized weights:
         "int8_kernel" / "int4_kernel" (C, few rows, weights streamed once), "int8_gemm" (torch._int_mm),
-        "int4_dequant" (weights dequantized, then the float32 GEMM); GGUF Q8_0 blocks: "int8w_kernel" /
-        "int8w_dequant" likewise, GGUF K-quants "kquant_kernel" / "kquant_dequant"."""
+        "int4_dequant" (weights dequantized, then the float32 GEMM), "w4a8" (int4 packed by pack_w4a8: the W4A8
+        kernels for every row count); GGUF Q8_0 blocks: "int8w_kernel" / "int8w_dequant" likewise, GGUF K-quants
+        "kquant_kernel" / "kquant_dequant"."""
         if self.quant_method is not None:
             assert x.dim() == 2 and x.dtype == torch.float32, f"quantized Linear: 2-D float32 input, got {x.dtype}"
+            if self._w4a8 is not None:
+                return "w4a8" if kernels.usable(x) else "int4_dequant"
             few = x.shape[0] <= kernel_max_rows(self) and kernels.usable(x)
             if self.quant_method == "int8":
                 return "int8_kernel" if few and self._small_m_path is None else "int8_gemm"
@@ -175,6 +196,8 @@ class Linear(nn.Linear):
             return quant.int8_linear(xq, xs, self.qweight, self.scales, self.bias)
         if path == "int4_kernel":
             return kernels.linear_i4(x, self.qweight, self.scales, self.bias, self.mins)
+        if path == "w4a8":
+            return kernels.linear_w4a8(x, self._w4a8, self.bias)
         if path == "int8w_kernel":
             return kernels.linear_i8w(x, self.qweight, self.scales, self.bias)
         if path == "kquant_kernel":
@@ -238,6 +261,22 @@ def quantizable_linears(model: nn.Module, config: QuantizationConfig) -> list[tu
 def quantize_linear_weights(model: nn.Module, config: QuantizationConfig) -> None:
     for m, layout, group in quantizable_linears(model, config):
         m.quantize(layout, group)
+
+
+def pack_w4a8_weights(model: nn.Module, head: bool = False, keep_int4: bool = False) -> int:
+    """int4_compute="w4a8": repack every int4 Linear (lmserve int4, GGUF Q4_0 / Q4_1) for the W4A8 kernels, and
+    with head an int8w LM head (the int4 method's) for the same kernels' 8-bit path; returns how many Linears.
+    Needs the C kernels (the caller checks kernels.available())."""
+    layers = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, Linear)
+        and m._w4a8 is None
+        and (m.quant_method == "int4" or (head and name == "lm_head" and m.quant_method == "int8w"))
+    ]
+    for m in layers:
+        m.pack_w4a8(keep_int4)
+    return len(layers)
 
 
 def round_linear_weights_to_bf16(model: nn.Module) -> None:

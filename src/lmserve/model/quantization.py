@@ -6,9 +6,11 @@ Two methods (EngineArgs.quantization):
 - "int8" (W8A8): symmetric int8 weights with one float32 scale per output channel, s_w = max|w_row| / 127;
   activations quantized per token inside the step, s_x = max|x_row| / 127 (dynamic, symmetric); the
   product accumulates in int32 and is scaled once: y = (x_q . w_q) * s_x * s_w (+ bias).
-- "int4" (weight-only): 4-bit codes with one float16 scale per group of `group_size` inputs along a row,
+- "int4": 4-bit codes with one float16 scale per group of `group_size` inputs along a row,
   symmetric with no zero point (llama.cpp's Q4_0 rule): d = m / -8 where m is the group's value of
-  largest magnitude, code = clamp(round(w / d), -8, 7) + 8, w ≈ (code - 8) * d. Activations stay float32.
+  largest magnitude, code = clamp(round(w / d), -8, 7) + 8, w ≈ (code - 8) * d. Computed W4A8 by default
+  (EngineArgs.int4_compute: activations int8 per block of 32, integer dot products; the W4A8 section below),
+  or weight-only (activations float32).
 
 The decoder's projections are quantized (qkv, o, gate_up, down), and the LM head too (as llama.cpp's Q8_0 and
 Q4_0 do; a float32 head is half the bytes of an int8 decode step, two thirds of an int4 one): with int8 as a
@@ -153,6 +155,161 @@ def dequantize_int8w(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     """(O, K) float32 weights of the group-scaled int8 layout (GGUF Q8_0): q * scale of its group (exact)."""
     group_size = qweight.shape[1] // scales.shape[1]
     return qweight.float() * scales.float().repeat_interleave(group_size, dim=1)
+
+
+# ---- W4A8: int4 weights with int8 activations (EngineArgs.int4_compute="w4a8") ------------------------------
+# The same codes, scales and mins as the int4 layout, repacked at load into 16-row panels the W4A8 kernels stream
+# (cpu_kernels.c, "W4A8 int4 kernels", describes the byte order); activations are quantized per row per block of
+# 32 inside the step (llama.cpp's Q8_0 activation blocks, float32 scale): d = max|x| / 127, q = round(x * (1 / d)).
+
+W4A8_PANEL = 16  # output rows per panel of the packed layout
+
+
+@dataclass(frozen=True)
+class W4A8Weights:
+    """A weight in the W4A8 kernels' layout: codes (P, K/32, bits, 64) uint8, scales (P, K/G, 16) float16, mins the
+    same or None; P = ceil(O / 16) panels, rows past O zero. bits 4: int4 codes (pack_w4a8); bits 8: the int8w
+    layout's weights + 128 (pack_w8a8: the int4 method's 8-bit LM head with int8 activations too)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    out_features: int
+    in_features: int
+    group_size: int
+    bits: int = 4
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+def pack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None) -> W4A8Weights:
+    """The int4 layout (qweight (O, K/2), scales / mins (O, K/G) float16) → the W4A8 panels: per panel p, block b
+    and vector t, byte 4j + i = code(16p + j, 32b + 4t + i) | code(16p + j, 32b + 16 + 4t + i) << 4."""
+    o, k = qweight.shape[0], qweight.shape[1] * 2
+    assert scales.shape[0] == o and k % scales.shape[1] == 0, f"scales {tuple(scales.shape)} for ({o}, {k})"
+    group = k // scales.shape[1]
+    assert group % INT4_BLOCK == 0, f"group size {group} must be a multiple of {INT4_BLOCK}"
+    assert mins is None or mins.shape == scales.shape, f"mins {tuple(mins.shape)} vs scales {tuple(scales.shape)}"
+    p = -(-o // W4A8_PANEL)
+    codes = torch.zeros(p * W4A8_PANEL, k, dtype=torch.uint8)
+    codes[:o] = unpack_int4(qweight)
+    # (panel, row j, block, half, t, i) -> (panel, block, t, j, i, half)
+    c = codes.reshape(p, W4A8_PANEL, k // INT4_BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(p, k // INT4_BLOCK, 4, 64).contiguous()
+
+    return W4A8Weights(packed, _panels(scales, p), None if mins is None else _panels(mins, p), o, k, group)
+
+
+def _panels(t: torch.Tensor, p: int) -> torch.Tensor:
+    """(O, NG) per-row group values → (P, NG, 16), rows past O zero."""
+    padded = torch.zeros(p * W4A8_PANEL, t.shape[1], dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return padded.reshape(p, W4A8_PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _rows(t: torch.Tensor, o: int) -> torch.Tensor:
+    """Inverse of _panels."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:o].contiguous()
+
+
+def pack_w8a8(qweight: torch.Tensor, scales: torch.Tensor) -> W4A8Weights:
+    """The int8w layout (qweight (O, K) int8, scales (O, K/G) float16) → 8-bit panels: per panel p, block b and
+    vector t = 0..7, byte 4j + i = q(16p + j, 32b + 4t + i) + 128."""
+    o, k = qweight.shape
+    assert scales.shape[0] == o and k % scales.shape[1] == 0, f"scales {tuple(scales.shape)} for ({o}, {k})"
+    group = k // scales.shape[1]
+    assert group % INT4_BLOCK == 0 and qweight.dtype == torch.int8, f"int8 weights, group {group} (multiple of 32)"
+    p = -(-o // W4A8_PANEL)
+    codes = torch.zeros(p * W4A8_PANEL, k, dtype=torch.uint8)
+    codes[:o] = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    c = codes.reshape(p, W4A8_PANEL, k // INT4_BLOCK, 8, 4).permute(0, 2, 3, 1, 4)  # (panel, block, t, j, i)
+    return W4A8Weights(c.reshape(p, k // INT4_BLOCK, 8, 64).contiguous(), _panels(scales, p), None, o, k, group, 8)
+
+
+def unpack_w4a8(w: W4A8Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Inverse of pack_w4a8 (qweight, scales, mins in the int4 layout) and of pack_w8a8 (qweight, scales in the
+    int8w layout, mins None)."""
+    p, nb = w.codes.shape[:2]
+    if w.bits == 8:
+        q = w.codes.reshape(p, nb, 8, W4A8_PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * W4A8_PANEL, nb * INT4_BLOCK)
+        return (q[: w.out_features].to(torch.int16) - 128).to(torch.int8), _rows(w.scales, w.out_features), None
+    b = w.codes.reshape(p, nb, 4, W4A8_PANEL, 4)
+    c = torch.stack((b & 0x0F, b >> 4), dim=-1)  # (panel, block, t, j, i, half)
+    codes = c.permute(0, 3, 1, 5, 2, 4).reshape(p * W4A8_PANEL, nb * INT4_BLOCK)[: w.out_features]
+    o = w.out_features
+    return pack_int4(codes.contiguous()), _rows(w.scales, o), None if w.mins is None else _rows(w.mins, o)
+
+
+def dequantize_w4a8(w: W4A8Weights) -> torch.Tensor:
+    """The float32 weight packed panels stand for (exactly the source layout's)."""
+    return dequantize_int8w(*unpack_w4a8(w)[:2]) if w.bits == 8 else dequantize_int4(*unpack_w4a8(w))
+
+
+def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 → (q (M, K) int8, d (M, K/32) float32) per block of 32: d = max|x| / 127,
+    q = round-half-even(x * (1 / d)), 0 where the block is all zero. The C kernels compute the same bits."""
+    m, k = x.shape
+    assert k % INT4_BLOCK == 0, f"{k} inputs: not a multiple of {INT4_BLOCK}"
+    xb = x.float().reshape(m, k // INT4_BLOCK, INT4_BLOCK)
+    d = xb.abs().amax(dim=-1) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(m, k), d
+
+
+def fake_quantize_activation_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to its per-block-of-32 int8 grid (q * d), in float32: what a W4A8 projection multiplies."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    q, d = quantize_activation_blocks(flat)
+    m, k = q.shape
+    deq = q.float().reshape(m, k // INT4_BLOCK, INT4_BLOCK) * d[..., None]
+    return deq.reshape(x.shape).to(x.dtype)
+
+
+def w8a8_blocks_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The 8-bit panels' product (int8w weights, int8 activations per block of 32) in PyTorch: per block the exact
+    integer sum of q_w * q_x (|.| <= 32 * 127 * 128 < 2^24, exact in float32), times d_w * d_x, summed in float64."""
+    q, d = quantize_activation_blocks(x)
+    m, k = q.shape
+    o, nb, group = qweight.shape[0], k // INT4_BLOCK, k // scales.shape[1]
+    isum = torch.einsum("mbi,obi->mob", q.float().reshape(m, nb, 32), qweight.float().reshape(o, nb, 32)).double()
+    wd = scales.double().repeat_interleave(group // INT4_BLOCK, dim=1)
+    y = (isum * wd[None] * d.double()[:, None, :]).sum(-1).float()
+    return y + bias if bias is not None else y
+
+
+def w4a8_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The W4A8 product in PyTorch (what the kernels compute, to float32 rounding): per activation block b of
+    row m and weight row o, the exact integer sum of code * q (each block's sum of 32 integer products is
+    exact in float32: |.| <= 60960 < 2^24), then d_w(o, b) * d_x(m, b) * (sum - 8 * sum q) for symmetric codes, or
+    d_w * d_x * sum + min * d_x * sum q with mins; summed over blocks in float64. Returns (M, O) float32."""
+    q, d = quantize_activation_blocks(x)
+    m, k = q.shape
+    o = qweight.shape[0]
+    nb, group = k // INT4_BLOCK, k // scales.shape[1]
+    codes = unpack_int4(qweight).float().reshape(o, nb, INT4_BLOCK)
+    qb = q.float().reshape(m, nb, INT4_BLOCK)
+    isum = torch.einsum("mbi,obi->mob", qb, codes).double()  # exact integers
+    sx = qb.sum(dim=-1).double()  # (m, nb)
+    wd = scales.double().repeat_interleave(group // INT4_BLOCK, dim=1)  # (o, nb)
+    dx = d.double()
+    if mins is None:
+        y = ((isum - 8 * sx[:, None, :]) * wd[None] * dx[:, None, :]).sum(-1)
+    else:
+        wm = mins.double().repeat_interleave(group // INT4_BLOCK, dim=1)
+        y = (isum * wd[None] * dx[:, None, :] + wm[None] * (dx * sx)[:, None, :]).sum(-1)
+    y = y.float()
+    return y + bias if bias is not None else y
 
 
 # ---- GGUF block-32 tensors, as they are in the file ---------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -15,6 +16,7 @@ from lmserve.model.layers import (
     I8_KERNEL_MAX_ROWS,
     choose_small_m_paths,
     pack_linear_weights,
+    pack_w4a8_weights,
     quantize_linear_weights,
     round_linear_weights_to_bf16,
 )
@@ -31,11 +33,22 @@ PROMPT_LOGPROBS_SLICE_ELEMENTS = 1 << 22
 """Prompt logprobs are computed over at most this many logits (rows × vocab) at once: 16 MiB of float32."""
 
 
-def _log_quantized_kernels(method: str) -> None:
-    """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo)."""
+def _log_quantized_kernels(method: str, w4a8_layers: int = 0, lm_head: str | None = None) -> None:
+    """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo); w4a8_layers: int4
+    Linears packed for the W4A8 kernels."""
     flags = kernels.cpu_flags()
     relevant = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "avx512_bf16", "avx512bw", "avx2"})
-    for layout in ("int4", "int8w", "kquant") if method == "gguf" else (method,):  # Q4_0/Q4_1, Q8_0, K-quants
+    if w4a8_layers:
+        what = "int4 weights and the 8-bit LM head" if method == "int4" and lm_head == "int8w" else "int4 weights"
+        logger.info("%s: W4A8 in %d Linear layers, every row count: %s (activations int8 per block of 32, "
+                    "int4_compute=w4a8; %s=%s); CPU flags %s", what, w4a8_layers,
+                    kernels.w4a8_isa_name(kernels.w4a8_isa()), kernels.W4A8_ISA_ENV,
+                    os.environ.get(kernels.W4A8_ISA_ENV, "auto"), relevant or "none")  # fmt: skip
+    # GGUF blocks: Q4_0/Q4_1, Q8_0, K-quants; int4's LM head: int8w
+    layouts = ("int4", "int8w", "kquant") if method == "gguf" else tuple(dict.fromkeys((method, lm_head or method)))
+    for layout in layouts:
+        if w4a8_layers and (layout == "int4" or (layout == "int8w" and method == "int4")):
+            continue
         if not kernels.available():
             decode = "PyTorch ops (no C kernels)"
         elif layout == "kquant":
@@ -76,7 +89,10 @@ class ModelRunner:
         if config.quantization is not None:
             if not config.quantization.prequantized:
                 quantize_linear_weights(self.model, config.quantization)
-            _log_quantized_kernels(config.quantization.method)
+            w4a8 = 0
+            if config.quantization.int4_compute == "w4a8" and kernels.available():
+                w4a8 = pack_w4a8_weights(self.model, head=config.quantization.method == "int4")
+            _log_quantized_kernels(config.quantization.method, w4a8, config.quantization.lm_head)
         self.packed_weight_bytes = 0
         if config.weight_dtype == "bfloat16":
             if not kernels.available():
