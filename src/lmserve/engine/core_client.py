@@ -16,8 +16,9 @@ Data parallel routing (N cores, each with its own KV pool and threads): a reques
 the lowest load = running + waiting sequences (latest snapshot) + sequences added but not yet acknowledged;
 ties go to the lower KV usage. Prefix affinity overrides that: the hash of the prompt's first full KV block
 maps (bounded LRU) to the core that served it last, and the request goes there unless that core's load
-exceeds the minimum by more than AFFINITY_SLACK sequences. Admission (max_queued_requests) is per core,
-with AsyncEngine's code (Admission) and the room each core reports in its snapshots.
+exceeds the minimum by more than AFFINITY_SLACK sequences (engine/router.choose_core, which the simulator
+uses too). Admission (max_queued_requests) is per core, with AsyncEngine's code (Admission) and the room each
+core reports in its snapshots.
 
 A core that dies is noticed within milliseconds: its requests fail with EngineDeadError, it leaves the
 routing; while another core lives the client keeps serving (`degraded_error` says what died), with none left

@@ -1,5 +1,7 @@
 /* lmserve CPU kernels: decode-path operations where PyTorch's CPU ops leave most of the machine unused
- * (measured on the benchmark model, 2 cores, benchmarks/profile_step.py; see docs/performance.md):
+ * (measured on the benchmark model, 2 cores, benchmarks/profile_step.py; see docs/performance.md).
+ * One file past 500 lines because it is one thing: the one C library lmserve compiles and loads (kernels/__init__.py),
+ * its sections (float32, quantized KV, quantized linears, GGUF K-quants, W4A8 int4, the decode stack) sharing helpers.
  *
  *   linear_f32               y = x W^T (+ b) for 1-2 rows of x. MKL's sgemv runs the (1 x 576) @
  *                            (576 x 49152) LM head at ~9 GB/s; streaming W once with all threads
