@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
-from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from benchmark_model import CONFIG, add_size_args, build_benchmark_model, random_prompts, resolve_size_args
 from machine import write_result
 
 from lmserve.bench.harness import ServerError, free_loopback_port, running_server
@@ -91,21 +91,13 @@ def format_table(result: dict[str, dict[str, float | None]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for k in FULL:
-        ap.add_argument(
-            f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {FULL[k]} (--quick {QUICK[k]})"
-        )
+    add_size_args(ap, FULL, QUICK)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server")
     ap.add_argument("--model", type=Path, default=None, help="HF model directory (default: the benchmark model)")
     ap.add_argument("--server-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     args = ap.parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-        if getattr(args, k) < 1:
-            ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    resolve_size_args(ap, args, FULL, QUICK)
     from lmserve.entrypoints.grpc import missing_grpc
 
     if (error := missing_grpc()) is not None:

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from benchmark_model import CONFIG, add_size_args, build_benchmark_model, random_prompts, resolve_size_args
 from machine import write_result
 
 from lmserve.bench.experiments import ServerError, free_loopback_port, running_server
@@ -173,22 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                        int(threads))  # fmt: skip
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for k in FULL:
-        ap.add_argument(
-            f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {FULL[k]} (--quick {QUICK[k]})"
-        )
+    add_size_args(ap, FULL, QUICK)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server (and the peak run)")
     ap.add_argument("--model", type=Path, default=None, help="HF model directory (default: the benchmark model)")
     ap.add_argument("--server-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     ap.add_argument("--no-peak", action="store_true", help="skip the peak-memory measurement")
     args = ap.parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-        if getattr(args, k) < 1:
-            ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    resolve_size_args(ap, args, FULL, QUICK)
     model_dir = args.model or build_benchmark_model()
     vocab = CONFIG["vocab_size"]
     if args.model is not None:

@@ -3,6 +3,7 @@ byte-level BPE tokenizer trained locally on Python's stdlib sources. Built once,
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -71,3 +72,23 @@ def timed_generate(llm, prompts: list[list[int]], output_len: int) -> tuple[list
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == len(prompts) * output_len, "every request must produce exactly output_len tokens"
     return outs, wall, n_out
+
+
+def add_size_args(ap: argparse.ArgumentParser, full: dict[str, int], quick: dict[str, int]) -> None:
+    """One integer flag per size key (--num-requests for num_requests, ...): unset, it takes `full`'s value, or
+    `quick`'s with --quick (which this adds too); resolve them with resolve_size_args after parsing."""
+    for k in full:
+        flag, help_ = f"--{k.replace('_', '-')}", f"default {full[k]} (--quick {quick[k]})"
+        ap.add_argument(flag, type=int, default=None, help=help_)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
+
+
+def resolve_size_args(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, full: dict[str, int], quick: dict[str, int]
+) -> None:
+    """Fill the unset size flags from `full` (or `quick`) and refuse any below 1 (an argparse error naming it)."""
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+        if getattr(args, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be >= 1")
