@@ -140,6 +140,8 @@ class EngineConfig:
     # False: an object schema without "additionalProperties" closes after its declared properties (as xgrammar's
     # strict mode); True: JSON Schema's default, any further key (structured_output.close_objects)
     structured_outputs_allow_additional_properties: bool = False
+    # ranks one model is split across (model/parallel.py, engine/tp_executor.py); the cache's sizes are per rank
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -172,6 +174,7 @@ class EngineArgs:
     int4_compute: str = "w4a8"  # int4 / GGUF Q4_0, Q4_1: "w4a8" (int8 activations) or "weight-only" (float32)
     speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
     structured_outputs_allow_additional_properties: bool = False  # see EngineConfig
+    tensor_parallel_size: int = 1  # ranks (processes) one model is split across, Megatron-style
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -213,21 +216,25 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         kv_dtype = self._kv_cache_dtype(model.dtype)
-        kv_bytes_per_token = memory.kv_cache_bytes_per_token(
-            model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype
-        )
+        tp = self.tensor_parallel_size
+        _check_tensor_parallel(tp, model, quantization, self.device)
+        kv_heads = memory.kv_heads_per_rank(model.num_kv_heads, tp)  # the pool is sized per rank (the ledger's)
+        kv_bytes_per_token = memory.kv_cache_bytes_per_token(model.num_layers, kv_heads, model.head_dim, kv_dtype)
         spec = None
         if self.speculative_config is not None:
             from lmserve.spec_decode.config import SpeculativeConfig
 
             spec = SpeculativeConfig.from_dict(self.speculative_config, model, max_model_len, self.dtype, self.device)
+        if tp > 1 and spec is not None and spec.draft is not None:
+            raise ValueError(f"tensor_parallel_size={tp} with a draft model (speculative_config): not supported; "
+                             "n-gram speculation works")
         draft_bpt = spec.draft_kv_bytes_per_token if spec is not None else 0
         num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt)
         # a draft model's KV shares the block tables and may attend to everything: no freeing beside one
         free_window = model.kv_free_window if spec is None or spec.draft is None else None
         cache = CacheConfig(
             self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token, kv_dtype,
-            memory.kv_scale_bytes_per_token(model.num_layers, model.num_kv_heads, kv_dtype), draft_bpt,
+            memory.kv_scale_bytes_per_token(model.num_layers, kv_heads, kv_dtype), draft_bpt,
             free_window,
         )  # fmt: skip
         fitted = ""
@@ -267,7 +274,7 @@ class EngineArgs:
         )
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
-            quantization, spec, bool(self.structured_outputs_allow_additional_properties),
+            quantization, spec, bool(self.structured_outputs_allow_additional_properties), tp,
         )  # fmt: skip
 
     def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:
@@ -389,6 +396,53 @@ def available_ram_bytes() -> int:
     except OSError:
         pass
     return 8 * 2**30
+
+
+def _check_tensor_parallel(tp: int, model: ModelConfig, quantization: QuantizationConfig | None, device: str) -> None:
+    """tensor_parallel_size against the model's shapes and the features that do not split (yet): a ValueError
+    naming the field and the numbers. The split itself is model/parallel.py's."""
+    from lmserve import memory
+
+    _check_positive("tensor_parallel_size", tp)
+    if tp == 1:
+        return
+    why = {
+        "num_attention_heads": model.num_heads % tp and f"{model.num_heads} attention heads",
+        "intermediate_size": model.intermediate_size % tp and f"intermediate_size {model.intermediate_size}",
+    }
+    bad = [f"{v}" for v in why.values() if v]
+    if bad:
+        raise ValueError(f"tensor_parallel_size={tp} must divide {' and '.join(bad)}")
+    try:
+        memory.kv_heads_per_rank(model.num_kv_heads, tp)
+    except ValueError:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide num_key_value_heads ({model.num_kv_heads}) or be a multiple of it"
+        ) from None
+    if model.qk_norm_whole:
+        raise ValueError(
+            f"tensor_parallel_size={tp} with {model.architecture}: its q/k norm spans all heads (OLMo 2), which "
+            "would need a cross-rank reduction; not supported"
+        )
+    if quantization is not None:
+        if quantization.method == "gguf" or quantization.prequantized:
+            what = "a GGUF file's kept blocks" if quantization.method == "gguf" else "a pre-quantized checkpoint"
+            raise ValueError(
+                f"tensor_parallel_size={tp} with {what} ({quantization.method}): not supported yet; load the float "
+                "checkpoint with quantization='int8' / 'int4' (quantized per rank at load), or quantization='none'"
+            )
+        if quantization.group_size is not None:
+            group = quantization.group_size
+            shards = {"num_heads * head_dim / tp": model.num_heads * model.head_dim // tp,
+                      "intermediate_size / tp": model.intermediate_size // tp}  # fmt: skip
+            unaligned = {k: v for k, v in shards.items() if v % group}
+            if unaligned:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} with quantization={quantization.method!r}: the row-parallel shards' "
+                    f"inputs {unaligned} must be multiples of quantization_group_size={group}"
+                )
+    if not device.startswith(("cpu", "cuda")):
+        raise ValueError(f"tensor_parallel_size={tp} needs device 'cpu' (gloo) or 'cuda' (NCCL), got {device!r}")
 
 
 def _check_positive(name: str, value: int) -> None:

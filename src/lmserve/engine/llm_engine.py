@@ -78,7 +78,10 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, tp_threads: int | None = None, tp_cpus: tuple[int, ...] | None = None
+    ) -> None:
+        """tp_threads / tp_cpus: a tensor-parallel group's threads and CPUs, split between its ranks."""
         from lmserve.tokenizer import load_tokenizer
         from lmserve.worker.model_runner import ModelRunner
 
@@ -94,7 +97,14 @@ class LLMEngine:
         )  # fmt: skip
         lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead)
-        self.runner = ModelRunner(config)
+        self.executor = None  # tensor parallel: the worker processes rank 0 drives (engine/tp_executor.py)
+        if config.tensor_parallel_size > 1:
+            from lmserve.engine.tp_executor import TPExecutor
+
+            self.executor = TPExecutor(config, tp_threads, tp_cpus)
+            self.runner = self.executor.runner
+        else:
+            self.runner = ModelRunner(config)
         self.structured = StructuredOutputManager(
             self.tokenizer, config.model.vocab_size, self.eos_token_ids,
             allow_additional_properties=config.structured_outputs_allow_additional_properties,

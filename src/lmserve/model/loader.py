@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from lmserve.config import ModelConfig, QuantizationConfig
 from lmserve.model.llama import CausalLM
+from lmserve.model.parallel import TPShard, local_config, shard_tensor
 
 # HF checkpoint name fragment → (our fused parameter fragment, shard index within the fused output)
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -39,10 +40,18 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_model(
-    cfg: ModelConfig, max_positions: int, device: str, quantization: QuantizationConfig | None = None
+    cfg: ModelConfig,
+    max_positions: int,
+    device: str,
+    quantization: QuantizationConfig | None = None,
+    tp: TPShard | None = None,
 ) -> CausalLM:
     """The model with its checkpoint's tensors. A pre-quantized checkpoint (`quantization.prequantized`)
-    fills the projections' quantized buffers directly (their float weights are never allocated)."""
+    fills the projections' quantized buffers directly (their float weights are never allocated). With tp, one
+    tensor-parallel rank's shard (model/parallel.py): each tensor is sliced as it is read."""
+    full_cfg = cfg
+    if tp is not None:
+        cfg = local_config(cfg, tp)
     dtype = TORCH_DTYPES[cfg.dtype]
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
@@ -78,6 +87,8 @@ def load_model(
             if cfg.tie_word_embeddings and target == "lm_head.weight":
                 continue  # some tied checkpoints still save the head
             raise ValueError(f"checkpoint tensor {name!r} in {file_name} has no place in {cfg.architecture}")
+        if tp is not None:
+            tensor = shard_tensor(target, tensor, shard, full_cfg, tp)
         try:
             if target in kquant:
                 _copy_kquant(kquant[target], target, tensor, shard, cfg)

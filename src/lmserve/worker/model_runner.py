@@ -21,6 +21,8 @@ from lmserve.model.layers import (
     round_linear_weights_to_bf16,
 )
 from lmserve.model.loader import load_model
+from lmserve.model.parallel import Collectives, TPShard, local_only, parallelize
+from lmserve.model.parallel import quantize_linear_weights as quantize_sharded_weights
 from lmserve.spec_decode.proposer import cut_at_grammar, make_proposer, proposal_inputs
 from lmserve.spec_decode.rejection_sampler import verify
 from lmserve.structured_output import fill_bitmasks
@@ -78,16 +80,23 @@ def _log_bf16_compute() -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: Collectives | None = None) -> None:
+        """tp: this process's tensor-parallel group (worker/distributed.py): the runner holds its rank's shard
+        (model/parallel.py); compute_logits answers on rank 0 only, which alone samples."""
         self.config = config
+        self.tp = None if tp is None else TPShard.of(config.model, tp.rank, tp.size)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             tune_malloc_for_tensors()
         self.block_size = config.cache.block_size
         mc = config.model
-        self.model = load_model(mc, config.scheduler.max_model_len, config.device, config.quantization)
+        self.model = load_model(mc, config.scheduler.max_model_len, config.device, config.quantization, self.tp)
+        if self.tp is not None:
+            parallelize(self.model, self.tp, tp)
         if config.quantization is not None:
-            if not config.quantization.prequantized:
+            if not config.quantization.prequantized and tp is not None:
+                quantize_sharded_weights(self.model, config.quantization, tp)
+            elif not config.quantization.prequantized:
                 quantize_linear_weights(self.model, config.quantization)
             w4a8 = 0
             if config.quantization.int4_compute == "w4a8" and kernels.available():
@@ -126,8 +135,9 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[KVCache]:
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
+        kv_heads = mc.num_kv_heads if self.tp is None else self.tp.num_kv_heads
         caches = [
-            KVCache.allocate(cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, cc.kv_cache_dtype, self.device)
+            KVCache.allocate(cc.num_blocks, cc.block_size, kv_heads, mc.head_dim, cc.kv_cache_dtype, self.device)
             for _ in range(mc.num_layers)
         ]
         scales = f", of which scales {cc.kv_scale_bytes_per_token} B" if cc.kv_scale_bytes_per_token else ""
@@ -146,7 +156,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self._small_m_pending:
             self._small_m_pending = False
-            choose_small_m_paths(self.model)
+            with local_only(self.model):  # (tensor parallel: each rank times its own shard's projections)
+                choose_small_m_paths(self.model)
         # Decode rows first, then prefill chunks: the attention backend batches the former. A verification run
         # (1 + k tokens) is k + 1 decode rows, each a query over its own prefix in the same blocks (its K/V rows
         # are all written before any query reads), so it takes the decode kernels and the one-call stack.

@@ -1,0 +1,283 @@
+"""Tensor parallelism's processes: the engine (scheduler, sampler) runs rank 0 in its own process and drives ranks
+1..N-1, spawned worker processes, SPMD.
+
+    engine process (rank 0)                                        worker process r (1..N-1)
+    ──────────────────────                                         ─────────────────────────
+    Scheduler.schedule → ModelRunner.execute                       PULL ◀─ TPForward / TPLogits / TPStop
+      model(...)      → TPForward (flat inputs) ─ PUSH per rank ─▶   model(...) on its shard
+      compute_logits  → TPLogits (the rows)     ─────────────────▶   compute_logits on its vocabulary slice
+      └ gloo: 2 all-reduces per layer, 1 for the embedding, a gather of the logits on rank 0 ┘
+      Sampler (rank 0 only)
+
+What crosses per step is the model's flat inputs (token ids, positions, slots, block tables: what ModelRunner.execute
+derives from the SchedulerOutput), msgpack-encoded once and sent to each rank, not the SchedulerOutput: workers
+hold no request state (token histories, generators, grammars), since they never sample. Sampling happens once, on
+rank 0, from the gathered logits; seeded sampling is therefore identical to tp = 1's by construction.
+
+A worker that dies is seen by a watcher thread at once (`failure`); the next step raises, a serving core reports
+CoreFailed (its requests fail, /health 503). Workers exit when the engine process goes (they poll its pid) and on
+close(); they are subprocesses (a serving engine core is daemonic and may not use multiprocessing children).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from lmserve.config import EngineConfig
+from lmserve.worker.distributed import Rendezvous, TPGroup, backend_for, free_port
+
+logger = logging.getLogger(__name__)
+
+WORKER_START_TIMEOUT_S = 600.0
+POLL_MS = 500  # an idle worker checks its parent this often
+
+
+class TPForward(msgspec.Struct, tag=True):
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    decode_lens: list[int]
+    decode_tables: list[list[int]]
+    prefills: list[tuple[int, int, int, list[int]]]  # (start row, tokens, cached context, block ids)
+
+
+class TPLogits(msgspec.Struct, tag=True):
+    rows: int
+    dtype: str
+    data: bytes
+
+
+class TPStop(msgspec.Struct, tag=True):
+    pass
+
+
+TPMessage = TPForward | TPLogits | TPStop
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    config: EngineConfig
+    rank: int
+    rendezvous: Rendezvous
+    address: str  # rank 0's PUSH for this rank
+    num_threads: int
+    cpus: tuple[int, ...] | None
+    parent_pid: int
+
+
+def split_threads(num_threads: int, tp: int) -> int:
+    """--num-threads is the TP group's: each rank gets an equal share, at least 1."""
+    return max(1, num_threads // tp)
+
+
+def rank_cpus(cpus: tuple[int, ...] | None, tp: int) -> list[tuple[int, ...] | None]:
+    """A TP group's CPU slice divided between its ranks (disjoint, rank order); None entries: no pinning."""
+    if not cpus or len(cpus) < tp:
+        return [None] * tp
+    per = len(cpus) // tp
+    return [tuple(cpus[r * per : (r + 1) * per]) for r in range(tp)]
+
+
+class TPExecutor:
+    """Rank 0's side: spawns the workers, builds its own shard's ModelRunner and mirrors each model call to them."""
+
+    def __init__(self, config: EngineConfig, num_threads: int | None = None, cpus: tuple[int, ...] | None = None):
+        from lmserve.worker.model_runner import ModelRunner
+
+        self.size = config.tensor_parallel_size
+        assert self.size > 1, "TPExecutor is for tensor_parallel_size > 1"
+        threads = split_threads(num_threads or torch.get_num_threads(), self.size)
+        slices = rank_cpus(cpus, self.size)  # pinned only when given a slice (serve); offline leaves the caller's
+        self.failure: str | None = None
+        self._dir = tempfile.mkdtemp(prefix="lmserve-tp-")
+        rv = Rendezvous("127.0.0.1", free_port(), self.size, backend_for(config.device))
+        self._ctx = zmq.Context()
+        self._socks: list[zmq.Socket] = []
+        self._procs: list[subprocess.Popen] = []
+        self._enc = msgspec.msgpack.Encoder()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _cleanup, self._procs, self._socks, self._ctx, self._dir)
+        for rank in range(1, self.size):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            address = f"ipc://{self._dir}/rank{rank}"
+            sock.bind(address)
+            self._socks.append(sock)
+            launch = WorkerLaunch(config, rank, rv, address, threads, slices[rank], os.getpid())
+            path = os.path.join(self._dir, f"rank{rank}.launch")
+            with open(path, "wb") as f:
+                pickle.dump(launch, f)
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # (PYTHONPATH and the rest inherited)
+            self._procs.append(subprocess.Popen([sys.executable, "-m", "lmserve.engine.tp_executor", path], env=env))
+        for rank, proc in enumerate(self._procs, start=1):
+            name = f"lmserve-tp-watch-{rank}"
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=name).start()
+        if slices[0] is not None:
+            os.sched_setaffinity(0, slices[0])
+        torch.set_num_threads(threads)
+        self.group = TPGroup(rv, 0)  # returns once every rank joined the store (or fails after the timeout)
+        self.runner = ModelRunner(config, tp=self.group)
+        self.group.barrier()  # every rank has loaded its shard
+        model = self.runner.model
+        local_forward, local_logits = model.forward, model.compute_logits
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta) -> torch.Tensor:
+            self._send(_forward_message(input_ids, positions, meta))
+            return local_forward(input_ids, positions, kv_caches, meta)
+
+        def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+            h = hidden.contiguous()
+            self._send(TPLogits(h.shape[0], str(h.dtype).removeprefix("torch."), h.numpy().tobytes()))
+            return local_logits(h)
+
+        model.forward, model.compute_logits = forward, compute_logits
+        logger.info("tensor parallel: %d ranks (workers pids %s), %d threads each, %s", self.size,
+                    [p.pid for p in self._procs], threads, rv.backend)  # fmt: skip
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not self._closed:
+            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) died: {how}"
+            logger.error("%s", self.failure)
+
+    def _send(self, msg: TPMessage) -> None:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        data = self._enc.encode(msg)
+        for sock in self._socks:
+            sock.send(data, copy=False)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        data = self._enc.encode(TPStop())
+        for sock in self._socks:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for p in self._procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.group.close()
+        self._finalizer()
+
+
+def _cleanup(procs: list[subprocess.Popen], socks: list, ctx: zmq.Context, tmp: str) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+    for s in socks:
+        s.close(0)
+    ctx.term()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _forward_message(input_ids: torch.Tensor, positions: torch.Tensor, meta) -> TPForward:
+    lens, tables = meta._decode_lists if meta.num_decode_tokens else ([], [])
+    prefills = [
+        (seg.start, seg.end - seg.start, seg.num_context_tokens, seg.block_table.tolist()) for seg in meta.prefills
+    ]
+    return TPForward(input_ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(), lens, tables, prefills)
+
+
+# ---- the worker process ------------------------------------------------------------------------------------------
+
+
+def worker_main(launch: WorkerLaunch) -> None:
+    """Rank r ≥ 1: load the shard, then run the model calls rank 0 sends until TPStop or rank 0's end."""
+    from lmserve.worker.model_runner import ModelRunner
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {launch.rank}]: %(message)s")  # fmt: skip
+    if launch.cpus:
+        os.sched_setaffinity(0, launch.cpus)
+    torch.set_num_threads(launch.num_threads)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(launch.address)
+    group = TPGroup(launch.rendezvous, launch.rank)
+    runner = ModelRunner(launch.config, tp=group)
+    group.barrier()
+    try:
+        _serve_steps(launch, sock, runner)
+    except Exception:  # a collective failed (rank 0 or a peer died): nothing to save
+        logger.exception("tensor-parallel rank %d stops", launch.rank)
+        os._exit(1)
+    sock.close(0)
+    ctx.term()
+    group.close()
+    logging.shutdown()
+    os._exit(0)  # finalizing torch takes seconds; nothing is left to clean up
+
+
+def _serve_steps(launch: WorkerLaunch, sock: zmq.Socket, runner) -> None:  # noqa: ANN001 (a ModelRunner)
+    from lmserve.model.attention import AttentionMetadata, PrefillSegment
+    from lmserve.model.layers import choose_small_m_paths
+    from lmserve.model.parallel import local_only
+
+    dec = msgspec.msgpack.Decoder(TPMessage)
+    model, dev, bs = runner.model, runner.device, runner.block_size
+    first = True
+    with torch.inference_mode():
+        while True:
+            if not sock.poll(POLL_MS):
+                if os.getppid() != launch.parent_pid:
+                    break  # rank 0's process is gone
+                continue
+            msg = dec.decode(sock.recv())
+            if isinstance(msg, TPStop):
+                break
+            if isinstance(msg, TPLogits):
+                dtype = getattr(torch, msg.dtype)
+                h = torch.frombuffer(bytearray(msg.data), dtype=dtype).view(msg.rows, -1).to(dev)
+                model.compute_logits(h)
+                continue
+            if first:
+                first = False
+                with local_only(model):
+                    choose_small_m_paths(model)
+            meta = AttentionMetadata(slot_mapping=torch.tensor(msg.slots, dtype=torch.long, device=dev))
+            if msg.decode_lens:
+                meta.set_decodes(msg.decode_lens, msg.decode_tables, bs)
+            for start, n, ctx_tokens, blocks in msg.prefills:
+                meta.prefills.append(PrefillSegment.for_chunk(start, n, ctx_tokens, blocks, bs, dev))
+            ids = torch.tensor(msg.input_ids, dtype=torch.long, device=dev)
+            pos = torch.tensor(msg.positions, dtype=torch.long, device=dev)
+            model(ids, pos, runner.kv_caches, meta)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], "rb") as f:
+        worker_main(pickle.load(f))  # our own launch file, written by TPExecutor in a private temp directory
