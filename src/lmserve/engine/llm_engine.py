@@ -116,6 +116,11 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one process); the engine is unusable after."""
+        if self.executor is not None:
+            self.executor.close()
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())

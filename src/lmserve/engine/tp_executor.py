@@ -31,6 +31,8 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import msgspec
@@ -138,12 +140,14 @@ class TPExecutor:
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta) -> torch.Tensor:
             self._send(_forward_message(input_ids, positions, meta))
-            return local_forward(input_ids, positions, kv_caches, meta)
+            with self._collective_errors():
+                return local_forward(input_ids, positions, kv_caches, meta)
 
         def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
             h = hidden.contiguous()
-            self._send(TPLogits(h.shape[0], str(h.dtype).removeprefix("torch."), h.numpy().tobytes()))
-            return local_logits(h)
+            self._send(TPLogits(h.shape[0], str(h.dtype).removeprefix("torch."), h.cpu().numpy().tobytes()))
+            with self._collective_errors():
+                return local_logits(h)
 
         model.forward, model.compute_logits = forward, compute_logits
         logger.info("tensor parallel: %d ranks (workers pids %s), %d threads each, %s", self.size,
@@ -159,6 +163,19 @@ class TPExecutor:
             how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
             self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) died: {how}"
             logger.error("%s", self.failure)
+
+    @contextmanager
+    def _collective_errors(self) -> Iterator[None]:
+        """A collective that fails (gloo: "Connection reset by peer") names the rank that died, once its watcher
+        has seen it (a moment later)."""
+        try:
+            yield
+        except RuntimeError as e:
+            deadline = time.monotonic() + 1.0
+            while self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise RuntimeError(f"{self.failure or 'a tensor-parallel collective failed'} ({first})") from e
 
     def _send(self, msg: TPMessage) -> None:
         if self.failure is not None:
