@@ -209,3 +209,45 @@ def test_close_stops_every_worker(llama_dir: Path, engines: list[LLM]) -> None:
     assert all(_alive(p) for p in pids)
     llm.engine.executor.close()
     assert not any(_alive(p) for p in pids)
+
+
+def _all_reduce_rank(rank: int, port: int, mode: str, queue) -> None:  # noqa: ANN001 (a multiprocessing queue)
+    torch.set_num_threads(1)
+    from lmserve.worker.distributed import Rendezvous, TPGroup
+
+    group = TPGroup(Rendezvous("127.0.0.1", port, 2, timeout_s=60, all_reduce=mode), rank)
+    g = torch.Generator().manual_seed(rank)
+    results = []
+    for numel in (64, 576, 3 * 2**20 + 5):  # the last one in chunks (a slot is 4 MiB)
+        x = torch.randn(numel, generator=g)
+        results.append(group.all_reduce(x.clone()).numpy())  # (numpy: pickled by value)
+    queue.put((rank, group.all_reduce_kind, results))
+    group.barrier_backend()
+    group.close()
+
+
+@pytest.mark.parametrize("mode", ["shm", "backend"])
+def test_all_reduce_sums_identically_on_every_rank(mode: str) -> None:
+    import multiprocessing as mp
+
+    from lmserve.worker.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, port, mode, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r, (kind, res)) for r, kind, res in (queue.get(timeout=120) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got[0][0] == got[1][0] == ("shm" if mode == "shm" else "gloo")
+    gens = [torch.Generator().manual_seed(r) for r in range(2)]  # each rank's draws, replayed
+    for numel, a, b in zip((64, 576, 3 * 2**20 + 5), got[0][1], got[1][1], strict=True):
+        expected = torch.randn(numel, generator=gens[0]) + torch.randn(numel, generator=gens[1])
+        assert (a == b).all(), "every rank holds the same sum"
+        torch.testing.assert_close(torch.from_numpy(a), expected)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("lmserve-tp-")], "no shared-memory file is left"

@@ -133,6 +133,7 @@ class TPExecutor:
             os.sched_setaffinity(0, slices[0])
         torch.set_num_threads(threads)
         self.group = TPGroup(rv, 0)  # returns once every rank joined the store (or fails after the timeout)
+        self.group.abort_reason = lambda: self.failure
         self.runner = ModelRunner(config, tp=self.group)
         self.group.barrier()  # every rank has loaded its shard
         model = self.runner.model
@@ -150,8 +151,8 @@ class TPExecutor:
                 return local_logits(h)
 
         model.forward, model.compute_logits = forward, compute_logits
-        logger.info("tensor parallel: %d ranks (workers pids %s), %d threads each, %s", self.size,
-                    [p.pid for p in self._procs], threads, rv.backend)  # fmt: skip
+        logger.info("tensor parallel: %d ranks (workers pids %s), %d threads each, %s, all-reduce %s", self.size,
+                    [p.pid for p in self._procs], threads, rv.backend, self.group.all_reduce_kind)  # fmt: skip
 
     @property
     def worker_pids(self) -> list[int]:
@@ -245,6 +246,7 @@ def worker_main(launch: WorkerLaunch) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(launch.address)
     group = TPGroup(launch.rendezvous, launch.rank)
+    group.abort_reason = lambda: None if os.getppid() == launch.parent_pid else "rank 0's process is gone"
     runner = ModelRunner(launch.config, tp=group)
     group.barrier()
     try:
