@@ -251,3 +251,25 @@ def test_all_reduce_sums_identically_on_every_rank(mode: str) -> None:
         assert (a == b).all(), "every rank holds the same sum"
         torch.testing.assert_close(torch.from_numpy(a), expected)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("lmserve-tp-")], "no shared-memory file is left"
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama3-rope-untied"])
+def test_ledger_per_rank_matches_the_engine_to_the_byte(model_dirs: dict[str, Path], engines: list[LLM],
+                                                         name: str) -> None:  # fmt: skip
+    """`lmserve memory --tensor-parallel-size 2`'s per-rank weights and KV are what a TP = 2 rank holds: its
+    parameters' bytes (vocabulary rows padded to ceil(V / tp)), its KV tensors' bytes and its pool's block count."""
+    from lmserve import memory
+    from lmserve.memory_report import memory_report
+
+    shape = memory.load_model_shape(model_dirs[name])
+    report = memory_report(shape, kv_dtype="int8", weight_dtype="float32", tp=2, memory_bytes=2**30)
+    budget = 3 * 2**20
+    llm = make(engines, model_dirs[name], kv_cache_memory_gib=budget / 2**30, kv_cache_dtype="int8",
+               tensor_parallel_size=2, max_model_len=128)  # fmt: skip
+    cache, runner = llm.engine.config.cache, llm.engine.runner
+    assert cache.kv_bytes_per_token == report.kv_bytes_per_token_per_rank
+    assert cache.num_blocks == memory.max_num_kv_blocks(budget, cache.block_size, report.kv_bytes_per_token_per_rank)
+    kv_bytes = sum(t.nbytes for c in runner.kv_caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None)
+    assert kv_bytes == cache.pool_bytes
+    weights = {p.data_ptr(): p.nbytes for p in runner.model.parameters()}  # (a tied head counted once)
+    assert sum(weights.values()) == report.weight_bytes_per_rank
