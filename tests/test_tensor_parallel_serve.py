@@ -106,3 +106,81 @@ def test_killed_rank_fails_requests_and_the_client(llama_dir: Path) -> None:
         assert _gone(core_pid)
     finally:
         client.shutdown()
+
+
+# ---- `lmserve serve --tensor-parallel-size 2` as real processes ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.test_server import make_chat_model
+
+    return make_chat_model(llama_dir, tmp_path_factory.mktemp("tp-serve") / "model")
+
+
+@pytest.fixture
+def serve(chat_model: Path, tmp_path: Path):  # noqa: ANN201 (a factory of LiveServers)
+    from tests.test_server import LiveServer
+
+    started = []
+
+    def start(*extra: str):  # noqa: ANN202
+        srv = LiveServer(chat_model, tmp_path / f"server{len(started)}.log", *extra)
+        started.append(srv)
+        srv.wait_healthy(240)
+        return srv
+
+    yield start
+    for srv in started:
+        if srv.proc.poll() is None:
+            srv.stop()
+
+
+def _complete(srv, max_tokens: int = 4) -> dict:  # noqa: ANN001
+    import httpx
+
+    from tests.test_server import MODEL_NAME
+
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_serve_tp2_then_a_killed_rank_is_503_and_sigterm_leaves_nothing(serve) -> None:  # noqa: ANN001
+    import httpx
+
+    from tests.test_server_processes import core_pids, descendants
+
+    srv = serve("--tensor-parallel-size", "2", "--num-threads", "2")
+    (core,) = core_pids(srv.proc.pid)
+    (worker,) = _children(core)
+    assert _complete(srv)["usage"]["completion_tokens"] == 4
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    os.kill(worker, signal.SIGKILL)
+    t0 = time.monotonic()
+    while httpx.get(srv.url + "/health").status_code != 503:
+        assert time.monotonic() - t0 < 1.0, "the dead rank was not reported within 1 s"
+        time.sleep(0.02)
+    assert httpx.get(srv.url + "/health").json()["status"] == "dead"
+    assert "tensor-parallel rank 1" in srv.log() and "died" in srv.log()
+    srv2 = serve("--tensor-parallel-size", "2", "--num-threads", "2")
+    everyone = descendants(srv2.proc.pid)
+    assert len(everyone) >= 2
+    srv2.proc.send_signal(signal.SIGTERM)
+    assert srv2.proc.wait(30) in (0, -signal.SIGTERM), srv2.log()
+    deadline = time.monotonic() + 5
+    while not all(_gone(p) for p in everyone):
+        assert time.monotonic() < deadline, [p for p in everyone if not _gone(p)]
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_ray_backend_serves_tp2(serve, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from tests.helpers import require_extra
+
+    require_extra("ray", "ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    srv = serve("--distributed-executor-backend", "ray", "--tensor-parallel-size", "2", "--num-threads", "2")
+    assert "engine core(s) ready (ray backend" in srv.log()
+    assert _complete(srv, 6)["usage"]["completion_tokens"] == 6
