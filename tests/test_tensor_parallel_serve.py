@@ -184,3 +184,7 @@ def test_ray_backend_serves_tp2(serve, monkeypatch: pytest.MonkeyPatch) -> None:
     srv = serve("--distributed-executor-backend", "ray", "--tensor-parallel-size", "2", "--num-threads", "2")
     assert "engine core(s) ready (ray backend" in srv.log()
     assert _complete(srv, 6)["usage"]["completion_tokens"] == 6
+    # the core actor's log line (Ray forwards it to the server's output only sometimes; its own file has it)
+    line = "tensor parallel: 2 ranks (workers Ray actors"
+    logs = [srv.log()] + [p.read_text(errors="replace") for p in Path("/tmp/ray/session_latest/logs").glob("worker-*")]
+    assert any(line in text for text in logs), "rank 1 should be a Ray actor in the core's placement group"

@@ -63,6 +63,7 @@ class CoreLaunch:
     parent_pid: int | None = None  # exit as soon as the parent is no longer this pid (None: do not check)
     cpu_backoff: bool = False  # drop to 1 torch thread while other processes use the core's CPUs (cpu_share.py)
     log_level: int = logging.WARNING  # the API process's root level: the core logs (to stderr) what it would
+    backend: str = "mp"  # "ray": tensor-parallel ranks are Ray actors in the core's placement group
 
 
 def run_engine_core(launch: CoreLaunch) -> None:
@@ -96,7 +97,7 @@ def run_engine_core(launch: CoreLaunch) -> None:
         # tensor parallel: the core's threads and CPUs are its group's, divided between the ranks
         tp = launch.config.tensor_parallel_size
         cpus = launch.cpus or (tuple(sorted(os.sched_getaffinity(0))) if tp > 1 else None)
-        engine = LLMEngine(launch.config, launch.num_threads, cpus)
+        engine = LLMEngine(launch.config, launch.num_threads, cpus, launch.backend)
         EngineCore(engine, launch, inp, out, codec).run()
     except BaseException as e:
         logger.exception("engine core %d failed", launch.engine_index)

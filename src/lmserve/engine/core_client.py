@@ -379,6 +379,7 @@ class EngineCoreClient:
                 parent_pid=os.getpid() if self.backend == "mp" else None,
                 log_level=logging.getLogger().getEffectiveLevel(),
                 cpu_backoff=self.cpu_policy == "adaptive",
+                backend=self.backend,
             )
             handle = _RayHandle(launch, env) if self.backend == "ray" else _ProcessHandle(launch, env)
             admission = Admission(self.max_queued_requests, self.retry_after_s)

@@ -79,9 +79,14 @@ class EngineCounters:
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, tp_threads: int | None = None, tp_cpus: tuple[int, ...] | None = None
+        self,
+        config: EngineConfig,
+        tp_threads: int | None = None,
+        tp_cpus: tuple[int, ...] | None = None,
+        tp_backend: str = "mp",
     ) -> None:
-        """tp_threads / tp_cpus: a tensor-parallel group's threads and CPUs, split between its ranks."""
+        """tp_threads / tp_cpus: a tensor-parallel group's threads and CPUs, split between its ranks; tp_backend:
+        its workers as subprocesses ("mp") or Ray actors ("ray")."""
         from lmserve.tokenizer import load_tokenizer
         from lmserve.worker.model_runner import ModelRunner
 
@@ -101,7 +106,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             from lmserve.engine.tp_executor import TPExecutor
 
-            self.executor = TPExecutor(config, tp_threads, tp_cpus)
+            self.executor = TPExecutor(config, tp_threads, tp_cpus, tp_backend)
             self.runner = self.executor.runner
         else:
             self.runner = ModelRunner(config)

@@ -78,7 +78,7 @@ class WorkerLaunch:
     address: str  # rank 0's PUSH for this rank
     num_threads: int
     cpus: tuple[int, ...] | None
-    parent_pid: int
+    parent_pid: int | None  # a subprocess: rank 0's pid, its parent (None: a Ray actor)
 
 
 def split_threads(num_threads: int, tp: int) -> int:
@@ -94,41 +94,155 @@ def rank_cpus(cpus: tuple[int, ...] | None, tp: int) -> list[tuple[int, ...] | N
     return [tuple(cpus[r * per : (r + 1) * per]) for r in range(tp)]
 
 
+class _ProcessWorker:
+    """A rank as a subprocess (`python -m lmserve.engine.tp_executor LAUNCH_FILE`)."""
+
+    def __init__(self, launch: WorkerLaunch, tmp: str) -> None:
+        path = os.path.join(tmp, f"rank{launch.rank}.launch")
+        with open(path, "wb") as f:
+            pickle.dump(launch, f)
+        env = {**os.environ, "OMP_NUM_THREADS": str(launch.num_threads)}  # (PYTHONPATH and the rest inherited)
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmserve.engine.tp_executor", path], env=env)
+        self.pid: int | str = self.proc.pid
+
+    def wait(self) -> str:
+        code = self.proc.wait()
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+    def stop(self, timeout_s: float) -> None:
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class _RayWorker:
+    """A rank as a Ray actor in bundle `rank` of the TP group's placement group (the core's own, when it runs in
+    one: core_handles makes it, rank 0 in bundle 0). Non-detached: Ray ends it with its owner, the engine core."""
+
+    def __init__(self, launch: WorkerLaunch, pg: object) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        env = {"OMP_NUM_THREADS": str(launch.num_threads)}
+        if os.environ.get("PYTHONPATH"):
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        actor_cls = ray.remote(num_cpus=launch.num_threads, max_restarts=0)(_TPWorkerActor)
+        strategy = PlacementGroupSchedulingStrategy(pg, launch.rank)
+        self.actor = actor_cls.options(runtime_env={"env_vars": env}, scheduling_strategy=strategy).remote()
+        self.ref = self.actor.run.remote(launch)
+        self.pid = f"ray actor {self.actor._actor_id.hex()[:8]}"
+
+    def wait(self) -> str:
+        import ray
+
+        try:
+            ray.get(self.ref)
+            return "the actor's loop returned"
+        except Exception as e:  # RayActorError: the actor's process died
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def stop(self, timeout_s: float) -> None:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=timeout_s)
+        if not ready:
+            self.kill()
+
+    def kill(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001 (already gone)
+            pass
+
+
+class _TPWorkerActor:
+    """Ray actor body (wrapped with ray.remote at launch, so Ray stays an optional import)."""
+
+    def run(self, launch: WorkerLaunch) -> None:
+        run_worker(launch)
+
+
+def _placement_group(size: int, threads: int) -> tuple[object, bool]:
+    """The TP group's placement group: the current one (the engine core's, rank 0 in bundle 0), else a new one
+    (returned with True: this executor removes it)."""
+    from ray.util import get_current_placement_group
+    from ray.util.placement_group import placement_group
+
+    pg = get_current_placement_group()
+    if pg is not None and len(pg.bundle_specs) >= size:
+        return pg, False
+    pg = placement_group([{"CPU": threads}] * size, strategy="PACK")
+    import ray
+
+    ray.get(pg.ready(), timeout=WORKER_START_TIMEOUT_S)
+    return pg, True
+
+
 class TPExecutor:
     """Rank 0's side: spawns the workers, builds its own shard's ModelRunner and mirrors each model call to them."""
 
-    def __init__(self, config: EngineConfig, num_threads: int | None = None, cpus: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_threads: int | None = None,
+        cpus: tuple[int, ...] | None = None,
+        backend: str = "mp",
+    ) -> None:
+        """backend: "mp" (workers are subprocesses, ipc) or "ray" (Ray actors in a placement group, tcp on this
+        node's IP; rendezvous through rank 0's TCPStore)."""
         from lmserve.worker.model_runner import ModelRunner
 
+        if backend not in ("mp", "ray"):
+            raise ValueError(f"tensor-parallel backend must be 'mp' or 'ray', got {backend!r}")
         self.size = config.tensor_parallel_size
         assert self.size > 1, "TPExecutor is for tensor_parallel_size > 1"
         threads = split_threads(num_threads or torch.get_num_threads(), self.size)
-        slices = rank_cpus(cpus, self.size)  # pinned only when given a slice (serve); offline leaves the caller's
+        slices = rank_cpus(cpus if backend == "mp" else None, self.size)  # (Ray places CPUs itself)
         self.failure: str | None = None
         self._dir = tempfile.mkdtemp(prefix="lmserve-tp-")
-        rv = Rendezvous("127.0.0.1", free_port(), self.size, backend_for(config.device))
+        host = "127.0.0.1"
+        pg, own_pg = None, False
+        if backend == "ray":
+            import ray
+
+            host = ray.util.get_node_ip_address()
+            pg, own_pg = _placement_group(self.size, threads)
+        rv = Rendezvous(host, free_port(host), self.size, backend_for(config.device))
         self._ctx = zmq.Context()
         self._socks: list[zmq.Socket] = []
-        self._procs: list[subprocess.Popen] = []
+        self._workers: list[_ProcessWorker | _RayWorker] = []
         self._enc = msgspec.msgpack.Encoder()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _cleanup, self._procs, self._socks, self._ctx, self._dir)
+        self._finalizer = weakref.finalize(self, _cleanup, self._workers, self._socks, self._ctx, self._dir,
+                                           pg if own_pg else None)  # fmt: skip
         for rank in range(1, self.size):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
-            address = f"ipc://{self._dir}/rank{rank}"
-            sock.bind(address)
+            if backend == "ray":
+                address = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+            else:
+                address = f"ipc://{self._dir}/rank{rank}"
+                sock.bind(address)
             self._socks.append(sock)
-            launch = WorkerLaunch(config, rank, rv, address, threads, slices[rank], os.getpid())
-            path = os.path.join(self._dir, f"rank{rank}.launch")
-            with open(path, "wb") as f:
-                pickle.dump(launch, f)
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # (PYTHONPATH and the rest inherited)
-            self._procs.append(subprocess.Popen([sys.executable, "-m", "lmserve.engine.tp_executor", path], env=env))
-        for rank, proc in enumerate(self._procs, start=1):
+            parent = os.getpid() if backend == "mp" else None
+            launch = WorkerLaunch(config, rank, rv, address, threads, slices[rank], parent)
+            self._workers.append(_RayWorker(launch, pg) if backend == "ray" else _ProcessWorker(launch, self._dir))
+        for rank, worker in enumerate(self._workers, start=1):
             name = f"lmserve-tp-watch-{rank}"
-            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=name).start()
+            threading.Thread(target=self._watch, args=(rank, worker), daemon=True, name=name).start()
         if slices[0] is not None:
             os.sched_setaffinity(0, slices[0])
         torch.set_num_threads(threads)
@@ -151,18 +265,18 @@ class TPExecutor:
                 return local_logits(h)
 
         model.forward, model.compute_logits = forward, compute_logits
-        logger.info("tensor parallel: %d ranks (workers pids %s), %d threads each, %s, all-reduce %s", self.size,
-                    [p.pid for p in self._procs], threads, rv.backend, self.group.all_reduce_kind)  # fmt: skip
+        logger.info("tensor parallel: %d ranks (workers %s: %s), %d threads each, %s, all-reduce %s", self.size,
+                    "Ray actors" if backend == "ray" else "processes", [w.pid for w in self._workers], threads,
+                    rv.backend, self.group.all_reduce_kind)  # fmt: skip
 
     @property
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+    def worker_pids(self) -> list[int | str]:
+        return [w.pid for w in self._workers]
 
-    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
+    def _watch(self, rank: int, worker: _ProcessWorker | _RayWorker) -> None:
+        how = worker.wait()
         if not self._closed:
-            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-            self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) died: {how}"
+            self.failure = f"tensor-parallel rank {rank} (pid {worker.pid}) died: {how}"
             logger.error("%s", self.failure)
 
     @contextmanager
@@ -195,30 +309,23 @@ class TPExecutor:
                 sock.send(data, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        for p in self._procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        for w in self._workers:
+            w.stop(10)
         self.group.close()
         self._finalizer()
 
 
-def _cleanup(procs: list[subprocess.Popen], socks: list, ctx: zmq.Context, tmp: str) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+def _cleanup(workers: list, socks: list, ctx: zmq.Context, tmp: str, pg: object | None) -> None:
+    for w in workers:
+        w.kill()
     for s in socks:
         s.close(0)
     ctx.term()
     shutil.rmtree(tmp, ignore_errors=True)
+    if pg is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
 
 
 def _forward_message(input_ids: torch.Tensor, positions: torch.Tensor, meta) -> TPForward:
@@ -233,11 +340,22 @@ def _forward_message(input_ids: torch.Tensor, positions: torch.Tensor, meta) -> 
 
 
 def worker_main(launch: WorkerLaunch) -> None:
-    """Rank r ≥ 1: load the shard, then run the model calls rank 0 sends until TPStop or rank 0's end."""
-    from lmserve.worker.model_runner import ModelRunner
-
+    """A subprocess rank: run_worker, then end the process at once (finalizing torch takes seconds)."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s [tp rank {launch.rank}]: %(message)s")  # fmt: skip
+    try:
+        run_worker(launch)
+    except Exception:  # a collective failed (rank 0 or a peer died): nothing to save
+        logger.exception("tensor-parallel rank %d stops", launch.rank)
+        os._exit(1)
+    logging.shutdown()
+    os._exit(0)
+
+
+def run_worker(launch: WorkerLaunch) -> None:
+    """Rank r >= 1: load the shard, then run the model calls rank 0 sends until TPStop or rank 0's end."""
+    from lmserve.worker.model_runner import ModelRunner
+
     if launch.cpus:
         os.sched_setaffinity(0, launch.cpus)
     torch.set_num_threads(launch.num_threads)
@@ -246,19 +364,20 @@ def worker_main(launch: WorkerLaunch) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(launch.address)
     group = TPGroup(launch.rendezvous, launch.rank)
-    group.abort_reason = lambda: None if os.getppid() == launch.parent_pid else "rank 0's process is gone"
-    runner = ModelRunner(launch.config, tp=group)
-    group.barrier()
+    group.abort_reason = lambda: None if _parent_alive(launch) else "rank 0's process is gone"
     try:
+        runner = ModelRunner(launch.config, tp=group)
+        group.barrier()
         _serve_steps(launch, sock, runner)
-    except Exception:  # a collective failed (rank 0 or a peer died): nothing to save
-        logger.exception("tensor-parallel rank %d stops", launch.rank)
-        os._exit(1)
-    sock.close(0)
-    ctx.term()
-    group.close()
-    logging.shutdown()
-    os._exit(0)  # finalizing torch takes seconds; nothing is left to clean up
+    finally:
+        sock.close(0)
+        ctx.term()
+        group.close()
+
+
+def _parent_alive(launch: WorkerLaunch) -> bool:
+    """A subprocess checks rank 0's pid (its parent); a Ray actor ends with its owner, Ray's doing."""
+    return launch.parent_pid is None or os.getppid() == launch.parent_pid
 
 
 def _serve_steps(launch: WorkerLaunch, sock: zmq.Socket, runner) -> None:  # noqa: ANN001 (a ModelRunner)
@@ -272,7 +391,7 @@ def _serve_steps(launch: WorkerLaunch, sock: zmq.Socket, runner) -> None:  # noq
     with torch.inference_mode():
         while True:
             if not sock.poll(POLL_MS):
-                if os.getppid() != launch.parent_pid:
+                if not _parent_alive(launch):
                     break  # rank 0's process is gone
                 continue
             msg = dec.decode(sock.recv())
