@@ -273,3 +273,26 @@ def test_ledger_per_rank_matches_the_engine_to_the_byte(model_dirs: dict[str, Pa
     assert kv_bytes == cache.pool_bytes
     weights = {p.data_ptr(): p.nbytes for p in runner.model.parameters()}  # (a tied head counted once)
     assert sum(weights.values()) == report.weight_bytes_per_rank
+
+
+def test_tp4_replicates_two_kv_heads(llama_dir: Path, engines: list[LLM]) -> None:
+    """4 ranks, 2 KV heads: each KV head lives on 2 ranks (rank r holds head r // 2), one query head per rank."""
+    from lmserve.model.parallel import TPShard
+
+    one = make(engines, llama_dir, num_kv_blocks=64)
+    four = make(engines, llama_dir, num_kv_blocks=64, tensor_parallel_size=4)
+    cfg = four.engine.config.model
+    assert [TPShard.of(cfg, r, 4).kv_head_start for r in range(4)] == [0, 0, 1, 1]
+    assert four.engine.runner.kv_caches[0].k.shape[2] == 1
+    assert_rel_close(first_step_logits(four, PROMPTS), first_step_logits(one, PROMPTS))
+    assert greedy(four) == greedy(one)
+
+
+def test_nccl_path_is_importable_and_refused_without_cuda() -> None:
+    from lmserve.worker.distributed import Rendezvous, TPGroup, backend_for, free_port
+
+    assert backend_for("cuda:0") == "nccl" and backend_for("cpu") == "gloo"
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA build: the NCCL group needs its peers")
+    with pytest.raises(ValueError, match="'nccl' needs a CUDA build of torch"):
+        TPGroup(Rendezvous("127.0.0.1", free_port(), 1, backend="nccl", timeout_s=10), 0)
