@@ -112,15 +112,16 @@ class Request:
     def check_stop(self, max_model_len: int) -> bool:
         """After a new token: set finish_reason if the request is done. Returns whether it is."""
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        num_output = len(self.output_token_ids)
+        if num_output >= params.min_tokens:
+            last = self.output_token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, None
                 return True
-            if last in params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, last
                 return True
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
             return True
         return False

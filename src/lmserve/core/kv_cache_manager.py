@@ -143,10 +143,12 @@ class KVCacheManager:
         later request of the same step reads them as cached context."""
         if not self.enable_prefix_caching:
             return
-        table = self.req_to_blocks[request.request_id]
         num_tokens = request.num_computed_tokens if num_tokens is None else num_tokens
-        num_full = min(num_tokens // self.block_size, len(table))
         start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_tokens // self.block_size <= start:
+            return  # no new full block (most calls: a decode step fills one block in block_size steps)
+        table = self.req_to_blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(table))
         if num_full <= start:
             return
         request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes)
@@ -164,12 +166,13 @@ class KVCacheManager:
         table = self.req_to_blocks.get(request.request_id)
         if table is None:
             return
-        keep = self.num_blocks_for(num_tokens)
+        keep = -(-num_tokens // self.block_size)  # num_blocks_for, inlined: every decode step of every request
+        if len(table) <= keep:
+            return
         assert keep >= self._num_cached_blocks.get(request.request_id, 0), "trim would drop a cached block"
         assert keep >= self._num_skipped_blocks.get(request.request_id, 0), "trim would reach freed blocks"
-        if len(table) > keep:
-            self.pool.free_blocks(list(reversed(table[keep:])))
-            self.req_to_blocks[request.request_id] = table[:keep]
+        self.pool.free_blocks(list(reversed(table[keep:])))
+        self.req_to_blocks[request.request_id] = table[:keep]
 
     def free(self, request: Request) -> None:
         table = self.req_to_blocks.pop(request.request_id, [])

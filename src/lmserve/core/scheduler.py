@@ -87,26 +87,34 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         now = self.clock()
-        for s in scheduled:
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = now
-        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        num_tokens = num_decode = 0
+        for s in scheduled:  # one pass (the simulator runs millions of steps)
+            request = s.request
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            num_tokens += s.num_new_tokens
+            if request.num_computed_tokens >= len(request.all_token_ids) - 1:  # s.start: a decode row
+                num_decode += s.num_new_tokens
         assert num_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
-        num_decode = sum(s.num_new_tokens for s in scheduled if s.start >= s.request.num_tokens - 1)
         self._last_num_batched_tokens, self._last_num_decode_tokens = num_tokens, num_decode
         return SchedulerOutput(scheduled, num_tokens, preempted, num_decode)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_unverified = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_unverified + len(request.spec_token_ids), budget)
-            del request.spec_token_ids[max(0, num_new - num_unverified) :]  # proposals past the budget
-            if not self.config.enable_chunked_prefill and num_new < num_unverified:
+        chunked = self.config.enable_chunked_prefill
+        running = self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_unverified = len(request.all_token_ids) - request.num_computed_tokens
+            if request.spec_token_ids:
+                num_new = min(num_unverified + len(request.spec_token_ids), budget)
+                del request.spec_token_ids[max(0, num_new - num_unverified) :]  # proposals past the budget
+            else:
+                num_new = min(num_unverified, budget)
+            if not chunked and num_new < num_unverified:
                 break  # whole prompt must fit one step: wait for a step with budget
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            num_slots = num_new + self._num_lookahead(request, num_new)
+            num_slots = num_new + self._num_lookahead(request, num_new) if self.num_lookahead_tokens else num_new
             table = self.kv.allocate_slots(request, num_slots)
             while table is None:
                 victim = self.running.pop()  # the most recently admitted
@@ -220,7 +228,8 @@ class Scheduler:
             accepted = output.accepted_token_ids.get(rid, []) if s.num_spec_tokens else []
             # Rejected proposals are rolled back: their positions do not count as computed.
             request.num_computed_tokens += s.num_new_tokens - (s.num_spec_tokens - len(accepted))
-            request.spec_token_ids, request.spec_draft_probs = [], None
+            if request.spec_token_ids or request.spec_draft_probs is not None:
+                request.spec_token_ids, request.spec_draft_probs = [], None
             token = output.sampled_token_ids.get(rid)
             if token is None:
                 self.kv.cache_blocks(request)
@@ -242,8 +251,9 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request)
             else:
-                request.spec_token_ids = list(output.spec_token_ids.get(rid, []))
-                request.spec_draft_probs = output.spec_draft_probs.get(rid)
+                if output.spec_token_ids:
+                    request.spec_token_ids = list(output.spec_token_ids.get(rid, []))
+                    request.spec_draft_probs = output.spec_draft_probs.get(rid)
                 self.kv.trim(request, request.num_tokens + len(request.spec_token_ids))
             updated.append(request)
         return updated
