@@ -26,7 +26,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "model.registry", "model.gguf",
         ),
     ),
-    ("config", ("model_config", "config", "spec_decode.config")),
+    ("config", ("model_config", "config", "spec_decode.config", "kv_transfer_config")),
     ("core", ("core",)),
     ("model", ("kernels", "model", "worker", "spec_decode", "structured_output")),
     ("engine", ("engine", "metrics")),
