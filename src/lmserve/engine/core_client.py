@@ -53,6 +53,7 @@ from lmserve.engine.admission import Admission
 from lmserve.engine.core import CoreLaunch
 from lmserve.engine.core_handles import _ProcessHandle, _RayHandle
 from lmserve.engine.cpu_slices import CPU_POLICIES, DEFAULT_CPU_POLICY, cpu_slices, default_num_threads
+from lmserve.engine.disaggregation import KVTransferError
 from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.engine.messages import (
     AbortRequests,
@@ -302,8 +303,12 @@ class EngineCoreClient:
             core.pending[request_id] = (num_seqs, num_blocks)
             core.streams.add(request_id)
             self._streams[request_id] = _Stream(stream, core, prompt_ids)
-        self._send(core, AddRequest(request_id, prompt_ids, params, arrival_time))
+        self._send(core, self._add_message(request_id, prompt_ids, params, arrival_time))
         return stream
+
+    def _add_message(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float) -> Any:
+        """The AddRequest a new request's first core gets (pd_client: a prefill core's, do_remote_decode)."""
+        return AddRequest(request_id, prompt_ids, params, arrival)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (idempotent; unknown or finished ids are ignored). Callable from any thread."""
@@ -369,7 +374,7 @@ class EngineCoreClient:
                 input_address = f"ipc://{self._ipc_dir}/in-{i}"
                 sock.bind(input_address)
             launch = CoreLaunch(
-                config=self.config,
+                config=self._core_config(i, host if self.backend == "ray" else None),
                 engine_index=i,
                 input_address=input_address,
                 output_address=output_address,
@@ -391,6 +396,10 @@ class EngineCoreClient:
         t = threading.Thread(target=self._receive, name="lmserve-receive", daemon=True)
         t.start()
         self._threads.append(t)
+
+    def _core_config(self, index: int, host: str | None) -> EngineConfig:
+        """Core `index`'s engine config (pd_client gives each its KV-transfer role); host: the Ray cluster IP."""
+        return self.config
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -503,6 +512,8 @@ class EngineCoreClient:
 
 def _add_error(error_type: str, message: str) -> Exception:
     """The exception of an add the core refused: ValueError stays the input's fault (a 400)."""
+    if error_type == "KVTransferError":
+        return KVTransferError(message)
     return ValueError(message) if error_type == "ValueError" else RuntimeError(f"{error_type}: {message}")
 
 
