@@ -90,7 +90,7 @@ class KVProducer:
     def _record(self, req: Any) -> ChildHandoff:
         logprobs = None if req.logprobs is None else list(req.logprobs)
         ch = ChildHandoff(_index(req.request_id), list(req.output_token_ids), logprobs=logprobs,
-                          cumulative_logprob=req.cumulative_logprob)  # fmt: skip
+                          cumulative_logprob=req.cumulative_logprob, lease_id=req.request_id)  # fmt: skip
         if req.is_finished:
             ch.finish_reason = req.finish_reason.value
             ch.stop_reason = req.stop_reason
@@ -181,6 +181,10 @@ class _Remote:
     num_hit_tokens: int = 0
     local_ids: list[int] = field(default_factory=list)
 
+    @property
+    def lease_id(self) -> str:
+        return self.handoff.children[_index(self.request.request_id)].lease_id
+
 
 class KVConsumer:
     """The decode side of one engine."""
@@ -192,6 +196,7 @@ class KVConsumer:
         self.geometry = kv_geometry(engine.config)
         self._remote: dict[str, _Remote] = {}  # child id → its state, in arrival order
         self._tickets: dict[int, str] = {}
+        self._announce: list[Any] = []  # adopted parents whose first token(s) go out with the next step
         self.failures: list[tuple[str, str]] = []  # (parent request id, error): requests ended by policy `fail`
         self.num_blocks_pulled_total = 0
         self.num_blocks_hit_total = 0
@@ -222,6 +227,8 @@ class KVConsumer:
             assert ch.block_ids, f"{child.request_id}: a live sequence handed off without blocks"
             self.engine.scheduler.add_remote(child)
             self._remote[child.request_id] = _Remote(child, handoff)
+        if not handoff.first_token_delivered:
+            self._announce.append(parent)
 
     def _replay(self, child: Any, ch: ChildHandoff, handoff: KVHandoff) -> None:
         """The sequence as the producer left it: its first token(s) in tokens, text, grammar, logprobs, RNG."""
@@ -241,7 +248,11 @@ class KVConsumer:
         child.num_cached_tokens = handoff.num_cached_tokens
         child.metrics.first_scheduled_time = handoff.first_scheduled_time
         child.metrics.first_token_time = child.metrics.last_token_time = handoff.first_token_time
-        child.delta_text, child.num_delta_tokens = "", 0  # the client has had the first token already
+        if handoff.first_token_delivered:
+            child.delta_text, child.num_delta_tokens = "", 0  # the client has had the first token already
+        else:  # two servers: this side's client has not seen it; the next output (at once) carries it
+            child.num_delta_tokens = len(ch.output_token_ids)
+            child.delta_text = child.detokenizer.output_text
 
     @property
     def has_remote(self) -> bool:
@@ -250,8 +261,10 @@ class KVConsumer:
     def resolve(self) -> list[Any]:
         """Between steps: finish the pulls that answered, start the ones there is room for. Returns the outputs
         of requests that ended here (policy fail)."""
+        announced = [self.engine._make_output(p) for p in self._announce if p.request_id in self.engine._parents]
+        self._announce = []
         if not self._remote:
-            return []
+            return [o for o in announced if o is not None]
         idle = not self.engine.scheduler.running and not self.engine.scheduler.waiting
         ended: list[str] = []
         for result in self.puller.poll(5 if idle and self.puller.num_in_flight else 0):
@@ -267,7 +280,8 @@ class KVConsumer:
             else:
                 ended.extend(self._failed(remote, error))
         self._start_pulls()
-        return [out for pid in dict.fromkeys(ended) if (out := self._end(pid)) is not None]
+        ended_outputs = [out for pid in dict.fromkeys(ended) if (out := self._end(pid)) is not None]
+        return [o for o in announced if o is not None] + ended_outputs
 
     def _start_pulls(self) -> None:
         sched, kv = self.engine.scheduler, self.engine.kv
@@ -289,11 +303,11 @@ class KVConsumer:
             remote.local_ids = [table[i].block_id for i in missing]
             self.num_blocks_hit_total += len(hits)
             if not remote.local_ids:  # all in the local prefix cache: nothing to pull
-                self.puller.release(remote.handoff.producer_address, req.request_id)
+                self.puller.release(remote.handoff.producer_address, ch.lease_id)
                 self._loaded(remote)
                 continue
             remote.ticket = self.puller.pull(
-                remote.handoff.producer_address, req.request_id, [ch.block_ids[i] for i in missing]
+                remote.handoff.producer_address, ch.lease_id, [ch.block_ids[i] for i in missing]
             )
             self._tickets[remote.ticket] = req.request_id
             pulling.add(remote.handoff.request_id)
@@ -310,7 +324,7 @@ class KVConsumer:
         logger.warning("KV transfer of %s from %s failed: %s (policy %s)", req.request_id,
                        remote.handoff.producer_address, error, self.config.kv_load_failure_policy)  # fmt: skip
         self.num_failures_total += 1
-        self.puller.release(remote.handoff.producer_address, req.request_id)  # if the producer still holds it
+        self.puller.release(remote.handoff.producer_address, remote.lease_id)  # if the producer still holds it
         if self.config.kv_load_failure_policy == "recompute":
             del self._remote[req.request_id]
             self.num_recomputes_total += 1
@@ -337,7 +351,7 @@ class KVConsumer:
             if remote.ticket is not None:
                 self.puller.cancel(remote.ticket)
                 self._tickets.pop(remote.ticket, None)
-            self.puller.release(remote.handoff.producer_address, cid)
+            self.puller.release(remote.handoff.producer_address, remote.lease_id)
 
     def take_failures(self) -> list[tuple[str, str]]:
         out, self.failures = self.failures, []

@@ -55,6 +55,7 @@ class ChildHandoff:
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     generator_state: bytes | None = None  # a seeded sequence's torch.Generator state after its first token
+    lease_id: str = ""  # the producer's id of the sequence: its KV lease (the decode side's ids may differ)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class KVHandoff:
     num_cached_tokens: int = 0  # the prefill side's prefix-cache hit (what usage reports)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None  # TTFT is the prefill side's
+    first_token_delivered: bool = False  # the client streamed it already (one serve); else the decode side emits it
 
     def to_params(self) -> dict[str, Any]:
         """The JSON object a prefill server answers in `kv_transfer_params` (and a decode server is sent)."""

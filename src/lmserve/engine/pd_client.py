@@ -156,6 +156,7 @@ class DisaggregatedClient(EngineCoreClient):
         params, arrival, _ = info
         if params.prompt_logprobs is not None:  # computed on the prefill side; the decode side reads cached KV
             params = dataclasses.replace(params, prompt_logprobs=None)
+        handoff = dataclasses.replace(handoff, first_token_delivered=True)  # the producer's output had it
         self._send(decode, AddRequest(rid, entry.prompt_token_ids, params, arrival, remote_kv=handoff))
 
     def _watch(self, core: _Core) -> None:
