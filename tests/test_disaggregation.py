@@ -296,3 +296,24 @@ def test_handoff_params_round_trip_and_refusals(llama_dir: Path) -> None:
         producer.add_request("y", [1, 2], greedy(2), remote_kv=handoff)
     producer.abort_request("x")
     assert _usage(producer) == 0
+
+
+def test_goodput_experiment_report_distserve_definition() -> None:
+    from types import SimpleNamespace
+
+    from lmserve.bench.harness import Point
+    from lmserve.bench.metrics import SLOs
+    from lmserve.bench.pd_goodput import QUICK, goodput, report
+
+    def point(config: str, rate: float, pct: float, tpot_p99: float) -> Point:
+        summary = SimpleNamespace(slo_attainment_pct=pct, tpot_ms=SimpleNamespace(p99=tpot_p99),
+                                  ttft_ms=SimpleNamespace(p99=100.0))  # fmt: skip
+        return Point(f"{config} @ {rate}", summary, [], {"config": config, "rate_rps": rate})
+
+    col = [point("colocated", r, pct, t) for r, pct, t in ((0.5, 100, 20), (1.0, 95, 40), (2.0, 50, 90))]
+    pd = [point("1P1D", r, pct, t) for r, pct, t in ((0.5, 100, 10), (1.0, 100, 12), (2.0, 92, 15))]
+    assert goodput(col) == 1.0 and goodput(pd) == 2.0
+    text = "\n".join(report(QUICK, SLOs(ttft_ms=500, tpot_ms=30), (50.0, 15.0, 500.0), [0.5, 1, 2],
+                            {"colocated": col, "1P1D": pd}))  # fmt: skip
+    assert "1P1D's goodput 2 req/s vs colocated 1 req/s (2.00×)" in text
+    assert "at 1 req/s (the highest rate both sustain): 0.30" in text
