@@ -317,3 +317,19 @@ def test_goodput_experiment_report_distserve_definition() -> None:
                             {"colocated": col, "1P1D": pd}))  # fmt: skip
     assert "1P1D's goodput 2 req/s vs colocated 1 req/s (2.00×)" in text
     assert "at 1 req/s (the highest rate both sustain): 0.30" in text
+
+
+def test_handoff_messages_cross_the_core_socket() -> None:
+    from lmserve.engine.kv_transfer import ChildHandoff
+    from lmserve.engine.messages import AddRequest, Codec, StepOutputs
+    from lmserve.worker.sampler import TokenLogprobs
+    from tests.test_messages import _snapshot
+
+    lp = TokenLogprobs(7, -0.5, 1, [(7, -0.5), (3, -1.25)])
+    handoff = KVHandoff("r", "ipc:///tmp/x/kv-0", 20, [ChildHandoff(0, [7], [4, 9], logprobs=[lp],
+                        cumulative_logprob=-0.5, generator_state=b"\x01\x02", lease_id="r")], 16, "int8")  # fmt: skip
+    codec = Codec()
+    add = codec.decode_input(codec.encode(AddRequest("r", [1, 2], SamplingParams(), 1.0, remote_kv=handoff)))
+    assert add.remote_kv == handoff and add.remote_kv.children[0].logprobs[0] == lp
+    out = codec.decode_output(codec.encode(StepOutputs(0, [], _snapshot(), handoffs=[handoff])))
+    assert out.handoffs == [handoff]

@@ -34,8 +34,8 @@ class PDSizes:
     rate_multipliers: tuple[float, ...]
 
 
-QUICK = PDSizes(256, 32, 8, (0.5, 1.0, 2.0))
-FULL = PDSizes(1024, 128, 40, (0.25, 0.5, 1.0, 1.5, 2.0, 3.0))
+QUICK = PDSizes(256, 32, 8, (0.5, 1.0, 2.0, 4.0))
+FULL = PDSizes(1024, 128, 40, (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
 
 CONFIGS = (
     ("colocated", ["--num-threads", "2"]),
