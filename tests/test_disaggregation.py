@@ -333,3 +333,22 @@ def test_handoff_messages_cross_the_core_socket() -> None:
     assert add.remote_kv == handoff and add.remote_kv.children[0].logprobs[0] == lp
     out = codec.decode_output(codec.encode(StepOutputs(0, [], _snapshot(), handoffs=[handoff])))
     assert out.handoffs == [handoff]
+
+
+def test_memory_ledger_per_role_pool() -> None:
+    from lmserve.entrypoints.cli import main
+    from lmserve.memory_disaggregation import disaggregated_memory
+    from lmserve.memory_presets import PRESETS, preset_names
+    from lmserve.memory_report import memory_report
+
+    shape = PRESETS[preset_names()[0]].shape()
+    report = memory_report(shape, seq_len=1024, memory_bytes=64 * 2**30, kv_dtype="bf16", weight_dtype="bf16")
+    pd = disaggregated_memory(report, 1, 2)
+    assert pd.prefill.num_cores == 1 and pd.decode.num_cores == 2
+    share = (64 * 2**30) // 3
+    assert pd.decode.kv_budget_bytes_per_core == share - report.weight_bytes_per_rank
+    assert pd.transfer_buffer_bytes_per_pull == 2 * report.kv_bytes_per_request
+    assert "decode cores" in pd.format_table()
+    with pytest.raises(ValueError, match="disaggregation"):
+        disaggregated_memory(report, 0, 1)
+    assert main(["memory", "--preset", preset_names()[0], "--disaggregation", "1x1"]) == 2
