@@ -352,3 +352,24 @@ def test_memory_ledger_per_role_pool() -> None:
     with pytest.raises(ValueError, match="disaggregation"):
         disaggregated_memory(report, 0, 1)
     assert main(["memory", "--preset", preset_names()[0], "--disaggregation", "1x1"]) == 2
+
+
+def test_structured_outputs_stop_strings_and_speculation_on_the_decode_side(llama_dir: Path) -> None:
+    from lmserve.sampling_params import StructuredOutputsParams
+
+    colocated = LLMEngine(_args(llama_dir).create_engine_config())
+    producer = LLMEngine(_args(llama_dir, kv_transfer_config={"kv_role": "kv_producer"}).create_engine_config())
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    consumer = LLMEngine(_args(llama_dir, kv_transfer_config={"kv_role": "kv_consumer"},
+                               speculative_config=ngram).create_engine_config())  # fmt: skip
+    requests = [
+        ("json", [5, 6, 7, 8, 9], SamplingParams(max_tokens=30, temperature=1.0, seed=3,
+                                                 structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,8}"))),
+        ("stop", [40, 41, 42] * 10, greedy(40, stop=["e"])),
+        ("rep", [7, 8, 9] * 12, greedy(24)),
+    ]  # fmt: skip
+    ref = _run_colocated(colocated, requests)
+    _, got, _ = _run_pd(producer, consumer, requests)
+    _assert_same(ref, got)
+    assert consumer.get_metrics()["spec_decode_num_drafts_total"] > 0  # the decode side speculated
+    assert _usage(producer) == 0 and _usage(consumer) == 0
