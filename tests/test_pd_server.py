@@ -152,3 +152,27 @@ def test_a_killed_core_ends_in_flight_requests_within_1s(pd_model: Path, tmp_pat
         assert health.status_code == 200 and health.json()["status"] == "degraded"
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_ray_actors_as_prefill_and_decode_cores(servers: tuple[LiveServer, LiveServer], pd_model: Path,
+                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from tests.helpers import require_extra
+
+    require_extra("ray", "ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    colocated, _ = servers
+    srv = LiveServer(pd_model, tmp_path / "pd-ray.log", "--disaggregation", "1P1D", "--num-threads", "1",
+                     "--distributed-executor-backend", "ray")  # fmt: skip
+    try:
+        srv.wait_healthy(400)
+        assert "1 prefill + 1 decode engine cores (ray)" in srv.log()
+        body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        a, b = _post(colocated, "/v1/completions", body), _post(srv, "/v1/completions", body)
+        assert b.status_code == 200, b.text
+        assert _strip(b.json()) == _strip(a.json())
+        assert _per_choice(_events(srv, "/v1/completions", {**body, "stream": True})) == _per_choice(
+            _events(colocated, "/v1/completions", {**body, "stream": True}))
+        wait_until(lambda: _kv_idle(srv))
+    finally:
+        srv.stop()
