@@ -140,6 +140,7 @@ class EngineConfig:
     # False: an object schema without "additionalProperties" closes after its declared properties (as xgrammar's
     # strict mode); True: JSON Schema's default, any further key (structured_output.close_objects)
     structured_outputs_allow_additional_properties: bool = False
+    kv_transfer: Any = None  # kv_transfer_config.KVTransferConfig (prefill/decode disaggregation), or None
 
 
 @dataclass
@@ -172,6 +173,7 @@ class EngineArgs:
     int4_compute: str = "w4a8"  # int4 / GGUF Q4_0, Q4_1: "w4a8" (int8 activations) or "weight-only" (float32)
     speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
     structured_outputs_allow_additional_properties: bool = False  # see EngineConfig
+    kv_transfer_config: dict[str, Any] | str | None = None  # vLLM's keys; see kv_transfer_config.py
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -265,9 +267,14 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             share_prefix_in_step=self.share_prefix_in_step,
         )
+        kv_transfer = None
+        if self.kv_transfer_config is not None:
+            from lmserve.kv_transfer_config import KVTransferConfig
+
+            kv_transfer = KVTransferConfig.from_value(self.kv_transfer_config)
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
-            quantization, spec, bool(self.structured_outputs_allow_additional_properties),
+            quantization, spec, bool(self.structured_outputs_allow_additional_properties), kv_transfer,
         )  # fmt: skip
 
     def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:

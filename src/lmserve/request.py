@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # a decode side's request whose prompt KV is being pulled
     FINISHED = "finished"
 
 

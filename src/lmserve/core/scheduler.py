@@ -32,6 +32,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # prefill/decode disaggregation, decode side: requests whose prompt KV another engine computed and this one
+        # is pulling (status WAITING_FOR_REMOTE_KV; the engine resolves them between steps, engine/disaggregation.py)
+        self.remote_kv: dict[str, Request] = {}
         self.clock = clock or time.time
         self.num_preemptions_total = 0
         self.prefix_cache_queries_total = 0
@@ -64,6 +67,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.remote_kv[rid]
             else:
                 self.waiting.remove(request)
             request.finish_reason, request.stop_reason = reason, stop_reason
@@ -75,7 +80,48 @@ class Scheduler:
         return self.finish_requests(request_ids, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote_kv)
+
+    # ---- prefill/decode disaggregation (engine/disaggregation.py drives these between steps) -----------
+
+    def detach(self, request: Request) -> None:
+        """Prefill side: the request leaves this scheduler after its first token with its blocks still held (its
+        KV is handed to a decode engine); the caller frees them with KVCacheManager.free when the lease ends."""
+        assert request.status == RequestStatus.RUNNING, f"detach of {request.request_id} in {request.status}"
+        self.running.remove(request)
+        del self.requests[request.request_id]
+
+    def add_remote(self, request: Request) -> None:
+        """Decode side: a request whose prompt KV (and first token) come from a prefill engine; it waits, holding
+        no blocks yet, until remote_kv_loaded / remote_kv_failed."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote_kv[request.request_id] = request
+
+    def has_room_for_remote(self, num_in_flight: int) -> bool:
+        """Whether another remote request may start loading: loaded ones join `running` directly."""
+        return len(self.running) + num_in_flight < self.config.max_num_seqs
+
+    def remote_kv_loaded(self, request: Request, num_hit_tokens: int) -> None:
+        """Its blocks (allocated by the engine, prefix hits first) now hold the prompt's KV: it runs, decoding."""
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{request.request_id} is {request.status}"
+        del self.remote_kv[request.request_id]
+        request.num_computed_tokens = request.num_tokens - 1  # the first token, sampled remotely, is not computed
+        self.prefix_cache_queries_total += request.num_computed_tokens
+        self.prefix_cache_hits_total += num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def remote_kv_recompute(self, request: Request) -> None:
+        """The transfer failed (kv_load_failure_policy recompute): free what it holds and prefill here, as after a
+        preemption (the output token stays, so the recompute covers it)."""
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{request.request_id} is {request.status}"
+        del self.remote_kv[request.request_id]
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -284,7 +330,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.remote_kv),
             num_batched_tokens=self._last_num_batched_tokens,
             kv_cache_usage=self.kv.usage,
             num_preemptions_total=self.num_preemptions_total,

@@ -16,6 +16,8 @@ from lmserve.core.outputs import BlockMap, CompletionOutput, RequestOutput, Sche
 from lmserve.core.prefix_shadow import SharedPrefixCounter
 from lmserve.core.scheduler import Scheduler
 from lmserve.engine.detokenizer import IncrementalDetokenizer
+from lmserve.engine.disaggregation import make_roles
+from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.generation_defaults import generation_eos_ids, read_generation_config, sampling_defaults
 from lmserve.request import FinishReason, Request, RequestMetrics
 from lmserve.sampling_params import SamplingParams
@@ -105,6 +107,7 @@ class LLMEngine:
         self._parents: dict[str, _ParentRequest] = {}
         self._child_to_parent: dict[str, str] = {}
         self._ids = itertools.count()
+        self.kv_producer, self.kv_consumer = make_roles(self)  # prefill/decode disaggregation (None, None: colocated)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -174,11 +177,20 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        *,
+        do_remote_decode: bool = False,
+        remote_kv: KVHandoff | None = None,
     ) -> str:
+        """do_remote_decode (a kv_producer engine): stop after the first token and hand the KV off
+        (kv_producer.take_handoffs()); remote_kv (a kv_consumer engine): continue from such a handoff."""
         params = params or self.default_sampling_params()
         request_id = self.new_request_id() if request_id is None else request_id
-        if request_id in self._parents:
+        if request_id in self._parents or (self.kv_producer is not None and self.kv_producer.holds(request_id)):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if do_remote_decode and self.kv_producer is None:
+            raise ValueError("kv_transfer_params.do_remote_decode: this engine's kv_role is not kv_producer")
+        if remote_kv is not None and (self.kv_consumer is None or params.prompt_logprobs is not None):
+            raise ValueError("kv_transfer_params: a handoff needs kv_role kv_consumer, and no prompt_logprobs")
         text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.validate(prompt_ids, params)
         grammar = None
@@ -225,7 +237,12 @@ class LLMEngine:
             self._grammar_pending.append(parent)
         for child in children:
             self._child_to_parent[child.request_id] = request_id
-            self.scheduler.add_request(child)
+            if remote_kv is None:
+                self.scheduler.add_request(child)
+        if remote_kv is not None:
+            self.kv_consumer.adopt(parent, remote_kv)
+        if do_remote_decode:
+            self.kv_producer.watch(parent)
         self.counters.num_requests_total += 1
         self.counters.prompt_tokens_total += len(prompt_ids)
         self.counters.prefix_shareable_tokens_total += self.shared_prefix.observe(prompt_ids)
@@ -234,9 +251,13 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         for rid in ids:
+            if self.kv_producer is not None:
+                self.kv_producer.abort(rid)
             parent = self._parents.get(rid)
             if parent is None:
                 continue
+            if self.kv_consumer is not None:
+                self.kv_consumer.forget([c.request_id for c in parent.children])
             aborted = self.scheduler.abort_requests([c.request_id for c in parent.children])
             self.counters.num_finished_by_reason[FinishReason.ABORT.value] += len(aborted)
             for child in parent.children:
@@ -250,6 +271,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         refused = self._finish_refused_grammars() if self._grammar_pending else []
+        if self.kv_producer is not None or self.kv_consumer is not None:
+            refused += self._resolve_kv_transfer()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self._grammar_pending and not refused:  # only compiling requests: wait for one, do not spin
@@ -270,7 +293,15 @@ class LLMEngine:
             if req.is_finished:
                 self.counters.num_finished_by_reason[req.finish_reason.value] += 1
         outputs = [self._make_output(p) for p in parents.values()]
+        if self.kv_producer is not None:
+            self.kv_producer.hand_off(updated)  # sequences with their first token leave, their KV under a lease
         return refused + [o for o in outputs if o is not None]
+
+    def _resolve_kv_transfer(self) -> list[RequestOutput]:
+        """Between steps: free ended KV leases (producer); finish and start KV pulls (consumer)."""
+        if self.kv_producer is not None:
+            self.kv_producer.collect()
+        return self.kv_consumer.resolve() if self.kv_consumer is not None else []
 
     def _finish_refused_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar failed to compile in the background finish as aborted, the library's reason
@@ -440,6 +471,7 @@ class LLMEngine:
             **spec_decode_metrics(s),
             **step_metrics(s, c),
             **config_metrics(self.config),
+            **(role.metrics() if (role := self.kv_producer or self.kv_consumer) is not None else {}),
         }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from lmserve.core.outputs import RequestOutput
+from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.snapshot import EngineSnapshot
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.sampler import TokenLogprobs
@@ -34,6 +35,8 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    do_remote_decode: bool = False  # a prefill core: stop after the first token, hand the KV off (disaggregation)
+    remote_kv: KVHandoff | None = None  # a decode core: continue from this handoff
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -82,6 +85,7 @@ class StepOutputs(msgspec.Struct, tag=True):
     snapshot: EngineSnapshot
     added: list[str] = []
     failed: list[AddFailure] = []
+    handoffs: list[KVHandoff] = []  # a prefill core's requests handed off this step (their first token is in outputs)
 
 
 class CoreFailed(msgspec.Struct, tag=True):

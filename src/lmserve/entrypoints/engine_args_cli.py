@@ -87,6 +87,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "an object closes after its declared properties, as xgrammar (vLLM's default backend) does; an explicit "
         "additionalProperties (true, or a schema) is honoured either way",
     )
+    g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='prefill/decode disaggregation across servers, vLLM\'s keys as JSON: {"kv_connector": "lmserve", '
+        '"kv_role": "kv_producer" | "kv_consumer"}, also kv_ip, kv_port (the producer\'s KV server), kv_lease_s '
+        '(default 30), kv_load_failure_policy (fail | recompute), kv_transfer_timeout_s; put `lmserve router` in front',
+    )
 
 
 ENGINE_ARG_NAMES = (
@@ -113,6 +120,7 @@ ENGINE_ARG_NAMES = (
     "int4_compute",
     "speculative_config",
     "structured_outputs_allow_additional_properties",
+    "kv_transfer_config",
 )
 
 

@@ -6,6 +6,7 @@ aborted however the client leaves. What a choice, a chunk and the final body loo
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -17,6 +18,7 @@ from fastapi.responses import Response
 
 from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from lmserve.engine.disaggregation import KVTransferError
 from lmserve.engine.token_bytes import TextOffsets
 from lmserve.entrypoints.openai import logprobs as lp_fmt
 from lmserve.entrypoints.openai import protocol as p
@@ -53,9 +55,13 @@ class Generation:
     # -- start
 
     def start(self) -> None:
+        kv = {} if self.body.kv_transfer_params is None else {"kv_transfer_params": self.body.kv_transfer_params}
         try:
+            if kv and (len(self.prompts) != 1 or not hasattr(self.engine, "config") or self.engine.config.kv_transfer
+                       is None):  # fmt: skip
+                raise ValueError("kv_transfer_params: needs one prompt and a server with --kv-transfer-config")
             for i, ids in enumerate(self.prompts):
-                self.streams.append(self.engine.add_request(f"{self.request_id}-{i}", ids, self.params))
+                self.streams.append(self.engine.add_request(f"{self.request_id}-{i}", ids, self.params, **kv))
         except QueueFullError as e:
             self.abort()
             raise APIError(
@@ -86,7 +92,10 @@ class Generation:
             return Response(status_code=499)  # nobody reads it; the requests are aborted
         finally:
             self.abort()
-        return Response(self.final_response(finals).model_dump_json(), media_type="application/json")
+        body = self.final_response(finals).model_dump_json()
+        if finals and finals[0].kv_transfer_params is not None:  # a kv_producer server's answer (lmserve router)
+            body = body[:-1] + ',"kv_transfer_params":' + json.dumps(finals[0].kv_transfer_params) + "}"
+        return Response(body, media_type="application/json")
 
     # -- merged outputs of all prompts
 
@@ -125,6 +134,8 @@ class Generation:
             raise APIError(
                 500, f"the engine loop died while serving this request: {e}", code="engine_dead"
             ) from e
+        except KVTransferError as e:  # kv_load_failure_policy fail
+            raise APIError(503, f"the request's KV could not be loaded: {e}", code="kv_transfer_failed") from e
         except ValueError as e:
             raise from_value_error(e) from e
         except APIError:

@@ -60,6 +60,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "requests are routed by load with prefix affinity (default 1)",
     )
     p.add_argument(
+        "--disaggregation",
+        default=None,
+        metavar="NPmD",
+        help="prefill/decode disaggregation in this server: N prefill and m decode engine cores (1P1D, 2P1D, ...), "
+        "each on its own CPUs; a request is prefilled on one, its KV pulled by the other, which decodes",
+    )
+    p.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=None,
+        help="--disaggregation: a prefill core frees KV a decode core has not pulled after this long (default 30)",
+    )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=["fail", "recompute"],
+        default="fail",
+        help="--disaggregation: a KV transfer that fails or times out ends the request with an error (fail, 503) or "
+        "the decode core prefills it itself (recompute, counted in lmserve:kv_transfer_recomputes_total)",
+    )
+    p.add_argument(
         "--distributed-executor-backend",
         choices=["mp", "ray"],
         default="mp",
@@ -111,6 +131,18 @@ def run_serve(args: argparse.Namespace) -> int:
         print("lmserve serve: error: --in-process-engine runs one engine thread (no data parallel, no Ray)",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.disaggregation is not None:
+        from lmserve.engine.pd_client import parse_disaggregation
+
+        try:
+            num_prefill, num_decode = parse_disaggregation(args.disaggregation)
+        except ValueError as e:
+            print(f"lmserve serve: error: --{e}", file=sys.stderr)
+            return 2
+        if args.in_process_engine or args.data_parallel_size > 1 or args.kv_transfer_config is not None:
+            print("lmserve serve: error: --disaggregation sets its own cores and roles: no --in-process-engine, "
+                  "--data-parallel-size or --kv-transfer-config with it", file=sys.stderr)  # fmt: skip
+            return 2
     if args.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
         print("lmserve serve: error: --distributed-executor-backend ray needs Ray: pip install 'lmserve[ray]'",
               file=sys.stderr)  # fmt: skip
@@ -130,10 +162,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from lmserve.engine.core_client import EngineCoreClient, default_num_threads
 
+    num_cores = args.data_parallel_size if args.disaggregation is None else num_prefill + num_decode
     if args.in_process_engine:
         threads = args.num_threads or torch.get_num_threads()
     else:
-        threads = args.num_threads or default_num_threads(args.data_parallel_size)
+        threads = args.num_threads or default_num_threads(num_cores)
     try:  # cheap checks (config files, argument ranges) before binding the port
         config = EngineArgs.from_kwargs(model_path(args), **engine_kwargs(args)).create_engine_config()
     except (ValueError, OSError) as e:
@@ -151,6 +184,20 @@ def run_serve(args: argparse.Namespace) -> int:
         # With engine-core processes, the API process does no torch compute at all.
         torch.set_num_threads(1)
         try:
+            if args.disaggregation is not None:
+                from lmserve.engine.pd_client import DisaggregatedClient
+
+                return DisaggregatedClient(
+                    config,
+                    num_prefill=num_prefill,
+                    num_decode=num_decode,
+                    kv_lease_s=args.kv_lease_s,
+                    kv_load_failure_policy=args.kv_load_failure_policy,
+                    backend=args.distributed_executor_backend,
+                    num_threads=threads,
+                    cpu_policy=args.cpu_wait_policy,
+                    max_queued_requests=args.max_queued_requests,
+                ).start()
             if not args.in_process_engine:
                 return EngineCoreClient(
                     config,
@@ -170,6 +217,8 @@ def run_serve(args: argparse.Namespace) -> int:
         c = engine.config
         where = "in-process engine thread" if args.in_process_engine else (
             f"{args.data_parallel_size} engine core(s) ({args.distributed_executor_backend})")
+        if args.disaggregation is not None:
+            where = f"{num_prefill} prefill + {num_decode} decode engine cores ({args.distributed_executor_backend})"
         logger.info(
             "serving %r (%s) dtype=%s device=%s KV pool %s %d blocks × %d = %d tokens (%s, %s/token) "
             "max_model_len=%d (%d concurrent) on %s × %d thread(s) at %s",

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.token_bytes import TokenBytes
 from lmserve.entrypoints.openai.dashboard import add_web_routes
+from lmserve.entrypoints.openai.kv_info import add_kv_info_route
 from lmserve.entrypoints.openai.middleware import GuardMiddleware, add_exception_handlers, bearer_ok
 from lmserve.entrypoints.openai.routes import add_routes
 from lmserve.entrypoints.openai.state import ServerState
@@ -93,5 +94,6 @@ def build_app(
     app.add_middleware(GuardMiddleware, state=state)
     add_exception_handlers(app, state)
     add_routes(app, state)
+    add_kv_info_route(app, state)
     add_web_routes(app, state)
     return app
