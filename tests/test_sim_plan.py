@@ -117,8 +117,15 @@ def test_cli_run_writes_bench_serve_keys_and_plan_runs(llama_dir: Path, tmp_path
     bf16 = ["--dtype", "bfloat16"]
     assert main(["simulate", "run", *common, *bf16, "--output-json", str(out)]) == 2
     assert "dtype='float32'" in capsys.readouterr().err
-    assert main(["simulate", "run", *common, "--disaggregation", "2P1D"]) == 2
-    assert "#33" in capsys.readouterr().err
+    pd_out = tmp_path / "pd.json"
+    assert main(["simulate", "run", *common, "--disaggregation", "2P1D", "--kv-transfer-block-us", "50",
+                 "--output-json", str(pd_out)]) == 0  # fmt: skip
+    assert "on 2P1D" in capsys.readouterr().out
+    sim = json.loads(pd_out.read_text())["simulation"]
+    assert sim["roles"] == ["prefill", "prefill", "decode"] and sim["kv_transfer_block_us"] == pytest.approx(50)
+    assert sim["kv_blocks_pulled"] > 0
+    assert main(["simulate", "run", *common, "--disaggregation", "2P1D", "--data-parallel-size", "2"]) == 2
+    assert "--data-parallel-size must stay 1" in capsys.readouterr().err
 
 
 def test_cli_roofline_then_run_a_model_we_do_not_have(tmp_path: Path, capsys) -> None:
