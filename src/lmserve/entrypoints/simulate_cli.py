@@ -128,15 +128,15 @@ def add_sim_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
             help="prefill/decode disaggregation as lmserve serve --disaggregation: x prefill and y decode replicas "
             "(instead of --data-parallel-size); calibrate the step model at each role's threads",
         )  # fmt: skip
-        s.add_argument(
-            "--kv-transfer-latency-us", type=float, default=None,
-            help="disaggregation: a KV pull's fixed cost (default 200 µs: a ZeroMQ round trip on one host)",
-        )  # fmt: skip
-        s.add_argument(
-            "--kv-transfer-block-us", type=float, default=None,
-            help="disaggregation: the cost per pulled KV block (default 20 µs; benchmarks/bench_kv_transfer.py or "
-            "the PD experiment measure it)",
-        )  # fmt: skip
+    s.add_argument(
+        "--kv-transfer-latency-us", type=float, default=None,
+        help="disaggregation: a KV pull's fixed cost (default 200 µs: a ZeroMQ round trip on one host)",
+    )  # fmt: skip
+    s.add_argument(
+        "--kv-transfer-block-us", type=float, default=None,
+        help="disaggregation: the cost per pulled KV block (default 20 µs; measure it on the machine: the PD "
+        "experiment of lmserve bench experiments reports it)",
+    )  # fmt: skip
     r = p.add_argument_group("report (as lmserve bench serve)")
     r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2e:MS")
     r.add_argument("--output-json", default=None, help="default: bench_results/simulate-<time>.json")
@@ -274,7 +274,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         nargs="+",
         required=True,
         help="flags to search, comma or space separated: data-parallel-size, tensor-parallel-size, max-num-seqs, "
-        "max-num-batched-tokens, block-size, num-kv-blocks",
+        "max-num-batched-tokens, block-size, num-kv-blocks; or prefill-replicas, decode-replicas (xPyD deployments "
+        "instead of data parallel)",
     )
     g.add_argument("--grid", nargs="+", default=None, metavar="NAME=V1,V2", help="values of a searched flag")
     g.add_argument("--attainment", type=float, default=90.0, help="SLO attainment to reach, in %% (default 90)")
@@ -314,8 +315,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
                 configs[key] = engine_config(profile, {**engine_kwargs(args), **cand.engine_overrides()}, args.model,
                                              cand.tp)  # fmt: skip
+            pd = {**disaggregation_args(args), "disaggregation": cand.disaggregation} if cand.disaggregation else None
             result = simulate(profile, configs[key], workload, cand.dp, cand.tp, args.max_concurrency,
-                              args.step_noise, args.seed)  # fmt: skip
+                              args.step_noise, args.seed, pd)  # fmt: skip
         except ValueError as e:
             return None, str(e), 0.0
         with paused_gc():
