@@ -188,7 +188,9 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time)
+            self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, lora_request=msg.lora_request
+            )
         except Exception as e:  # one bad request fails alone, not the engine
             kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
             self._failed.append(AddFailure(msg.request_id, kind, str(e)))

@@ -70,6 +70,7 @@ from lmserve.engine.router import AFFINITY_SLACK as AFFINITY_SLACK
 from lmserve.engine.router import choose_core
 from lmserve.engine.snapshot import EngineSnapshot, aggregate_snapshots
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -276,8 +277,10 @@ class EngineCoreClient:
         prompt: Prompt,
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Validate, route and queue a request; returns its stream at once.
+        """Validate, route and queue a request; returns its stream at once. A LoRA adapter travels with the request
+        (every core loads it from its path on first use: adapters are on every core, routing ignores them).
 
         Raises ValueError (bad input), QueueFullError (the chosen core's queue at its bound) or EngineDeadError.
         """
@@ -302,7 +305,7 @@ class EngineCoreClient:
             core.pending[request_id] = (num_seqs, num_blocks)
             core.streams.add(request_id)
             self._streams[request_id] = _Stream(stream, core, prompt_ids)
-        self._send(core, AddRequest(request_id, prompt_ids, params, arrival_time))
+        self._send(core, AddRequest(request_id, prompt_ids, params, arrival_time, lora_request))
         return stream
 
     def abort(self, request_id: str) -> None:

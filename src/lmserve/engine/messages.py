@@ -25,6 +25,7 @@ import msgspec
 
 from lmserve.core.outputs import RequestOutput
 from lmserve.engine.snapshot import EngineSnapshot
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.sampler import TokenLogprobs
 
@@ -34,6 +35,7 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None  # the adapter (each core loads it from lora_path on first use)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
