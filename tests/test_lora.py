@@ -211,3 +211,13 @@ def test_lora_enabled_unused_skips_the_lora_path(bases, adapters) -> None:
     assert base_out.outputs[0].token_ids == plain.outputs[0].token_ids
     metrics = llm.get_metrics()
     assert metrics["lora_slot_bytes"] == pool.num_bytes > 0
+
+
+def test_ledger_counts_the_slot_bytes(bases) -> None:
+    from lmserve import memory
+
+    llm = make_llm(bases["qwen3"], max_loras=3, max_lora_rank=32)
+    mc = llm.engine.config.model
+    expected = memory.lora_slot_bytes(mc.num_layers, mc.hidden_size, mc.num_heads * mc.head_dim,
+                                      mc.num_kv_heads * mc.head_dim, mc.intermediate_size, 3, 32, 4)  # fmt: skip
+    assert llm.engine.runner.lora.num_bytes == expected == llm.get_metrics()["lora_slot_bytes"]

@@ -252,7 +252,8 @@ class AsyncEngine:
             num_applied_blocks += cmd.num_blocks
             rid = cmd.stream.request_id
             try:
-                self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.arrival_time, cmd.lora_request)
+                lora = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
+                self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.arrival_time, **lora)
             except Exception as e:  # one bad request fails alone, not the engine
                 delivery.setdefault(cmd.stream._loop, _Delivery()).items.append((cmd.stream, e))
                 continue

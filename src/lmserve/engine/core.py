@@ -188,9 +188,8 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, lora_request=msg.lora_request
-            )
+            lora = {} if msg.lora_request is None else {"lora_request": msg.lora_request}
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, **lora)
         except Exception as e:  # one bad request fails alone, not the engine
             kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
             self._failed.append(AddFailure(msg.request_id, kind, str(e)))
