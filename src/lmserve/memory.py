@@ -293,13 +293,13 @@ def lora_slot_bytes(
     max_lora_rank: int, dtype_bytes: float,
 ) -> int:  # fmt: skip
     """The LoRA compute slots' stacked weights (lora/layers.LoRALinear): per layer and slot, A holds num_parts ·
-    max_rank rows of each projection's input and B max_rank columns of its output (q/k/v: 3 parts of the hidden
-    input, o: 1 of q_size, gate/up: 2 of the hidden, down: 1 of the intermediate)."""
+    max_rank rows of each projection's input and B (block-diagonal) num_parts · max_rank columns of its output
+    (q/k/v: 3 parts of the hidden input, o: 1 of q_size, gate/up: 2 of the hidden, down: 1 of the intermediate)."""
     r = max_lora_rank
     per_layer = (
-        3 * r * hidden_size + (q_size + 2 * kv_size) * r  # qkv_proj
+        3 * r * hidden_size + (q_size + 2 * kv_size) * 3 * r  # qkv_proj
         + r * q_size + hidden_size * r  # o_proj
-        + 2 * r * hidden_size + 2 * intermediate_size * r  # gate_up_proj
+        + 2 * r * hidden_size + 2 * intermediate_size * 2 * r  # gate_up_proj
         + r * intermediate_size + hidden_size * r  # down_proj
     )  # fmt: skip
     return int(num_layers * max_loras * per_layer * dtype_bytes)

@@ -2,15 +2,19 @@
 
 Per LoRA'd Linear (qkv_proj, o_proj, gate_up_proj, down_proj of every layer), for max_loras compute slots:
 
-    A: (max_loras, num_parts · max_rank, in_features)   slot s's adapter of rank r packs its parts' A rows
-                                                         densely: part j at rows [j·r, (j + 1)·r)
-    B: (max_loras, out_features, max_rank)              part j's B (· scaling) at its output rows, columns [0, r)
+    A: (max_loras, num_parts · max_rank, in_features)    slot s's adapter of rank r packs the A of its k present
+                                                          parts densely: the j-th at rows [j·r, (j + 1)·r)
+    B: (max_loras, out_features, num_parts · max_rank)   block-diagonal: the j-th part's B (· scaling) at its
+                                                          output rows, columns [j·r, (j + 1)·r), zeros elsewhere
 
 A step's rows are ordered so that each slot's rows are contiguous runs (model_runner sorts decodes and prefills
-by slot), and `groups` lists (slot, first row, end row). The delta of a run is one shrink (x · A_sᵀ over the
-slot's r · parts rows: its actual rank, not max_rank) and one expand per part into that part's output columns
-(SGMV's grouping, a loop over the few slots present). Rows of no adapter (-1) are in no group. The hook adds in
-place to the Linear's output, so any kernel path of the base (float, quantized, packed) is unchanged.
+by slot), and `groups` lists (slot, first row, end row). The delta of a run is two products whatever the parts:
+the shrink xa = x · A_s[:k·r]ᵀ and the expand out += xa · B_s[:, :k·r]ᵀ (in place, one addmm_ on contiguous rows),
+over the adapter's actual rank and present parts, not max_rank (SGMV's grouping, a loop over the few slots
+present). The block-diagonal B spends k× the expand's tiny FLOPs (and B's memory, in the ledger) on zeros to save
+a product and a strided write per part: on the CPU a decode step's LoRA cost is the number of small calls. Rows
+of no adapter are in no group. The hook adds in place to the Linear's output, so any kernel path of the base
+(float, quantized, packed) is unchanged.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ class LoRALinear:
         self.max_rank = max_rank
         out_features = parts[-1][1]
         self.A = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device)
-        self.B = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
-        # per slot: (rank, [(rank block j, first output row, end row)]); rank 0: the slot's adapter skips this Linear
-        self.slot_parts: list[tuple[int, list[tuple[int, int, int]]]] = [(0, []) for _ in range(max_loras)]
+        self.B = torch.zeros(max_loras, out_features, len(parts) * max_rank, dtype=dtype, device=device)
+        # per slot: the columns of A's rows / B's columns in use (present parts · rank); 0: the slot's adapter skips
+        # this Linear
+        self.slot_cols = [0] * max_loras
 
     @property
     def num_bytes(self) -> int:
@@ -41,29 +46,24 @@ class LoRALinear:
         """Put one adapter's parts (part index → (A (r, in), B·scaling (rows, r)); part -1: every row) in the slot;
         None or {} clears it (the adapter does not target this Linear)."""
         if not weights:
-            self.slot_parts[slot] = (0, [])
+            self.slot_cols[slot] = 0
             return
         assert rank <= self.max_rank, f"rank {rank} > max_rank {self.max_rank}"
         self.A[slot].zero_()
         self.B[slot].zero_()
-        present = []
         for j, (part, (a, b)) in enumerate(sorted(weights.items())):
             r0, r1 = (0, self.parts[-1][1]) if part == -1 else self.parts[part]
             self.A[slot, j * rank : (j + 1) * rank].copy_(a)
-            self.B[slot, r0:r1, :rank].copy_(b)
-            present.append((j, r0, r1))
-        self.slot_parts[slot] = (rank, present)
+            self.B[slot, r0:r1, j * rank : (j + 1) * rank].copy_(b)
+        self.slot_cols[slot] = len(weights) * rank
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, groups: list[tuple[int, int, int]]) -> None:
         """out[rows] += the slot's delta for x[rows], per (slot, start, end) group; x (T, in), out (T, out)."""
         for slot, start, end in groups:
-            rank, present = self.slot_parts[slot]
-            if not rank:
-                continue
-            xa = x[start:end] @ self.A[slot, : len(present) * rank].t()  # shrink: (n, parts · r)
-            o = out[start:end]
-            for j, r0, r1 in present:  # expand each part into its output columns
-                o[:, r0:r1].addmm_(xa[:, j * rank : (j + 1) * rank], self.B[slot, r0:r1, :rank].t())
+            cols = self.slot_cols[slot]
+            if cols:
+                xa = torch.mm(x[start:end], self.A[slot, :cols].t())  # shrink: (n, parts · r)
+                out[start:end].addmm_(xa, self.B[slot, :, :cols].t())  # expand, every part at once
 
 
 class LoRAHooks:
