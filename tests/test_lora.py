@@ -221,3 +221,33 @@ def test_ledger_counts_the_slot_bytes(bases) -> None:
     expected = memory.lora_slot_bytes(mc.num_layers, mc.hidden_size, mc.num_heads * mc.head_dim,
                                       mc.num_kv_heads * mc.head_dim, mc.intermediate_size, 3, 32, 4)  # fmt: skip
     assert llm.engine.runner.lora.num_bytes == expected == llm.get_metrics()["lora_slot_bytes"]
+
+
+def test_chunked_prefill_and_preemption_keep_peft_tokens(bases, adapters) -> None:
+    """Chunks of 8 tokens and a pool too small for every request at once (preemption by recompute releases the
+    request's slot, readmission takes one again): PeftModel's tokens still."""
+    base = bases["llama"]
+    llm = make_llm(base, max_loras=2, num_kv_blocks=10, block_size=4, max_num_batched_tokens=8, max_model_len=40)
+    reqs = lora_requests(adapters["llama"])
+    names = ["all8", "qv64", None, "kup64", "all8"]
+    prompts = ["import json\nimport os\nclass A:", "def fib(n): return n", "a b c d e f", "x = [1, 2, 3]", "y"]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[reqs.get(n) for n in names])
+    assert llm.get_metrics()["num_preemptions_total"] > 0
+    for out, name in zip(outs, names, strict=True):
+        adapter = None if name is None else adapters["llama"][name]
+        assert out.outputs[0].token_ids == peft_greedy(base, adapter, out.prompt_token_ids, 10), name
+
+
+def test_remove_lora_refused_while_in_use(bases, adapters) -> None:
+    llm = make_llm(bases["llama"])
+    engine = llm.engine
+    req = lora_requests(adapters["llama"])["all8"]
+    engine.add_request("r", "x y z", SamplingParams(max_tokens=3, ignore_eos=True), lora_request=req)
+    with pytest.raises(ValueError, match="in use"):
+        engine.remove_lora(req.lora_int_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.list_loras() == [req.lora_int_id]
+    assert engine.remove_lora(req.lora_int_id)
+    assert engine.list_loras() == [] and engine.scheduler.lora_slots.slot_of(req.lora_int_id) == -1
