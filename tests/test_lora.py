@@ -251,3 +251,17 @@ def test_remove_lora_refused_while_in_use(bases, adapters) -> None:
     assert engine.list_loras() == [req.lora_int_id]
     assert engine.remove_lora(req.lora_int_id)
     assert engine.list_loras() == [] and engine.scheduler.lora_slots.slot_of(req.lora_int_id) == -1
+
+
+def test_metrics_count_running_sequences_per_adapter(bases, adapters) -> None:
+    llm = make_llm(bases["llama"])
+    engine, reqs = llm.engine, lora_requests(adapters["llama"])
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i, name in enumerate(["all8", "all8", "qv64", None]):
+        engine.add_request(str(i), "x y", params, lora_request=reqs.get(name))
+    engine.step()  # all four admitted and running: 3 more tokens each to go
+    assert engine.get_metrics()["lora_num_requests_running_by_adapter"] == {"all8": 2, "qv64": 1, "": 1}
+    while engine.has_unfinished_requests():
+        engine.step()
+    m = engine.get_metrics()
+    assert m["lora_num_requests_running_by_adapter"] == {} and m["lora_num_slot_loads_total"] == 2

@@ -79,6 +79,14 @@ def test_mixed_concurrent_requests_match_peft(server: LiveServer, lora_setup) ->
         assert r.json()["choices"][0]["text"] == expected_text(lora_setup, adapter, prompt), (model, prompt)
 
 
+def test_metrics_have_the_lora_families(server: LiveServer) -> None:
+    assert complete(server, "all8", "x").status_code == 200
+    lines = httpx.get(server.url + "/metrics").text.splitlines()
+    assert any(ln.startswith("lmserve:lora_slot_bytes") and not ln.endswith(" 0.0") for ln in lines)
+    assert any(ln.startswith("lmserve:lora_slot_loads_total") and not ln.endswith(" 0.0") for ln in lines)
+    assert any(ln.startswith("# TYPE lmserve:lora_num_requests_running gauge") for ln in lines)
+
+
 def test_unknown_model_is_404(server: LiveServer) -> None:
     r = complete(server, "nope", "x")
     assert r.status_code == 404
