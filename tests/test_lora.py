@@ -265,3 +265,43 @@ def test_metrics_count_running_sequences_per_adapter(bases, adapters) -> None:
         engine.step()
     m = engine.get_metrics()
     assert m["lora_num_requests_running_by_adapter"] == {} and m["lora_num_slot_loads_total"] == 2
+
+
+def test_async_engine_in_process_with_adapters(bases, adapters) -> None:
+    """AsyncEngine (the in-process server's engine thread): adapters ride the add command; PeftModel's tokens."""
+    import asyncio
+
+    from lmserve.engine.async_engine import AsyncEngine
+
+    base = bases["llama"]
+    engine = AsyncEngine(make_llm(base).engine).start()
+    reqs = lora_requests(adapters["llama"])
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    names = ["all8", None, "qv64"]
+
+    async def run():
+        streams = [engine.add_request(None, PROMPTS[i], params, lora_request=reqs.get(n)) for i, n in enumerate(names)]
+        finals = []
+        for stream in streams:
+            async for out in stream:
+                final = out
+            finals.append(final)
+        return finals
+
+    try:
+        finals = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    for out, name in zip(finals, names, strict=True):
+        adapter = None if name is None else adapters["llama"][name]
+        assert out.outputs[0].token_ids == peft_greedy(base, adapter, out.prompt_token_ids, 6), name
+
+
+def test_bfloat16_base_runs_adapters(bases, adapters) -> None:
+    """bf16 compute: the slots are bf16 too; the adapter still changes the output and nothing fails."""
+    llm = make_llm(bases["llama"], dtype="bfloat16")
+    reqs = lora_requests(adapters["llama"])
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with_adapter = llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=reqs["all8"])[0]
+    assert llm.engine.runner.lora.linears[(0, "self_attn.qkv_proj")].A.dtype == torch.bfloat16
+    assert len(with_adapter.outputs[0].token_ids) == 6
