@@ -305,3 +305,17 @@ def test_bfloat16_base_runs_adapters(bases, adapters) -> None:
     with_adapter = llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=reqs["all8"])[0]
     assert llm.engine.runner.lora.linears[(0, "self_attn.qkv_proj")].A.dtype == torch.bfloat16
     assert len(with_adapter.outputs[0].token_ids) == 6
+
+
+def test_dp_affinity_key_is_salted_by_the_adapter() -> None:
+    from collections import OrderedDict
+
+    from lmserve.engine.router import choose_core, first_block_key
+
+    prompt = list(range(16))
+    assert first_block_key(prompt, 16) != first_block_key(prompt, 16, lora_int_id=3)
+    assert first_block_key(prompt, 16, lora_int_id=3) != first_block_key(prompt, 16, lora_int_id=4)
+    affinity: OrderedDict[int, int] = OrderedDict()
+    assert choose_core({0: (0, 0.0), 1: (1, 0.0)}, affinity, prompt, 16, lora_int_id=3) == 0
+    assert choose_core({0: (2, 0.0), 1: (1, 0.0)}, affinity, prompt, 16, lora_int_id=4) == 1  # its own key
+    assert choose_core({0: (2, 0.0), 1: (1, 0.0)}, affinity, prompt, 16, lora_int_id=3) == 0  # affine, in slack

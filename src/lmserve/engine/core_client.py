@@ -299,7 +299,7 @@ class EngineCoreClient:
                 raise EngineDeadError(f"engine is not running: {self._dead}")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            core = self._route(prompt_ids)
+            core = self._route(prompt_ids, 0 if lora_request is None else lora_request.lora_int_id)
             with core.admission.lock:
                 core.admission.reserve(num_seqs, num_blocks)
             core.pending[request_id] = (num_seqs, num_blocks)
@@ -342,11 +342,12 @@ class EngineCoreClient:
 
     # ---- routing ----------------------------------------------------------------------------
 
-    def _route(self, prompt_ids: list[int]) -> _Core:
+    def _route(self, prompt_ids: list[int], lora_int_id: int = 0) -> _Core:
         """The core for a new request (with _lock held): engine/router.choose_core on the live cores' loads."""
         loads = {c.index: c.load() for c in self._cores if c.alive}
         assert loads, "routing with no live core (dead_error is set first)"
-        return self._cores[choose_core(loads, self._affinity, prompt_ids, self.config.cache.block_size)]
+        block_size = self.config.cache.block_size
+        return self._cores[choose_core(loads, self._affinity, prompt_ids, block_size, lora_int_id=lora_int_id)]
 
     # ---- start-up ---------------------------------------------------------------------------
 
