@@ -319,3 +319,15 @@ def test_dp_affinity_key_is_salted_by_the_adapter() -> None:
     assert choose_core({0: (0, 0.0), 1: (1, 0.0)}, affinity, prompt, 16, lora_int_id=3) == 0
     assert choose_core({0: (2, 0.0), 1: (1, 0.0)}, affinity, prompt, 16, lora_int_id=4) == 1  # its own key
     assert choose_core({0: (2, 0.0), 1: (1, 0.0)}, affinity, prompt, 16, lora_int_id=3) == 0  # affine, in slack
+
+
+def test_beam_search_width_1_under_an_adapter_is_peft_greedy(bases, adapters) -> None:
+    from lmserve import BeamSearchParams
+
+    llm = make_llm(bases["llama"])
+    req = lora_requests(adapters["llama"])["kup64"]
+    out = llm.beam_search(["def fib(n):"], BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True),
+                          lora_request=req)[0]  # fmt: skip
+    prompt_ids = out.prompt_token_ids
+    expected = peft_greedy(bases["llama"], adapters["llama"]["kup64"], prompt_ids, 6)
+    assert out.sequences[0].token_ids == expected

@@ -88,9 +88,14 @@ class LLM:
             bar.close()
         return [finished[i] for i in ids]
 
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search (HF generate(num_beams=...) semantics) for every prompt; outputs in input order."""
-        return beam_search(self.engine, prompts, params)
+    def beam_search(
+        self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request: LoRARequest | None = None
+    ) -> list[BeamSearchOutput]:
+        """Beam search (HF generate(num_beams=...) semantics) for every prompt, under lora_request if given; outputs
+        in input order."""
+        if lora_request is not None:
+            self.engine.add_lora(lora_request)  # a broken adapter raises before anything is queued
+        return beam_search(self.engine, prompts, params, lora_request)
 
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()
