@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 
 
@@ -79,10 +80,17 @@ class Request:
     spec_draft_probs: Any = None
     num_draft_computed_tokens: int = 0
     spec_acceptance: Any = None  # AcceptanceTracker (spec_decode/acceptance.py): how many tokens to propose
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    lora_slot: int = -1  # the compute slot the scheduler gave its adapter while running (core/lora_slots.py)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,7 +19,7 @@ new request's window are not claimed at all (NULL_BLOCK in its table).
 
 from __future__ import annotations
 
-from lmserve.core.block_pool import BlockPool, KVCacheBlock, block_key, hash_blocks
+from lmserve.core.block_pool import BlockPool, KVCacheBlock, block_key, hash_blocks, root_hash
 from lmserve.core.outputs import BlockMap
 from lmserve.memory import kv_blocks_held
 from lmserve.request import Request
@@ -63,10 +63,11 @@ class KVCacheManager:
         covers. Never the whole sequence: at least one token must be computed to produce logits."""
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt position computed
-        request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        root = root_hash(request.lora_int_id)
+        request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, root)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        parent: int | None = None
+        parent: int | None = root
         for i in range(max_hit_blocks):
             tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
             block = self.pool.lookup(block_key(parent, tokens))
@@ -151,11 +152,12 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, len(table))
         if num_full <= start:
             return
-        request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        root = root_hash(request.lora_int_id)
+        request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, root)
         for i in range(start, num_full):
             # blocks are freed out of the window only after they were computed, hence cached here
             assert table[i] is not NULL_BLOCK, f"request {request.request_id}: block {i} freed before it was cached"
-            parent = request.block_hashes[i - 1] if i else None
+            parent = request.block_hashes[i - 1] if i else root
             tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
             self.pool.cache_block(table[i], block_key(parent, tokens))
         self._num_cached_blocks[request.request_id] = num_full

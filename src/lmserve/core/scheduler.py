@@ -17,14 +17,16 @@ from collections import deque
 
 from lmserve.config import SchedulerConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
+from lmserve.core.lora_slots import NO_SLOT, LoRASlotTable
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from lmserve.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock=None, num_lookahead_tokens: int = 0
-    ) -> None:
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock=None, num_lookahead_tokens: int = 0,
+        lora_slots: LoRASlotTable | None = None,
+    ) -> None:  # fmt: skip
         import time
 
         self.config = config
@@ -48,6 +50,7 @@ class Scheduler:
         # ScheduledRequest.block_ids for the model runner; the simulator (lmserve.sim), which runs no model, turns
         # them off (no decision reads them; building them touches every block of every running request per step)
         self.emit_block_ids = True
+        self.lora_slots = lora_slots  # LoRA compute slots (None: LoRA disabled): a request's adapter must hold one
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -186,10 +189,11 @@ class Scheduler:
         static = self.config.scheduling_policy == "static"
         if static and self.running:
             return  # a static batch admits no newcomers until it has drained
-        compiling: list[Request] = []  # grammar not ready yet: stay queued, in order, without blocking others
+        # grammar not ready yet, or its LoRA adapter has no compute slot: stay queued, in order, without blocking others
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not request.is_grammar_ready:
+            if not request.is_grammar_ready or not self._lora_slot_ready(request):
                 compiling.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -210,7 +214,7 @@ class Scheduler:
             # Each holds its prefix-cache hits as it joins, so both policies see the same cache.
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                if not request.is_grammar_ready:
+                if not request.is_grammar_ready or not self._lora_slot_ready(request):
                     break
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
                 if not self.kv.can_allocate(request.num_tokens + 1, hits):
@@ -229,7 +233,19 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
+        if request.lora_request is not None and self.lora_slots is not None:
+            request.lora_slot = self.lora_slots.acquire(request.lora_int_id)
         self.running.append(request)
+
+    def _lora_slot_ready(self, request: Request) -> bool:
+        return request.lora_request is None or self.lora_slots is None or self.lora_slots.can_acquire(
+            request.lora_int_id
+        )
+
+    def _release_lora_slot(self, request: Request) -> None:
+        if request.lora_slot != NO_SLOT and self.lora_slots is not None:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = NO_SLOT
 
     def _share_in_step(self, request: Request, num_new: int) -> None:
         """Make the blocks this step fills findable now, so requests scheduled after it in the same step
@@ -251,6 +267,7 @@ class Scheduler:
         request.spec_token_ids, request.spec_draft_probs = [], None
         request.num_draft_computed_tokens = 0
         self.kv.free(request)
+        self._release_lora_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -325,6 +342,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.metrics.finished_time = self.clock()
         self.kv.free(request)
+        self._release_lora_slot(request)
         del self.requests[request.request_id]
 
     def stats(self) -> SchedulerStats:
