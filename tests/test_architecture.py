@@ -20,15 +20,16 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "leaves",
         (
             "sampling_params", "request", "hub", "default_model", "generation_defaults", "tokenizer",
-            "byte_units", "model_shape", "memory", "memory_report", "memory_presets",
+            "byte_units", "model_shape", "memory", "memory_report", "memory_presets", "memory_disaggregation",
+            "lora_request",
             # torch-free readers of a checkpoint's metadata (the family table, a GGUF file's header), which the
             # config and the ledger read: a leaf each, though their files are in model/
             "model.registry", "model.gguf",
         ),
     ),
-    ("config", ("model_config", "config", "spec_decode.config")),
+    ("config", ("model_config", "config", "spec_decode.config", "kv_transfer_config")),
     ("core", ("core",)),
-    ("model", ("kernels", "model", "worker", "spec_decode", "structured_output")),
+    ("model", ("kernels", "model", "worker", "spec_decode", "structured_output", "lora")),
     ("engine", ("engine", "metrics")),
     ("entrypoints", ("lmserve", "entrypoints", "diagnose", "metrics_window", "bench", "sim", "web")),
 ]

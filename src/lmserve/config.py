@@ -126,6 +126,16 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (lora/, core/lora_slots.py): max_loras compute slots (adapters a step can mix),
+    max_cpu_loras adapters kept loaded in RAM (LRU), ranks up to max_lora_rank."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -140,6 +150,8 @@ class EngineConfig:
     # False: an object schema without "additionalProperties" closes after its declared properties (as xgrammar's
     # strict mode); True: JSON Schema's default, any further key (structured_output.close_objects)
     structured_outputs_allow_additional_properties: bool = False
+    kv_transfer: Any = None  # kv_transfer_config.KVTransferConfig (prefill/decode disaggregation), or None
+    lora: LoRAConfig | None = None  # None: LoRA disabled
     # ranks one model is split across (model/parallel.py, engine/tp_executor.py); the cache's sizes are per rank
     tensor_parallel_size: int = 1
 
@@ -174,6 +186,11 @@ class EngineArgs:
     int4_compute: str = "w4a8"  # int4 / GGUF Q4_0, Q4_1: "w4a8" (int8 activations) or "weight-only" (float32)
     speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
     structured_outputs_allow_additional_properties: bool = False  # see EngineConfig
+    kv_transfer_config: dict[str, Any] | str | None = None  # vLLM's keys; see kv_transfer_config.py
+    enable_lora: bool = False  # LoRA adapters per request (LoRARequest); the four below apply only then
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
     tensor_parallel_size: int = 1  # ranks (processes) one model is split across, Megatron-style
 
     @classmethod
@@ -272,10 +289,36 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             share_prefix_in_step=self.share_prefix_in_step,
         )
+        kv_transfer = None
+        if self.kv_transfer_config is not None:
+            from lmserve.kv_transfer_config import KVTransferConfig
+
+            kv_transfer = KVTransferConfig.from_value(self.kv_transfer_config)
+            if self.enable_lora:
+                raise ValueError("kv_transfer_config with enable_lora: LoRA adapters are not served with "
+                                 "prefill/decode disaggregation yet (the decode side would need the adapter)")
+        if tp > 1 and (self.enable_lora or kv_transfer is not None):
+            what = "enable_lora (adapters on sharded projections)" if self.enable_lora else "kv_transfer_config"
+            raise ValueError(f"tensor_parallel_size={tp} with {what}: not supported yet")
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
-            quantization, spec, bool(self.structured_outputs_allow_additional_properties), tp,
+            quantization, spec, bool(self.structured_outputs_allow_additional_properties), kv_transfer,
+            self._lora(spec), tp,
         )  # fmt: skip
+
+    def _lora(self, spec: Any) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        _check_positive("max_cpu_loras", cpu)
+        if cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({self.max_loras})")
+        if spec is not None:
+            raise ValueError("speculative_config: speculative decoding with enable_lora is not supported (the draft "
+                             "and the verification would need the adapter's weights); turn one of them off")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
 
     def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:
         """The checkpoint's quantization, else the requested one, validated against the model's shapes, with

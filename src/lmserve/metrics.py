@@ -41,6 +41,20 @@ def frontend_of(request_id: str) -> str:
     return "grpc" if request_id.startswith(GRPC_REQUEST_ID_PREFIX) else "http"
 
 
+KV_TRANSFER_METRICS = (
+    ("kv_transfer_handoffs_total", "Requests a prefill engine handed to a decode engine after their first token."),
+    ("kv_transfer_leases", "Handed-off sequences whose KV a prefill engine still holds for a pull."),
+    ("kv_transfer_leases_expired_total", "KV leases that expired unpulled (kv_lease_s): their blocks freed."),
+    ("kv_transfer_leases_pulled_total", "KV leases ended by a decode engine's pull."),
+    ("kv_transfer_waiting", "Sequences a decode engine holds waiting for their KV."),
+    ("kv_transfer_blocks_pulled_total", "KV blocks a decode engine pulled from a prefill engine."),
+    ("kv_transfer_blocks_hit_total", "KV blocks a decode engine found in its own prefix cache instead."),
+    ("kv_transfer_bytes_pulled_total", "Bytes of KV a decode engine pulled (values and scales)."),
+    ("kv_transfer_failures_total", "KV transfers that failed or timed out (kv_load_failure_policy applied)."),
+    ("kv_transfer_recomputes_total", "Failed KV transfers the decode engine recomputed (policy recompute)."),
+)
+
+
 class _EngineCollector(Collector):
     """Engine counters/gauges from the latest snapshot, produced at scrape time."""
 
@@ -59,8 +73,11 @@ class _EngineCollector(Collector):
         # Several engine cores (data parallel): each family also carries every core's own samples, labelled
         # engine="i", after the aggregate (which has no engine label; sum over one or the other, not both).
         for i, engine_snap in enumerate(snap.engines):
+            extra = {"engine": str(i)}
+            if "kv_role" in engine_snap.metrics:  # disaggregation: each core's role
+                extra["role"] = "prefill" if engine_snap.metrics["kv_role"] == "kv_producer" else "decode"
             for family, per_engine in zip(families, self._families(engine_snap), strict=True):
-                family.samples.extend(s._replace(labels={**s.labels, "engine": str(i)}) for s in per_engine.samples)
+                family.samples.extend(s._replace(labels={**s.labels, **extra}) for s in per_engine.samples)
         yield from families
 
     def _families(self, snap: Any) -> Iterator[Metric]:
@@ -132,6 +149,10 @@ class _EngineCollector(Collector):
         )
         info.add_metric([*values, m["kv_cache_dtype"]], 1)
         yield info
+        if "kv_role" in m:  # prefill/decode disaggregation (engine/disaggregation.py)
+            for key, doc in KV_TRANSFER_METRICS:
+                make = counter if key.endswith("_total") else gauge
+                yield make(key.removesuffix("_total"), doc, m.get(key, 0))
         yield counter(
             "spec_decode_num_drafts", "Speculative verifications (requests x steps with proposals).",
             m["spec_decode_num_drafts_total"],
@@ -152,6 +173,7 @@ class _EngineCollector(Collector):
             "spec_decode_mean_accepted_length", "Tokens a verification emits on average (accepted + 1).",
             m["spec_decode_mean_accepted_length"],
         )  # fmt: skip
+        yield from _lora_metrics(m, labels, values, gauge, counter)
         yield from _step_metrics(m, counter, gauge)
         config = GaugeMetricFamily(
             PREFIX + "engine_config_info",
@@ -160,6 +182,20 @@ class _EngineCollector(Collector):
         )
         config.add_metric([*values, *(str(m[k]) for k in CONFIG_LABELS)], 1)
         yield config
+
+
+def _lora_metrics(m: dict, labels: list[str], values: list[str], gauge, counter) -> Iterator[Metric]:
+    """With LoRA enabled: running sequences per adapter (lora_name "" = the base model), the slots' bytes."""
+    if "lora_num_requests_running_by_adapter" not in m:
+        return
+    by_lora = GaugeMetricFamily(PREFIX + "lora_num_requests_running", "Running sequences by LoRA adapter "
+                                "(lora_name empty: the base model).", labels=[*labels, "lora_name"])  # fmt: skip
+    for name, count in sorted(m["lora_num_requests_running_by_adapter"].items()):
+        by_lora.add_metric([*values, name], count)
+    yield by_lora
+    yield gauge("lora_slot_bytes", "Bytes of the LoRA compute slots' stacked weights.", m["lora_slot_bytes"])
+    yield gauge("lora_cpu_bytes", "Bytes of the LoRA adapters loaded in RAM.", m["lora_cpu_bytes"])
+    yield counter("lora_slot_loads", "Adapters copied into a compute slot.", m["lora_num_slot_loads_total"])
 
 
 CONFIG_LABELS = (

@@ -6,6 +6,7 @@
     4. HF transformers one-request loop vs lmserve     → throughput and latency on the same workload
     5. static vs continuous batching, same engine      → TTFT, TPOT, throughput with mixed output lengths
     6. prefix cache on vs off, shared system prompt    → TTFT; and a burst sharing a prompt, in-step sharing on/off
+    7. colocated vs prefill/decode disaggregated (1P1D), Poisson rates → SLO attainment, goodput (pd_goodput.py)
 
 The harness starts `lmserve serve` itself (a subprocess on a free loopback port; experiments 5 and 6
 restart it with other engine flags), or targets `--base-url` (then 5 and 6, which need server flags,
@@ -27,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lmserve.bench import pd_goodput
+
 # Workloads and the server launcher moved to harness.py; the "as" imports keep them importable from here
 from lmserve.bench.harness import Harness, Point, Section, ServerError, resolve_tokenizer_path
 from lmserve.bench.harness import Workloads as Workloads
@@ -43,6 +46,7 @@ EXPERIMENT_TITLES = {
     4: "HF transformers one-request loop vs lmserve continuous batching",
     5: "Static vs continuous batching on the same engine",
     6: "Prefix cache on vs off with a shared system prompt → TTFT (and a burst: in-step sharing on vs off)",
+    7: pd_goodput.TITLE,
 }
 
 
@@ -467,6 +471,7 @@ EXPERIMENTS: dict[int, Callable[[Harness, Section], None]] = {
     4: exp4_hf_vs_lmserve,
     5: exp5_static_vs_continuous,
     6: exp6_prefix_cache,
+    7: lambda h, sec: pd_goodput.exp7_pd_goodput(h, sec, _plot, _image),
 }
 
 
@@ -482,12 +487,12 @@ def parse_only(text: str | None) -> list[int]:
         raise ValueError(f"--only: expected experiment numbers like 1,3,6, got {text!r}") from None
     bad = [x for x in chosen if x not in EXPERIMENTS]
     if bad or not chosen:
-        raise ValueError(f"--only: experiments are numbered 1-6, got {text!r}")
+        raise ValueError(f"--only: experiments are numbered 1-{max(EXPERIMENTS)}, got {text!r}")
     return chosen
 
 
 # 6 starts with the default server (prefix cache on), which 1-4 leave running; 5 needs two other servers
-RUN_ORDER = (1, 2, 3, 4, 6, 5)
+RUN_ORDER = (1, 2, 3, 4, 6, 5, 7)
 
 
 def run_experiments(h: Harness, numbers: list[int]) -> list[Section]:

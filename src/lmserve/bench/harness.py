@@ -248,20 +248,27 @@ class Harness:
             self._server = None
 
     def load(
-        self, base_url: str, requests: list[BenchRequest], max_concurrency: int | None = None
+        self,
+        base_url: str,
+        requests: list[BenchRequest],
+        max_concurrency: int | None = None,
+        request_rate_rps: float = math.inf,
+        slos: Any = None,
     ) -> tuple[list[RequestRecord], BenchSummary]:
+        """Send `requests` (all at once, or Poisson arrivals at request_rate_rps); SLOs give attainment."""
         from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
 
         cfg = LoadConfig(
             base_url=base_url,
             model=self.args.served_model_name,
             max_concurrency=max_concurrency,
+            request_rate_rps=request_rate_rps,
             seed=self.seed,
             timeout_s=self.args.request_timeout,
         )
         result = asyncio.run(run_load(requests, cfg))
         records = finalize_all(result, requests, cfg, self.tokenizer)
-        summary = summarize(records, result.duration_s or None, math.inf, max_concurrency)
+        summary = summarize(records, result.duration_s or None, request_rate_rps, max_concurrency, slos)
         if result.fatal_error:
             raise ServerError(result.fatal_error)
         if summary.num_failed:

@@ -132,3 +132,4 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     prompt_logprobs: list[Any] | None = None  # None for the first prompt token, then TokenLogprobs per token
+    kv_transfer_params: dict[str, Any] | None = None  # a kv_producer server's answer: where the KV waits (handoff)

@@ -153,7 +153,8 @@ class EngineCore:
             if self._backoff is not None and (threads := self._backoff.poll()) is not None:
                 torch.set_num_threads(threads)
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-            if not (busy or self._changed or outputs):
+            handoffs = self._kv_transfer()
+            if not (busy or self._changed or outputs or handoffs):
                 continue
             for o in outputs:
                 if o.finished:
@@ -161,9 +162,26 @@ class EngineCore:
                 o.prompt_token_ids = []  # the client has it
             outputs = [self._tails.cut(o) for o in outputs]
             idle = not self.engine.has_unfinished_requests()
-            msg = StepOutputs(self.index, outputs, self._snapshot(idle), self._added, self._failed)
+            msg = StepOutputs(self.index, outputs, self._snapshot(idle), self._added, self._failed, handoffs)
             self._out.send(self._codec.encode(msg))
             self._added, self._failed, self._changed = [], [], False
+
+    def _kv_transfer(self) -> list:
+        """Disaggregation: the handoffs of a prefill core (those requests are no longer its), the KV failures of a
+        decode core (their requests fail alone: AddFailure), and a producer's ended leases freed even when idle."""
+        if self.engine.kv_consumer is not None:
+            for rid, error in self.engine.kv_consumer.take_failures():
+                self._live.discard(rid)
+                self._failed.append(AddFailure(rid, "KVTransferError", error))
+        if self.engine.kv_producer is None:
+            return []
+        if self.engine.kv_producer.collect():
+            self._changed = True  # blocks were freed: the next snapshot must say so
+        handoffs = self.engine.kv_producer.take_handoffs()
+        for h in handoffs:
+            self._live.discard(h.request_id)
+            self._tails.forget(h.request_id)
+        return handoffs
 
     def _snapshot(self, idle: bool = True) -> EngineSnapshot:
         room = measure_room(self.engine) if self.launch.measure_room else None
@@ -190,6 +208,8 @@ class EngineCore:
                         self._live.discard(rid)
                         self.engine.abort_request(rid)
                         self._num_aborted += 1
+                    elif self.engine.kv_producer is not None:
+                        self.engine.abort_request(rid)  # handed off: its KV leases end
             elif isinstance(msg, WatchBlockMap):
                 self._block_map_watch.watch(msg.on)
             else:
@@ -198,7 +218,11 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time)
+            lora = {} if msg.lora_request is None else {"lora_request": msg.lora_request}
+            self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time,
+                do_remote_decode=msg.do_remote_decode, remote_kv=msg.remote_kv, **lora,
+            )  # fmt: skip
         except Exception as e:  # one bad request fails alone, not the engine
             kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
             self._failed.append(AddFailure(msg.request_id, kind, str(e)))

@@ -45,6 +45,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from lmserve.config import EngineConfig
@@ -53,6 +54,8 @@ from lmserve.engine.admission import Admission
 from lmserve.engine.core import CoreLaunch
 from lmserve.engine.core_handles import _ProcessHandle, _RayHandle
 from lmserve.engine.cpu_slices import CPU_POLICIES, DEFAULT_CPU_POLICY, cpu_slices, default_num_threads
+from lmserve.engine.disaggregation import KVTransferError
+from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.engine.messages import (
     AbortRequests,
@@ -70,6 +73,8 @@ from lmserve.engine.router import AFFINITY_SLACK as AFFINITY_SLACK
 from lmserve.engine.router import choose_core
 from lmserve.engine.snapshot import EngineSnapshot, aggregate_snapshots
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
+from lmserve.lora_request import LoRARequest
+from lmserve.request import FinishReason
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -276,8 +281,13 @@ class EngineCoreClient:
         prompt: Prompt,
         params: SamplingParams,
         arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Validate, route and queue a request; returns its stream at once.
+        """Validate, route and queue a request; returns its stream at once. kv_transfer_params: the two-server
+        form of disaggregation (pd_client.remote_kv_fields: {"do_remote_decode": true} or a producer's answer).
+        A LoRA adapter travels with the request (every core loads it from its path on first use: adapters are on
+        every core; the prefix-affinity key is salted with the adapter, as the prefix cache's chain).
 
         Raises ValueError (bad input), QueueFullError (the chosen core's queue at its bound) or EngineDeadError.
         """
@@ -286,6 +296,7 @@ class EngineCoreClient:
             self.start()
         prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params)
+        kv_fields = remote_kv_fields(self.config, kv_transfer_params, params)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         stream = RequestStream(self, request_id, loop)  # type: ignore[arg-type]
         num_seqs = params.actual_best_of
@@ -296,14 +307,21 @@ class EngineCoreClient:
                 raise EngineDeadError(f"engine is not running: {self._dead}")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            core = self._route(prompt_ids)
+            core = self._route(prompt_ids, 0 if lora_request is None else lora_request.lora_int_id)
             with core.admission.lock:
                 core.admission.reserve(num_seqs, num_blocks)
             core.pending[request_id] = (num_seqs, num_blocks)
             core.streams.add(request_id)
             self._streams[request_id] = _Stream(stream, core, prompt_ids)
-        self._send(core, AddRequest(request_id, prompt_ids, params, arrival_time))
+        message = self._add_message(request_id, prompt_ids, params, arrival_time)
+        if lora_request is not None:
+            kv_fields = {**(kv_fields or {}), "lora_request": lora_request}
+        self._send(core, msgspec.structs.replace(message, **kv_fields) if kv_fields else message)
         return stream
+
+    def _add_message(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float) -> Any:
+        """The AddRequest a new request's first core gets (pd_client: a prefill core's, do_remote_decode)."""
+        return AddRequest(request_id, prompt_ids, params, arrival)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (idempotent; unknown or finished ids are ignored). Callable from any thread."""
@@ -339,11 +357,12 @@ class EngineCoreClient:
 
     # ---- routing ----------------------------------------------------------------------------
 
-    def _route(self, prompt_ids: list[int]) -> _Core:
+    def _route(self, prompt_ids: list[int], lora_int_id: int = 0) -> _Core:
         """The core for a new request (with _lock held): engine/router.choose_core on the live cores' loads."""
         loads = {c.index: c.load() for c in self._cores if c.alive}
         assert loads, "routing with no live core (dead_error is set first)"
-        return self._cores[choose_core(loads, self._affinity, prompt_ids, self.config.cache.block_size)]
+        block_size = self.config.cache.block_size
+        return self._cores[choose_core(loads, self._affinity, prompt_ids, block_size, lora_int_id=lora_int_id)]
 
     # ---- start-up ---------------------------------------------------------------------------
 
@@ -369,7 +388,7 @@ class EngineCoreClient:
                 input_address = f"ipc://{self._ipc_dir}/in-{i}"
                 sock.bind(input_address)
             launch = CoreLaunch(
-                config=self.config,
+                config=self._core_config(i, host if self.backend == "ray" else None),
                 engine_index=i,
                 input_address=input_address,
                 output_address=output_address,
@@ -392,6 +411,10 @@ class EngineCoreClient:
         t = threading.Thread(target=self._receive, name="lmserve-receive", daemon=True)
         t.start()
         self._threads.append(t)
+
+    def _core_config(self, index: int, host: str | None) -> EngineConfig:
+        """Core `index`'s engine config (pd_client gives each its KV-transfer role); host: the Ray cluster IP."""
+        return self.config
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -439,6 +462,8 @@ class EngineCoreClient:
                 core.error = msg.error
 
     def _on_step(self, core: _Core, msg: StepOutputs) -> None:
+        if msg.handoffs and self.config.kv_transfer is not None:
+            _end_handed_off(msg)  # a kv_producer server: the request's answer is its first token and the handoff
         now = time.time()
         delivery: dict[asyncio.AbstractEventLoop, _Delivery] = {}
         num_seqs = num_blocks = 0
@@ -502,8 +527,43 @@ class EngineCoreClient:
         _send_delivery(delivery)
 
 
+def remote_kv_fields(config: EngineConfig, kv_params: dict[str, Any] | None, params: SamplingParams) -> dict:
+    """A request's kv_transfer_params (the two-server form) → AddRequest's fields; ValueError naming the field."""
+    if kv_params is None:
+        return {}
+    role = config.kv_transfer.kv_role if config.kv_transfer is not None else None
+    if kv_params.get("do_remote_decode"):
+        if role != "kv_producer":
+            raise ValueError("kv_transfer_params.do_remote_decode: this server is not a kv_producer "
+                             "(--kv-transfer-config '{\"kv_role\": \"kv_producer\"}')")  # fmt: skip
+        return {"do_remote_decode": True}
+    if kv_params.get("do_remote_prefill"):
+        if role != "kv_consumer":
+            raise ValueError("kv_transfer_params.do_remote_prefill: this server is not a kv_consumer")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: computed on the prefill server; do not send it to the decode server")
+        return {"remote_kv": KVHandoff.from_params(kv_params)}
+    raise ValueError("kv_transfer_params: expected do_remote_decode or a prefill server's kv_transfer_params")
+
+
+def _end_handed_off(msg: StepOutputs) -> None:
+    """A kv_producer server's handed-off requests end here: their first-token output becomes final, carrying the
+    handoff (kv_transfer_params) for the router to forward."""
+    by_id = {h.request_id: h for h in msg.handoffs}
+    for out in msg.outputs:
+        handoff = by_id.get(out.request_id)
+        if handoff is not None:
+            out.finished = True
+            out.kv_transfer_params = handoff.to_params()
+            for c in out.outputs:
+                if c.finish_reason is None:
+                    c.finish_reason = FinishReason.LENGTH
+
+
 def _add_error(error_type: str, message: str) -> Exception:
     """The exception of an add the core refused: ValueError stays the input's fault (a 400)."""
+    if error_type == "KVTransferError":
+        return KVTransferError(message)
     return ValueError(message) if error_type == "ValueError" else RuntimeError(f"{error_type}: {message}")
 
 

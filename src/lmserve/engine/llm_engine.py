@@ -12,11 +12,15 @@ import torch
 
 from lmserve.config import EngineArgs, EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
+from lmserve.core.lora_slots import LoRASlotTable
 from lmserve.core.outputs import BlockMap, CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from lmserve.core.prefix_shadow import SharedPrefixCounter
 from lmserve.core.scheduler import Scheduler
 from lmserve.engine.detokenizer import IncrementalDetokenizer
+from lmserve.engine.disaggregation import make_roles
+from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.generation_defaults import generation_eos_ids, read_generation_config, sampling_defaults
+from lmserve.lora_request import LoRARequest
 from lmserve.request import FinishReason, Request, RequestMetrics
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import StructuredOutputManager
@@ -101,7 +105,8 @@ class LLMEngine:
             config.cache.sliding_window,
         )  # fmt: skip
         lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
-        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead)
+        lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots)
         self.executor = None  # tensor parallel: the worker processes rank 0 drives (engine/tp_executor.py)
         if config.tensor_parallel_size > 1:
             from lmserve.engine.tp_executor import TPExecutor
@@ -120,6 +125,7 @@ class LLMEngine:
         self._parents: dict[str, _ParentRequest] = {}
         self._child_to_parent: dict[str, str] = {}
         self._ids = itertools.count()
+        self.kv_producer, self.kv_consumer = make_roles(self)  # prefill/decode disaggregation (None, None: colocated)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for one process); the engine is unusable after."""
@@ -194,13 +200,25 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        *,
+        do_remote_decode: bool = False,
+        remote_kv: KVHandoff | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
+        """do_remote_decode (a kv_producer engine): stop after the first token and hand the KV off
+        (kv_producer.take_handoffs()); remote_kv (a kv_consumer engine): continue from such a handoff."""
         params = params or self.default_sampling_params()
         request_id = self.new_request_id() if request_id is None else request_id
-        if request_id in self._parents:
+        if request_id in self._parents or (self.kv_producer is not None and self.kv_producer.holds(request_id)):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if do_remote_decode and self.kv_producer is None:
+            raise ValueError("kv_transfer_params.do_remote_decode: this engine's kv_role is not kv_producer")
+        if remote_kv is not None and (self.kv_consumer is None or params.prompt_logprobs is not None):
+            raise ValueError("kv_transfer_params: a handoff needs kv_role kv_consumer, and no prompt_logprobs")
         text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.validate(prompt_ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)  # loaded (validated) now: a broken adapter is refused before queueing
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.compile(params.structured_outputs)
@@ -230,6 +248,7 @@ class LLMEngine:
                 arrival_time=arrival,
             )
             child.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            child.lora_request = lora_request
             if child_params.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0
             if i == 0 and params.prompt_logprobs is not None:
@@ -245,7 +264,12 @@ class LLMEngine:
             self._grammar_pending.append(parent)
         for child in children:
             self._child_to_parent[child.request_id] = request_id
-            self.scheduler.add_request(child)
+            if remote_kv is None:
+                self.scheduler.add_request(child)
+        if remote_kv is not None:
+            self.kv_consumer.adopt(parent, remote_kv)
+        if do_remote_decode:
+            self.kv_producer.watch(parent)
         self.counters.num_requests_total += 1
         self.counters.prompt_tokens_total += len(prompt_ids)
         self.counters.prefix_shareable_tokens_total += self.shared_prefix.observe(prompt_ids)
@@ -254,9 +278,13 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         for rid in ids:
+            if self.kv_producer is not None:
+                self.kv_producer.abort(rid)
             parent = self._parents.get(rid)
             if parent is None:
                 continue
+            if self.kv_consumer is not None:
+                self.kv_consumer.forget([c.request_id for c in parent.children])
             aborted = self.scheduler.abort_requests([c.request_id for c in parent.children])
             self.counters.num_finished_by_reason[FinishReason.ABORT.value] += len(aborted)
             for child in parent.children:
@@ -266,10 +294,38 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    # ---- LoRA adapters ----------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into RAM (validated: ValueError naming the field or path). True if newly loaded."""
+        if self.runner.lora is None:
+            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True / --enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        known = lora_request.lora_int_id in self.runner.lora.cpu
+        self.runner.lora.add_adapter(lora_request)
+        return not known
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; refused (ValueError) while a request of it is queued or running."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is not enabled")
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"lora adapter {lora_int_id} is in use by {len(users)} requests; unload it when they end")
+        assert self.scheduler.lora_slots is not None
+        self.scheduler.lora_slots.forget(lora_int_id)
+        return self.runner.lora.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.runner.lora is None else self.runner.lora.list_adapters()
+
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         refused = self._finish_refused_grammars() if self._grammar_pending else []
+        if self.kv_producer is not None or self.kv_consumer is not None:
+            refused += self._resolve_kv_transfer()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self._grammar_pending and not refused:  # only compiling requests: wait for one, do not spin
@@ -290,7 +346,15 @@ class LLMEngine:
             if req.is_finished:
                 self.counters.num_finished_by_reason[req.finish_reason.value] += 1
         outputs = [self._make_output(p) for p in parents.values()]
+        if self.kv_producer is not None:
+            self.kv_producer.hand_off(updated)  # sequences with their first token leave, their KV under a lease
         return refused + [o for o in outputs if o is not None]
+
+    def _resolve_kv_transfer(self) -> list[RequestOutput]:
+        """Between steps: free ended KV leases (producer); finish and start KV pulls (consumer)."""
+        if self.kv_producer is not None:
+            self.kv_producer.collect()
+        return self.kv_consumer.resolve() if self.kv_consumer is not None else []
 
     def _finish_refused_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar failed to compile in the background finish as aborted, the library's reason
@@ -457,9 +521,32 @@ class LLMEngine:
                 self.config.scheduler.max_model_len
             ),  # of max_model_len tokens each: the concurrency the pool buys
             "finished_requests_by_reason": dict(c.num_finished_by_reason),
+            **self._lora_metrics(),
             **spec_decode_metrics(s),
             **step_metrics(s, c),
             **config_metrics(self.config),
+            **(role.metrics() if (role := self.kv_producer or self.kv_consumer) is not None else {}),
+        }
+
+    def _lora_metrics(self) -> dict[str, Any]:
+        """Running requests per adapter name (the base model's under ""), the slots' bytes (the ledger's LoRA line)."""
+        pool = self.runner.lora
+        if pool is None:
+            return {}
+        running: dict[str, int] = {}
+        for r in self.scheduler.running:
+            name = "" if r.lora_request is None else r.lora_request.lora_name
+            running[name] = running.get(name, 0) + 1
+        slots = self.scheduler.lora_slots
+        assert slots is not None
+        return {
+            "lora_num_requests_running_by_adapter": running,
+            "lora_slot_bytes": pool.num_bytes,
+            "lora_cpu_bytes": pool.cpu_bytes,
+            "lora_max_loras": slots.max_loras,
+            "lora_num_active_slots": slots.num_active,
+            "lora_num_slot_loads_total": pool.num_slot_loads_total,
+            "lora_num_slot_evictions_total": slots.num_evictions_total,
         }
 
 

@@ -24,7 +24,9 @@ from typing import Any
 import msgspec
 
 from lmserve.core.outputs import RequestOutput
+from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.snapshot import EngineSnapshot
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.sampler import TokenLogprobs
 
@@ -34,6 +36,9 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    do_remote_decode: bool = False  # a prefill core: stop after the first token, hand the KV off (disaggregation)
+    remote_kv: KVHandoff | None = None  # a decode core: continue from this handoff
+    lora_request: LoRARequest | None = None  # the adapter (each core loads it from lora_path on first use)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -82,6 +87,7 @@ class StepOutputs(msgspec.Struct, tag=True):
     snapshot: EngineSnapshot
     added: list[str] = []
     failed: list[AddFailure] = []
+    handoffs: list[KVHandoff] = []  # a prefill core's requests handed off this step (their first token is in outputs)
 
 
 class CoreFailed(msgspec.Struct, tag=True):

@@ -91,10 +91,11 @@ def aggregate_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
     constants taken from the first; `engines` keeps each core's own."""
     from lmserve.engine.llm_engine import spec_decode_metrics
 
-    first = snaps[0].metrics
+    first = {k: v for s in reversed(snaps) for k, v in s.metrics.items()}  # every key (roles differ), core 0's first
     metrics: dict[str, Any] = {}
     for key, value in first.items():
-        values = [s.metrics.get(key, value) for s in snaps]
+        absent = 0 if isinstance(value, int | float) and not isinstance(value, bool) else value
+        values = [s.metrics.get(key, absent) for s in snaps]
         if key in SAME_ON_EVERY_CORE or not isinstance(value, int | float | dict):
             metrics[key] = value
         elif key in SMALLEST_NONZERO:

@@ -1,4 +1,4 @@
-"""The `lmserve` command: generate | serve | bench | memory | quantize | diagnose | simulate.
+"""The `lmserve` command: generate | serve | bench | memory | quantize | diagnose | simulate | router.
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)` (which sets `func`); modules
 keep heavy imports (torch, FastAPI) inside their run functions so `lmserve --help` stays fast.
@@ -19,6 +19,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("lmserve.entrypoints.quantize_cli", "add_parser"),
     ("lmserve.entrypoints.diagnose_cli", "add_parser"),
     ("lmserve.entrypoints.simulate_cli", "add_parser"),
+    ("lmserve.entrypoints.router_cli", "add_parser"),
 ]
 
 

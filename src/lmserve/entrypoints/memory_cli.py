@@ -67,6 +67,11 @@ def add_memory_parser(subparsers: Any) -> None:
         help="tensor-parallel size (default 1): weights and KV per rank, as `serve --tensor-parallel-size` sizes them",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--disaggregation", default=None, metavar="NPmD",
+        help="prefill/decode disaggregation (1P1D, 2P1D, ...): each role's cores, weights and KV pool, the budget "
+        "split over the cores, and the transfer buffer",
+    )  # fmt: skip
     p.set_defaults(func=run_memory)
 
 
@@ -173,13 +178,25 @@ def run_memory(args: argparse.Namespace) -> int:
         if gguf_file is not None:
             notes = gguf_notes(gguf_file, weight_dtype, keep=quantization == "gguf")
             report = dataclasses.replace(report, notes=report.notes + notes)
+        pd = None
+        if getattr(args, "disaggregation", None):
+            import re
+
+            from lmserve.memory_disaggregation import disaggregated_memory
+
+            m = re.fullmatch(r"(\d+)P(\d+)D", args.disaggregation.strip(), re.IGNORECASE)
+            if m is None:
+                raise ValueError(f"--disaggregation must look like 1P1D (NPmD), got {args.disaggregation!r}")
+            pd = disaggregated_memory(report, int(m.group(1)), int(m.group(2)))
     except (ValueError, OSError) as e:
         return _error(str(e))
 
     if getattr(args, "json", False):
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps({**report.to_dict(), **({"disaggregation": pd.to_dict()} if pd else {})}, indent=2))
     else:
         print(report.format_table())
+        if pd is not None:
+            print(pd.format_table())
     return 0
 
 

@@ -6,6 +6,7 @@ aborted however the client leaves. What a choice, a chunk and the final body loo
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -17,12 +18,14 @@ from fastapi.responses import Response
 
 from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from lmserve.engine.disaggregation import KVTransferError
 from lmserve.engine.token_bytes import TextOffsets
 from lmserve.entrypoints.openai import logprobs as lp_fmt
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai.errors import APIError, from_value_error
 from lmserve.entrypoints.openai.sse import ClientGone, SSEResponse, cancel_on_disconnect, sse, sse_json
 from lmserve.entrypoints.openai.state import ServerState
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,23 +42,34 @@ class Generation:
         prompts: list[list[int]],
         params: SamplingParams,
         body: p.CompletionRequest | p.ChatCompletionRequest,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.state = state
+        self.lora_request = lora_request  # the adapter the body's `model` named (None: the base model)
+        self._lora_held = False
         self.engine = engine
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
         self.body = body
-        self.model = state.served_model_name
+        self.model = state.served_model_name if lora_request is None else lora_request.lora_name
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
 
     # -- start
 
     def start(self) -> None:
+        kv = {} if self.body.kv_transfer_params is None else {"kv_transfer_params": self.body.kv_transfer_params}
+        if self.lora_request is not None and self.state.loras is not None:  # in use until abort(): no unload
+            self.state.loras.acquire(self.lora_request)
+            self._lora_held = True
         try:
+            if kv and (len(self.prompts) != 1 or not hasattr(self.engine, "config") or self.engine.config.kv_transfer
+                       is None):  # fmt: skip
+                raise ValueError("kv_transfer_params: needs one prompt and a server with --kv-transfer-config")
             for i, ids in enumerate(self.prompts):
-                self.streams.append(self.engine.add_request(f"{self.request_id}-{i}", ids, self.params))
+                kw = {} if self.lora_request is None else {"lora_request": self.lora_request}
+                self.streams.append(self.engine.add_request(f"{self.request_id}-{i}", ids, self.params, **kv, **kw))
         except QueueFullError as e:
             self.abort()
             raise APIError(
@@ -75,6 +89,9 @@ class Generation:
     def abort(self) -> None:
         for s in self.streams:
             s.abort()
+        if self._lora_held and self.state.loras is not None:
+            self._lora_held = False
+            self.state.loras.release(self.lora_request)
 
     async def respond(self, request: Request) -> Response:
         self.start()
@@ -86,7 +103,10 @@ class Generation:
             return Response(status_code=499)  # nobody reads it; the requests are aborted
         finally:
             self.abort()
-        return Response(self.final_response(finals).model_dump_json(), media_type="application/json")
+        body = self.final_response(finals).model_dump_json()
+        if finals and finals[0].kv_transfer_params is not None:  # a kv_producer server's answer (lmserve router)
+            body = body[:-1] + ',"kv_transfer_params":' + json.dumps(finals[0].kv_transfer_params) + "}"
+        return Response(body, media_type="application/json")
 
     # -- merged outputs of all prompts
 
@@ -125,6 +145,8 @@ class Generation:
             raise APIError(
                 500, f"the engine loop died while serving this request: {e}", code="engine_dead"
             ) from e
+        except KVTransferError as e:  # kv_load_failure_policy fail
+            raise APIError(503, f"the request's KV could not be loaded: {e}", code="kv_transfer_failed") from e
         except ValueError as e:
             raise from_value_error(e) from e
         except APIError:

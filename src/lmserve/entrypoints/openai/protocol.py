@@ -56,6 +56,9 @@ class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: Text | None = None
+    # prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} to a kv_producer server, or the
+    # kv_transfer_params a producer answered to a kv_consumer server (lmserve router sends both)
+    kv_transfer_params: dict[str, Any] | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -328,6 +331,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "lmserve"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's shape); None for the base itself
     max_model_len: int
 
 

@@ -60,6 +60,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "requests are routed by load with prefix affinity (default 1)",
     )
     p.add_argument(
+        "--disaggregation",
+        default=None,
+        metavar="NPmD",
+        help="prefill/decode disaggregation in this server: N prefill and m decode engine cores (1P1D, 2P1D, ...), "
+        "each on its own CPUs; a request is prefilled on one, its KV pulled by the other, which decodes",
+    )
+    p.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=None,
+        help="--disaggregation: a prefill core frees KV a decode core has not pulled after this long (default 30)",
+    )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=["fail", "recompute"],
+        default="fail",
+        help="--disaggregation: a KV transfer that fails or times out ends the request with an error (fail, 503) or "
+        "the decode core prefills it itself (recompute, counted in lmserve:kv_transfer_recomputes_total)",
+    )
+    p.add_argument(
         "--distributed-executor-backend",
         choices=["mp", "ray"],
         default="mp",
@@ -78,6 +98,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--in-process-engine",
         action="store_true",
         help="run the engine on a thread of the API process (no engine-core process; for comparisons)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under NAME, the request's `model` field (needs --enable-lora)",
+    )
+    p.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log each request")
@@ -111,6 +143,18 @@ def run_serve(args: argparse.Namespace) -> int:
         print("lmserve serve: error: --in-process-engine runs one engine thread (no data parallel, no Ray)",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.disaggregation is not None:
+        from lmserve.engine.pd_client import parse_disaggregation
+
+        try:
+            num_prefill, num_decode = parse_disaggregation(args.disaggregation)
+        except ValueError as e:
+            print(f"lmserve serve: error: --{e}", file=sys.stderr)
+            return 2
+        if args.in_process_engine or args.data_parallel_size > 1 or args.kv_transfer_config is not None:
+            print("lmserve serve: error: --disaggregation sets its own cores and roles: no --in-process-engine, "
+                  "--data-parallel-size or --kv-transfer-config with it", file=sys.stderr)  # fmt: skip
+            return 2
     if args.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
         print("lmserve serve: error: --distributed-executor-backend ray needs Ray: pip install 'lmserve[ray]'",
               file=sys.stderr)  # fmt: skip
@@ -130,16 +174,22 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from lmserve.engine.core_client import EngineCoreClient, default_num_threads
 
+    num_cores = args.data_parallel_size if args.disaggregation is None else num_prefill + num_decode
     if args.in_process_engine:
         threads = args.num_threads or torch.get_num_threads()
     else:
-        threads = args.num_threads or default_num_threads(args.data_parallel_size)
+        threads = args.num_threads or default_num_threads(num_cores)
     try:  # cheap checks (config files, argument ranges) before binding the port
         config = EngineArgs.from_kwargs(model_path(args), **engine_kwargs(args)).create_engine_config()
     except (ValueError, OSError) as e:
         print(f"lmserve serve: error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model or "lmserve-default"
+    try:
+        lora_modules = _lora_modules(args, config, name)
+    except ValueError as e:
+        print(f"lmserve serve: error: {e}", file=sys.stderr)
+        return 2
     url = f"http://{_host_for_url(args.host)}:{args.port}"
     server: uvicorn.Server | None = None
 
@@ -151,6 +201,20 @@ def run_serve(args: argparse.Namespace) -> int:
         # With engine-core processes, the API process does no torch compute at all.
         torch.set_num_threads(1)
         try:
+            if args.disaggregation is not None:
+                from lmserve.engine.pd_client import DisaggregatedClient
+
+                return DisaggregatedClient(
+                    config,
+                    num_prefill=num_prefill,
+                    num_decode=num_decode,
+                    kv_lease_s=args.kv_lease_s,
+                    kv_load_failure_policy=args.kv_load_failure_policy,
+                    backend=args.distributed_executor_backend,
+                    num_threads=threads,
+                    cpu_policy=args.cpu_wait_policy,
+                    max_queued_requests=args.max_queued_requests,
+                ).start()
             if not args.in_process_engine:
                 return EngineCoreClient(
                     config,
@@ -170,6 +234,8 @@ def run_serve(args: argparse.Namespace) -> int:
         c = engine.config
         where = "in-process engine thread" if args.in_process_engine else (
             f"{args.data_parallel_size} engine core(s) ({args.distributed_executor_backend})")
+        if args.disaggregation is not None:
+            where = f"{num_prefill} prefill + {num_decode} decode engine cores ({args.distributed_executor_backend})"
         logger.info(
             "serving %r (%s) dtype=%s device=%s KV pool %s %d blocks × %d = %d tokens (%s, %s/token) "
             "max_model_len=%d (%d concurrent) on %s × %d thread(s) at %s",
@@ -186,6 +252,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         on_ready=ready,
         frontends=frontends,
+        lora_modules=lora_modules,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -202,6 +269,20 @@ def run_serve(args: argparse.Namespace) -> int:
     if app.state.lmserve.load_error is not None:
         return 1
     return 0
+
+
+def _lora_modules(args: argparse.Namespace, config, name: str):
+    """--lora-modules validated against the base model (LoRAModules), or None without --enable-lora."""
+    if config.lora is None:
+        if args.lora_modules or args.enable_lora_runtime_updates:
+            raise ValueError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
+        return None
+    from lmserve.entrypoints.openai.lora_modules import LoRAModules, parse_lora_modules
+
+    modules = LoRAModules(config.model, config.lora.max_lora_rank, name, args.enable_lora_runtime_updates)
+    for lora_name, path in parse_lora_modules(args.lora_modules):
+        modules.load(lora_name, path)
+    return modules
 
 
 def _host_for_url(host: str) -> str:
