@@ -156,6 +156,12 @@ def test_refusals_name_the_numbers(model_dirs: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match=r"multiples of quantization_group_size=64"):
         EngineArgs(llama, tensor_parallel_size=2, quantization="int4", quantization_group_size=64,
                    num_kv_blocks=8).create_engine_config()  # fmt: skip
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with enable_lora"):
+        EngineArgs(llama, tensor_parallel_size=2, enable_lora=True, num_kv_blocks=8).create_engine_config()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with a draft model"):
+        EngineArgs(llama, tensor_parallel_size=2, num_kv_blocks=8,
+                   speculative_config={"method": "draft_model", "model": llama, "num_speculative_tokens": 2},
+                   ).create_engine_config()  # fmt: skip
     with pytest.raises(ValueError, match=r"OLMo 2"):
         EngineArgs(str(model_dirs["olmo2"]), tensor_parallel_size=2, num_kv_blocks=8).create_engine_config()
 
