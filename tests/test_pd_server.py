@@ -87,6 +87,8 @@ PROMPT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 2
                              "ignore_eos": True}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 10,
                                   "temperature": 0, "ignore_eos": True}),
+        ("/v1/completions", {"prompt": "prompt scores", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                             "prompt_logprobs": 1, "echo": True, "logprobs": 1}),
     ],
 )  # fmt: skip
 def test_answers_equal_the_colocated_server(servers: tuple[LiveServer, LiveServer], path: str, body: dict) -> None:
