@@ -373,3 +373,9 @@ def test_structured_outputs_stop_strings_and_speculation_on_the_decode_side(llam
     _assert_same(ref, got)
     assert consumer.get_metrics()["spec_decode_num_drafts_total"] > 0  # the decode side speculated
     assert _usage(producer) == 0 and _usage(consumer) == 0
+
+
+def test_a_model_freeing_kv_outside_its_window_is_refused(model_dirs: dict[str, Path]) -> None:
+    args = _args(model_dirs["mistral-swa"], kv_transfer_config={"kv_role": "kv_consumer"})
+    with pytest.raises(ValueError, match="kv_transfer_config: a model whose every layer slides"):
+        args.create_engine_config()  # at start-up, before any weight is loaded

@@ -272,6 +272,11 @@ class EngineArgs:
             from lmserve.kv_transfer_config import KVTransferConfig
 
             kv_transfer = KVTransferConfig.from_value(self.kv_transfer_config)
+            if free_window is not None:
+                raise ValueError(
+                    "kv_transfer_config: a model whose every layer slides (KV outside the window is freed while a "
+                    "request runs) cannot hand its KV off yet; serve it colocated"
+                )
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
             quantization, spec, bool(self.structured_outputs_allow_additional_properties), kv_transfer,

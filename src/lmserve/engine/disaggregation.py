@@ -383,6 +383,11 @@ def make_roles(engine: Any) -> tuple[KVProducer | None, KVConsumer | None]:
     cfg = engine.config.kv_transfer
     if cfg is None:
         return None, None
+    if engine.config.cache.sliding_window is not None:
+        raise ValueError(
+            "kv_transfer_config: a model whose every layer slides (KV outside the window is freed while a request "
+            "runs) cannot hand its KV off yet; serve it colocated"
+        )
     if cfg.is_producer:
         return KVProducer(engine, cfg), None
     return None, KVConsumer(engine, cfg)
