@@ -105,6 +105,8 @@ def test_kv_transfer_params_where_they_do_not_belong(two_servers: tuple) -> None
     bad = {**body, "kv_transfer_params": {"do_remote_prefill": True, "request_id": 3}}
     r = httpx.post(consumer.url + "/v1/completions", json=bad, timeout=30)
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"], r.text
+    r = httpx.post(producer.url + "/v1/completions", json={**body, "best_of": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("best_of:"), r.text
     info = httpx.get(producer.url + "/v1/kv_transfer", timeout=5).json()
     assert info["kv_role"] == "kv_producer" and info["block_size"] == 16
 
