@@ -21,6 +21,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         (
             "sampling_params", "request", "hub", "default_model", "generation_defaults", "tokenizer",
             "byte_units", "model_shape", "memory", "memory_report", "memory_presets", "memory_disaggregation",
+            "lora_request",
             # torch-free readers of a checkpoint's metadata (the family table, a GGUF file's header), which the
             # config and the ledger read: a leaf each, though their files are in model/
             "model.registry", "model.gguf",
@@ -28,7 +29,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("config", ("model_config", "config", "spec_decode.config", "kv_transfer_config")),
     ("core", ("core",)),
-    ("model", ("kernels", "model", "worker", "spec_decode", "structured_output")),
+    ("model", ("kernels", "model", "worker", "spec_decode", "structured_output", "lora")),
     ("engine", ("engine", "metrics")),
     ("entrypoints", ("lmserve", "entrypoints", "diagnose", "metrics_window", "bench", "sim", "web")),
 ]

@@ -86,6 +86,18 @@ def test_parse_space_names_bad_flags() -> None:
         parse_space(["max-num-seqs"], ["max-num-seqs=a,b"])
     with pytest.raises(ValueError, match="no default values"):
         parse_space(["num-kv-blocks"], None)
+    with pytest.raises(ValueError, match="one or the other"):
+        parse_space(["data-parallel-size", "prefill-replicas"], None)
+
+
+def test_disaggregated_candidates_cost_their_replicas() -> None:
+    from lmserve.sim.plan import Candidate, candidates
+
+    space = parse_space(["prefill-replicas", "decode-replicas"], ["prefill-replicas=1,2", "decode-replicas=1,3"])
+    cands = [c for line in candidates(space) for c in line]
+    assert [(c.disaggregation, c.cost) for c in cands] == [("1P1D", 2), ("1P3D", 4), ("2P1D", 3), ("2P3D", 5)]
+    assert Candidate({"decode-replicas": 2, "tensor-parallel-size": 2}).cost == 6  # 1P2D x TP 2
+    assert Candidate({"data-parallel-size": 4}).disaggregation is None
 
 
 def test_cli_run_writes_bench_serve_keys_and_plan_runs(llama_dir: Path, tmp_path: Path, capsys) -> None:
@@ -117,8 +129,21 @@ def test_cli_run_writes_bench_serve_keys_and_plan_runs(llama_dir: Path, tmp_path
     bf16 = ["--dtype", "bfloat16"]
     assert main(["simulate", "run", *common, *bf16, "--output-json", str(out)]) == 2
     assert "dtype='float32'" in capsys.readouterr().err
-    assert main(["simulate", "run", *common, "--disaggregation", "2P1D"]) == 2
-    assert "#33" in capsys.readouterr().err
+    pd_out = tmp_path / "pd.json"
+    assert main(["simulate", "run", *common, "--disaggregation", "2P1D", "--kv-transfer-block-us", "50",
+                 "--output-json", str(pd_out)]) == 0  # fmt: skip
+    assert "on 2P1D" in capsys.readouterr().out
+    sim = json.loads(pd_out.read_text())["simulation"]
+    assert sim["roles"] == ["prefill", "prefill", "decode"] and sim["kv_transfer_block_us"] == pytest.approx(50)
+    assert sim["kv_blocks_pulled"] > 0
+    assert main(["simulate", "run", *common, "--disaggregation", "2P1D", "--data-parallel-size", "2"]) == 2
+    assert "--data-parallel-size must stay 1" in capsys.readouterr().err
+    code = main(["simulate", "plan", *common, "--goodput", "ttft:100", "--search", "prefill-replicas",
+                 "decode-replicas", "--grid", "prefill-replicas=1,2", "decode-replicas=1", "--exhaustive",
+                 "--output-json", str(plan_out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert "prefill-replicas=2 decode-replicas=1" in text and ("winner" in text) == (code == 0)
+    assert [t["cost"] for t in json.loads(plan_out.read_text())["trials"]] == [2, 3]
 
 
 def test_cli_roofline_then_run_a_model_we_do_not_have(tmp_path: Path, capsys) -> None:

@@ -208,14 +208,15 @@ def test_step_model_for_another_model_or_dtype_is_refused(model_dirs: dict[str, 
         StepProfile.load(tmp_path / "bad.json")
 
 
-def test_disaggregation_is_not_yet(llama_dir: Path) -> None:
-    with pytest.raises(ValueError, match="not simulated yet.*#33"):
-        check_disaggregation("2P1D")
+def test_bad_disaggregation_is_refused(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="must look like 2P1D"):
         check_disaggregation("two")
     config = _config(llama_dir, num_kv_blocks=64)
-    with pytest.raises(ValueError, match="#33"):
-        SimConfig(config, disaggregation="1P1D")
+    with pytest.raises(ValueError, match="--data-parallel-size must stay 1"):
+        SimConfig(config, data_parallel_size=2, disaggregation="1P1D")
+    with pytest.raises(ValueError, match="KV transfer's cost"):
+        SimConfig(config, disaggregation="1P1D", kv_transfer_block_s=-1.0)
+    assert check_disaggregation("2p3d") == (2, 3)
 
 
 def test_a_request_that_cannot_fit_fails_like_a_400(llama_dir: Path) -> None:
@@ -389,3 +390,70 @@ def test_step_noise_is_seeded(llama_dir: Path, tmp_path: Path) -> None:
     assert loaded.noise_quantiles == profile.noise_quantiles
     with pytest.raises(ValueError, match="no measured noise"):
         Simulator(_profile(config, 5.0), SimConfig(config, step_noise=True))
+
+
+# ---- prefill/decode disaggregation ---------------------------------------------------------------------------
+
+
+def test_disaggregated_request_hand_checked(llama_dir: Path) -> None:
+    """1P1D, t = 10 ms + 0.1 ms/prefill token + 1 ms/decode row, ingress 1 ms, egress 2 ms, a pull 0.5 ms + 0.25
+    ms per block (16-token blocks). A 100-token prompt, 3 tokens, sent at 0:
+
+        prefill replica  [1, 21]      prefill 100 tokens: 10 + 10       → token 1 at 23 (TTFT), handoff at 23
+        decode replica   24           the handoff lands (ingress): 7 blocks (ceil(100 / 16)) to pull
+                         [24, 26.25]  the pull: 0.5 + 7 x 0.25; the lease is freed
+                         [26.25, 37.25] decode (the first token's KV): 10 + 1  → token 2 at 39.25
+                         [37.25, 48.25] decode                        → token 3 at 50.25 (done)
+    """
+    config = _config(llama_dir, num_kv_blocks=64, block_size=16)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
+    profile.overheads = Overheads(ingress_s=0.001, egress_s=0.002, core_step_overhead_s=0.0)
+    sim = SimConfig(config, disaggregation="1P1D", kv_transfer_latency_s=0.0005, kv_transfer_block_s=0.00025,
+                    record_steps=True)  # fmt: skip
+    result = Simulator(profile, sim).run(Workload([list(range(1, 101))], [3], [0.0]))
+    (a,) = result.records
+    assert a.success and a.num_output_tokens == 3
+    assert a.chunk_times_s == pytest.approx([0.023, 0.03925, 0.05025])
+    assert [s.replica for s in result.steps] == [0, 1, 1]
+    assert [x for s in result.steps for x in (s.start_s, s.end_s)] == pytest.approx(
+        [0.001, 0.021, 0.02625, 0.03725, 0.03725, 0.04825]
+    )
+    stats = result.stats_dict()
+    assert stats["roles"] == ["prefill", "decode"] and stats["kv_blocks_pulled"] == 7
+    assert stats["requests_per_replica"] == [1, 1]
+
+
+def test_disaggregated_decode_replica_never_runs_a_prompt_and_hits_its_own_cache(llama_dir: Path) -> None:
+    """Requests sharing a 48-token prefix through 1P1D: the decode replica's steps are decode rows only; a later
+    request finds the shared blocks in the decode replica's own prefix cache and pulls only the rest."""
+    config = _config(llama_dir, num_kv_blocks=256, block_size=16)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
+    shared = list(range(1, 49))
+    prompts = [shared + list(range(100 + 40 * i, 140 + 40 * i)) for i in range(4)]  # 88 tokens: 6 blocks each
+    arrivals = [0.0, 0.5, 1.0, 1.5]  # one after the other: each finished before the next
+    sim = SimConfig(config, disaggregation="1P1D", record_steps=True)
+    result = Simulator(profile, sim).run(Workload(prompts, [4] * 4, arrivals))
+    assert all(r.success and r.num_output_tokens == 4 for r in result.records)
+    decode_steps = [s for s in result.steps if s.replica == 1]
+    assert decode_steps and all(n == 1 for s in decode_steps for _, _, n in s.scheduled)
+    prefill_steps = [s for s in result.steps if s.replica == 0]
+    assert all(n > 1 for s in prefill_steps for _, _, n in s.scheduled)  # no decode row on the prefill side
+    stats = result.stats_dict()
+    assert stats["kv_blocks_hit_on_decode"] == 3 * 3  # requests 2-4 find the 3 shared blocks
+    assert stats["kv_blocks_pulled"] == 6 + 3 * 3
+
+
+def test_disaggregated_tokens_and_records_match_colocated(llama_dir: Path) -> None:
+    """2P2D and colocated DP=1 on the same Poisson workload: every request succeeds with its tokens; the prefill
+    replicas share the prompts, the decode replicas the handoffs, and no lease or pull is left (the simulator
+    asserts it at the end)."""
+    config = _config(llama_dir, num_kv_blocks=512, block_size=16)
+    profile = _profile(config, 2.0, prefill_tokens=0.05, decode_rows=0.5)
+    tok = load_tokenizer(config.tokenizer)
+    w = build_workload(DatasetConfig(num_requests=60, input_len=64, output_len=8, seed=3), tok, 40.0, prompts="fast")
+    colocated = Simulator(profile, SimConfig(config)).run(w)
+    pd = Simulator(profile, SimConfig(config, disaggregation="2P2D")).run(w)
+    assert [r.num_output_tokens for r in pd.records] == [r.num_output_tokens for r in colocated.records]
+    assert all(r.success for r in pd.records)
+    per = pd.stats_dict()["requests_per_replica"]
+    assert sum(per[:2]) == sum(per[2:]) == 60 and min(per) > 0

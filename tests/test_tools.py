@@ -373,3 +373,35 @@ def test_langchain_the_issues_unbounded_schema(chat_openai: Any) -> None:
         (call,) = msg.tool_calls
         assert sorted(call["args"]) == ["city", "unit"], call
         Forecast.model_validate(call["args"])
+
+
+# ---- auto mode: the streamed content is the message's content, character for character -------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Let me check.\n\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+        '  Two spaces first. \n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>',
+        '\n\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',  # no content at all
+        "No call here, only text <tool and a trailing space \n",  # plain text: every character is content
+        'Cut inside the call \n<tool_call>{"name": "get_ti',
+        "a  <tool_call",  # a partial start tag at the end
+    ],
+)
+def test_auto_stream_content_equals_the_message_content(text: str) -> None:
+    from lmserve.core.outputs import CompletionOutput
+    from lmserve.entrypoints.openai.tools import ToolCallFormatter, ToolPlan
+    from lmserve.request import FinishReason
+
+    whole = ToolCallFormatter(ToolPlan("auto", [])).message(CompletionOutput(0, text, [], FinishReason.STOP))[0]
+    streamer = ToolCallFormatter(ToolPlan("auto", []))
+    content, calls = "", []
+    for end in range(1, len(text) + 1):  # one character per step, the last step finished
+        reason = FinishReason.STOP if end == len(text) else None
+        for delta, _ in streamer.deltas(0, CompletionOutput(0, text[:end], [], reason)):
+            content += delta.content or ""
+            calls += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+    assert content == (whole.content or "")
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.tool_calls or []]

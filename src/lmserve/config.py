@@ -126,6 +126,16 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (lora/, core/lora_slots.py): max_loras compute slots (adapters a step can mix),
+    max_cpu_loras adapters kept loaded in RAM (LRU), ranks up to max_lora_rank."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -141,6 +151,7 @@ class EngineConfig:
     # strict mode); True: JSON Schema's default, any further key (structured_output.close_objects)
     structured_outputs_allow_additional_properties: bool = False
     kv_transfer: Any = None  # kv_transfer_config.KVTransferConfig (prefill/decode disaggregation), or None
+    lora: LoRAConfig | None = None  # None: LoRA disabled
 
 
 @dataclass
@@ -174,6 +185,10 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
     structured_outputs_allow_additional_properties: bool = False  # see EngineConfig
     kv_transfer_config: dict[str, Any] | str | None = None  # vLLM's keys; see kv_transfer_config.py
+    enable_lora: bool = False  # LoRA adapters per request (LoRARequest); the four below apply only then
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -277,10 +292,28 @@ class EngineArgs:
                     "kv_transfer_config: a model whose every layer slides (KV outside the window is freed while a "
                     "request runs) cannot hand its KV off yet; serve it colocated"
                 )
+            if self.enable_lora:
+                raise ValueError("kv_transfer_config with enable_lora: LoRA adapters are not served with "
+                                 "prefill/decode disaggregation yet (the decode side would need the adapter)")
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
             quantization, spec, bool(self.structured_outputs_allow_additional_properties), kv_transfer,
+            self._lora(spec),
         )  # fmt: skip
+
+    def _lora(self, spec: Any) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        _check_positive("max_cpu_loras", cpu)
+        if cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({self.max_loras})")
+        if spec is not None:
+            raise ValueError("speculative_config: speculative decoding with enable_lora is not supported (the draft "
+                             "and the verification would need the adapter's weights); turn one of them off")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
 
     def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:
         """The checkpoint's quantization, else the requested one, validated against the model's shapes, with

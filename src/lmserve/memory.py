@@ -286,3 +286,20 @@ def max_concurrent_requests(
     sliding window, only the blocks of kv_blocks_held)."""
     blocks = max_num_kv_blocks(kv_budget_bytes, block_size, kv_bytes_per_token)
     return blocks // kv_blocks_held(seq_len, block_size, sliding_window)
+
+
+def lora_slot_bytes(
+    num_layers: int, hidden_size: int, q_size: int, kv_size: int, intermediate_size: int, max_loras: int,
+    max_lora_rank: int, dtype_bytes: float,
+) -> int:  # fmt: skip
+    """The LoRA compute slots' stacked weights (lora/layers.LoRALinear): per layer and slot, A holds num_parts ·
+    max_rank rows of each projection's input and B (block-diagonal) num_parts · max_rank columns of its output
+    (q/k/v: 3 parts of the hidden input, o: 1 of q_size, gate/up: 2 of the hidden, down: 1 of the intermediate)."""
+    r = max_lora_rank
+    per_layer = (
+        3 * r * hidden_size + (q_size + 2 * kv_size) * 3 * r  # qkv_proj
+        + r * q_size + hidden_size * r  # o_proj
+        + 2 * r * hidden_size + 2 * intermediate_size * 2 * r  # gate_up_proj
+        + r * intermediate_size + hidden_size * r  # down_proj
+    )  # fmt: skip
+    return int(num_layers * max_loras * per_layer * dtype_bytes)

@@ -173,6 +173,7 @@ class _EngineCollector(Collector):
             "spec_decode_mean_accepted_length", "Tokens a verification emits on average (accepted + 1).",
             m["spec_decode_mean_accepted_length"],
         )  # fmt: skip
+        yield from _lora_metrics(m, labels, values, gauge, counter)
         yield from _step_metrics(m, counter, gauge)
         config = GaugeMetricFamily(
             PREFIX + "engine_config_info",
@@ -181,6 +182,20 @@ class _EngineCollector(Collector):
         )
         config.add_metric([*values, *(str(m[k]) for k in CONFIG_LABELS)], 1)
         yield config
+
+
+def _lora_metrics(m: dict, labels: list[str], values: list[str], gauge, counter) -> Iterator[Metric]:
+    """With LoRA enabled: running sequences per adapter (lora_name "" = the base model), the slots' bytes."""
+    if "lora_num_requests_running_by_adapter" not in m:
+        return
+    by_lora = GaugeMetricFamily(PREFIX + "lora_num_requests_running", "Running sequences by LoRA adapter "
+                                "(lora_name empty: the base model).", labels=[*labels, "lora_name"])  # fmt: skip
+    for name, count in sorted(m["lora_num_requests_running_by_adapter"].items()):
+        by_lora.add_metric([*values, name], count)
+    yield by_lora
+    yield gauge("lora_slot_bytes", "Bytes of the LoRA compute slots' stacked weights.", m["lora_slot_bytes"])
+    yield gauge("lora_cpu_bytes", "Bytes of the LoRA adapters loaded in RAM.", m["lora_cpu_bytes"])
+    yield counter("lora_slot_loads", "Adapters copied into a compute slot.", m["lora_num_slot_loads_total"])
 
 
 CONFIG_LABELS = (

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 
 
@@ -79,10 +80,17 @@ class Request:
     spec_draft_probs: Any = None
     num_draft_computed_tokens: int = 0
     spec_acceptance: Any = None  # AcceptanceTracker (spec_decode/acceptance.py): how many tokens to propose
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    lora_slot: int = -1  # the compute slot the scheduler gave its adapter while running (core/lora_slots.py)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,15 +121,16 @@ class Request:
     def check_stop(self, max_model_len: int) -> bool:
         """After a new token: set finish_reason if the request is done. Returns whether it is."""
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        num_output = len(self.output_token_ids)
+        if num_output >= params.min_tokens:
+            last = self.output_token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, None
                 return True
-            if last in params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, last
                 return True
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
             return True
         return False

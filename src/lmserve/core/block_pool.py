@@ -18,11 +18,18 @@ def block_key(parent_hash: int | None, token_ids: list[int] | tuple[int, ...]) -
     return (parent_hash, tuple(token_ids))
 
 
-def hash_blocks(token_ids: list[int], block_size: int, known: list[int]) -> list[int]:
-    """Extend `known` (chained hashes of the first full blocks) to every full block of token_ids."""
+def root_hash(lora_int_id: int = 0) -> int | None:
+    """The first block's parent: None for the base model; a LoRA adapter's id salts the chain, so no KV computed
+    under one adapter (or the base) is found under another, and requests of one adapter share their prefixes."""
+    return None if not lora_int_id else hash(("lora", lora_int_id))
+
+
+def hash_blocks(token_ids: list[int], block_size: int, known: list[int], root: int | None = None) -> list[int]:
+    """Extend `known` (chained hashes of the first full blocks) to every full block of token_ids; root: the first
+    block's parent (root_hash)."""
     hashes = list(known)
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else root
         hashes.append(hash(block_key(parent, token_ids[i * block_size : (i + 1) * block_size])))
     return hashes
 

@@ -19,7 +19,7 @@ new request's window are not claimed at all (NULL_BLOCK in its table).
 
 from __future__ import annotations
 
-from lmserve.core.block_pool import BlockPool, KVCacheBlock, block_key, hash_blocks
+from lmserve.core.block_pool import BlockPool, KVCacheBlock, block_key, hash_blocks, root_hash
 from lmserve.core.outputs import BlockMap
 from lmserve.memory import kv_blocks_held
 from lmserve.request import Request
@@ -63,10 +63,11 @@ class KVCacheManager:
         covers. Never the whole sequence: at least one token must be computed to produce logits."""
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt position computed
-        request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        root = root_hash(request.lora_int_id)
+        request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, root)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        parent: int | None = None
+        parent: int | None = root
         for i in range(max_hit_blocks):
             tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
             block = self.pool.lookup(block_key(parent, tokens))
@@ -143,17 +144,20 @@ class KVCacheManager:
         later request of the same step reads them as cached context."""
         if not self.enable_prefix_caching:
             return
-        table = self.req_to_blocks[request.request_id]
         num_tokens = request.num_computed_tokens if num_tokens is None else num_tokens
-        num_full = min(num_tokens // self.block_size, len(table))
         start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_tokens // self.block_size <= start:
+            return  # no new full block (most calls: a decode step fills one block in block_size steps)
+        table = self.req_to_blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(table))
         if num_full <= start:
             return
-        request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        root = root_hash(request.lora_int_id)
+        request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, root)
         for i in range(start, num_full):
             # blocks are freed out of the window only after they were computed, hence cached here
             assert table[i] is not NULL_BLOCK, f"request {request.request_id}: block {i} freed before it was cached"
-            parent = request.block_hashes[i - 1] if i else None
+            parent = request.block_hashes[i - 1] if i else root
             tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
             self.pool.cache_block(table[i], block_key(parent, tokens))
         self._num_cached_blocks[request.request_id] = num_full
@@ -164,12 +168,13 @@ class KVCacheManager:
         table = self.req_to_blocks.get(request.request_id)
         if table is None:
             return
-        keep = self.num_blocks_for(num_tokens)
+        keep = -(-num_tokens // self.block_size)  # num_blocks_for, inlined: every decode step of every request
+        if len(table) <= keep:
+            return
         assert keep >= self._num_cached_blocks.get(request.request_id, 0), "trim would drop a cached block"
         assert keep >= self._num_skipped_blocks.get(request.request_id, 0), "trim would reach freed blocks"
-        if len(table) > keep:
-            self.pool.free_blocks(list(reversed(table[keep:])))
-            self.req_to_blocks[request.request_id] = table[:keep]
+        self.pool.free_blocks(list(reversed(table[keep:])))
+        self.req_to_blocks[request.request_id] = table[:keep]
 
     def free(self, request: Request) -> None:
         table = self.req_to_blocks.pop(request.request_id, [])

@@ -17,14 +17,16 @@ from collections import deque
 
 from lmserve.config import SchedulerConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
+from lmserve.core.lora_slots import NO_SLOT, LoRASlotTable
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from lmserve.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock=None, num_lookahead_tokens: int = 0
-    ) -> None:
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock=None, num_lookahead_tokens: int = 0,
+        lora_slots: LoRASlotTable | None = None,
+    ) -> None:  # fmt: skip
         import time
 
         self.config = config
@@ -48,6 +50,7 @@ class Scheduler:
         # ScheduledRequest.block_ids for the model runner; the simulator (lmserve.sim), which runs no model, turns
         # them off (no decision reads them; building them touches every block of every running request per step)
         self.emit_block_ids = True
+        self.lora_slots = lora_slots  # LoRA compute slots (None: LoRA disabled): a request's adapter must hold one
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -133,26 +136,34 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         now = self.clock()
-        for s in scheduled:
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = now
-        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        num_tokens = num_decode = 0
+        for s in scheduled:  # one pass (the simulator runs millions of steps)
+            request = s.request
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            num_tokens += s.num_new_tokens
+            if request.num_computed_tokens >= len(request.all_token_ids) - 1:  # s.start: a decode row
+                num_decode += s.num_new_tokens
         assert num_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
-        num_decode = sum(s.num_new_tokens for s in scheduled if s.start >= s.request.num_tokens - 1)
         self._last_num_batched_tokens, self._last_num_decode_tokens = num_tokens, num_decode
         return SchedulerOutput(scheduled, num_tokens, preempted, num_decode)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_unverified = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_unverified + len(request.spec_token_ids), budget)
-            del request.spec_token_ids[max(0, num_new - num_unverified) :]  # proposals past the budget
-            if not self.config.enable_chunked_prefill and num_new < num_unverified:
+        chunked = self.config.enable_chunked_prefill
+        running = self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_unverified = len(request.all_token_ids) - request.num_computed_tokens
+            if request.spec_token_ids:
+                num_new = min(num_unverified + len(request.spec_token_ids), budget)
+                del request.spec_token_ids[max(0, num_new - num_unverified) :]  # proposals past the budget
+            else:
+                num_new = min(num_unverified, budget)
+            if not chunked and num_new < num_unverified:
                 break  # whole prompt must fit one step: wait for a step with budget
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            num_slots = num_new + self._num_lookahead(request, num_new)
+            num_slots = num_new + self._num_lookahead(request, num_new) if self.num_lookahead_tokens else num_new
             table = self.kv.allocate_slots(request, num_slots)
             while table is None:
                 victim = self.running.pop()  # the most recently admitted
@@ -178,10 +189,11 @@ class Scheduler:
         static = self.config.scheduling_policy == "static"
         if static and self.running:
             return  # a static batch admits no newcomers until it has drained
-        compiling: list[Request] = []  # grammar not ready yet: stay queued, in order, without blocking others
+        # grammar not ready yet, or its LoRA adapter has no compute slot: stay queued, in order, without blocking others
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not request.is_grammar_ready:
+            if not request.is_grammar_ready or not self._lora_slot_ready(request):
                 compiling.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -202,7 +214,7 @@ class Scheduler:
             # Each holds its prefix-cache hits as it joins, so both policies see the same cache.
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                if not request.is_grammar_ready:
+                if not request.is_grammar_ready or not self._lora_slot_ready(request):
                     break
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
                 if not self.kv.can_allocate(request.num_tokens + 1, hits):
@@ -221,7 +233,19 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
+        if request.lora_request is not None and self.lora_slots is not None:
+            request.lora_slot = self.lora_slots.acquire(request.lora_int_id)
         self.running.append(request)
+
+    def _lora_slot_ready(self, request: Request) -> bool:
+        return request.lora_request is None or self.lora_slots is None or self.lora_slots.can_acquire(
+            request.lora_int_id
+        )
+
+    def _release_lora_slot(self, request: Request) -> None:
+        if request.lora_slot != NO_SLOT and self.lora_slots is not None:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = NO_SLOT
 
     def _share_in_step(self, request: Request, num_new: int) -> None:
         """Make the blocks this step fills findable now, so requests scheduled after it in the same step
@@ -243,6 +267,7 @@ class Scheduler:
         request.spec_token_ids, request.spec_draft_probs = [], None
         request.num_draft_computed_tokens = 0
         self.kv.free(request)
+        self._release_lora_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -266,7 +291,8 @@ class Scheduler:
             accepted = output.accepted_token_ids.get(rid, []) if s.num_spec_tokens else []
             # Rejected proposals are rolled back: their positions do not count as computed.
             request.num_computed_tokens += s.num_new_tokens - (s.num_spec_tokens - len(accepted))
-            request.spec_token_ids, request.spec_draft_probs = [], None
+            if request.spec_token_ids or request.spec_draft_probs is not None:
+                request.spec_token_ids, request.spec_draft_probs = [], None
             token = output.sampled_token_ids.get(rid)
             if token is None:
                 self.kv.cache_blocks(request)
@@ -288,8 +314,9 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request)
             else:
-                request.spec_token_ids = list(output.spec_token_ids.get(rid, []))
-                request.spec_draft_probs = output.spec_draft_probs.get(rid)
+                if output.spec_token_ids:
+                    request.spec_token_ids = list(output.spec_token_ids.get(rid, []))
+                    request.spec_draft_probs = output.spec_draft_probs.get(rid)
                 self.kv.trim(request, request.num_tokens + len(request.spec_token_ids))
             updated.append(request)
         return updated
@@ -315,6 +342,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.metrics.finished_time = self.clock()
         self.kv.free(request)
+        self._release_lora_slot(request)
         del self.requests[request.request_id]
 
     def stats(self) -> SchedulerStats:

@@ -38,6 +38,7 @@ from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.engine.snapshot import BLOCK_MAP_INTERVAL_S as BLOCK_MAP_INTERVAL_S
 from lmserve.engine.snapshot import BlockMapWatch, EngineSnapshot, take_snapshot
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class _Add:
     arrival_time: float
     num_seqs: int
     num_blocks: int  # to start all num_seqs (admission's estimate)
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -164,6 +166,7 @@ class AsyncEngine:
         prompt: Prompt,
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue a request; returns its stream at once.
 
@@ -179,7 +182,7 @@ class AsyncEngine:
         num_seqs = params.actual_best_of
         num_blocks = num_seqs * -(-(len(prompt_ids) + 1) // self.config.cache.block_size)
         arrival_time = time.time() if arrival_time is None else arrival_time
-        cmd = _Add(stream, prompt_ids, params, arrival_time, num_seqs, num_blocks)
+        cmd = _Add(stream, prompt_ids, params, arrival_time, num_seqs, num_blocks, lora_request)
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead!r}")
@@ -249,7 +252,8 @@ class AsyncEngine:
             num_applied_blocks += cmd.num_blocks
             rid = cmd.stream.request_id
             try:
-                self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.arrival_time)
+                lora = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
+                self.engine.add_request(rid, cmd.prompt, cmd.params, cmd.arrival_time, **lora)
             except Exception as e:  # one bad request fails alone, not the engine
                 delivery.setdefault(cmd.stream._loop, _Delivery()).items.append((cmd.stream, e))
                 continue

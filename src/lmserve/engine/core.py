@@ -208,9 +208,10 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         try:
+            lora = {} if msg.lora_request is None else {"lora_request": msg.lora_request}
             self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time,
-                do_remote_decode=msg.do_remote_decode, remote_kv=msg.remote_kv,
+                do_remote_decode=msg.do_remote_decode, remote_kv=msg.remote_kv, **lora,
             )  # fmt: skip
         except Exception as e:  # one bad request fails alone, not the engine
             kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__

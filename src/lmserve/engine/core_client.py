@@ -73,6 +73,7 @@ from lmserve.engine.router import AFFINITY_SLACK as AFFINITY_SLACK
 from lmserve.engine.router import choose_core
 from lmserve.engine.snapshot import EngineSnapshot, aggregate_snapshots
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
+from lmserve.lora_request import LoRARequest
 from lmserve.request import FinishReason
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -281,9 +282,12 @@ class EngineCoreClient:
         params: SamplingParams,
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate, route and queue a request; returns its stream at once. kv_transfer_params: the two-server
         form of disaggregation (pd_client.remote_kv_fields: {"do_remote_decode": true} or a producer's answer).
+        A LoRA adapter travels with the request (every core loads it from its path on first use: adapters are on
+        every core; the prefix-affinity key is salted with the adapter, as the prefix cache's chain).
 
         Raises ValueError (bad input), QueueFullError (the chosen core's queue at its bound) or EngineDeadError.
         """
@@ -303,13 +307,15 @@ class EngineCoreClient:
                 raise EngineDeadError(f"engine is not running: {self._dead}")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            core = self._route(prompt_ids)
+            core = self._route(prompt_ids, 0 if lora_request is None else lora_request.lora_int_id)
             with core.admission.lock:
                 core.admission.reserve(num_seqs, num_blocks)
             core.pending[request_id] = (num_seqs, num_blocks)
             core.streams.add(request_id)
             self._streams[request_id] = _Stream(stream, core, prompt_ids)
         message = self._add_message(request_id, prompt_ids, params, arrival_time)
+        if lora_request is not None:
+            kv_fields = {**(kv_fields or {}), "lora_request": lora_request}
         self._send(core, msgspec.structs.replace(message, **kv_fields) if kv_fields else message)
         return stream
 
@@ -351,11 +357,12 @@ class EngineCoreClient:
 
     # ---- routing ----------------------------------------------------------------------------
 
-    def _route(self, prompt_ids: list[int]) -> _Core:
+    def _route(self, prompt_ids: list[int], lora_int_id: int = 0) -> _Core:
         """The core for a new request (with _lock held): engine/router.choose_core on the live cores' loads."""
         loads = {c.index: c.load() for c in self._cores if c.alive}
         assert loads, "routing with no live core (dead_error is set first)"
-        return self._cores[choose_core(loads, self._affinity, prompt_ids, self.config.cache.block_size)]
+        block_size = self.config.cache.block_size
+        return self._cores[choose_core(loads, self._affinity, prompt_ids, block_size, lora_int_id=lora_int_id)]
 
     # ---- start-up ---------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import torch
 
 from lmserve.config import EngineArgs, EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
+from lmserve.core.lora_slots import LoRASlotTable
 from lmserve.core.outputs import BlockMap, CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from lmserve.core.prefix_shadow import SharedPrefixCounter
 from lmserve.core.scheduler import Scheduler
@@ -19,6 +20,7 @@ from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.engine.disaggregation import make_roles
 from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.generation_defaults import generation_eos_ids, read_generation_config, sampling_defaults
+from lmserve.lora_request import LoRARequest
 from lmserve.request import FinishReason, Request, RequestMetrics
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import StructuredOutputManager
@@ -95,7 +97,8 @@ class LLMEngine:
             config.cache.sliding_window,
         )  # fmt: skip
         lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
-        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead)
+        lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots)
         self.runner = ModelRunner(config)
         self.structured = StructuredOutputManager(
             self.tokenizer, config.model.vocab_size, self.eos_token_ids,
@@ -180,6 +183,7 @@ class LLMEngine:
         *,
         do_remote_decode: bool = False,
         remote_kv: KVHandoff | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """do_remote_decode (a kv_producer engine): stop after the first token and hand the KV off
         (kv_producer.take_handoffs()); remote_kv (a kv_consumer engine): continue from such a handoff."""
@@ -193,6 +197,8 @@ class LLMEngine:
             raise ValueError("kv_transfer_params: a handoff needs kv_role kv_consumer, and no prompt_logprobs")
         text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.validate(prompt_ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)  # loaded (validated) now: a broken adapter is refused before queueing
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.compile(params.structured_outputs)
@@ -222,6 +228,7 @@ class LLMEngine:
                 arrival_time=arrival,
             )
             child.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            child.lora_request = lora_request
             if child_params.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0
             if i == 0 and params.prompt_logprobs is not None:
@@ -266,6 +273,32 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into RAM (validated: ValueError naming the field or path). True if newly loaded."""
+        if self.runner.lora is None:
+            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True / --enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        known = lora_request.lora_int_id in self.runner.lora.cpu
+        self.runner.lora.add_adapter(lora_request)
+        return not known
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; refused (ValueError) while a request of it is queued or running."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is not enabled")
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"lora adapter {lora_int_id} is in use by {len(users)} requests; unload it when they end")
+        assert self.scheduler.lora_slots is not None
+        self.scheduler.lora_slots.forget(lora_int_id)
+        return self.runner.lora.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.runner.lora is None else self.runner.lora.list_adapters()
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -468,10 +501,32 @@ class LLMEngine:
                 self.config.scheduler.max_model_len
             ),  # of max_model_len tokens each: the concurrency the pool buys
             "finished_requests_by_reason": dict(c.num_finished_by_reason),
+            **self._lora_metrics(),
             **spec_decode_metrics(s),
             **step_metrics(s, c),
             **config_metrics(self.config),
             **(role.metrics() if (role := self.kv_producer or self.kv_consumer) is not None else {}),
+        }
+
+    def _lora_metrics(self) -> dict[str, Any]:
+        """Running requests per adapter name (the base model's under ""), the slots' bytes (the ledger's LoRA line)."""
+        pool = self.runner.lora
+        if pool is None:
+            return {}
+        running: dict[str, int] = {}
+        for r in self.scheduler.running:
+            name = "" if r.lora_request is None else r.lora_request.lora_name
+            running[name] = running.get(name, 0) + 1
+        slots = self.scheduler.lora_slots
+        assert slots is not None
+        return {
+            "lora_num_requests_running_by_adapter": running,
+            "lora_slot_bytes": pool.num_bytes,
+            "lora_cpu_bytes": pool.cpu_bytes,
+            "lora_max_loras": slots.max_loras,
+            "lora_num_active_slots": slots.num_active,
+            "lora_num_slot_loads_total": pool.num_slot_loads_total,
+            "lora_num_slot_evictions_total": slots.num_evictions_total,
         }
 
 

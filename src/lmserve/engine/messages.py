@@ -26,6 +26,7 @@ import msgspec
 from lmserve.core.outputs import RequestOutput
 from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.snapshot import EngineSnapshot
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.sampler import TokenLogprobs
 
@@ -37,6 +38,7 @@ class AddRequest(msgspec.Struct, tag=True):
     arrival_time: float
     do_remote_decode: bool = False  # a prefill core: stop after the first token, hand the KV off (disaggregation)
     remote_kv: KVHandoff | None = None  # a decode core: continue from this handoff
+    lora_request: LoRARequest | None = None  # the adapter (each core loads it from lora_path on first use)
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -61,6 +61,9 @@ class DisaggregatedClient(EngineCoreClient):
         if config.cache.sliding_window is not None:
             raise ValueError("disaggregation: a model whose every layer slides (KV outside the window is freed) "
                              "cannot hand its KV off yet; serve it colocated")  # fmt: skip
+        if config.lora is not None:
+            raise ValueError("--disaggregation with --enable-lora: LoRA adapters are not served with prefill/decode "
+                             "disaggregation yet (the decode core would need the request's adapter)")  # fmt: skip
         kwargs.pop("data_parallel_size", None)
         super().__init__(config, data_parallel_size=num_prefill + num_decode, **kwargs)
         self.num_prefill, self.num_decode = num_prefill, num_decode
@@ -88,7 +91,8 @@ class DisaggregatedClient(EngineCoreClient):
             kv = KVTransferConfig("kv_consumer", **self._kv)
         return dataclasses.replace(self.config, kv_transfer=kv)
 
-    def _route(self, prompt_ids: list[int]) -> _Core:
+    def _route(self, prompt_ids: list[int], lora_int_id: int = 0) -> _Core:
+        assert lora_int_id == 0, "LoRA is refused with disaggregation (config.py)"
         return self._route_role(prompt_ids, "prefill", self._affinity)
 
     def _route_role(self, prompt_ids: list[int], role: str, affinity: OrderedDict[int, int]) -> _Core:

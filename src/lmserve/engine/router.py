@@ -25,11 +25,13 @@ AFFINITY_ENTRIES = 4096  # first-block hashes remembered (least recently used dr
 Load = tuple[int, float]  # (sequences queued or running, KV usage fraction)
 
 
-def first_block_key(prompt_ids: Sequence[int], block_size: int) -> int | None:
-    """The affinity key of a prompt: the hash of its first full KV block (None: shorter than a block)."""
+def first_block_key(prompt_ids: Sequence[int], block_size: int, lora_int_id: int = 0) -> int | None:
+    """The affinity key of a prompt: the hash of its first full KV block (None: shorter than a block), salted with
+    its LoRA adapter's id as the prefix cache's chain is (so one prompt under two adapters keys two cores' caches)."""
     if len(prompt_ids) < block_size:
         return None
-    return hash(tuple(prompt_ids[:block_size]))
+    block = tuple(prompt_ids[:block_size])
+    return hash(block) if not lora_int_id else hash((lora_int_id, block))
 
 
 def choose_core(
@@ -39,6 +41,7 @@ def choose_core(
     block_size: int,
     max_entries: int = AFFINITY_ENTRIES,
     slack: int = AFFINITY_SLACK,
+    lora_int_id: int = 0,
 ) -> int:
     """The index of the core for a new request.
 
@@ -50,7 +53,7 @@ def choose_core(
     if len(live) == 1:
         return live[0]
     best = min(live, key=loads.__getitem__)
-    key = first_block_key(prompt_ids, block_size)
+    key = first_block_key(prompt_ids, block_size, lora_int_id)
     if key is None:
         return best
     affine = affinity.get(key)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from lmserve.lora_request import LoRARequest
 from lmserve.request import FinishReason
 from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -117,9 +118,12 @@ class _PromptState:
     done: bool = False
 
 
-def beam_search(engine: LLMEngine, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search for every prompt (outputs in input order). Drives `engine` until its own requests are
-    done; run it on an engine with no other requests in flight (their outputs would not be returned)."""
+def beam_search(
+    engine: LLMEngine, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request: LoRARequest | None = None
+) -> list[BeamSearchOutput]:
+    """Beam search for every prompt (outputs in input order), under one LoRA adapter if given. Drives `engine` until
+    its own requests are done; run it on an engine with no other requests in flight (their outputs would not be
+    returned)."""
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and _is_int(prompts[0])):
         prompts = [prompts]  # type: ignore[list-item]
     eos = () if params.ignore_eos else tuple(engine.eos_token_ids)
@@ -144,7 +148,7 @@ def beam_search(engine: LLMEngine, prompts: Prompt | list[Prompt], params: BeamS
     cur = 0  # tokens generated so far by the live beams
     while not all(s.done for s in states):
         live = [s for s in states if not s.done]
-        top = _run_step(engine, [[s.prompt_ids + b.tokens for b in s.beams] for s in live], step_params)
+        top = _run_step(engine, [[s.prompt_ids + b.tokens for b in s.beams] for s in live], step_params, lora_request)
         cur += 1
         for state, beam_tops in zip(live, top, strict=True):
             _advance(state, beam_tops, cur, params, eos, num_candidates)
@@ -170,10 +174,11 @@ def beam_search(engine: LLMEngine, prompts: Prompt | list[Prompt], params: BeamS
 
 
 def _run_step(
-    engine: LLMEngine, sequences: list[list[list[int]]], params: SamplingParams
+    engine: LLMEngine, sequences: list[list[list[int]]], params: SamplingParams, lora_request: LoRARequest | None = None
 ) -> list[list[list[tuple[int, float]]]]:
     """One token for every beam of every prompt, submitted together; returns each beam's top logprobs."""
-    ids = [[engine.add_request(None, seq, params) for seq in beams] for beams in sequences]
+    lora = {} if lora_request is None else {"lora_request": lora_request}
+    ids = [[engine.add_request(None, seq, params, **lora) for seq in beams] for beams in sequences]
     pending = {rid for beams in ids for rid in beams}
     top: dict[str, list[tuple[int, float]]] = {}
     while pending:

@@ -95,6 +95,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '(default 30), kv_load_failure_policy (fail | recompute), kv_transfer_timeout_s; put `lmserve router` in front',
     )
 
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (per request) on the base model")
+    g.add_argument("--max-loras", type=int, default=1, help="LoRA adapters one step can mix (compute slots; default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in RAM (default: --max-loras)")
+
 
 ENGINE_ARG_NAMES = (
     "tokenizer",
@@ -121,6 +126,10 @@ ENGINE_ARG_NAMES = (
     "speculative_config",
     "structured_outputs_allow_additional_properties",
     "kv_transfer_config",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 
 

@@ -125,8 +125,18 @@ def add_sim_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
         )
         s.add_argument(
             "--disaggregation", default=None, metavar="xPyD",
-            help="prefill/decode disaggregation: not simulated yet (needs the engine's PD mode, issue #33)",
+            help="prefill/decode disaggregation as lmserve serve --disaggregation: x prefill and y decode replicas "
+            "(instead of --data-parallel-size); calibrate the step model at each role's threads",
         )  # fmt: skip
+    s.add_argument(
+        "--kv-transfer-latency-us", type=float, default=None,
+        help="disaggregation: a KV pull's fixed cost (default 200 µs: a ZeroMQ round trip on one host)",
+    )  # fmt: skip
+    s.add_argument(
+        "--kv-transfer-block-us", type=float, default=None,
+        help="disaggregation: the cost per pulled KV block (default 20 µs; measure it on the machine: the PD "
+        "experiment of lmserve bench experiments reports it)",
+    )  # fmt: skip
     r = p.add_argument_group("report (as lmserve bench serve)")
     r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2e:MS")
     r.add_argument("--output-json", default=None, help="default: bench_results/simulate-<time>.json")
@@ -154,11 +164,24 @@ def prepare(args: argparse.Namespace, overrides: dict[str, Any] | None = None, t
 
 
 def simulate(profile: Any, config: Any, workload: Any, dp: int, tp: int, max_concurrency: int | None,
-             step_noise: bool = False, seed: int = 0) -> Any:  # fmt: skip
+             step_noise: bool = False, seed: int = 0, pd: dict[str, Any] | None = None) -> Any:  # fmt: skip
+    """pd: SimConfig's disaggregation fields (disaggregation, kv_transfer_latency_s, kv_transfer_block_s)."""
     from lmserve.sim.simulator import SimConfig, Simulator
 
-    sim_cfg = SimConfig(config, dp, tp, max_concurrency, step_noise=step_noise, seed=seed)
+    sim_cfg = SimConfig(config, dp, tp, max_concurrency, step_noise=step_noise, seed=seed, **(pd or {}))
     return Simulator(profile, sim_cfg, config.model.eos_token_ids).run(workload)
+
+
+def disaggregation_args(args: argparse.Namespace) -> dict[str, Any]:
+    """SimConfig's disaggregation fields from the flags (unset ones keep SimConfig's defaults)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "disaggregation", None) is not None:
+        out["disaggregation"] = args.disaggregation
+    if getattr(args, "kv_transfer_latency_us", None) is not None:
+        out["kv_transfer_latency_s"] = args.kv_transfer_latency_us * 1e-6
+    if getattr(args, "kv_transfer_block_us", None) is not None:
+        out["kv_transfer_block_s"] = args.kv_transfer_block_us * 1e-6
+    return out
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -166,12 +189,13 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     from lmserve.bench.metrics import parse_slos, summarize
     from lmserve.bench.report import format_summary, json_safe, load_pyplot, save_plots, write_json
-    from lmserve.sim.simulator import SimConfig
+    from lmserve.sim.simulator import DEFAULT_KV_TRANSFER_BLOCK_S, DEFAULT_KV_TRANSFER_LATENCY_S, SimConfig
 
     try:
         slos = parse_slos(args.goodput)
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+        pd = disaggregation_args(args)
         if args.disaggregation is not None:
             from lmserve.sim.simulator import check_disaggregation
 
@@ -180,10 +204,10 @@ def run_simulate(args: argparse.Namespace) -> int:
             load_pyplot()
         t0 = time.perf_counter()
         profile, config, workload = prepare(args, tp=args.tensor_parallel_size)
-        SimConfig(config, args.data_parallel_size, args.tensor_parallel_size, args.max_concurrency)  # checks
+        SimConfig(config, args.data_parallel_size, args.tensor_parallel_size, args.max_concurrency, **pd)  # checks
         t_prep = time.perf_counter() - t0
         result = simulate(profile, config, workload, args.data_parallel_size, args.tensor_parallel_size,
-                          args.max_concurrency, args.step_noise, args.seed)  # fmt: skip
+                          args.max_concurrency, args.step_noise, args.seed, pd)  # fmt: skip
     except ValueError as e:
         print(f"lmserve simulate run: error: {e}", file=sys.stderr)
         return 2
@@ -196,8 +220,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     title = f"simulate: {args.label or profile.model.get('name')}" + (" (ESTIMATE)" if estimate else "")
     print(format_summary(summary, title))
     stats = result.stats_dict()
+    replicas = args.disaggregation or f"{args.data_parallel_size} replica(s)"
     print(
-        f"simulated {len(workload)} requests on {args.data_parallel_size} replica(s) x TP {args.tensor_parallel_size} "
+        f"simulated {len(workload)} requests on {replicas} x TP {args.tensor_parallel_size} "
         f"with {profile.label}: {stats['num_steps']} steps, {stats['num_preemptions']} preemptions, prefix-cache hit "
         f"rate {100 * stats['prefix_cache_hit_rate']:.1f} %, replica utilization "
         f"{100 * stats['mean_replica_utilization']:.1f} %; prompts {workload.description.get('prompts')}; "
@@ -219,6 +244,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         "estimate": estimate,
         "data_parallel_size": args.data_parallel_size,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "disaggregation": args.disaggregation,
+        "kv_transfer_latency_us": 1e6 * pd.get("kv_transfer_latency_s", DEFAULT_KV_TRANSFER_LATENCY_S),
+        "kv_transfer_block_us": 1e6 * pd.get("kv_transfer_block_s", DEFAULT_KV_TRANSFER_BLOCK_S),
         "step_noise": args.step_noise,
         "workload": workload.description,
         "num_kv_blocks_per_replica": config.cache.num_blocks,
@@ -246,7 +274,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         nargs="+",
         required=True,
         help="flags to search, comma or space separated: data-parallel-size, tensor-parallel-size, max-num-seqs, "
-        "max-num-batched-tokens, block-size, num-kv-blocks",
+        "max-num-batched-tokens, block-size, num-kv-blocks; or prefill-replicas, decode-replicas (xPyD deployments "
+        "instead of data parallel)",
     )
     g.add_argument("--grid", nargs="+", default=None, metavar="NAME=V1,V2", help="values of a searched flag")
     g.add_argument("--attainment", type=float, default=90.0, help="SLO attainment to reach, in %% (default 90)")
@@ -286,8 +315,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
                 configs[key] = engine_config(profile, {**engine_kwargs(args), **cand.engine_overrides()}, args.model,
                                              cand.tp)  # fmt: skip
+            pd = {**disaggregation_args(args), "disaggregation": cand.disaggregation} if cand.disaggregation else None
             result = simulate(profile, configs[key], workload, cand.dp, cand.tp, args.max_concurrency,
-                              args.step_noise, args.seed)  # fmt: skip
+                              args.step_noise, args.seed, pd)  # fmt: skip
         except ValueError as e:
             return None, str(e), 0.0
         with paused_gc():

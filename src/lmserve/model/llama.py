@@ -130,6 +130,7 @@ class DecoderModel(nn.Module):
         )
 
     _decode_stack: DecodeStack | None = None
+    lora_active = False  # LoRA hooks on the projections (lora/layers.py): the C stack, which skips them, is off
     _decode_stack_checked: tuple | None = None  # the KV caches supports() was last asked about
 
     def decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
@@ -162,7 +163,8 @@ class DecoderModel(nn.Module):
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the dtype first, as HF
         cos, sin = self.rotary(positions, h.dtype)
         stack = self.decode_stack(kv_caches)
-        if stack is not None and stack.applies(h, meta):  # the whole stack in one C call, same arithmetic
+        # the whole stack in one C call, same arithmetic (not while LoRA hooks are on: it would skip them)
+        if stack is not None and not self.lora_active and stack.applies(h, meta):
             return stack.run(h, cos.squeeze(1), sin.squeeze(1), meta)
         local = None if self.rotary_local is None else self.rotary_local(positions, h.dtype)
         residual = None

@@ -1,13 +1,14 @@
 """`lmserve simulate plan`: the cheapest configuration that meets goodput SLOs, found by simulation.
 
 The space is the product of the searched flags' values. The cost of a configuration is the accelerators it uses
-(data_parallel_size × tensor_parallel_size); it meets the SLOs when at least `target_pct` % of the requests meet
-every one of them (bench/metrics.meets_slos: TTFT, TPOT, E2E from the scheduled arrival). For each combination
-of the other flags, data-parallel sizes are tried from the smallest up and the first that meets ends that line
-(more replicas of the same kind only cost more), unless `exhaustive`. The winner: the lowest cost that meets; ties
-go to the higher attainment, then the higher goodput. When nothing meets, the closest (highest attainment) is
-shown, and a lower bound says when the SLOs are out of reach for any configuration of the space (an idle
-replica is already too slow for them).
+(replicas × tensor_parallel_size, the replicas being data_parallel_size, or prefill + decode replicas when
+`prefill-replicas` / `decode-replicas` are searched: a disaggregated xPyD deployment); it meets the SLOs when at least
+`target_pct` % of the requests meet every one of them (bench/metrics.meets_slos: TTFT, TPOT, E2E from the scheduled
+arrival). For each combination of the other flags, data-parallel sizes are tried from the smallest up and the first
+that meets ends that line (more replicas of the same kind only cost more), unless `exhaustive`. The winner: the lowest
+cost that meets; ties go to the higher attainment, then the higher goodput. When nothing meets, the closest (highest
+attainment) is shown, and a lower bound says when the SLOs are out of reach for any configuration of the space (an
+idle replica is already too slow for them).
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ SEARCHABLE: dict[str, tuple[int, ...]] = {
     "max-num-batched-tokens": (256, 512, 1024, 2048, 4096),
     "block-size": (16, 32),
     "num-kv-blocks": (),
+    "prefill-replicas": (1, 2, 4, 8),  # prefill/decode disaggregation: xPyD instead of data parallel
+    "decode-replicas": (1, 2, 4, 8),
 }
-SIM_FLAGS = ("data-parallel-size", "tensor-parallel-size")  # the others are engine flags
+SIM_FLAGS = ("data-parallel-size", "tensor-parallel-size", "prefill-replicas", "decode-replicas")  # the others:
+# engine flags
+PD_FLAGS = ("prefill-replicas", "decode-replicas")
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,16 @@ class Candidate:
         return self.values.get("tensor-parallel-size", 1)
 
     @property
+    def disaggregation(self) -> str | None:
+        """"xPyD" when prefill / decode replicas are searched (one of them alone: the other is 1), else None."""
+        if not any(k in self.values for k in PD_FLAGS):
+            return None
+        return f"{self.values.get('prefill-replicas', 1)}P{self.values.get('decode-replicas', 1)}D"
+
+    @property
     def cost(self) -> int:
+        if self.disaggregation is not None:
+            return (self.values.get("prefill-replicas", 1) + self.values.get("decode-replicas", 1)) * self.tp
         return self.dp * self.tp
 
     def engine_overrides(self) -> dict[str, int]:
@@ -125,6 +139,9 @@ def parse_space(search: list[str], grid: list[str] | None) -> dict[str, tuple[in
         if not vals:
             raise ValueError(f"--search {name}: it has no default values; give them with --grid {name}=V1,V2")
         space[name] = vals
+    if "data-parallel-size" in space and any(k in space for k in PD_FLAGS):
+        raise ValueError("--search: data-parallel-size and prefill-replicas / decode-replicas are two kinds of "
+                         "deployment; search one or the other")  # fmt: skip
     return space
 
 

@@ -17,8 +17,18 @@ Everything is a heap of timed events; no clock is read, nothing sleeps. Output l
 "sampled" token of a request is a function of its prompt and position (two equal prompts get equal outputs, as
 greedy decoding gives them), which only matters to the prefix cache.
 
+Prefill/decode disaggregation (`disaggregation="xPyD"`, as `lmserve serve --disaggregation`): requests are
+routed among the x prefill replicas; when a request gets its first token there (TTFT) the replica's scheduler
+detaches it (Scheduler.detach: its blocks stay held, the lease) and the handoff travels through the API process
+(egress + ingress) to a decode replica chosen by the same router among the y decode replicas. That replica parks
+it (Scheduler.add_remote) and, between its steps, does what engine/disaggregation.KVConsumer does: with room
+(Scheduler.has_room_for_remote), it looks its prompt up in the local prefix cache, allocates the rest and pulls only
+the missing blocks, which takes `kv_transfer_latency_s + missing blocks × kv_transfer_block_s` while both engines
+keep stepping (the producer's KV server is a thread of its own); the pulled request runs from its next step on
+(Scheduler.remote_kv_loaded), and the producer frees the lease's blocks at its next step (at once when idle).
+
 Not simulated: stop strings and EOS (outputs are ignore_eos), speculative decoding, structured outputs,
-max_queued_requests (429s), a dying core. Prefill/decode disaggregation raises until the engine has it (#33).
+max_queued_requests (429s), a dying core, KV transfers that fail.
 """
 
 from __future__ import annotations
@@ -48,8 +58,14 @@ from lmserve.sim.workload import Workload
 # event kinds, in the order simultaneous events are handled: a step's end (its outputs, then the next step's
 # start), requests reaching a core, client arrivals (not in the heap: a sorted list), then an idle core's wake-up,
 # so that requests arriving together start together (the core drains every queued message before it steps)
-_STEP_END, _DELIVER, _ARRIVE, _WAKE = 0, 1, 2, 3
+# (disaggregation: a completed KV pull comes first, so the step starting at the same instant sees it; a handoff the
+# API process routes, and its arrival at the decode replica, are deliveries)
+_PULL_DONE, _STEP_END, _HANDOFF, _DELIVER_REMOTE, _DELIVER, _ARRIVE, _WAKE = 0, 1, 2, 3, 4, 5, 6
 FINISHED = RequestStatus.FINISHED
+# the KV transfer's cost when the config gives none: a ZeroMQ round trip on one host, and a 16-token block of a
+# small model copied at memory speed (`lmserve simulate run --kv-transfer-block-us` sets the measured figure)
+DEFAULT_KV_TRANSFER_LATENCY_S = 200e-6
+DEFAULT_KV_TRANSFER_BLOCK_S = 20e-6
 
 
 def sim_token(prompt_hash: int, position: int, vocab_size: int) -> int:
@@ -63,7 +79,9 @@ class SimConfig:
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     max_concurrency: int | None = None  # the client's cap on requests in flight (bench serve --max-concurrency)
-    disaggregation: str | None = None  # "xPyD": not yet (#33)
+    disaggregation: str | None = None  # "xPyD": x prefill replicas, y decode replicas (instead of data parallel)
+    kv_transfer_latency_s: float = DEFAULT_KV_TRANSFER_LATENCY_S  # per pull (a request's missing blocks)
+    kv_transfer_block_s: float = DEFAULT_KV_TRANSFER_BLOCK_S  # per pulled block
     record_steps: bool = False  # keep a StepTrace per step (tests, debugging; costs memory)
     step_noise: bool = False  # multiply each step by a draw from the profile's measured/fitted ratios
     seed: int = 0  # of the step noise
@@ -77,23 +95,23 @@ class SimConfig:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if self.disaggregation is not None:
             check_disaggregation(self.disaggregation)
+            if self.data_parallel_size != 1:
+                raise ValueError("--disaggregation sets the replicas (xPyD); --data-parallel-size must stay 1")
+        if self.kv_transfer_latency_s < 0 or self.kv_transfer_block_s < 0:
+            raise ValueError(f"the KV transfer's cost must be >= 0, got {self.kv_transfer_latency_s} s per pull and "
+                             f"{self.kv_transfer_block_s} s per block")  # fmt: skip
         if self.engine.speculative is not None:
             raise ValueError("--speculative-config: speculative decoding is not simulated (acceptance is not modelled)")
 
 
 def check_disaggregation(spec: str) -> tuple[int, int]:
-    """Parse "xPyD" (x prefill replicas, y decode replicas) — and refuse it: the engine has no prefill/decode
-    disaggregation yet (issue #33), so there is no KV transfer to model and no real system to validate against."""
+    """Parse "xPyD" (x prefill replicas, y decode replicas), as `lmserve serve --disaggregation`."""
     import re
 
     m = re.fullmatch(r"(\d+)P(\d+)D", spec.strip(), re.IGNORECASE)
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
         raise ValueError(f"--disaggregation must look like 2P1D (prefill and decode replicas), got {spec!r}")
-    raise ValueError(
-        f"--disaggregation {spec}: prefill/decode disaggregation is not simulated yet: the engine has no PD mode "
-        "(issue #33), so there is no KV transfer path to model (per-block transfer cost) or to validate against; "
-        "use --data-parallel-size for now"
-    )
+    return int(m.group(1)), int(m.group(2))
 
 
 @dataclass
@@ -120,6 +138,9 @@ class ReplicaStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     max_running: int = 0
+    role: str = "colocated"  # or "prefill" / "decode" (disaggregation)
+    num_blocks_pulled: int = 0  # decode role: KV blocks pulled from prefill replicas
+    num_blocks_hit: int = 0  # decode role: prompt blocks found in the local prefix cache instead
 
 
 @dataclass
@@ -145,6 +166,9 @@ class SimResult:
             "mean_replica_utilization": (
                 sum(r.busy_s for r in reps) / (len(reps) * self.duration_s) if self.duration_s > 0 else 0.0
             ),
+            "roles": [r.role for r in reps],
+            "kv_blocks_pulled": sum(r.num_blocks_pulled for r in reps),
+            "kv_blocks_hit_on_decode": sum(r.num_blocks_hit for r in reps),
             "requests_per_replica": [r.num_requests for r in reps],
             "max_running_per_replica": [r.max_running for r in reps],
             "simulation_wall_s": self.wall_s,
@@ -176,7 +200,8 @@ class _Facts:
 class _Replica:
     __slots__ = (
         "index", "kv", "scheduler", "inbox", "busy", "load", "kv_usage", "pending", "applied", "sched", "start_s",
-        "stats", "now", "trace", "sampling", "waking", "output",
+        "stats", "now", "trace", "sampling", "waking", "output", "remote_inbox", "pulling", "pulled", "leased",
+        "lease_ended",
     )  # fmt: skip
 
     def __init__(self, index: int, config: EngineConfig) -> None:
@@ -200,6 +225,13 @@ class _Replica:
         self.trace: StepTrace | None = None  # the current step's, when steps are recorded
         self.sampling: list[Request] = []  # the current step's requests that sample a token
         self.output = ModelRunnerOutput({})  # reused: the scheduler only reads it (sampled ids set per step)
+        # disaggregation, decode role: handoffs not yet parked, pulls in flight (id → its missing blocks), done
+        self.remote_inbox: deque[Request] = deque()
+        self.pulling: dict[str, int] = {}
+        self.pulled: list[Request] = []
+        # prefill role: detached requests whose blocks are held (the lease), and those whose pull completed
+        self.leased: dict[str, Request] = {}
+        self.lease_ended: list[str] = []
 
     def _clock(self) -> float:
         return self.now
@@ -239,8 +271,23 @@ class Simulator:
         step_time = self.step_time
         noise = self.noise
         facts = _Facts(engine)
-        replicas = [_Replica(i, engine) for i in range(cfg.data_parallel_size)]
+        num_prefill, num_decode = (
+            check_disaggregation(cfg.disaggregation) if cfg.disaggregation else (cfg.data_parallel_size, 0)
+        )
+        replicas = [_Replica(i, engine) for i in range(num_prefill + num_decode)]
+        front = replicas[:num_prefill]  # where requests are routed: every replica, or the prefill ones
+        decoders = replicas[num_prefill:]
+        if decoders:
+            for r in front:
+                r.stats.role = "prefill"
+            for r in decoders:
+                r.stats.role = "decode"
         affinity: OrderedDict[int, int] = OrderedDict()
+        decode_affinity: OrderedDict[int, int] = OrderedDict()
+        handoffs: dict[int, tuple[Request, int]] = {}  # request index → (its prefill-side request, that replica)
+        in_transit: dict[int, tuple[Request, int]] = {}  # → (its decode-side request, the replica it goes to)
+        pull_target: dict[int, int] = {}  # request index → the decode replica pulling its blocks
+        pull_latency, pull_block = cfg.kv_transfer_latency_s, cfg.kv_transfer_block_s
         n = len(workload)
         records = [
             RequestRecord(i, len(workload.prompt_token_ids[i]), workload.output_lens[i], workload.arrivals_s[i])
@@ -291,10 +338,10 @@ class Simulator:
                 rec.error, rec.end_s = f"HTTP 400: {e}", t + egress
                 finish_client(i, t + egress)
                 return
-            if len(replicas) == 1:
-                rep = replicas[0]
+            if len(front) == 1:
+                rep = front[0]
             else:
-                loads = {r.index: (r.load + r.pending, r.kv_usage) for r in replicas}
+                loads = {r.index: (r.load + r.pending, r.kv_usage) for r in front}
                 rep = replicas[choose_core(loads, affinity, ids, block_size)]
             rid = str(i)
             req = Request(rid, ids, params, max_tokens, self.eos_token_ids, arrival_time=t)
@@ -308,12 +355,97 @@ class Simulator:
                 rep.waking = True
                 push(t, _WAKE, rep.index)
 
+        def hand_off(i: int, t: float) -> None:
+            """The API process got a prefill replica's handoff: route it to a decode replica, where it lands
+            ingress_s later (a new Request there, the first token replayed into it, as KVConsumer builds it)."""
+            req, _ = handoffs[i]
+            if len(decoders) == 1:
+                rep = decoders[0]
+            else:
+                loads = {r.index: (r.load + r.pending, r.kv_usage) for r in decoders}
+                rep = replicas[choose_core(loads, decode_affinity, req.prompt_token_ids, block_size)]
+            remote = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens,
+                             self.eos_token_ids, arrival_time=req.arrival_time)  # fmt: skip
+            for tok in req.output_token_ids:
+                remote.append_output_token(tok)
+            rep.pending += 1
+            rep.stats.num_requests += 1
+            in_transit[i] = (remote, rep.index)
+            push(t + ingress, _DELIVER_REMOTE, i)
+
+        def deliver_remote(i: int, t: float) -> None:
+            remote, index = in_transit.pop(i)
+            rep = replicas[index]
+            rep.remote_inbox.append(remote)
+            if not rep.busy and not rep.waking:
+                rep.waking = True
+                push(t, _WAKE, rep.index)
+
+        def free_leases(rep: _Replica) -> None:
+            """Prefill replica, between steps: free the blocks of the leases whose pull completed."""
+            for rid in rep.lease_ended:
+                rep.kv.free(rep.leased.pop(rid))
+            rep.lease_ended = []
+
+        def end_lease(i: int, t: float) -> None:
+            prefill = replicas[handoffs.pop(i)[1]]
+            prefill.lease_ended.append(str(i))
+            if not prefill.busy:  # an idle core frees it at once (it polls while it holds leases)
+                free_leases(prefill)
+                prefill.kv_usage = prefill.kv.usage
+
+        def resolve_remote(rep: _Replica, t: float) -> None:
+            """Decode replica, between steps (KVConsumer.resolve): park new handoffs, let the completed pulls run,
+            start the pulls there is room for (prefix hits first; only the missing blocks travel)."""
+            sch, kv = rep.scheduler, rep.kv
+            while rep.remote_inbox:
+                sch.add_remote(rep.remote_inbox.popleft())
+                rep.applied += 1
+            for rid in rep.pulled:
+                req = sch.remote_kv[rid]
+                sch.remote_kv_loaded(req, rep.pulling.pop(rid))
+                kv.cache_blocks(req)
+            rep.pulled = []
+            for req in list(sch.remote_kv.values()):
+                rid = req.request_id
+                if rid in rep.pulling:
+                    continue
+                if not sch.has_room_for_remote(len(rep.pulling)):
+                    return
+                num_tokens = req.num_tokens - 1
+                hits, num_hit_tokens = kv.get_computed_blocks(req)
+                if kv.allocate_slots(req, num_tokens - num_hit_tokens, hits) is None:
+                    return  # no room in the pool: after the next step
+                missing = -(-num_tokens // block_size) - len(hits)
+                rep.stats.num_blocks_hit += len(hits)
+                rep.stats.num_blocks_pulled += missing
+                if missing == 0:  # all cached here: the lease is released, nothing travels
+                    end_lease(int(rid), t)
+                    sch.remote_kv_loaded(req, num_hit_tokens)
+                    kv.cache_blocks(req)
+                    continue
+                rep.pulling[rid] = num_hit_tokens
+                pull_target[int(rid)] = rep.index
+                push(t + pull_latency + missing * pull_block, _PULL_DONE, int(rid))
+
+        def pull_done(i: int, t: float) -> None:
+            rep = replicas[pull_target.pop(i)]
+            rep.pulled.append(str(i))
+            end_lease(i, t)
+            if not rep.busy and not rep.waking:
+                rep.waking = True
+                push(t, _WAKE, rep.index)
+
         def start_step(rep: _Replica, t: float) -> None:
             sch = rep.scheduler
             rep.now = t
             while rep.inbox:
                 sch.add_request(rep.inbox.popleft())
                 rep.applied += 1
+            if rep.lease_ended:
+                free_leases(rep)
+            if sch.remote_kv or rep.remote_inbox:
+                resolve_remote(rep, t)
             before = {r.request_id for r in sch.running} if cfg.record_steps else None
             sched = sch.schedule()
             if sched.is_empty:
@@ -366,13 +498,20 @@ class Simulator:
                     rec.output_tokens_source = rec.chunk_tokens_source = "simulator"
                     del prompt_hash[req.request_id]
                     finished.append(req.request_id)
+            if decoders and rep.index < num_prefill:  # a prefill replica: hand off what got its first token
+                for req in updated:
+                    if req.status is not FINISHED:
+                        sch.detach(req)
+                        rep.leased[req.request_id] = req
+                        handoffs[int(req.request_id)] = (req, rep.index)
+                        push(chunk_s, _HANDOFF, int(req.request_id))
             st = rep.stats
             st.num_steps += 1
             st.busy_s += t - rep.start_s
             st.max_running = max(st.max_running, len(sch.running) + len(finished))
             if rep.trace is not None:
                 rep.trace.finished = finished
-            rep.load = len(sch.running) + len(sch.waiting)
+            rep.load = len(sch.running) + len(sch.waiting) + len(sch.remote_kv)
             rep.kv_usage = rep.kv.usage
             rep.pending -= rep.applied
             rep.applied = 0
@@ -401,6 +540,12 @@ class Simulator:
                 end_step(replicas[payload], t)
             elif kind == _DELIVER:
                 deliver(payload, t)
+            elif kind == _HANDOFF:
+                hand_off(payload, t)
+            elif kind == _DELIVER_REMOTE:
+                deliver_remote(payload, t)
+            elif kind == _PULL_DONE:
+                pull_done(payload, t)
             else:
                 rep = replicas[payload]
                 rep.waking = False
@@ -408,9 +553,11 @@ class Simulator:
                     start_step(rep, t)
 
         assert not waiting_client and in_flight == 0, f"{in_flight} requests still in flight at the end"
+        assert not handoffs, f"{len(handoffs)} KV handoffs never pulled"
         for rep in replicas:
             sch = rep.scheduler
             assert not sch.has_unfinished_requests(), f"replica {rep.index}: requests left unfinished"
+            assert not rep.leased and not rep.pulling, f"replica {rep.index}: KV leases or pulls left at the end"
             rep.stats.num_preemptions = sch.num_preemptions_total
             rep.stats.prefix_cache_queries = sch.prefix_cache_queries_total
             rep.stats.prefix_cache_hits = sch.prefix_cache_hits_total

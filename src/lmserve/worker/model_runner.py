@@ -10,6 +10,7 @@ import torch
 from lmserve import kernels
 from lmserve.config import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lmserve.lora.slots import LoRASlotPool
 from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import (
@@ -123,6 +124,7 @@ class ModelRunner:
         self._small_m_pending = self.device.type == "cpu"
         self.sampler = Sampler()
         self.proposer = make_proposer(config)
+        self.lora = LoRASlotPool(self.model, config) if config.lora is not None else None
 
     def _allocate_kv_caches(self) -> list[KVCache]:
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
@@ -154,6 +156,8 @@ class ModelRunner:
         prefills: list[ScheduledRequest] = []
         for s in sched.scheduled:
             (decodes if s.num_new_tokens == 1 or self._verify_as_decodes(s) else prefills).append(s)
+        if self.lora is not None:  # each adapter's rows in contiguous runs (lora/layers.py)
+            decodes, prefills = self.lora.sort_rows(decodes), self.lora.sort_rows(prefills)
         ordered = decodes + prefills
         input_ids, positions, slots = [], [], []
         first_row: dict[str, int] = {}  # request id → its first token's row in the flat batch
@@ -174,12 +178,16 @@ class ModelRunner:
             meta.prefills.append(
                 PrefillSegment.for_chunk(row0, s.num_new_tokens, s.start, s.block_ids, self.block_size, dev)
             )
+        if self.lora is not None:
+            self.lora.begin_step(ordered)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
         )
+        if self.lora is not None:
+            self.lora.end_step()
         # Only the last token of each request that reaches the end of its known tokens is sampled; a request
         # with proposals has all 1 + k of its last rows scored (verified after the plain rows are sampled).
         prompt_logprobs = self._prompt_logprobs(ordered, first_row, hidden)

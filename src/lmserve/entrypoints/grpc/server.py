@@ -145,12 +145,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         state = self.state
         engine = state.ready_engine()
         body = completion_request(request, stream)
-        inputs.check_model(state, body.model)
+        lora = inputs.check_model(state, body.model)
         params = inputs.sampling_params_of(engine, body, {})
         params, _ = await inputs.constrain(engine, body, params)
         prompts = inputs.completion_prompts(engine, body.prompt)
         inputs.check_lengths(engine, prompts, params, "max_tokens")
-        gen = CompletionGeneration(state, engine, f"{GRPC_REQUEST_ID_PREFIX}{uuid.uuid4().hex}", prompts, params, body)
+        gen = CompletionGeneration(
+            state, engine, f"{GRPC_REQUEST_ID_PREFIX}{uuid.uuid4().hex}", prompts, params, body, lora_request=lora
+        )
         if body.echo:
             gen.echo_texts = prompt_texts(body.prompt)
         gen.start()

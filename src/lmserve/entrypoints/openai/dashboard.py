@@ -107,6 +107,7 @@ def feed_update(state: Any, history: ScrapeHistory) -> dict[str, Any]:
         "model": state.served_model_name,
         "window_s": round(dur, 3),
         "running": m["num_requests_running"],
+        "running_by_lora": m.get("lora_num_requests_running_by_adapter"),  # adapter name → sequences ("" = base)
         "waiting": m["num_requests_waiting"],
         "step": {"prefill_tokens": m["num_prefill_tokens_step"], "decode_tokens": m["num_decode_tokens_step"]},
         "kv": {

@@ -25,6 +25,7 @@ from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai.errors import APIError, from_value_error
 from lmserve.entrypoints.openai.sse import ClientGone, SSEResponse, cancel_on_disconnect, sse, sse_json
 from lmserve.entrypoints.openai.state import ServerState
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,14 +42,17 @@ class Generation:
         prompts: list[list[int]],
         params: SamplingParams,
         body: p.CompletionRequest | p.ChatCompletionRequest,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.state = state
+        self.lora_request = lora_request  # the adapter the body's `model` named (None: the base model)
+        self._lora_held = False
         self.engine = engine
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
         self.body = body
-        self.model = state.served_model_name
+        self.model = state.served_model_name if lora_request is None else lora_request.lora_name
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
 
@@ -56,12 +60,16 @@ class Generation:
 
     def start(self) -> None:
         kv = {} if self.body.kv_transfer_params is None else {"kv_transfer_params": self.body.kv_transfer_params}
+        if self.lora_request is not None and self.state.loras is not None:  # in use until abort(): no unload
+            self.state.loras.acquire(self.lora_request)
+            self._lora_held = True
         try:
             if kv and (len(self.prompts) != 1 or not hasattr(self.engine, "config") or self.engine.config.kv_transfer
                        is None):  # fmt: skip
                 raise ValueError("kv_transfer_params: needs one prompt and a server with --kv-transfer-config")
             for i, ids in enumerate(self.prompts):
-                self.streams.append(self.engine.add_request(f"{self.request_id}-{i}", ids, self.params, **kv))
+                kw = {} if self.lora_request is None else {"lora_request": self.lora_request}
+                self.streams.append(self.engine.add_request(f"{self.request_id}-{i}", ids, self.params, **kv, **kw))
         except QueueFullError as e:
             self.abort()
             raise APIError(
@@ -81,6 +89,9 @@ class Generation:
     def abort(self) -> None:
         for s in self.streams:
             s.abort()
+        if self._lora_held and self.state.loras is not None:
+            self._lora_held = False
+            self.state.loras.release(self.lora_request)
 
     async def respond(self, request: Request) -> Response:
         self.start()

@@ -331,6 +331,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "lmserve"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's shape); None for the base itself
     max_model_len: int
 
 

@@ -14,6 +14,7 @@ from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from lmserve.entrypoints.openai.state import ServerState
+from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import GrammarError
 
@@ -36,14 +37,21 @@ def detokenize_tokens(engine: AsyncEngine, tokens: list[int]) -> str:
     return engine.tokenizer.decode(tokens)
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.served_model_name:
-        raise APIError(
-            404,
-            f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The adapter the `model` field names (None: the base model); 404 model_not_found for an unknown name."""
+    if model is None or model == state.served_model_name:
+        return None
+    lora = None if state.loras is None else state.loras.by_name.get(model)
+    if lora is not None:
+        return lora
+    names = sorted(state.loras.by_name) if state.loras is not None else []
+    adapters = f" and the LoRA adapters {names}" if names else ""
+    raise APIError(
+        404,
+        f"model {model!r} does not exist; this server serves {state.served_model_name!r}{adapters}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def sampling_params_of(

@@ -38,13 +38,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", response_model=p.ModelList)
     async def models() -> p.ModelList:
         engine = state.ready_engine()
-        card = p.ModelCard(
-            id=state.served_model_name,
-            created=int(time.time()),
-            root=engine.config.model.path,
-            max_model_len=engine.config.scheduler.max_model_len,
-        )
-        return p.ModelList(data=[card])
+        created, max_len = int(time.time()), engine.config.scheduler.max_model_len
+        card = p.ModelCard(id=state.served_model_name, created=created, root=engine.config.model.path,
+                           max_model_len=max_len)  # fmt: skip
+        adapters = [] if state.loras is None else list(state.loras.by_name.values())
+        cards = [p.ModelCard(id=a.lora_name, created=created, root=a.lora_path, parent=state.served_model_name,
+                             max_model_len=max_len) for a in adapters]  # fmt: skip
+        return p.ModelList(data=[card, *cards])
 
     @app.post("/tokenize", response_model=p.TokenizeResponse)
     async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:

@@ -99,6 +99,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run the engine on a thread of the API process (no engine-core process; for comparisons)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under NAME, the request's `model` field (needs --enable-lora)",
+    )
+    p.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log each request")
     add_engine_args(p)
@@ -173,6 +185,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"lmserve serve: error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model or "lmserve-default"
+    try:
+        lora_modules = _lora_modules(args, config, name)
+    except ValueError as e:
+        print(f"lmserve serve: error: {e}", file=sys.stderr)
+        return 2
     url = f"http://{_host_for_url(args.host)}:{args.port}"
     server: uvicorn.Server | None = None
 
@@ -235,6 +252,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         on_ready=ready,
         frontends=frontends,
+        lora_modules=lora_modules,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -251,6 +269,20 @@ def run_serve(args: argparse.Namespace) -> int:
     if app.state.lmserve.load_error is not None:
         return 1
     return 0
+
+
+def _lora_modules(args: argparse.Namespace, config, name: str):
+    """--lora-modules validated against the base model (LoRAModules), or None without --enable-lora."""
+    if config.lora is None:
+        if args.lora_modules or args.enable_lora_runtime_updates:
+            raise ValueError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
+        return None
+    from lmserve.entrypoints.openai.lora_modules import LoRAModules, parse_lora_modules
+
+    modules = LoRAModules(config.model, config.lora.max_lora_rank, name, args.enable_lora_runtime_updates)
+    for lora_name, path in parse_lora_modules(args.lora_modules):
+        modules.load(lora_name, path)
+    return modules
 
 
 def _host_for_url(host: str) -> str:

@@ -27,6 +27,8 @@ from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.token_bytes import TokenBytes
 from lmserve.entrypoints.openai.dashboard import add_web_routes
 from lmserve.entrypoints.openai.kv_info import add_kv_info_route
+from lmserve.entrypoints.openai.lora_modules import LoRAModules
+from lmserve.entrypoints.openai.lora_routes import add_lora_routes
 from lmserve.entrypoints.openai.middleware import GuardMiddleware, add_exception_handlers, bearer_ok
 from lmserve.entrypoints.openai.routes import add_routes
 from lmserve.entrypoints.openai.state import ServerState
@@ -47,18 +49,20 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     on_ready: Callable[[AsyncEngine], None] | None = None,
     frontends: Sequence[Callable[[ServerState], AbstractAsyncContextManager[Any]]] = (),
+    lora_modules: LoRAModules | None = None,
 ) -> FastAPI:
     """The server for `engine`: a started-or-not engine client (AsyncEngine, or EngineCoreClient with the
     engine in separate processes), or a loader called in a background thread at start-up (then /health is
     503 until it returns; `served_model_name` is required). The engine is started here (or after loading);
     a loaded engine is shut down when the app's lifespan ends, one passed in is left to its owner. `frontends`
     (e.g. the gRPC server) run for the app's lifespan on its event loop, serving the same ServerState; they
-    stop before the engine does."""
+    stop before the engine does. `lora_modules`: the LoRA adapters served by name (the engine needs enable_lora)."""
     loader = None if hasattr(engine, "add_request") else engine
     if loader is not None and not served_model_name:
         raise ValueError("served_model_name is required when the engine is loaded in the background")
     name = served_model_name or engine.config.model.path  # type: ignore[union-attr]
     state = ServerState(name, api_key, max_request_body_bytes)
+    state.loras = lora_modules
     state.metrics = Metrics(name, lambda: state.engine.snapshot() if state.engine is not None else None)
 
     def attach(e: AsyncEngine) -> None:
@@ -95,5 +99,6 @@ def build_app(
     add_exception_handlers(app, state)
     add_routes(app, state)
     add_kv_info_route(app, state)
+    add_lora_routes(app, state)
     add_web_routes(app, state)
     return app

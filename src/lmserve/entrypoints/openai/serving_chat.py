@@ -22,7 +22,7 @@ from lmserve.entrypoints.openai.state import ServerState
 
 async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest, request: Request) -> Response:
     engine = state.ready_engine()
-    inputs.check_model(state, body.model)
+    lora = inputs.check_model(state, body.model)
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = inputs.sampling_params_of(engine, body, {"max_tokens": max_param, "logprobs": "top_logprobs"})
     if not body.messages:
@@ -32,7 +32,7 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     shown = plan.tools if plan is not None and tools.template_supports_tools(engine.tokenizer) else None
     prompts = [inputs.render_chat(engine, body.messages, body.add_generation_prompt, shown)]
     inputs.check_lengths(engine, prompts, params, max_param)
-    gen = ChatGeneration(state, engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params, body)
+    gen = ChatGeneration(state, engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params, body, lora_request=lora)
     if plan is not None:
         gen.tool_calls = tools.ToolCallFormatter(plan)
     return await gen.respond(request)

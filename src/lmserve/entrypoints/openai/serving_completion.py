@@ -22,14 +22,14 @@ from lmserve.entrypoints.openai.state import ServerState
 
 async def create_completion(state: ServerState, body: p.CompletionRequest, request: Request) -> Response:
     engine = state.ready_engine()
-    inputs.check_model(state, body.model)
+    lora = inputs.check_model(state, body.model)
     params = inputs.sampling_params_of(engine, body, {})
     params, _ = await inputs.constrain(engine, body, params)
     prompts = inputs.completion_prompts(engine, body.prompt)
     if len(prompts) * params.actual_best_of > inputs.MAX_SEQS_PER_REQUEST:
         raise bad_request(f"n × number of prompts must be at most {inputs.MAX_SEQS_PER_REQUEST}", "n")
     inputs.check_lengths(engine, prompts, params, "max_tokens")
-    gen = CompletionGeneration(state, engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body)
+    gen = CompletionGeneration(state, engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body, lora_request=lora)
     if body.echo:
         gen.echo_texts = lp_fmt.prompt_texts(body.prompt)
     return await gen.respond(request)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.token_bytes import TokenBytes
 from lmserve.entrypoints.openai.errors import APIError
+from lmserve.entrypoints.openai.lora_modules import LoRAModules
 from lmserve.metrics import Metrics
 
 LOADING_RETRY_AFTER_S = 5
@@ -22,6 +23,7 @@ class ServerState:
     token_bytes: TokenBytes | None = None  # of the engine's tokenizer, for logprobs
     metrics: Metrics | None = None
     load_error: BaseException | None = None
+    loras: LoRAModules | None = None  # the LoRA adapters served by name (--enable-lora), else None
 
     def ready_engine(self) -> AsyncEngine:
         engine = self.engine

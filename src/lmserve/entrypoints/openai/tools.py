@@ -249,19 +249,22 @@ def parse_hermes_tool_calls(text: str) -> tuple[str | None, list[p.ToolCall]]:
         args = obj.get("arguments", obj.get("parameters", {}))
         arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         calls.append(p.ToolCall(id=_call_id(), function=p.FunctionCall(name=obj["name"], arguments=arguments)))
-    content = text[:start].strip()
+    content = text[:start].rstrip()  # the whitespace before the call is the call's layout, not content
     return (content or None), calls
 
 
 def _hold_back(text: str) -> int:
-    """How many characters of `text` may be streamed as content: up to a <tool_call> or a partial one at the end."""
-    found = text.find(TOOL_CALL_START)
-    if found >= 0:
-        return found
-    for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
-        if TOOL_CALL_START.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
+    """How many characters of `text` may be streamed as content: up to a <tool_call> or a partial one at the end,
+    less the whitespace before it (which a call that follows makes layout, dropped from the content as
+    parse_hermes_tool_calls drops it; sent once text follows it, or at the end when no call came)."""
+    end = text.find(TOOL_CALL_START)
+    if end < 0:
+        end = len(text)
+        for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
+            if TOOL_CALL_START.startswith(text[-k:]):
+                end = len(text) - k
+                break
+    return len(text[:end].rstrip())
 
 
 @dataclass

@@ -187,6 +187,9 @@ function render(u) {
   updates++;
   document.body.dataset.updates = String(updates);
   $("running").textContent = String(u.running);
+  // LoRA: running sequences per adapter ("" = the base model), only when the server has adapters
+  $("running-sub").textContent = u.running_by_lora ? Object.entries(u.running_by_lora)
+    .map(([name, n]) => `${name || "base"} ${n}`).join(" · ") : "";
   $("waiting").textContent = String(u.waiting);
   $("step-tokens").textContent = `${u.step.prefill_tokens} / ${u.step.decode_tokens}`;
   $("kv-blocks").textContent = `${u.kv.used} / ${u.kv.free}`;

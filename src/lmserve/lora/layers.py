@@ -1,0 +1,102 @@
+"""The batched LoRA delta of one lmserve Linear: slot-stacked weights and a forward hook that adds them.
+
+Per LoRA'd Linear (qkv_proj, o_proj, gate_up_proj, down_proj of every layer), for max_loras compute slots:
+
+    A: (max_loras, num_parts · max_rank, in_features)    slot s's adapter of rank r packs the A of its k present
+                                                          parts densely: the j-th at rows [j·r, (j + 1)·r)
+    B: (max_loras, out_features, num_parts · max_rank)   block-diagonal: the j-th part's B (· scaling) at its
+                                                          output rows, columns [j·r, (j + 1)·r), zeros elsewhere
+
+A step's rows are ordered so that each slot's rows are contiguous runs (model_runner sorts decodes and prefills
+by slot), and `groups` lists (slot, first row, end row). The delta of a run is two products whatever the parts:
+the shrink xa = x · A_s[:k·r]ᵀ and the expand out += xa · B_s[:, :k·r]ᵀ (in place, one addmm_ on contiguous rows),
+over the adapter's actual rank and present parts, not max_rank (SGMV's grouping, a loop over the few slots
+present). The block-diagonal B spends k× the expand's tiny FLOPs (and B's memory, in the ledger) on zeros to save
+a product and a strided write per part: on the CPU a decode step's LoRA cost is the number of small calls. Rows
+of no adapter are in no group. The hook adds in place to the Linear's output, so any kernel path of the base
+(float, quantized, packed) is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LoRALinear:
+    """The compute slots' weights for one Linear with the given output parts (row ranges)."""
+
+    def __init__(
+        self, in_features: int, parts: list[tuple[int, int]], max_loras: int, max_rank: int, dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:  # fmt: skip
+        self.parts = parts
+        self.max_rank = max_rank
+        out_features = parts[-1][1]
+        self.A = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device)
+        self.B = torch.zeros(max_loras, out_features, len(parts) * max_rank, dtype=dtype, device=device)
+        # per slot: the columns of A's rows / B's columns in use (present parts · rank); 0: the slot's adapter skips
+        # this Linear
+        self.slot_cols = [0] * max_loras
+
+    @property
+    def num_bytes(self) -> int:
+        return self.A.numel() * self.A.element_size() + self.B.numel() * self.B.element_size()
+
+    def set_slot(self, slot: int, rank: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Put one adapter's parts (part index → (A (r, in), B·scaling (rows, r)); part -1: every row) in the slot;
+        None or {} clears it (the adapter does not target this Linear)."""
+        if not weights:
+            self.slot_cols[slot] = 0
+            return
+        assert rank <= self.max_rank, f"rank {rank} > max_rank {self.max_rank}"
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+        for j, (part, (a, b)) in enumerate(sorted(weights.items())):
+            r0, r1 = (0, self.parts[-1][1]) if part == -1 else self.parts[part]
+            self.A[slot, j * rank : (j + 1) * rank].copy_(a)
+            self.B[slot, r0:r1, j * rank : (j + 1) * rank].copy_(b)
+        self.slot_cols[slot] = len(weights) * rank
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor, groups: list[tuple[int, int, int]]) -> None:
+        """out[rows] += the slot's delta for x[rows], per (slot, start, end) group; x (T, in), out (T, out)."""
+        for slot, start, end in groups:
+            cols = self.slot_cols[slot]
+            if cols:
+                xa = torch.mm(x[start:end], self.A[slot, :cols].t())  # shrink: (n, parts · r)
+                out[start:end].addmm_(xa, self.B[slot, :, :cols].t())  # expand, every part at once
+
+
+class LoRAHooks:
+    """Forward hooks on the LoRA'd Linears, installed only while steps have LoRA rows (a step without any runs the
+    plain modules, and the one-call decode stack, which would bypass the hooks, only then)."""
+
+    def __init__(self, decoder: torch.nn.Module, linears: dict[tuple[int, str], LoRALinear]) -> None:
+        self.decoder = decoder  # a DecoderModel
+        self.linears = linears
+        self.groups: list[tuple[int, int, int]] = []
+        self._handles: list = []
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def install(self) -> None:
+        if self._handles:
+            return
+        for (layer, name), lora in self.linears.items():
+            module = self.decoder.layers[layer].get_submodule(name)
+            self._handles.append(module.register_forward_hook(self._hook(lora)))
+        self.decoder.lora_active = True
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.decoder.lora_active = False
+
+    def _hook(self, lora: LoRALinear):
+        def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if self.groups:
+                lora.add_delta(args[0], out, self.groups)
+
+        return hook
