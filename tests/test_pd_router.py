@@ -143,3 +143,27 @@ def test_unpulled_kv_expires_and_a_stale_handoff_is_a_503(two_servers: tuple) ->
     assert "no KV lease" in r.json()["error"]["message"]
     assert metrics(consumer)["lmserve:kv_transfer_failures_total"] >= 1
     wait_until(lambda: _kv_zero(producer) and _kv_zero(consumer))
+
+
+def test_policy_recompute_prefills_on_the_decode_server_and_counts_it(two_servers: tuple, tmp_path: Path) -> None:
+    colocated, producer, _, _ = two_servers
+    config = '{"kv_connector":"lmserve","kv_role":"kv_consumer","kv_load_failure_policy":"recompute"}'
+    consumer = LiveServer(Path(producer.proc.args[producer.proc.args.index("--model") + 1]), tmp_path / "c.log",
+                          "--kv-transfer-config", config)  # fmt: skip
+    try:
+        consumer.wait_healthy(240)
+        body = {"model": MODEL_NAME, "prompt": "recompute me " * 6, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        r = httpx.post(producer.url + "/v1/completions",
+                       json={**body, "kv_transfer_params": {"do_remote_decode": True}}, timeout=60)  # fmt: skip
+        params = r.json()["kv_transfer_params"]
+        wait_until(lambda: _kv_zero(producer), 10)  # the lease (3 s) expired: the pull will fail
+        got = httpx.post(consumer.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+        ref = httpx.post(colocated.url + "/v1/completions", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"] == ref.json()["choices"]
+        m = metrics(consumer)
+        assert m["lmserve:kv_transfer_recomputes_total"] == 1 and m["lmserve:kv_transfer_failures_total"] == 1
+        wait_until(lambda: _kv_zero(consumer))
+    finally:
+        consumer.stop()
