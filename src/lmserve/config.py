@@ -294,6 +294,11 @@ class EngineArgs:
             from lmserve.kv_transfer_config import KVTransferConfig
 
             kv_transfer = KVTransferConfig.from_value(self.kv_transfer_config)
+            if free_window is not None:
+                raise ValueError(
+                    "kv_transfer_config: a model whose every layer slides (KV outside the window is freed while a "
+                    "request runs) cannot hand its KV off yet; serve it colocated"
+                )
             if self.enable_lora:
                 raise ValueError("kv_transfer_config with enable_lora: LoRA adapters are not served with "
                                  "prefill/decode disaggregation yet (the decode side would need the adapter)")

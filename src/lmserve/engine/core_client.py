@@ -536,6 +536,8 @@ def remote_kv_fields(config: EngineConfig, kv_params: dict[str, Any] | None, par
         if role != "kv_producer":
             raise ValueError("kv_transfer_params.do_remote_decode: this server is not a kv_producer "
                              "(--kv-transfer-config '{\"kv_role\": \"kv_producer\"}')")  # fmt: skip
+        if params.actual_best_of > params.n:  # ranked only at the end: no first-token answer to hand back
+            raise ValueError("best_of: best_of > n cannot be split over a prefill and a decode server")
         return {"do_remote_decode": True}
     if kv_params.get("do_remote_prefill"):
         if role != "kv_consumer":
