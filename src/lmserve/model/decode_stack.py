@@ -9,7 +9,7 @@ removes the Python in between.
 Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per
 request, no prefill segment), at most `max_rows` of them (what each projection's few-row kernel serves,
 `layers.kernel_max_rows`: 8 for float32 / bf16-stored weights with AVX-512 (else 2), 2 for int8 W8A8, 8 for
-int4 (weight-only or W4A8 panels) and GGUF Q4 / Q8_0 blocks), float32 activations on
+int4 (weight-only or W4A8 panels) and GGUF Q4 / Q5 / Q8_0 blocks), float32 activations on
 the CPU with the kernels loaded. Which models (`DecodeStack.supports`): the plain pre-norm Llama layout
 (Llama, Mistral, Qwen2, Phi-3, SmolLM ...) with full rotary, SiLU MLP, no q/k norms, no sandwich or post
 norms, no logit soft-capping, a KV cache the kernels read, and every projection on its C kernel (not
@@ -29,7 +29,8 @@ from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
 
 # ls_linear.kind in cpu_kernels.c
-_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6}
+_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8}
+_PANEL_KINDS = {4: "w4a8", 5: "w5a8", 8: "w8a8"}  # W4A8 panels by their codes' bits (int4; GGUF Q5_0 / Q5_1; Q8_0)
 
 
 class _Linear(ctypes.Structure):
@@ -61,10 +62,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _linear(m: Linear) -> tuple[_Linear, int]:
     """m's C description and the most rows its kernel takes in one call."""
     isa = 0
-    if m._w4a8 is not None:  # int4 packed for W4A8: the panels, the path resolved now (kernels.w4a8_isa)
+    if m._w4a8 is not None:  # packed for W4A8: the panels, the path resolved now (kernels.w4a8_isa)
         p = m._w4a8
-        assert p.bits == 4, "the decode stack's projections: int4 panels"
-        w, scales, mins, kind, group, sums = p.codes, p.scales, p.mins, "w4a8", p.group_size, None
+        w, scales, mins, kind, group, sums = p.codes, p.scales, p.mins, _PANEL_KINDS[p.bits], p.group_size, None
         isa = kernels.W4A8_ISAS[kernels.w4a8_isa()]
     elif m.quant_method is None:
         bf16 = m._weight_bf16 is not None
