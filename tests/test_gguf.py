@@ -217,9 +217,13 @@ def test_block32_tensors_run_as_they_are_in_the_file(
     )
     logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
     assert any(f"{weight_type} tensors kept as they are in the file" in line for line in logged), logged
-    # (the token embedding is dequantized for its lookup; a tied head keeps its own copy of the blocks)
-    assert any("1 " + weight_type + " tensors dequantized" in line and "embedding" in line for line in logged)
+    assert not any("dequantized" in line for line in logged), logged
     dequantized = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, quantization="none")
+    # (tied: the token embedding has no table of its own, its rows are the head's blocks, gguf's values exactly)
+    embed, plain_embed = llm.engine.runner.model.model.embed_tokens, dequantized.engine.runner.model.model.embed_tokens
+    assert embed.head_rows and embed.weight is None
+    ids = torch.tensor([[0, 5, 5, plain_embed.num_embeddings - 1], [3, 2, 1, 0]])
+    assert torch.equal(embed(ids), plain_embed(ids))
     layout, has_mins = GGUF_LAYOUTS[weight_type]
     ours = dict(llm.engine.runner.model.named_modules())
     for name, plain in dequantized.engine.runner.model.named_modules():
@@ -325,12 +329,12 @@ def test_memory_cli_reports_file_and_resident_bytes(model_dirs: dict[str, Path],
     hf_params = sum(t.numel() for name, t in weights.items() if name != "lm_head.weight")  # tied head
     file_bytes = sum(int(t.n_bytes) for t in tensors)
     assert num_parameters(load_model_shape(file)) == hf_params
-    # default: the Q8_0 projections stay as in the file, the tied head is one more copy of token_embd's
-    # blocks, the embedding table and the norms are float32
+    # default: the Q8_0 projections stay as in the file, the tied head holds token_embd's blocks once (the
+    # embedding looks its rows up there), the norms are float32
     embd = next(t for t in tensors if t.name == "token_embd.weight")
     projections = [t for t in tensors if t.name.startswith("blk.") and t.tensor_type.name == "Q8_0"]
     kept = sum(int(t.n_bytes) for t in projections) + int(embd.n_bytes)
-    floats = hf_params - sum(int(t.n_elements) for t in projections)
+    floats = hf_params - sum(int(t.n_elements) for t in projections) - int(embd.n_elements)
     kept_report = report()
     assert kept_report["num_parameters"] == hf_params == sum(int(t.n_elements) for t in tensors)
     assert kept_report["quantization"] == "gguf" and kept_report["weight_bytes"] == kept + 4 * floats

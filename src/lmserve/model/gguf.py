@@ -294,8 +294,9 @@ def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dic
     """HF weight name → quantized tensor the quantized weight path keeps as it is: every projection whose fused
     parts share one block-32 type or are all K-quants, the LM head (`output.weight`, or for a tied model the
     token embedding's tensor as "lm_head.weight"), and a K-quant token embedding ("model.embed_tokens.weight",
-    looked up row by row; a block-32 one is dequantized for its lookup, and a tied head then keeps its own copy
-    of the blocks, where a K-quant tied head shares the embedding's)."""
+    looked up row by row; a K-quant tied head shares the embedding's bytes). A block-32 token embedding of a tied
+    model is kept too ("model.embed_tokens.weight"): its rows are looked up from the head's copy of the blocks
+    (one copy for both); an untied model's block-32 token embedding is dequantized for its lookup."""
     tensors = {t.hf_name: t for t in checkpoint.tensors()}
     kept = {}
     for name, t in tensors.items():
@@ -313,6 +314,8 @@ def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dic
         kept["lm_head.weight"] = head
     if embed is not None and embed.type_name in KQUANT_TYPES:
         kept["model.embed_tokens.weight"] = embed
+    elif embed is not None and head is embed and head.type_name in BLOCK32_TYPES:
+        kept["model.embed_tokens.weight"] = embed  # (its lookup reads the tied head's blocks)
     return kept
 
 

@@ -145,6 +145,14 @@ class Linear(nn.Linear):
             ])  # fmt: skip
         return quant.dequantize_layout(self.quant_method, self.qweight, self.scales, self.mins)
 
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Output rows `rows` (int64) of the float32 weight a block-32 / W4A8 layout stands for (exactly)."""
+        if self._w4a8 is not None:
+            return quant.w4a8_rows(self._w4a8, rows)
+        assert self.quant_method in ("int8w", "int4", "int5"), f"rows of a {self.quant_method} weight"
+        mins = None if self.mins is None else self.mins[rows]
+        return quant.dequantize_layout(self.quant_method, self.qweight[rows], self.scales[rows], mins)
+
     def round_weights_to_bf16(self) -> None:
         """Round the weight to bfloat16 in place (still a float32 tensor, so every path computes the same
         model) and keep a bf16 copy for the few-row kernel, which then reads half the bytes."""
@@ -405,6 +413,17 @@ class Embedding(nn.Embedding):
     kernel, else gguf itself). A tied LM head kept as K-quant shares the same bytes (one copy for both)."""
 
     kq_type: str | None = None
+    head_rows = False  # a GGUF block-32 tied table: rows looked up in the LM head's blocks (set_head)
+    _head: tuple[Linear] | None = None  # (a tuple: not a submodule of the embedding)
+
+    def prepare_head_rows(self) -> None:
+        """No table of its own: set_head names the tied LM head whose (block-32) weight rows are the table's."""
+        self.register_parameter("weight", None)
+        self.head_rows = True
+
+    def set_head(self, head: Linear) -> None:
+        assert self.head_rows and head.out_features == self.num_embeddings and head.in_features == self.embedding_dim
+        self._head = (head,)
 
     def prepare_kquant(self, type_name: str) -> None:
         row_bytes = quant.kquant_row_bytes(type_name, self.embedding_dim, "token embedding")
@@ -428,6 +447,10 @@ class Embedding(nn.Embedding):
         return self.qweight[start * row_bytes : (start + rows) * row_bytes].view(rows, row_bytes)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._head is not None:
+            unique, inverse = ids.reshape(-1).unique(return_inverse=True)
+            values = self._head[0].weight_rows(unique)[inverse]
+            return values.reshape(*ids.shape, self.embedding_dim)
         if self.kq_type is None:
             return super().forward(ids)
         rows = self.kquant_rows(0, self.num_embeddings)[ids.reshape(-1)]

@@ -64,6 +64,8 @@ def load_model(
     embed = model.model.embed_tokens
     if cfg.tie_word_embeddings and embed.kq_type is not None:  # a K-quant tied head reads the embedding's bytes
         model.lm_head.set_kquant(embed.qweight, model.lm_head.kq_segments)
+    if embed.head_rows:  # a block-32 tied embedding looks its rows up in the head's blocks
+        embed.set_head(model.lm_head)
     if dtype != torch.float32:  # (float32 already; .to() would also turn float16 int4 scales into float32)
         model = model.to(dtype)
     params = dict(model.named_parameters())
@@ -114,6 +116,9 @@ def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig) -> dict:
         if tensor.type_name in KQUANT_TYPES:
             kquant_parts.setdefault(module_name, []).append((shard or 0, tensor.type_name, tensor.shape[0]))
             continue
+        if isinstance(modules[module_name], Embedding):  # tied, block-32: rows from the head's copy
+            modules[module_name].prepare_head_rows()
+            continue
         layout, mins = GGUF_LAYOUTS[held[name]]
         if modules[module_name].quant_method is None:  # (fused parts: the first one sets the layout they share)
             modules[module_name].prepare_quantized(layout, GGUF_GROUP_SIZE, mins)
@@ -155,6 +160,8 @@ def _checkpoint_tensors(cfg: ModelConfig, kept: dict | None = None) -> Iterator[
                     warnings.simplefilter("ignore", UserWarning)
                     yield file_name, f"{name.removesuffix('.weight')}.qweight", torch.from_numpy(t.blocks())
                 continue
+            if name == "model.embed_tokens.weight":
+                continue  # a tied block-32 embedding: looked up in the head's blocks, which are loaded once
             layout = GGUF_LAYOUTS[held[name]][0]
             for suffix, tensor in gguf_block32_tensors(t.type_name, t.blocks(), layout).items():
                 yield file_name, f"{name.removesuffix('.weight')}.{suffix}", tensor

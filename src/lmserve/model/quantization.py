@@ -326,6 +326,17 @@ def dequantize_w4a8(w: W4A8Weights) -> torch.Tensor:
     return dequantize_int8w(*unpack_w4a8(w)[:2]) if w.bits == 8 else dequantize_int4(*unpack_w4a8(w))
 
 
+def w4a8_rows(w: W4A8Weights, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64) of the float32 weight the panels stand for, exactly (a tied embedding's lookup)."""
+    p = rows // W4A8_PANEL
+    sub = W4A8Weights(
+        w.codes[p], w.scales[p], None if w.mins is None else w.mins[p], len(rows) * W4A8_PANEL, w.in_features,
+        w.group_size, w.bits,
+    )  # fmt: skip
+    values = dequantize_w4a8(sub).reshape(len(rows), W4A8_PANEL, w.in_features)
+    return values[torch.arange(len(rows)), rows % W4A8_PANEL]
+
+
 def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) float32 → (q (M, K) int8, d (M, K/32) float32) per block of 32: d = max|x| / 127,
     q = round-half-even(x * (1 / d)), 0 where the block is all zero. The C kernels compute the same bits."""
