@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams, kernels
+from lmserve.model.decode_stack import W4A8_STACK_MAX_ROWS
 from lmserve.model.layers import choose_small_m_paths
 from lmserve.model.llama import DecoderModel
 
@@ -92,8 +93,22 @@ def test_rows_beyond_the_kernels_take_the_module_path(model_dirs: dict[str, Path
     assert compared == [], "no step of 3 decodes may take the stack"
     fp32 = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64).engine.runner
     assert fp32.model.model.decode_stack(fp32.kv_caches).max_rows == kernels.f32_max_rows()
-    int4 = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64, quantization="int4").engine.runner
+    kw = dict(num_kv_blocks=64, quantization="int4")
+    int4 = LLM(str(model_dirs["llama-gqa"]), **kw, int4_compute="weight-only").engine.runner
     assert int4.model.model.decode_stack(int4.kv_caches).max_rows == kernels.I4_MAX_ROWS
+    w4a8 = LLM(str(model_dirs["llama-gqa"]), **kw).engine.runner  # every projection on W4A8 panels
+    assert w4a8.model.model.decode_stack(w4a8.kv_caches).max_rows == W4A8_STACK_MAX_ROWS
+
+
+def test_w4a8_batched_decode_stays_in_one_call(model_dirs: dict[str, Path], compared: list) -> None:
+    """Every projection on W4A8 panels (each row computed the same whatever the row count): 32 decode streams
+    take the stack in one call per step, bit-identical to the module path."""
+    llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=256, block_size=4, quantization="int4")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 500, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (32,), generator=g)]
+    llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert compared and all(same for _, same in compared), compared
+    assert max(rows for rows, _ in compared) == 32, "the decodes of all 32 streams in one call"
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "olmo2", "phi3-longrope-partial"])

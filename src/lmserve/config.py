@@ -183,7 +183,7 @@ class EngineArgs:
     # tensors are kept as they are unless "none" (dequantized at load)
     quantization: str | None = None
     quantization_group_size: int = 32  # int4: inputs sharing one scale
-    int4_compute: str = "w4a8"  # int4 / GGUF Q4_0, Q4_1: "w4a8" (int8 activations) or "weight-only" (float32)
+    int4_compute: str = "w4a8"  # int4 / GGUF Q4_*, Q5_*, Q8_0: "w4a8" (int8 activations) or "weight-only" (float32)
     speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
     structured_outputs_allow_additional_properties: bool = False  # see EngineConfig
     kv_transfer_config: dict[str, Any] | str | None = None  # vLLM's keys; see kv_transfer_config.py
