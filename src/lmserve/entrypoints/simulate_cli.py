@@ -130,12 +130,11 @@ def add_sim_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
         )  # fmt: skip
     s.add_argument(
         "--kv-transfer-latency-us", type=float, default=None,
-        help="disaggregation: a KV pull's fixed cost (default 200 µs: a ZeroMQ round trip on one host)",
+        help="disaggregation: a KV pull's fixed cost (default: the step model's measured one, else 200 µs)",
     )  # fmt: skip
     s.add_argument(
         "--kv-transfer-block-us", type=float, default=None,
-        help="disaggregation: the cost per pulled KV block (default 20 µs; measure it on the machine: the PD "
-        "experiment of lmserve bench experiments reports it)",
+        help="disaggregation: the cost per pulled KV block (default: the step model's measured one, else 20 µs)",
     )  # fmt: skip
     r = p.add_argument_group("report (as lmserve bench serve)")
     r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2e:MS")
@@ -189,7 +188,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     from lmserve.bench.metrics import parse_slos, summarize
     from lmserve.bench.report import format_summary, json_safe, load_pyplot, save_plots, write_json
-    from lmserve.sim.simulator import DEFAULT_KV_TRANSFER_BLOCK_S, DEFAULT_KV_TRANSFER_LATENCY_S, SimConfig
+    from lmserve.sim.simulator import SimConfig, Simulator
 
     try:
         slos = parse_slos(args.goodput)
@@ -204,7 +203,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             load_pyplot()
         t0 = time.perf_counter()
         profile, config, workload = prepare(args, tp=args.tensor_parallel_size)
-        SimConfig(config, args.data_parallel_size, args.tensor_parallel_size, args.max_concurrency, **pd)  # checks
+        sim_cfg = SimConfig(config, args.data_parallel_size, args.tensor_parallel_size, args.max_concurrency, **pd)
+        kv_cost = Simulator(profile, sim_cfg).kv_transfer_cost()
         t_prep = time.perf_counter() - t0
         result = simulate(profile, config, workload, args.data_parallel_size, args.tensor_parallel_size,
                           args.max_concurrency, args.step_noise, args.seed, pd)  # fmt: skip
@@ -245,8 +245,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         "data_parallel_size": args.data_parallel_size,
         "tensor_parallel_size": args.tensor_parallel_size,
         "disaggregation": args.disaggregation,
-        "kv_transfer_latency_us": 1e6 * pd.get("kv_transfer_latency_s", DEFAULT_KV_TRANSFER_LATENCY_S),
-        "kv_transfer_block_us": 1e6 * pd.get("kv_transfer_block_s", DEFAULT_KV_TRANSFER_BLOCK_S),
+        "kv_transfer_latency_us": 1e6 * kv_cost[0],
+        "kv_transfer_block_us": 1e6 * kv_cost[1],
         "step_noise": args.step_noise,
         "workload": workload.description,
         "num_kv_blocks_per_replica": config.cache.num_blocks,

@@ -392,6 +392,54 @@ def overheads_on_server(url: str, profile: StepProfile, tok: Any, reqs: list[Any
     return Overheads(ttft_extra_s / 2, ttft_extra_s / 2, core_s, measured=True, how=how)
 
 
+def measure_kv_transfer(config: Any, repeats: int = 5, sizes: tuple[int, int] = (1, 32)) -> tuple[float, float]:
+    """(seconds per pull, seconds per block) of a KV pull between two engines on this machine: the disaggregated
+    engines' own KVServer / KVPuller over ZeroMQ ipc, on KV caches of the config's geometry and dtype; the median of
+    `repeats` pulls at two sizes, fitted as a line (what the simulator's disaggregation charges per pull)."""
+    import statistics
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch
+
+    from lmserve.engine.kv_transfer import KVLeases, KVPuller, KVServer, import_blocks
+    from lmserve.model.kv_cache import KVCache
+
+    m, cc = config.model, config.cache
+    n_max = max(sizes)
+    src, dst = ([KVCache.allocate(2 * n_max, cc.block_size, m.num_kv_heads, m.head_dim, cc.kv_cache_dtype,
+                                  torch.device("cpu")) for _ in range(m.num_layers)] for _ in range(2))  # fmt: skip
+    medians = []
+    with tempfile.TemporaryDirectory() as tmp:
+        leases = KVLeases(60.0)
+        server = KVServer(f"ipc://{tmp}/kv", leases, src, {})
+        address = server.start()
+        puller = KVPuller(30.0)
+        try:
+            for n in sizes:
+                times = []
+                for r in range(repeats + 1):  # the first pull sets the connection up: not counted
+                    req = SimpleNamespace(request_id=f"calibrate-{n}-{r}")
+                    leases.grant(req, list(range(n)))
+                    t0 = time.perf_counter()
+                    ticket = puller.pull(address, req.request_id, list(range(n)))
+                    results = []
+                    while not results:
+                        results = puller.poll(100)
+                    assert results[0].ticket == ticket and results[0].frames is not None, results[0].error
+                    import_blocks(dst, list(range(n_max, n_max + n)), results[0].frames)
+                    if r:
+                        times.append(time.perf_counter() - t0)
+                    leases.collect(lambda _: None)
+                medians.append(statistics.median(times))
+        finally:
+            puller.close()
+            server.stop()
+    (n0, n1), (t0_s, t1_s) = sizes, medians
+    block_s = max(0.0, (t1_s - t0_s) / (n1 - n0))
+    return max(0.0, t0_s - n0 * block_s), block_s
+
+
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     from lmserve.entrypoints.engine_args_cli import add_engine_args
 
@@ -533,6 +581,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
             overheads = measure_overheads(profile, model, flags, config.tokenizer, Path(args.out).resolve().parent)
         except Exception as e:  # noqa: BLE001 - the fit is still worth saving
             log(f"warning: overheads not measured ({type(e).__name__}: {e}); they stay 0")
+    try:
+        latency_s, block_s = measure_kv_transfer(config)
+        overheads = dataclasses.replace(overheads, kv_transfer_latency_s=latency_s, kv_transfer_block_s=block_s)
+        log(f"KV transfer (ZeroMQ ipc, {config.cache.kv_cache_dtype}): {latency_s * 1e6:.0f} µs per pull + "
+            f"{block_s * 1e6:.1f} µs per block")  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the fit is still worth saving
+        log(f"warning: KV transfer not measured ({type(e).__name__}: {e}); the simulator's defaults apply")
     profile.overheads = overheads
     profile.machine = machine_description(config.device)
     profile.calibration = {
@@ -617,4 +672,7 @@ def format_profile(profile: StepProfile) -> str:
         f"  overheads: ingress {ov.ingress_s * 1e3:.2f} ms, egress {ov.egress_s * 1e3:.2f} ms, core loop "
         f"{ov.core_step_overhead_s * 1e3:.2f} ms/step ({'measured' if ov.measured else 'not measured'})"
     )
+    if ov.kv_transfer_block_s is not None and ov.kv_transfer_latency_s is not None:
+        lines.append(f"  KV transfer (disaggregation): {ov.kv_transfer_latency_s * 1e6:.0f} µs per pull + "
+                     f"{ov.kv_transfer_block_s * 1e6:.1f} µs per block")  # fmt: skip
     return "\n".join(lines)

@@ -80,8 +80,10 @@ class SimConfig:
     tensor_parallel_size: int = 1
     max_concurrency: int | None = None  # the client's cap on requests in flight (bench serve --max-concurrency)
     disaggregation: str | None = None  # "xPyD": x prefill replicas, y decode replicas (instead of data parallel)
-    kv_transfer_latency_s: float = DEFAULT_KV_TRANSFER_LATENCY_S  # per pull (a request's missing blocks)
-    kv_transfer_block_s: float = DEFAULT_KV_TRANSFER_BLOCK_S  # per pulled block
+    # a KV pull's cost: per pull (a request's missing blocks) and per block; None: the step model's measured figures
+    # (calibrate), else DEFAULT_KV_TRANSFER_*
+    kv_transfer_latency_s: float | None = None
+    kv_transfer_block_s: float | None = None
     record_steps: bool = False  # keep a StepTrace per step (tests, debugging; costs memory)
     step_noise: bool = False  # multiply each step by a draw from the profile's measured/fitted ratios
     seed: int = 0  # of the step noise
@@ -97,7 +99,7 @@ class SimConfig:
             check_disaggregation(self.disaggregation)
             if self.data_parallel_size != 1:
                 raise ValueError("--disaggregation sets the replicas (xPyD); --data-parallel-size must stay 1")
-        if self.kv_transfer_latency_s < 0 or self.kv_transfer_block_s < 0:
+        if (self.kv_transfer_latency_s or 0.0) < 0 or (self.kv_transfer_block_s or 0.0) < 0:
             raise ValueError(f"the KV transfer's cost must be >= 0, got {self.kv_transfer_latency_s} s per pull and "
                              f"{self.kv_transfer_block_s} s per block")  # fmt: skip
         if self.engine.speculative is not None:
@@ -252,6 +254,16 @@ class Simulator:
             raise ValueError(f"--step-noise: the step model {profile.source or ''} has no measured noise (a roofline "
                              "or an old profile); run without it")  # fmt: skip
 
+    def kv_transfer_cost(self) -> tuple[float, float]:
+        """(seconds per pull, seconds per block) of a KV transfer: the config's, else the step model's measured ones,
+        else the defaults."""
+        ov, cfg = self.overheads, self.config
+        latency = next(v for v in (cfg.kv_transfer_latency_s, ov.kv_transfer_latency_s, DEFAULT_KV_TRANSFER_LATENCY_S)
+                       if v is not None)  # fmt: skip
+        block = next(v for v in (cfg.kv_transfer_block_s, ov.kv_transfer_block_s, DEFAULT_KV_TRANSFER_BLOCK_S)
+                     if v is not None)  # fmt: skip
+        return latency, block
+
     def run(self, workload: Workload) -> SimResult:
         """Simulate the workload to its end (the cyclic garbage collector paused: see paused_gc)."""
         with paused_gc():
@@ -287,7 +299,7 @@ class Simulator:
         handoffs: dict[int, tuple[Request, int]] = {}  # request index → (its prefill-side request, that replica)
         in_transit: dict[int, tuple[Request, int]] = {}  # → (its decode-side request, the replica it goes to)
         pull_target: dict[int, int] = {}  # request index → the decode replica pulling its blocks
-        pull_latency, pull_block = cfg.kv_transfer_latency_s, cfg.kv_transfer_block_s
+        pull_latency, pull_block = self.kv_transfer_cost()
         n = len(workload)
         records = [
             RequestRecord(i, len(workload.prompt_token_ids[i]), workload.output_lens[i], workload.arrivals_s[i])

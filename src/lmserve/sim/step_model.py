@@ -112,10 +112,16 @@ class Overheads:
     core_step_overhead_s: float = 0.0  # per step, the core loop beyond LLMEngine.step (encode, send, drain)
     measured: bool = False
     how: str = "not measured (zeros)"
+    # prefill/decode disaggregation: a KV pull between two engine cores on this machine (ZeroMQ ipc, the model's KV
+    # geometry and dtype) = kv_transfer_latency_s + blocks × kv_transfer_block_s; None: not measured
+    kv_transfer_latency_s: float | None = None
+    kv_transfer_block_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ingress_s", "egress_s", "core_step_overhead_s"):
+        for name in ("ingress_s", "egress_s", "core_step_overhead_s", "kv_transfer_latency_s", "kv_transfer_block_s"):
             value = getattr(self, name)
+            if value is None and name.startswith("kv_"):
+                continue
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"overheads.{name} must be a number of seconds >= 0, got {value!r}")
 
