@@ -73,10 +73,11 @@ class _LoRADesc:
     """The C description of one LoRAHooks' slot weights (their tensors never move: set_slot copies in place)."""
 
     def __init__(self, hooks: Any, num_layers: int) -> None:
+        # DecodeStack.layer_linears' order: ls_lora_add's projection index p
         names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
         self.hooks = hooks
+        self.max_loras = min((lora.A.shape[0] for lora in hooks.linears.values()), default=0)
         self.linears = (_LoRALinear * (4 * num_layers))()
-        self._null = torch.zeros(1, dtype=torch.int64)  # the columns of a projection no adapter may target
         self.ok = True
         for layer in range(num_layers):
             for p, name in enumerate(names):
@@ -84,8 +85,7 @@ class _LoRADesc:
                 if lora is None:
                     continue
                 a, b = lora.A, lora.B
-                tensors = (a, b)
-                if not lora.kernel or not all(t.is_contiguous() for t in tensors):
+                if not lora.kernel or not (a.is_contiguous() and b.is_contiguous()):
                     self.ok = False
                     return
                 self.linears[4 * layer + p] = _LoRALinear(
@@ -245,6 +245,7 @@ class DecodeStack:
             assert desc.ok, "the stack does not take these LoRA slots (check takes_lora)"
             groups = torch.tensor(lora.groups, dtype=torch.int64)
             assert groups.shape[1] == 3 and int(groups[:, 2].max()) <= h.shape[0], "LoRA runs within the step's rows"
+            assert 0 <= int(groups[:, 0].min()) and int(groups[:, 0].max()) < desc.max_loras, "LoRA slots in range"
             desc.struct.groups, desc.struct.num_groups = groups.data_ptr(), groups.shape[0]
             self._model.lora = ctypes.addressof(desc.struct)
         try:
