@@ -5,7 +5,8 @@ vLLM-CPU), same model, same prompts, one run.
         [--hf-batch 32] [--threads 2] [--peer-url http://host:port [--peer-model NAME]] [--model DIR|FILE.gguf]
         [--skip-single] [--skip-hf] [--skip-server] [--skip-offline] [--out DIR] [--quick]
         [--quantization int8|int4|none [--quantization-group-size 32]] [--llama-cpp-dir DIR]
-        [--model FILE.gguf [--gguf-type Q8_0]]
+        [--model FILE.gguf [--gguf-type Q8_0]] [--gguf-type Q4_K_M] [--llama-cpp-settings both|default|no-repack]
+        [--gguf-cache DIR]
 
 Workloads (every request a different prompt of exactly --prompt-len random token ids, output length forced):
 
@@ -30,9 +31,17 @@ width (F32 / Q8_0 / Q4_0; benchmarks/llama_cpp_peer.py), --threads threads, --co
 
 With --model FILE.gguf and --llama-cpp-dir, llama-server and lmserve serve that same file: lmserve runs its
 Q8_0 / Q4_0 / Q4_1 tensors as they are (no --quantization; `none` dequantizes). --gguf-type Q8_0 first
-re-quantizes the file with llama-quantize (cached) and both sides serve the result. Prompts are random token
+re-quantizes the file with llama-quantize (cached) and both sides serve the result. Without --model, --gguf-type
+(e.g. Q4_K_M) is the benchmark model's F32 GGUF quantized by llama-quantize (cached), which both sides serve: the
+K-quant comparison (lmserve keeps its Q4_K / Q6_K / Q5_0 / Q8_0 tensors as they are). Prompts are random token
 ids, so --skip-hf --skip-offline keeps the run to the three workloads llama.cpp is compared on (single-stream
 decode, TTFT, --concurrency streams).
+
+llama.cpp runs with its default settings and with --no-repack (--llama-cpp-settings both, the default); each row
+compares with the faster of the two (JSON: results.peer.settings names which, results.peer_runs holds both).
+The converted and quantized GGUF files are cached in --gguf-cache (benchmarks/.cache/gguf). Before anything is
+timed against llama.cpp, the greedy continuation of the single-stream prompt is asked of both engines
+(results.greedy_agreement: how many of the first GREEDY_CHECK_TOKENS agree).
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ BLOCK_SIZE = 16  # the engine's default KV block size
 TTFT_SAMPLES = 5
 FULL = dict(prompt_len=128, output_len=128, concurrency=32, offline_requests=256, hf_batch=32)
 QUICK = dict(prompt_len=16, output_len=8, concurrency=4, offline_requests=8, hf_batch=4)
+GREEDY_CHECK_TOKENS = 32  # the greedy tokens lmserve and llama.cpp are compared on (the single-stream prompt)
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,7 @@ def run_lmserve_offline(
             "e2e_s": e2e,
             "decode_tok_s": (w.output_len - 1) / (e2e - ttft) if e2e > ttft else None,
             "e2e_tok_s": w.output_len / wall,
+            "greedy_tokens": list(out.outputs[0].token_ids[:GREEDY_CHECK_TOKENS]),  # (temperature 0)
         }
     if offline:
         before = llm.engine.get_metrics()
@@ -336,6 +347,14 @@ def run_http(base_url: str, model: str | None, w: Workloads, strict: bool) -> di
 # ---- the table ---------------------------------------------------------------------------------------------
 
 
+def _get_list(d: dict[str, Any] | None, *keys: str) -> list | None:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d if isinstance(d, list) else None
+
+
 def _get(d: dict[str, Any] | None, *keys: str) -> float | None:
     for k in keys:
         if not isinstance(d, dict):
@@ -514,11 +533,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="extra llama-server arguments, e.g. '--no-repack' (its AMX repacking crashed on one KVM host)",
     )
+    ap.add_argument(
+        "--llama-cpp-settings",
+        default="both",
+        choices=["both", *llama_cpp_peer.REPACK_SETTINGS],
+        help="llama.cpp's runs: default settings, --no-repack, or both (compare with the faster; default)",
+    )
+    ap.add_argument("--gguf-cache", type=Path, default=llama_cpp_peer.CACHE, help="converted GGUF files (cached)")
     args = ap.parse_args(argv)
     if args.llama_cpp_dir and args.peer_url:
         ap.error("give --peer-url or --llama-cpp-dir, not both")
-    if args.gguf_type and not (args.llama_cpp_dir and args.model and find_gguf_file(args.model)):
-        ap.error("--gguf-type needs --model FILE.gguf and --llama-cpp-dir (llama-quantize converts it)")
+    if args.gguf_type and not args.llama_cpp_dir:
+        ap.error("--gguf-type needs --llama-cpp-dir (llama-quantize converts the model or --model FILE.gguf)")
+    if args.gguf_type and args.quantization and args.quantization != "none":
+        ap.error("--gguf-type: lmserve serves the GGUF file's own types (no --quantization)")
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -548,10 +576,14 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     model_dir = args.model.resolve() if args.model else build_benchmark_model()
     model_gguf = find_gguf_file(model_dir) if args.model else None
+    cache = args.gguf_cache.resolve()
+    llama_cpp = args.llama_cpp_dir.resolve() if args.llama_cpp_dir else None
     if model_gguf is not None and args.gguf_type:
-        model_dir = model_gguf = llama_cpp_peer.requantize(args.llama_cpp_dir.resolve(), model_gguf, args.gguf_type)
+        model_dir = model_gguf = llama_cpp_peer.requantize(llama_cpp, model_gguf, args.gguf_type, cache)
+    elif args.gguf_type:  # the benchmark model's F32 GGUF, llama-quantized (e.g. Q4_K_M): both sides serve it
+        model_dir = model_gguf = llama_cpp_peer.quantize(llama_cpp, model_dir, args.gguf_type, cache)
     hf_config = read_hf_config(model_dir)
-    vocab_size = CONFIG["vocab_size"] if args.model is None else hf_config["vocab_size"]
+    vocab_size = CONFIG["vocab_size"] if args.model is None and model_gguf is None else hf_config["vocab_size"]
     max_model_len = min(args.max_model_len, hf_config.get("max_position_embeddings") or args.max_model_len)
     if args.prompt_len + args.output_len > max_model_len:
         raise SystemExit(f"--prompt-len + --output-len exceeds max_model_len {max_model_len}")
@@ -570,7 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantization_group_size:
         engine["quantization_group_size"] = args.quantization_group_size
     if args.llama_cpp_dir:
-        kind = llama_cpp_peer.main_type(model_gguf) if model_gguf else llama_cpp_peer.gguf_type(args.quantization)
+        kind = args.gguf_type or (
+            llama_cpp_peer.main_type(model_gguf) if model_gguf else llama_cpp_peer.gguf_type(args.quantization)
+        )
         peer_name = f"llama.cpp {kind}"
 
     if do_single or do_offline:
@@ -601,19 +635,41 @@ def main(argv: list[str] | None = None) -> int:
             errors["peer"] = str(e)
             print(f"warning: peer failed: {e}", file=sys.stderr)
     if args.llama_cpp_dir:
-        print(f"{peer_name} (llama-server, {args.threads} threads) ...", flush=True)
+        settings = llama_cpp_peer.REPACK_SETTINGS
+        names = list(settings) if args.llama_cpp_settings == "both" else [args.llama_cpp_settings]
+        runs: dict[str, Any] = {}
         try:
-            gguf = model_gguf or llama_cpp_peer.convert(args.llama_cpp_dir.resolve(), model_dir, args.quantization)
-            ctx = w.prompt_len + w.output_len + 16
-            with llama_cpp_peer.llama_server(
-                args.llama_cpp_dir.resolve(), gguf, args.threads, w.concurrency, ctx, args.server_timeout,
-                shlex.split(args.llama_cpp_args),
-            ) as url:
-                res["peer"] = run_http(url, None, w, strict=False)
-            res["peer"]["gguf"] = str(gguf)
+            gguf = model_gguf or llama_cpp_peer.convert(
+                args.llama_cpp_dir.resolve(), model_dir, args.quantization, cache
+            )
         except ServerError as e:
-            errors["peer"] = str(e)
+            gguf, errors["peer"] = None, str(e)
             print(f"warning: peer failed: {e}", file=sys.stderr)
+        for name in names if gguf else []:
+            print(f"{peer_name} (llama-server, {name} settings, {args.threads} threads) ...", flush=True)
+            try:
+                ctx = w.prompt_len + w.output_len + 16
+                with llama_cpp_peer.llama_server(
+                    args.llama_cpp_dir.resolve(), gguf, args.threads, w.concurrency, ctx, args.server_timeout,
+                    [*settings[name], *shlex.split(args.llama_cpp_args)],
+                ) as url:
+                    if "greedy" not in res and do_single:  # the same model? (untimed, before the workloads)
+                        res["greedy"] = llama_cpp_peer.greedy_tokens(url, w.single, GREEDY_CHECK_TOKENS)
+                    runs[name] = run_http(url, None, w, strict=False)
+            except (ServerError, OSError) as e:
+                errors[f"peer {name}"] = str(e)
+                print(f"warning: peer ({name} settings) failed: {e}", file=sys.stderr)
+        if runs:
+            res["peer"] = llama_cpp_peer.best_of(runs)
+            res["peer"]["gguf"] = str(gguf)
+            res["peer_runs"] = runs
+            errors = {k: v for k, v in errors.items() if not k.startswith("peer ")}  # the other setting ran
+        ours = _get_list(res.get("lmserve_offline"), "single", "greedy_tokens")
+        if "greedy" in res and ours:
+            theirs = res.pop("greedy")
+            same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), len(ours))
+            res["greedy_agreement"] = {"tokens": len(ours), "matching_prefix": same, "lmserve": ours, "peer": theirs}
+            print(f"greedy tokens, lmserve vs {peer_name}: the first {same} of {len(ours)} agree", flush=True)
 
     machine["load_avg_1m_end"] = os.getloadavg()[0]
     rows = build_rows(res, w, peer_name, do_single, do_server or has_peer, do_offline)

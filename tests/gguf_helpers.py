@@ -236,3 +236,17 @@ def fetch_smollm2() -> Path:
                     dst.write(chunk)
             os.replace(part, dest)  # atomic: a second run never sees half a file
     return dest
+
+
+# llama-quantize's fallback for a K-quant tensor whose rows are not whole 256-weight super-blocks (llama.cpp
+# src/llama-quant.cpp, llama_tensor_get_type: "... not divisible by 256, required for k-quants"): what a Q4_K_M
+# file of a model with 576-wide rows (the benchmark model, SmolLM-135M) holds for most of its projections
+KQUANT_FALLBACKS = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def with_kquant_fallbacks(model_dir: Path, types: dict[str, str]) -> dict[str, str]:
+    """`types` (HF name → GGML type) with every K-quant of a tensor whose columns are not a multiple of 256
+    replaced by llama-quantize's fallback block-32 type."""
+    cols = {name: t.shape[-1] for name, t in load_file(model_dir / "model.safetensors").items() if t.dim() == 2}
+    cols.setdefault("lm_head.weight", cols["model.embed_tokens.weight"])
+    return {n: KQUANT_FALLBACKS.get(t, t) if cols[n] % 256 else t for n, t in types.items()}

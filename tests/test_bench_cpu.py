@@ -52,3 +52,37 @@ def test_quick_run_writes_every_row(llama_dir: Path, tmp_path: Path):
     m = doc["machine"]
     assert m["cpu_model"] and m["logical_cpus"] >= 1 and m["mem_total_gib"] > 0 and m["torch_threads"] == 1
     assert m["torch"] and m["transformers"] and "load_avg_1m_end" in m and "commit" in m["git"]
+
+
+def test_llama_cpp_peer_compares_with_the_faster_setting_per_workload() -> None:
+    """bench_cpu.py's llama.cpp runs (default settings and --no-repack): each workload from the faster of the two,
+    the settings named; a setting that failed is absent."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import llama_cpp_peer
+
+    def run(single: float, ttft: float, streams: float) -> dict:
+        return {
+            "single": {"decode_tok_s": single, "tpot_ms": 1e3 / single},
+            "ttft": {"median_ms": ttft},
+            "concurrent": {"output_tok_s": streams},
+        }
+
+    best = llama_cpp_peer.best_of({"default": run(190.0, 70.0, 480.0), "no-repack": run(200.0, 75.0, 680.0)})
+    assert best["single"] == run(200.0, 0, 0)["single"] and best["ttft"] == {"median_ms": 70.0}
+    assert best["concurrent"] == {"output_tok_s": 680.0}
+    assert best["settings"] == {"single": "no-repack", "ttft": "default", "concurrent": "no-repack"}
+    only = llama_cpp_peer.best_of({"no-repack": run(1.0, 2.0, 3.0)})
+    assert set(only["settings"].values()) == {"no-repack"}
+    assert llama_cpp_peer.REPACK_SETTINGS == {"default": [], "no-repack": ["--no-repack"]}
+
+
+def test_gguf_type_without_a_model_quantizes_the_benchmark_model(tmp_path: Path) -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_cpu
+
+    args = bench_cpu.parse_args(["--llama-cpp-dir", str(tmp_path), "--gguf-type", "Q4_K_M", "--skip-hf"])
+    assert args.gguf_type == "Q4_K_M" and args.llama_cpp_settings == "both"
+    with pytest.raises(SystemExit):  # llama-quantize makes the file: it needs the llama.cpp tree
+        bench_cpu.parse_args(["--gguf-type", "Q4_K_M"])
+    with pytest.raises(SystemExit):  # lmserve serves the file's own types
+        bench_cpu.parse_args(["--llama-cpp-dir", str(tmp_path), "--gguf-type", "Q4_K_M", "--quantization", "int4"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams, kernels
+from lmserve.model.decode_stack import W4A8_STACK_MAX_ROWS
 from lmserve.model.layers import choose_small_m_paths
 from lmserve.model.llama import DecoderModel
 
@@ -92,8 +93,22 @@ def test_rows_beyond_the_kernels_take_the_module_path(model_dirs: dict[str, Path
     assert compared == [], "no step of 3 decodes may take the stack"
     fp32 = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64).engine.runner
     assert fp32.model.model.decode_stack(fp32.kv_caches).max_rows == kernels.f32_max_rows()
-    int4 = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64, quantization="int4").engine.runner
+    kw = dict(num_kv_blocks=64, quantization="int4")
+    int4 = LLM(str(model_dirs["llama-gqa"]), **kw, int4_compute="weight-only").engine.runner
     assert int4.model.model.decode_stack(int4.kv_caches).max_rows == kernels.I4_MAX_ROWS
+    w4a8 = LLM(str(model_dirs["llama-gqa"]), **kw).engine.runner  # every projection on W4A8 panels
+    assert w4a8.model.model.decode_stack(w4a8.kv_caches).max_rows == W4A8_STACK_MAX_ROWS
+
+
+def test_w4a8_batched_decode_stays_in_one_call(model_dirs: dict[str, Path], compared: list) -> None:
+    """Every projection on W4A8 panels (each row computed the same whatever the row count): 32 decode streams
+    take the stack in one call per step, bit-identical to the module path."""
+    llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=256, block_size=4, quantization="int4")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 500, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (32,), generator=g)]
+    llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert compared and all(same for _, same in compared), compared
+    assert max(rows for rows, _ in compared) == 32, "the decodes of all 32 streams in one call"
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "olmo2", "phi3-longrope-partial"])
@@ -192,7 +207,7 @@ def compared_lora(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool, bool
 
 
 def _lora_llm(model_dirs: dict[str, Path], name: str, **kw) -> LLM:
-    return LLM(str(model_dirs[name]), num_kv_blocks=64, block_size=4, enable_lora=True, max_loras=3,
+    return LLM(str(model_dirs[name]), num_kv_blocks=96, block_size=4, enable_lora=True, max_loras=3,
                max_lora_rank=16, **kw)  # fmt: skip
 
 
@@ -201,6 +216,8 @@ LORA_CASES = [
     ("llama-gqa", {}, ["all8", None, "qv16", "mlp8"]),  # three adapters and the base in one call (AVX-512: 8 rows)
     ("qwen2", {}, ["qv16", "all8"]),  # q/k/v biases, then the delta
     ("llama-gqa", {"quantization": "int4"}, ["mlp8", "all8", None]),
+    # W4A8 panels take up to 64 decode rows in one call: a run of 7 rows of one adapter and three more
+    ("llama-gqa", {"quantization": "int4"}, ["all8"] * 7 + ["qv16", None, "mlp8"]),
     ("llama-gqa", {"weight_dtype": "bfloat16"}, ["all8", None]),
     ("llama-gqa", {"kv_cache_dtype": "int8"}, ["qv16", "all8"]),
 ]
@@ -218,10 +235,13 @@ def test_lora_rows_take_the_stack_bit_identically(
     if not kw and len(names) > kernels.f32_max_rows():
         pytest.skip(f"the float32 kernel takes {kernels.f32_max_rows()} rows on this CPU (no AVX-512)")
     llm = _lora_llm(model_dirs, name, **kw)
+    stack = llm.engine.runner.model.model.decode_stack(llm.engine.runner.kv_caches)
+    if stack is None or stack.max_rows < len(names):
+        pytest.skip(f"the stack takes {stack and stack.max_rows} rows here (int4 off W4A8 panels)")
     ids = {n: i + 1 for i, n in enumerate(LORA_SPECS)}
     reqs = [None if n is None else LoRARequest(n, ids[n], str(lora_dirs[name][n])) for n in names]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    prompts = (PROMPTS * 2)[: len(names)]
+    prompts = (PROMPTS * 3)[: len(names)]
     llm.generate(prompts, params, lora_request=reqs, use_tqdm=False)
     lora_steps = [c for c in compared_lora if c[2]]
     assert lora_steps, "no decode step with LoRA rows took the stack"

@@ -226,7 +226,7 @@ def test_a_failed_pull_follows_the_policy(llama_dir: Path, policy: str) -> None:
     handoff = _hand_off_one(producer, "lost", prompt, params)
     producer.kv_producer.leases.release("lost")  # the producer lost it (as if expired)
     producer.kv_producer.collect()
-    consumer.add_request("lost", prompt, params, remote_kv=handoff)
+    consumer.add_request("lost-d", prompt, params, remote_kv=handoff)  # the two-server form: another id here
     final = None
     while consumer.has_unfinished_requests():
         for out in consumer.step():
@@ -236,11 +236,11 @@ def test_a_failed_pull_follows_the_policy(llama_dir: Path, policy: str) -> None:
     assert m["kv_transfer_failures_total"] == 1
     if policy == "fail":
         assert final.outputs[0].finish_reason == "abort"
-        assert consumer.kv_consumer.take_failures()[0][0] == "lost"
+        assert consumer.kv_consumer.take_failures()[0][0] == "lost-d"
     else:
         assert m["kv_transfer_recomputes_total"] == 1
-        ref = _run_colocated(colocated, [("lost", prompt, params)])
-        _assert_same(ref, {"lost": final})
+        ref = _run_colocated(colocated, [("lost-d", prompt, params)])
+        _assert_same(ref, {"lost-d": final})
     assert _usage(producer) == 0 and _usage(consumer) == 0
 
 
@@ -373,3 +373,9 @@ def test_structured_outputs_stop_strings_and_speculation_on_the_decode_side(llam
     _assert_same(ref, got)
     assert consumer.get_metrics()["spec_decode_num_drafts_total"] > 0  # the decode side speculated
     assert _usage(producer) == 0 and _usage(consumer) == 0
+
+
+def test_a_model_freeing_kv_outside_its_window_is_refused(model_dirs: dict[str, Path]) -> None:
+    args = _args(model_dirs["mistral-swa"], kv_transfer_config={"kv_role": "kv_consumer"})
+    with pytest.raises(ValueError, match="kv_transfer_config: a model whose every layer slides"):
+        args.create_engine_config()  # at start-up, before any weight is loaded

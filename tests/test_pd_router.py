@@ -17,7 +17,7 @@ from lmserve.entrypoints.router_cli import check_servers
 from tests.test_pd_server import PROMPT, _events, _per_choice, _post, _strip
 from tests.test_server import MODEL_NAME, LiveServer, free_port, make_chat_model, metrics, wait_until
 
-PRODUCER = '{"kv_connector":"lmserve","kv_role":"kv_producer"}'
+PRODUCER = '{"kv_connector":"lmserve","kv_role":"kv_producer","kv_lease_s":3}'
 CONSUMER = '{"kv_connector":"lmserve","kv_role":"kv_consumer"}'
 
 
@@ -105,6 +105,8 @@ def test_kv_transfer_params_where_they_do_not_belong(two_servers: tuple) -> None
     bad = {**body, "kv_transfer_params": {"do_remote_prefill": True, "request_id": 3}}
     r = httpx.post(consumer.url + "/v1/completions", json=bad, timeout=30)
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"], r.text
+    r = httpx.post(producer.url + "/v1/completions", json={**body, "best_of": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("best_of:"), r.text
     info = httpx.get(producer.url + "/v1/kv_transfer", timeout=5).json()
     assert info["kv_role"] == "kv_producer" and info["block_size"] == 16
 
@@ -122,3 +124,46 @@ def test_router_start_up_check_names_the_field() -> None:
         problem = check_servers([{**geo, "kv_role": "kv_producer"}],
                                 [{**geo, key: other, "kv_role": "kv_consumer"}], urls)  # fmt: skip
         assert problem is not None and f"{key}:" in problem, problem
+
+
+def test_unpulled_kv_expires_and_a_stale_handoff_is_a_503(two_servers: tuple) -> None:
+    _, producer, consumer, _ = two_servers
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(producer.url + "/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["producer_address"].startswith("tcp://127.0.0.1:")
+    assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert metrics(producer)["lmserve:kv_transfer_leases"] == 1 and not _kv_zero(producer)  # held for a pull
+    wait_until(lambda: _kv_zero(producer), 10)  # nobody pulled: the lease (3 s) expired
+    assert metrics(producer)["lmserve:kv_transfer_leases_expired_total"] >= 1
+    r = httpx.post(consumer.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_failed", r.text
+    assert "no KV lease" in r.json()["error"]["message"]
+    assert metrics(consumer)["lmserve:kv_transfer_failures_total"] >= 1
+    wait_until(lambda: _kv_zero(producer) and _kv_zero(consumer))
+
+
+def test_policy_recompute_prefills_on_the_decode_server_and_counts_it(two_servers: tuple, tmp_path: Path) -> None:
+    colocated, producer, _, _ = two_servers
+    config = '{"kv_connector":"lmserve","kv_role":"kv_consumer","kv_load_failure_policy":"recompute"}'
+    consumer = LiveServer(Path(producer.proc.args[producer.proc.args.index("--model") + 1]), tmp_path / "c.log",
+                          "--kv-transfer-config", config)  # fmt: skip
+    try:
+        consumer.wait_healthy(240)
+        body = {"model": MODEL_NAME, "prompt": "recompute me " * 6, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        r = httpx.post(producer.url + "/v1/completions",
+                       json={**body, "kv_transfer_params": {"do_remote_decode": True}}, timeout=60)  # fmt: skip
+        params = r.json()["kv_transfer_params"]
+        wait_until(lambda: _kv_zero(producer), 10)  # the lease (3 s) expired: the pull will fail
+        got = httpx.post(consumer.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+        ref = httpx.post(colocated.url + "/v1/completions", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"] == ref.json()["choices"]
+        m = metrics(consumer)
+        assert m["lmserve:kv_transfer_recomputes_total"] == 1 and m["lmserve:kv_transfer_failures_total"] == 1
+        wait_until(lambda: _kv_zero(consumer))
+    finally:
+        consumer.stop()

@@ -87,6 +87,8 @@ PROMPT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 2
                              "ignore_eos": True}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 10,
                                   "temperature": 0, "ignore_eos": True}),
+        ("/v1/completions", {"prompt": "prompt scores", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                             "prompt_logprobs": 1, "echo": True, "logprobs": 1}),
     ],
 )  # fmt: skip
 def test_answers_equal_the_colocated_server(servers: tuple[LiveServer, LiveServer], path: str, body: dict) -> None:
@@ -167,7 +169,8 @@ def test_ray_actors_as_prefill_and_decode_cores(servers: tuple[LiveServer, LiveS
     try:
         srv.wait_healthy(400)
         assert "1 prefill + 1 decode engine cores (ray)" in srv.log()
-        body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": "Ray actors: one prefills, one decodes. " * 3, "max_tokens": 10, "temperature": 0,
+                "ignore_eos": True}  # a prompt of its own: neither server has it cached
         a, b = _post(colocated, "/v1/completions", body), _post(srv, "/v1/completions", body)
         assert b.status_code == 200, b.text
         assert _strip(b.json()) == _strip(a.json())

@@ -143,7 +143,7 @@ def test_portable_fallback_without_vnni_is_exact(portable_kernels: ctypes.CDLL) 
     assert torch.equal(kernels.dequant_i4(qw, scales), Q.dequantize_int4(qw, scales))
     ref = x @ Q.dequantize_int4(qw, scales).t()
     torch.testing.assert_close(kernels.linear_i4(x, qw, scales, None), ref, atol=1e-4, rtol=1e-5)
-    for type_name in Q.GGUF_LAYOUTS:
+    for type_name in ("Q8_0", "Q4_0", "Q4_1"):  # (int5 has no weight-only kernel: tests/test_gguf_q5.py)
         layout, blocks = _gguf_layout(type_name, 24, 128)
         ref_w = Q.dequantize_layout(layout, blocks["qweight"], blocks["scales"], blocks.get("mins"))
         if layout == "int8w":

@@ -154,6 +154,8 @@ class EngineConfig:
     structured_outputs_allow_additional_properties: bool = False
     kv_transfer: Any = None  # kv_transfer_config.KVTransferConfig (prefill/decode disaggregation), or None
     lora: LoRAConfig | None = None  # None: LoRA disabled
+    # ranks one model is split across (model/parallel.py, engine/tp_executor.py); the cache's sizes are per rank
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -183,7 +185,7 @@ class EngineArgs:
     # tensors are kept as they are unless "none" (dequantized at load)
     quantization: str | None = None
     quantization_group_size: int = 32  # int4: inputs sharing one scale
-    int4_compute: str = "w4a8"  # int4 / GGUF Q4_0, Q4_1: "w4a8" (int8 activations) or "weight-only" (float32)
+    int4_compute: str = "w4a8"  # int4 / GGUF Q4_*, Q5_*, Q8_0: "w4a8" (int8 activations) or "weight-only" (float32)
     speculative_config: dict[str, Any] | str | None = None  # vLLM's keys; see spec_decode/config.py
     structured_outputs_allow_additional_properties: bool = False  # see EngineConfig
     kv_transfer_config: dict[str, Any] | str | None = None  # vLLM's keys; see kv_transfer_config.py
@@ -191,6 +193,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    tensor_parallel_size: int = 1  # ranks (processes) one model is split across, Megatron-style
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -232,14 +235,18 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         kv_dtype = self._kv_cache_dtype(model.dtype)
-        kv_bytes_per_token = memory.kv_cache_bytes_per_token(
-            model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype
-        )
+        tp = self.tensor_parallel_size
+        _check_tensor_parallel(tp, model, quantization, self.device)
+        kv_heads = memory.kv_heads_per_rank(model.num_kv_heads, tp)  # the pool is sized per rank (the ledger's)
+        kv_bytes_per_token = memory.kv_cache_bytes_per_token(model.num_layers, kv_heads, model.head_dim, kv_dtype)
         spec = None
         if self.speculative_config is not None:
             from lmserve.spec_decode.config import SpeculativeConfig
 
             spec = SpeculativeConfig.from_dict(self.speculative_config, model, max_model_len, self.dtype, self.device)
+        if tp > 1 and spec is not None and spec.draft is not None:
+            raise ValueError(f"tensor_parallel_size={tp} with a draft model (speculative_config): not supported; "
+                             "n-gram speculation works")
         draft_bpt = spec.draft_kv_bytes_per_token if spec is not None else 0
         lora = self._lora(spec, model)
         num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt, lora.slot_bytes if lora else 0)
@@ -247,7 +254,7 @@ class EngineArgs:
         free_window = model.kv_free_window if spec is None or spec.draft is None else None
         cache = CacheConfig(
             self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token, kv_dtype,
-            memory.kv_scale_bytes_per_token(model.num_layers, model.num_kv_heads, kv_dtype), draft_bpt,
+            memory.kv_scale_bytes_per_token(model.num_layers, kv_heads, kv_dtype), draft_bpt,
             free_window,
         )  # fmt: skip
         fitted = ""
@@ -290,12 +297,20 @@ class EngineArgs:
             from lmserve.kv_transfer_config import KVTransferConfig
 
             kv_transfer = KVTransferConfig.from_value(self.kv_transfer_config)
+            if free_window is not None:
+                raise ValueError(
+                    "kv_transfer_config: a model whose every layer slides (KV outside the window is freed while a "
+                    "request runs) cannot hand its KV off yet; serve it colocated"
+                )
             if self.enable_lora:
                 raise ValueError("kv_transfer_config with enable_lora: LoRA adapters are not served with "
                                  "prefill/decode disaggregation yet (the decode side would need the adapter)")
+        if tp > 1 and (self.enable_lora or kv_transfer is not None):
+            what = "enable_lora (adapters on sharded projections)" if self.enable_lora else "kv_transfer_config"
+            raise ValueError(f"tensor_parallel_size={tp} with {what}: not supported yet")
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
-            quantization, spec, bool(self.structured_outputs_allow_additional_properties), kv_transfer, lora,
+            quantization, spec, bool(self.structured_outputs_allow_additional_properties), kv_transfer, lora, tp,
         )  # fmt: skip
 
     def _lora(self, spec: Any, model: ModelConfig) -> LoRAConfig | None:
@@ -442,6 +457,53 @@ def available_ram_bytes() -> int:
     except OSError:
         pass
     return 8 * 2**30
+
+
+def _check_tensor_parallel(tp: int, model: ModelConfig, quantization: QuantizationConfig | None, device: str) -> None:
+    """tensor_parallel_size against the model's shapes and the features that do not split (yet): a ValueError
+    naming the field and the numbers. The split itself is model/parallel.py's."""
+    from lmserve import memory
+
+    _check_positive("tensor_parallel_size", tp)
+    if tp == 1:
+        return
+    why = {
+        "num_attention_heads": model.num_heads % tp and f"{model.num_heads} attention heads",
+        "intermediate_size": model.intermediate_size % tp and f"intermediate_size {model.intermediate_size}",
+    }
+    bad = [f"{v}" for v in why.values() if v]
+    if bad:
+        raise ValueError(f"tensor_parallel_size={tp} must divide {' and '.join(bad)}")
+    try:
+        memory.kv_heads_per_rank(model.num_kv_heads, tp)
+    except ValueError:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide num_key_value_heads ({model.num_kv_heads}) or be a multiple of it"
+        ) from None
+    if model.qk_norm_whole:
+        raise ValueError(
+            f"tensor_parallel_size={tp} with {model.architecture}: its q/k norm spans all heads (OLMo 2), which "
+            "would need a cross-rank reduction; not supported"
+        )
+    if quantization is not None:
+        if quantization.method == "gguf" or quantization.prequantized:
+            what = "a GGUF file's kept blocks" if quantization.method == "gguf" else "a pre-quantized checkpoint"
+            raise ValueError(
+                f"tensor_parallel_size={tp} with {what} ({quantization.method}): not supported yet; load the float "
+                "checkpoint with quantization='int8' / 'int4' (quantized per rank at load), or quantization='none'"
+            )
+        if quantization.group_size is not None:
+            group = quantization.group_size
+            shards = {"num_heads * head_dim / tp": model.num_heads * model.head_dim // tp,
+                      "intermediate_size / tp": model.intermediate_size // tp}  # fmt: skip
+            unaligned = {k: v for k, v in shards.items() if v % group}
+            if unaligned:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} with quantization={quantization.method!r}: the row-parallel shards' "
+                    f"inputs {unaligned} must be multiples of quantization_group_size={group}"
+                )
+    if not device.startswith(("cpu", "cuda")):
+        raise ValueError(f"tensor_parallel_size={tp} needs device 'cpu' (gloo) or 'cuda' (NCCL), got {device!r}")
 
 
 def _check_positive(name: str, value: int) -> None:

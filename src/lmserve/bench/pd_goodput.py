@@ -4,7 +4,8 @@ measure), on the same machine and the same CPUs.
     colocated: `lmserve serve --num-threads 2`                          (one engine core, prefill and decode mixed)
     1P1D:      `lmserve serve --disaggregation 1P1D --num-threads 1`    (a prefill core and a decode core, 1 each)
 
-Workload: long prompts, moderate outputs (full: 1,024 in / 128 out; --quick: 256 / 32), Poisson arrivals swept over
+Workload: long prompts, moderate outputs (full: 768 in / 128 out, which the bundled model's 1,024-token context
+holds; --quick: 256 / 32), Poisson arrivals swept over
 rates that are multiples of the colocated server's idle capacity (1 / its idle E2E). SLOs are scaled to the machine
 from idle measurements on the colocated server: TTFT ≤ 10 × an idle prefill (its idle TTFT), TPOT ≤ 2 × an idle
 decode step (its idle TPOT); both stated in the report. Per rate: SLO attainment (% of requests meeting both, from
@@ -35,7 +36,7 @@ class PDSizes:
 
 
 QUICK = PDSizes(256, 32, 8, (0.5, 1.0, 2.0, 4.0))
-FULL = PDSizes(1024, 128, 40, (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
+FULL = PDSizes(768, 128, 40, (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
 
 CONFIGS = (
     ("colocated", ["--num-threads", "2"]),

@@ -63,6 +63,7 @@ class CoreLaunch:
     parent_pid: int | None = None  # exit as soon as the parent is no longer this pid (None: do not check)
     cpu_backoff: bool = False  # drop to 1 torch thread while other processes use the core's CPUs (cpu_share.py)
     log_level: int = logging.WARNING  # the API process's root level: the core logs (to stderr) what it would
+    backend: str = "mp"  # "ray": tensor-parallel ranks are Ray actors in the core's placement group
 
 
 def run_engine_core(launch: CoreLaunch) -> None:
@@ -91,14 +92,20 @@ def run_engine_core(launch: CoreLaunch) -> None:
     out.connect(launch.output_address)
     codec = Codec()
     status = 0
+    engine = None
     try:
-        engine = LLMEngine(launch.config)
+        # tensor parallel: the core's threads and CPUs are its group's, divided between the ranks
+        tp = launch.config.tensor_parallel_size
+        cpus = launch.cpus or (tuple(sorted(os.sched_getaffinity(0))) if tp > 1 else None)
+        engine = LLMEngine(launch.config, launch.num_threads, cpus, launch.backend)
         EngineCore(engine, launch, inp, out, codec).run()
     except BaseException as e:
         logger.exception("engine core %d failed", launch.engine_index)
         out.send(codec.encode(CoreFailed(launch.engine_index, f"{type(e).__name__}: {e}")))
         status = 1
     finally:
+        if engine is not None:
+            engine.close()
         inp.close()
         out.close()
         ctx.term()
@@ -127,13 +134,16 @@ class EngineCore:
         self._changed = False  # something was applied since the last message
         self._block_map_watch = BlockMapWatch()
         self._backoff: ThreadBackoff | None = None
-        if launch.cpu_backoff and launch.num_threads > 1:
+        if launch.cpu_backoff and launch.num_threads > 1 and engine.executor is None:  # (not per TP rank)
             pids = (os.getpid(),) + ((launch.parent_pid,) if launch.parent_pid else ())
             self._backoff = ThreadBackoff(launch.num_threads, CpuShare(os.sched_getaffinity(0), pids))
 
     def run(self) -> None:
         self._out.send(self._codec.encode(CoreReady(self.index, os.getpid(), self._snapshot())))
+        executor = self.engine.executor
         while True:
+            if executor is not None and executor.failure is not None:
+                raise RuntimeError(executor.failure)  # a tensor-parallel rank died: the core fails (CoreFailed)
             busy = self.engine.has_unfinished_requests()
             if not self._drain(0 if busy else IDLE_POLL_MS):
                 return  # Shutdown

@@ -398,6 +398,7 @@ class EngineCoreClient:
                 parent_pid=os.getpid() if self.backend == "mp" else None,
                 log_level=logging.getLogger().getEffectiveLevel(),
                 cpu_backoff=self.cpu_policy == "adaptive",
+                backend=self.backend,
             )
             handle = _RayHandle(launch, env) if self.backend == "ray" else _ProcessHandle(launch, env)
             admission = Admission(self.max_queued_requests, self.retry_after_s)
@@ -535,6 +536,8 @@ def remote_kv_fields(config: EngineConfig, kv_params: dict[str, Any] | None, par
         if role != "kv_producer":
             raise ValueError("kv_transfer_params.do_remote_decode: this server is not a kv_producer "
                              "(--kv-transfer-config '{\"kv_role\": \"kv_producer\"}')")  # fmt: skip
+        if params.actual_best_of > params.n:  # ranked only at the end: no first-token answer to hand back
+            raise ValueError("best_of: best_of > n cannot be split over a prefill and a decode server")
         return {"do_remote_decode": True}
     if kv_params.get("do_remote_prefill"):
         if role != "kv_consumer":

@@ -76,8 +76,22 @@ class _RayHandle:
     def __init__(self, launch: CoreLaunch, env: dict[str, str]) -> None:
         import ray
 
-        actor_cls = ray.remote(num_cpus=launch.num_threads, max_restarts=0)(_EngineCoreActor)
-        self.actor = actor_cls.options(name=None, runtime_env={"env_vars": env}, lifetime=None).remote()
+        env = {**env, **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}
+        tp = launch.config.tensor_parallel_size
+        options: dict = {}
+        self.placement_group = None
+        if tp > 1:  # one placement group per TP group: the core (rank 0) in bundle 0, its workers in the others
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            per_rank = max(1, launch.num_threads // tp)
+            self.placement_group = placement_group([{"CPU": per_rank}] * tp, strategy="PACK")
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.placement_group, 0)
+            num_cpus = per_rank
+        else:
+            num_cpus = launch.num_threads
+        actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_EngineCoreActor)
+        self.actor = actor_cls.options(name=None, runtime_env={"env_vars": env}, lifetime=None, **options).remote()
         self.ref = self.actor.run.remote(launch)
         self._status: str | None = None
 
@@ -106,6 +120,10 @@ class _RayHandle:
         ready, _ = ray.wait([self.ref], timeout=timeout_s)
         if not ready:
             ray.kill(self.actor)
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
 
 
 class _EngineCoreActor:

@@ -177,6 +177,7 @@ class _Remote:
 
     request: Any
     handoff: KVHandoff
+    parent_id: str  # this engine's id of the request (the producer's, handoff.request_id, may differ)
     ticket: int | None = None  # the pull in flight
     num_hit_tokens: int = 0
     local_ids: list[int] = field(default_factory=list)
@@ -226,7 +227,7 @@ class KVConsumer:
                 continue
             assert ch.block_ids, f"{child.request_id}: a live sequence handed off without blocks"
             self.engine.scheduler.add_remote(child)
-            self._remote[child.request_id] = _Remote(child, handoff)
+            self._remote[child.request_id] = _Remote(child, handoff, parent.request_id)
         if not handoff.first_token_delivered:
             self._announce.append(parent)
 
@@ -285,9 +286,9 @@ class KVConsumer:
 
     def _start_pulls(self) -> None:
         sched, kv = self.engine.scheduler, self.engine.kv
-        pulling = {r.handoff.request_id for r in self._remote.values() if r.ticket is not None}
+        pulling = {r.parent_id for r in self._remote.values() if r.ticket is not None}
         for remote in list(self._remote.values()):
-            if remote.ticket is not None or remote.handoff.request_id in pulling:
+            if remote.ticket is not None or remote.parent_id in pulling:
                 continue  # n > 1: a sequence waits for its sibling's pull, then finds the prompt's blocks cached
             if not sched.has_room_for_remote(len(self._tickets)):
                 return
@@ -310,7 +311,7 @@ class KVConsumer:
                 remote.handoff.producer_address, ch.lease_id, [ch.block_ids[i] for i in missing]
             )
             self._tickets[remote.ticket] = req.request_id
-            pulling.add(remote.handoff.request_id)
+            pulling.add(remote.parent_id)
 
     def _loaded(self, remote: _Remote) -> None:
         req = remote.request
@@ -330,8 +331,8 @@ class KVConsumer:
             self.num_recomputes_total += 1
             self.engine.scheduler.remote_kv_recompute(req)
             return []
-        self.failures.append((remote.handoff.request_id, f"KV transfer failed: {error}"))
-        return [remote.handoff.request_id]
+        self.failures.append((remote.parent_id, f"KV transfer failed: {error}"))
+        return [remote.parent_id]
 
     def _end(self, pid: str) -> Any:
         """Policy fail: every sequence of the request ends (ABORT); its output is the request's last."""
@@ -382,6 +383,11 @@ def make_roles(engine: Any) -> tuple[KVProducer | None, KVConsumer | None]:
     cfg = engine.config.kv_transfer
     if cfg is None:
         return None, None
+    if engine.config.cache.sliding_window is not None:
+        raise ValueError(
+            "kv_transfer_config: a model whose every layer slides (KV outside the window is freed while a request "
+            "runs) cannot hand its KV off yet; serve it colocated"
+        )
     if cfg.is_producer:
         return KVProducer(engine, cfg), None
     return None, KVConsumer(engine, cfg)

@@ -82,7 +82,15 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp_threads: int | None = None,
+        tp_cpus: tuple[int, ...] | None = None,
+        tp_backend: str = "mp",
+    ) -> None:
+        """tp_threads / tp_cpus: a tensor-parallel group's threads and CPUs, split between its ranks; tp_backend:
+        its workers as subprocesses ("mp") or Ray actors ("ray")."""
         from lmserve.tokenizer import load_tokenizer
         from lmserve.worker.model_runner import ModelRunner
 
@@ -99,7 +107,14 @@ class LLMEngine:
         lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
         lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots)
-        self.runner = ModelRunner(config)
+        self.executor = None  # tensor parallel: the worker processes rank 0 drives (engine/tp_executor.py)
+        if config.tensor_parallel_size > 1:
+            from lmserve.engine.tp_executor import TPExecutor
+
+            self.executor = TPExecutor(config, tp_threads, tp_cpus, tp_backend)
+            self.runner = self.executor.runner
+        else:
+            self.runner = ModelRunner(config)
         self.structured = StructuredOutputManager(
             self.tokenizer, config.model.vocab_size, self.eos_token_ids,
             allow_additional_properties=config.structured_outputs_allow_additional_properties,
@@ -111,6 +126,11 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         self._ids = itertools.count()
         self.kv_producer, self.kv_consumer = make_roles(self)  # prefill/decode disaggregation (None, None: colocated)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one process); the engine is unusable after."""
+        if self.executor is not None:
+            self.executor.close()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

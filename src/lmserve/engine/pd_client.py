@@ -58,6 +58,9 @@ class DisaggregatedClient(EngineCoreClient):
             raise ValueError(f"disaggregation needs >= 1 prefill and >= 1 decode core, got {num_prefill}P{num_decode}D")
         if config.kv_transfer is not None:
             raise ValueError("kv_transfer_config: --disaggregation sets the roles itself; pass one or the other")
+        if config.cache.sliding_window is not None:
+            raise ValueError("disaggregation: a model whose every layer slides (KV outside the window is freed) "
+                             "cannot hand its KV off yet; serve it colocated")  # fmt: skip
         if config.lora is not None:
             raise ValueError("--disaggregation with --enable-lora: LoRA adapters are not served with prefill/decode "
                              "disaggregation yet (the decode core would need the request's adapter)")  # fmt: skip

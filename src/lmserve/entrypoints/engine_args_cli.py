@@ -56,6 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "weight-only keeps them float32 (more accurate, slower)",
     )
     g.add_argument("--device", default="cpu", help="cpu or cuda")
+    if "--tensor-parallel-size" not in parser._option_string_actions:  # (simulate has its own: a step-time factor)
+        _add_tensor_parallel(parser, g)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory-gib", type=float, default=None)
@@ -133,8 +135,23 @@ ENGINE_ARG_NAMES = (
 )
 
 
+def _add_tensor_parallel(parser: argparse.ArgumentParser, g: Any) -> None:
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model across this many processes (Megatron-style, torch.distributed: gloo on the CPU, NCCL "
+        "on CUDA); with serve, --num-threads is the group's, divided between its ranks, each pinned to its own CPUs",
+    )
+    parser.set_defaults(engine_tensor_parallel=True)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+    if getattr(args, "engine_tensor_parallel", False):
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    return kwargs
 
 
 def model_path(args: argparse.Namespace) -> str:

@@ -62,7 +62,10 @@ def add_memory_parser(subparsers: Any) -> None:
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 80GB")
     p.add_argument("--reserve", default="0", help="memory kept aside per device (default 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument(
+        "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+        help="tensor-parallel size (default 1): weights and KV per rank, as `serve --tensor-parallel-size` sizes them",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--disaggregation", default=None, metavar="NPmD",

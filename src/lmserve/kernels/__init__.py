@@ -623,7 +623,9 @@ def decode_stack(
     )  # fmt: skip
 
 
-LORA_MAX_ROWS = I4_MAX_ROWS  # runs of at most this many rows take lora_delta (the decode stack's rows, at most)
+# runs of at most this many rows take lora_delta, on the hooks' path and in the decode stack alike (its most rows:
+# model/decode_stack.W4A8_STACK_MAX_ROWS); longer runs (prefills) the hooks' BLAS products
+LORA_MAX_ROWS = 64
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, cols: int) -> None:
@@ -700,7 +702,8 @@ def w4a8_quantize_rows(x: torch.Tensor, offset: int = 8) -> tuple[torch.Tensor, 
 
 def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | None = None) -> torch.Tensor:
     """W4A8 for any number of rows: x (M, K) float32 quantized inside per row per block of 32; w a
-    lmserve.model.quantization.W4A8Weights (the packed int4 panels, or 8-bit ones: W8A8 blocks); bias (O,) or None;
+    lmserve.model.quantization.W4A8Weights (the packed int4 panels, 5-bit ones (GGUF Q5_0 / Q5_1), or 8-bit ones:
+    W8A8 blocks); bias (O,) or None;
     isa as w4a8_isa. Returns (M, O) float32."""
     assert _lib is not None, "kernels not loaded: call available() first"
     x = x.contiguous()
@@ -711,7 +714,7 @@ def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | N
     _check(w.codes, "codes", torch.uint8)
     _check(w.scales, "scales", torch.float16)
     assert w.codes.shape == (-(-o // 16), k // 32, w.bits, 64), f"codes {tuple(w.codes.shape)} for ({o}, {k})"
-    assert w.bits == 4 or w.mins is None, "8-bit panels have no mins"
+    assert w.bits in (4, 5, 8) and (w.bits != 8 or w.mins is None), f"{w.bits}-bit panels (4, 5, or 8 without mins)"
     assert w.scales.shape == (w.codes.shape[0], k // w.group_size, 16), f"scales {tuple(w.scales.shape)}"
     if w.mins is not None:
         _check(w.mins, "mins", torch.float16)

@@ -1452,6 +1452,11 @@ void dequant_kq_f32(int type, const uint8_t *w, float *out, int64_t O, int64_t K
  *   W8A8 blocks (bits = 8: the int4 method's 8-bit LM head, llama.cpp's Q8_0 rule): codes (P, K / 32, 8, 64),
  *          byte 4j + i of vector t = q(row 16p + j, input 32b + 4t + i) + 128 (unsigned), no mins; the offset 128
  *          is corrected like the nibbles' 8 (block dot = w_d d (sum c q - 128 s)).
+ *   5-bit blocks (bits = 5: GGUF Q5_0 / Q5_1, codes c in 0..31, w = (c - 16) w_d or c w_d + w_m): codes
+ *          (P, K / 32, 5, 64), vectors 0..3 the low nibbles as for bits 4, vector 4 the fifth bits: byte 4j + i
+ *          holds in bit t (t = 0..3) the high bit of code(row 16p + j, input 32b + 4t + i) and in bit 4 + t that of
+ *          input 32b + 16 + 4t + i, so vector t's codes are its nibbles or'ed with (v4 << (4 - t)) & 0x10 (low) and
+ *          (v4 >> t) & 0x10 (high); the offset 16 is corrected like the nibbles' 8 (llama.cpp's q5_0 x q8_0).
  *
  * Paths (w4a8_isa_supported says which this CPU runs; LMSERVE_W4A8_ISA forces one, e.g. in the tests):
  *   W4A8_VNNI512  AVX512-VNNI vpdpbusd zmm, 16 rows a step
@@ -1526,7 +1531,7 @@ typedef struct {
     float *d, *ds;
     int32_t *corr;
     int64_t R, NB;
-    int64_t bits; /* of the weight codes: 4 (nibbles) or 8 (W8A8 blocks, see below) */
+    int64_t bits; /* of the weight codes: 4 (nibbles), 5 (nibbles + a bit plane) or 8 (W8A8 blocks, see below) */
 } w4a8_act;
 
 static inline int64_t w4a8_ai(const w4a8_act *a, int64_t m, int64_t b) {
@@ -1592,6 +1597,14 @@ static void w4a8_panel_scalar(const w4a8_act *a, int64_t m0, int64_t MR, const u
                 if (bits == 8) /* vector t: inputs 4t .. 4t + 3 */
                     for (int t = 0; t < 8; t++)
                         for (int i = 0; i < 4; i++) s += (int32_t)blk[64 * t + 4 * j + i] * xq[4 * t + i];
+                else if (bits == 5)
+                    for (int t = 0; t < 4; t++)
+                        for (int i = 0; i < 4; i++) {
+                            const uint8_t c = blk[64 * t + 4 * j + i], h5 = blk[256 + 4 * j + i];
+                            const int32_t lo = (c & 0x0f) | ((h5 >> t) & 1) << 4;
+                            const int32_t hi = (c >> 4) | ((h5 >> (4 + t)) & 1) << 4;
+                            s += lo * xq[4 * t + i] + hi * xq[16 + 4 * t + i];
+                        }
                 else
                     for (int t = 0; t < 4; t++)
                         for (int i = 0; i < 4; i++) {
@@ -1621,7 +1634,7 @@ w4a8_body512(const int MR, const int BITS, const w4a8_act *a, int64_t m0, const 
              const uint16_t *pm, const float *b, float *y, int64_t O, int64_t o0, int64_t K, int64_t G) {
     const int64_t NB = K / 32, BPG = G / 32;
     const int split = MR <= 4;
-    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     __m512 f[W4A8_MR];
     for (int m = 0; m < MR; m++) f[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NB / BPG; g++) {
@@ -1634,6 +1647,7 @@ w4a8_body512(const int MR, const int BITS, const w4a8_act *a, int64_t m0, const 
             const int64_t ab = w4a8_ai(a, m0, bl); /* row m0 + m of this block: ab + m */
             const int8_t *xb = a->q + 32 * ab;
             __m512i ia[W4A8_MR], ib[W4A8_MR];
+            const __m512i h5 = BITS == 5 ? _mm512_loadu_si512((const void *)(blk + 256)) : _mm512_setzero_si512();
             for (int m = 0; m < MR; m++) {
                 ia[m] = _mm512_set1_epi32(a->corr[ab + m]);
                 ib[m] = _mm512_setzero_si512();
@@ -1647,6 +1661,10 @@ w4a8_body512(const int MR, const int BITS, const w4a8_act *a, int64_t m0, const 
                     const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * t));
                     lo = _mm512_and_si512(v, lo4);
                     hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                    if (BITS == 5) { /* the fifth bits (16-bit shifts: bit 4 of each byte comes from its own byte) */
+                        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h5, 4 - t), bit4));
+                        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(h5, t), bit4));
+                    }
                 }
                 for (int m = 0; m < MR; m++) {
                     const int8_t *xq = xb + 32 * m + 4 * t;
@@ -1692,6 +1710,8 @@ __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, 
                                                               int64_t o0, int64_t K, int64_t G) {
     if (a->bits == 8) {
         W4A8_ROWS_SWITCH(MR, w4a8_body512, 8, a, m0, pc, ps, pm, b, y, O, o0, K, G)
+    } else if (a->bits == 5) {
+        W4A8_ROWS_SWITCH(MR, w4a8_body512, 5, a, m0, pc, ps, pm, b, y, O, o0, K, G)
     } else {
         W4A8_ROWS_SWITCH(MR, w4a8_body512, 4, a, m0, pc, ps, pm, b, y, O, o0, K, G)
     }
@@ -1705,7 +1725,7 @@ __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, 
         const int MR, const int BITS, const w4a8_act *a, int64_t m0, const uint8_t *pc, const uint16_t *ps,     \
         const uint16_t *pm, const float *b, float *y, int64_t O, int64_t o0, int64_t K, int64_t G, int h) {    \
         const int64_t NB = K / 32, BPG = G / 32;                                                                 \
-        const __m256i lo4 = _mm256_set1_epi8(0x0f);                                                              \
+        const __m256i lo4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);                               \
         __m256 f[W4A8_MR];                                                                                       \
         for (int m = 0; m < MR; m++) f[m] = _mm256_setzero_ps();                                                 \
         for (int64_t g = 0; g < NB / BPG; g++) {                                                                 \
@@ -1715,11 +1735,17 @@ __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, 
             for (int64_t bl = g * BPG; bl < (g + 1) * BPG; bl++) {                                               \
                 const uint8_t *blk = pc + bl * 64 * BITS + 32 * h;                                               \
                 __m256i lo[4], hi[4];                                                                            \
+                const __m256i h5 = BITS == 5 ? _mm256_loadu_si256((const __m256i *)(blk + 256))                  \
+                                             : _mm256_setzero_si256();                                           \
                 for (int t = 0; t < 4; t++) {                                                                    \
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * t));                       \
                     lo[t] = BITS == 8 ? v : _mm256_and_si256(v, lo4);                                            \
                     hi[t] = BITS == 8 ? _mm256_loadu_si256((const __m256i *)(blk + 64 * (t + 4)))                \
                                       : _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);                          \
+                    if (BITS == 5) {                                                                             \
+                        lo[t] = _mm256_or_si256(lo[t], _mm256_and_si256(_mm256_slli_epi16(h5, 4 - t), bit4));    \
+                        hi[t] = _mm256_or_si256(hi[t], _mm256_and_si256(_mm256_srli_epi16(h5, t), bit4));        \
+                    }                                                                                            \
                 }                                                                                                \
                 const int64_t ab = w4a8_ai(a, m0, bl);                                                           \
                 for (int m = 0; m < MR; m++) {                                                                   \
@@ -1743,6 +1769,8 @@ __attribute__((target(W4A8_T512))) static void w4a8_panel512(const w4a8_act *a, 
         for (int h = 0; h < 2 && o0 + 8 * h < O; h++) {                                                         \
             if (a->bits == 8) {                                                                                  \
                 W4A8_ROWS_SWITCH(MR, w4a8_body256_##NAME, 8, a, m0, pc, ps, pm, b, y, O, o0, K, G, h)            \
+            } else if (a->bits == 5) {                                                                           \
+                W4A8_ROWS_SWITCH(MR, w4a8_body256_##NAME, 5, a, m0, pc, ps, pm, b, y, O, o0, K, G, h)            \
             } else {                                                                                             \
                 W4A8_ROWS_SWITCH(MR, w4a8_body256_##NAME, 4, a, m0, pc, ps, pm, b, y, O, o0, K, G, h)            \
             }                                                                                                    \
@@ -1787,6 +1815,17 @@ w4a8_dot_avx2(__m256i acc, const __m256i *lo, const __m256i *hi, const int8_t *x
         }
         return acc;
     }
+    if (bits == 5) { /* 5-bit codes: a pair of products <= 2 * 31 * 127, so each t's 4 of them widen at once */
+        for (int t = 0; t < 4; t++) {
+            int32_t w0, w1;
+            memcpy(&w0, xq + 4 * t, 4);
+            memcpy(&w1, xq + 16 + 4 * t, 4);
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], _mm256_set1_epi32(w0)),
+                                               _mm256_maddubs_epi16(hi[t], _mm256_set1_epi32(w1)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+        }
+        return acc;
+    }
     __m256i s = _mm256_setzero_si256();
     for (int t = 0; t < 4; t++) {
         int32_t w0, w1;
@@ -1815,23 +1854,23 @@ static w4a8_panel_fn w4a8_panel_for(int isa) {
     return w4a8_panel_scalar;
 }
 
-/* y (M, O) = x (M, K) float32 times the packed weight (layout above: bits 4, or 8 for the W8A8 blocks; K a
+/* y (M, O) = x (M, K) float32 times the packed weight (layout above: bits 4, 5, or 8 for the W8A8 blocks; K a
  * multiple of G, G of 32), with x quantized here per row per block of 32; b (O,) or NULL; isa a path
  * w4a8_isa_supported accepts (the caller checks). Any M: rows in runs of W4A8_MR per panel, panels split over the
  * threads. Returns 0, or -1 when the activation scratch could not be allocated, isa is not runnable or bits is
  * neither 4 nor 8 (y untouched). */
 int linear_w4a8_f32(const float *x, const uint8_t *pc, const uint16_t *ps, const uint16_t *pm, const float *b,
                     float *y, int64_t M, int64_t O, int64_t K, int64_t G, int bits, int isa, int nthreads) {
-    if (!w4a8_isa_supported(isa) || (bits != 4 && bits != 8) || (bits == 8 && pm)) return -1;
+    if (!w4a8_isa_supported(isa) || (bits != 4 && bits != 5 && bits != 8) || (bits == 8 && pm)) return -1;
     const int64_t NB = K / 32, P = (O + W4A8_PANEL - 1) / W4A8_PANEL, NG = K / G;
     const int64_t R = M < W4A8_MR ? M : W4A8_MR, Mp = (M + R - 1) / R * R; /* rows padded to whole chunks */
     char *buf = (char *)malloc((size_t)(Mp * K + Mp * NB * 12));
     if (!buf) return -1;
     const w4a8_act a = {(int8_t *)buf, (float *)(buf + Mp * K), (float *)(buf + Mp * K + 4 * Mp * NB),
                         (int32_t *)(buf + Mp * K + 8 * Mp * NB), R, NB, bits};
-    /* the codes' offset the block sums correct: 8 (symmetric nibbles), 0 (with mins), 128 (8-bit; 0 on AVX2,
-     * whose sign trick multiplies the signed weights themselves) */
-    const int32_t off = bits == 4 ? (pm ? 0 : 8) : (isa == W4A8_AVX2 ? 0 : 128);
+    /* the codes' offset the block sums correct: 8 (symmetric nibbles), 16 (symmetric 5-bit codes), 0 (with mins),
+     * 128 (8-bit; 0 on AVX2, whose sign trick multiplies the signed weights themselves) */
+    const int32_t off = bits == 8 ? (isa == W4A8_AVX2 ? 0 : 128) : pm ? 0 : bits == 5 ? 16 : 8;
     w4a8_quantize(x, &a, M, off, nthreads);
     const w4a8_panel_fn fn = w4a8_panel_for(isa);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -1858,7 +1897,7 @@ int linear_w4a8_f32(const float *x, const uint8_t *pc, const uint16_t *ps, const
  * bit-identical to the module path. The Python side (lmserve/model/decode_stack.py) fills the layer
  * descriptions once and checks which models and steps qualify.
  */
-enum { LS_F32 = 0, LS_BF16W = 1, LS_I8 = 2, LS_I4 = 3, LS_I8W = 4, LS_KQ = 5, LS_W4A8 = 6 };
+enum { LS_F32 = 0, LS_BF16W = 1, LS_I8 = 2, LS_I4 = 3, LS_I8W = 4, LS_KQ = 5, LS_W4A8 = 6, LS_W5A8 = 7, LS_W8A8 = 8 };
 
 /* one projection; every field 8 bytes (the ctypes Structure mirrors it). LS_KQ (GGUF K-quants): scales points at
  * the (G, 3) int64 segment table linear_kq_f32 reads, G its row count. */
@@ -1907,9 +1946,12 @@ static int ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M
         linear_kq_f32(x, (const uint8_t *)l->w, (const int64_t *)l->scales, l->G, l->bias, y, M, l->O, l->K,
                       nthreads);
         break;
-    case LS_W4A8:
+    case LS_W4A8: /* the W4A8 panels of 4-, 5- and 8-bit codes (GGUF Q5_0 / Q5_1, Q8_0 and the int4 head) */
+    case LS_W5A8:
+    case LS_W8A8:
         return linear_w4a8_f32(x, (const uint8_t *)l->w, (const uint16_t *)l->scales, (const uint16_t *)l->mins,
-                               l->bias, y, M, l->O, l->K, l->G, 4, (int)l->isa, nthreads);
+                               l->bias, y, M, l->O, l->K, l->G, l->kind == LS_W4A8 ? 4 : l->kind == LS_W5A8 ? 5 : 8,
+                               (int)l->isa, nthreads);
     default:
         linear_i8w_f32(x, (const int8_t *)l->w, (const uint16_t *)l->scales, l->bias, y, M, l->O, l->K, l->G,
                        nthreads);

@@ -9,7 +9,10 @@ removes the Python in between.
 Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per
 request, no prefill segment), at most `max_rows` of them (what each projection's few-row kernel serves,
 `layers.kernel_max_rows`: 8 for float32 / bf16-stored weights with AVX-512 (else 2), 2 for int8 W8A8, 8 for
-int4 (weight-only or W4A8 panels) and GGUF Q4 / Q8_0 blocks), float32 activations on
+weight-only int4 and GGUF Q4 / Q8_0 blocks; W4A8_STACK_MAX_ROWS where every projection is on W4A8 panels (int4,
+GGUF Q4 / Q5 / Q8_0 with int4_compute="w4a8"): linear_w4a8_f32 computes each row the same whatever the row count,
+and the stack's other kernels (norms, RoPE, attention, SiLU) are the module path's at any row count, so batched
+decode keeps the one call, bit-identical), float32 activations on
 the CPU with the kernels loaded. Which models (`DecodeStack.supports`): the plain pre-norm Llama layout
 (Llama, Mistral, Qwen2, Phi-3, SmolLM ...) with full rotary, SiLU MLP, no q/k norms, no sandwich or post
 norms, no logit soft-capping, a KV cache the kernels read, and every projection on its C kernel (not
@@ -35,7 +38,9 @@ from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
 
 # ls_linear.kind in cpu_kernels.c
-_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6}
+_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8}
+_PANEL_KINDS = {4: "w4a8", 5: "w5a8", 8: "w8a8"}  # W4A8 panels by their codes' bits (int4; GGUF Q5_0 / Q5_1; Q8_0)
+W4A8_STACK_MAX_ROWS = 64  # decode rows one call takes when every projection is on W4A8 panels (scratch ~B x 36 KiB)
 
 
 class _Linear(ctypes.Structure):
@@ -103,10 +108,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _linear(m: Linear) -> tuple[_Linear, int]:
     """m's C description and the most rows its kernel takes in one call."""
     isa = 0
-    if m._w4a8 is not None:  # int4 packed for W4A8: the panels, the path resolved now (kernels.w4a8_isa)
+    if m._w4a8 is not None:  # packed for W4A8: the panels, the path resolved now (kernels.w4a8_isa)
         p = m._w4a8
-        assert p.bits == 4, "the decode stack's projections: int4 panels"
-        w, scales, mins, kind, group, sums = p.codes, p.scales, p.mins, "w4a8", p.group_size, None
+        w, scales, mins, kind, group, sums = p.codes, p.scales, p.mins, _PANEL_KINDS[p.bits], p.group_size, None
         isa = kernels.W4A8_ISAS[kernels.w4a8_isa()]
     elif m.quant_method is None:
         bf16 = m._weight_bf16 is not None
@@ -125,7 +129,7 @@ def _linear(m: Linear) -> tuple[_Linear, int]:
             sums = m._row_sums
     desc = _Linear(_KINDS[kind], m.out_features, m.in_features, group, _ptr(w), _ptr(scales), _ptr(mins), _ptr(sums),
                    _ptr(m.bias), isa)  # fmt: skip
-    return desc, kernel_max_rows(m)
+    return desc, W4A8_STACK_MAX_ROWS if m._w4a8 is not None else kernel_max_rows(m)
 
 
 def _kernel_linear(m: Linear) -> bool:
@@ -148,7 +152,7 @@ class DecodeStack:
         layers = list(model.layers)
         attn = layers[0].self_attn
         self._layers = (_Layer * len(layers))()
-        self.max_rows = kernels.I4_MAX_ROWS
+        self.max_rows = max(kernels.I4_MAX_ROWS, W4A8_STACK_MAX_ROWS)
         for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
             descs = [_linear(m) for m in self.layer_linears(layer)]
             self.max_rows = min(self.max_rows, *(rows for _, rows in descs))
@@ -227,7 +231,8 @@ class DecodeStack:
     def takes_lora(self, hooks: Any) -> bool:
         """Whether the stack adds the LoRA deltas of hooks (a lora.layers.LoRAHooks) itself, with the hooks'
         arithmetic: float32 CPU slots on the C kernel (LoRALinear.kernel) and runs the kernel takes."""
-        return self.max_rows <= kernels.LORA_MAX_ROWS and self._lora_desc(hooks).ok
+        runs_fit = all(end - start <= kernels.LORA_MAX_ROWS for _, start, end in hooks.groups)
+        return runs_fit and self._lora_desc(hooks).ok
 
     def run(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, lora: Any = None

@@ -6,14 +6,16 @@ from an HF directory: the config keys `ModelConfig.from_hf` parses, the HF param
 torch, so `lmserve memory --model file.gguf` stays torch-free.
 
 Tensor types: F32/F16 arrive as they are, BF16 widened exactly to float32. The block-32 types (Q8_0,
-Q4_0, Q4_1) of the projections and the LM head, and the K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks)
+Q4_0, Q4_1, Q5_0, Q5_1) of the projections and the LM head, and the K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks)
 of the projections, the LM head and the token embedding, are kept as they are in the file by default
 (`kept_quantized`: the loader claims them through `iter_hf_tensors`' hook and hands `GGUFTensor.blocks()`,
 rows already un-permuted, to lmserve.model.quantization's int8w / int4 / kquant layouts, whose kernels run
-the same block math). A fused projection (qkv, gate_up) is kept when its parts share one block-32 type, or
-are all K-quants (of any mix: Q4_K_M files give some layers' attn_v Q6_K beside Q4_K q / k). Everything else
+the same block math). A fused projection (qkv, gate_up) is kept when its parts share one block-32 type, are
+Q5_0 and Q8_0 (`held_block32_types`: all held as Q8_0, Q5_0's codes converting exactly; llama-quantize's
+fallbacks for rows that are not whole super-blocks give a Q4_K_M file's qkv those two), or are all K-quants (of
+any mix: Q4_K_M files give some layers' attn_v Q6_K beside Q4_K q / k). Everything else
 quantized (a block-32 token embedding's lookup table, a projection fused with a part of another kind, other
-types such as Q5_0 or Q3_K, or all of them with quantization="none") is dequantized at load to float32 by
+types such as Q3_K, or all of them with quantization="none") is dequantized at load to float32 by
 gguf's own dequantizer (the loader then casts to the compute dtype), logged with what it costs.
 `unpack_block32` splits blocks into scales / mins / integer values (the reference the tests check).
 """
@@ -66,7 +68,9 @@ LAYER_TENSOR_NAMES = {
 }
 
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
-BLOCK32_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # same block-32 scales as the int8w / int4 weight kernels
+BLOCK32_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # block-32 scales: the int8w / int4 / int5 layouts
+# fused parts of these types are held together as the first (Q5_0's w = (c - 16) d is a Q8_0 weight, exactly)
+MIXED_BLOCK32 = {frozenset({"Q5_0", "Q8_0"}): "Q8_0"}
 KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks, run by the K-quant kernels as they are
 KEPT_TYPES = BLOCK32_TYPES + KQUANT_TYPES  # what the CPU float32 path keeps as it is in the file
 # HF weights of the decoder's Linear layers (the ones a quantized layout can hold), and the parts the model
@@ -139,8 +143,8 @@ def _unpermute(weights: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def unpack_block32(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """Split a Q8_0 / Q4_0 / Q4_1 tensor into (scales, mins or None, values), each (rows, cols // 32[, 32]):
-    weight = scale * value (Q8_0: int8 value; Q4_0: value in 0..15 minus 8) or scale * value + min (Q4_1).
+    """Split a block-32 tensor into (scales, mins or None, values), each (rows, cols // 32[, 32]): weight = scale *
+    value (Q8_0: int8 value; Q4_0: value in 0..15 minus 8; Q5_0: 0..31 minus 16) or scale * value + min (Q4_1, Q5_1).
     For a quantized weight path that keeps the blocks; the math is gguf's (tests check against its dequantizer)."""
     assert tensor.type_name in BLOCK32_TYPES, f"{tensor.gguf_name}: {tensor.type_name} is not a block-32 type"
     rows, cols = tensor.shape
@@ -148,11 +152,17 @@ def unpack_block32(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray | None, n
     scales = blocks[..., :2].copy().view(np.float16)[..., 0]
     if tensor.type_name == "Q8_0":
         return scales, None, blocks[..., 2:].copy().view(np.int8)
-    packed = blocks[..., 4:] if tensor.type_name == "Q4_1" else blocks[..., 2:]
+    packed = blocks[..., 4:] if tensor.type_name in ("Q4_1", "Q5_1") else blocks[..., 2:]
+    high = None
+    if tensor.type_name.startswith("Q5"):  # a little-endian word of fifth bits, bit i for value i
+        qh, packed = packed[..., :4].copy().view(np.uint32), packed[..., 4:]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int8) << 4
     # 16 bytes hold 32 values: the low nibbles are values 0..15 of the block, the high nibbles 16..31.
     values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
-    if tensor.type_name == "Q4_0":
-        return scales, None, values - 8
+    if high is not None:
+        values = values | high
+    if tensor.type_name in ("Q4_0", "Q5_0"):
+        return scales, None, values - (8 if tensor.type_name == "Q4_0" else 16)
     mins = blocks[..., 2:4].copy().view(np.float16)[..., 0]
     return scales, mins, values
 
@@ -284,8 +294,9 @@ def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dic
     """HF weight name → quantized tensor the quantized weight path keeps as it is: every projection whose fused
     parts share one block-32 type or are all K-quants, the LM head (`output.weight`, or for a tied model the
     token embedding's tensor as "lm_head.weight"), and a K-quant token embedding ("model.embed_tokens.weight",
-    looked up row by row; a block-32 one is dequantized for its lookup, and a tied head then keeps its own copy
-    of the blocks, where a K-quant tied head shares the embedding's)."""
+    looked up row by row; a K-quant tied head shares the embedding's bytes). A block-32 token embedding of a tied
+    model is kept too ("model.embed_tokens.weight"): its rows are looked up from the head's copy of the blocks
+    (one copy for both); an untied model's block-32 token embedding is dequantized for its lookup."""
     tensors = {t.hf_name: t for t in checkpoint.tensors()}
     kept = {}
     for name, t in tensors.items():
@@ -295,7 +306,7 @@ def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dic
         group = next((g for g in FUSED_PARTS if parts[-2] in g), (parts[-2],))
         siblings = [tensors.get(".".join([*parts[:-2], p, "weight"])) for p in group]
         kinds = {None if s is None else "K" if s.type_name in KQUANT_TYPES else s.type_name for s in siblings}
-        if kinds in ({t.type_name}, {"K"}):  # one block-32 type, or K-quants of any mix
+        if kinds in ({t.type_name}, {"K"}) or frozenset(kinds) in MIXED_BLOCK32:  # one type, a mix held as one
             kept[name] = t
     embed = tensors.get("model.embed_tokens.weight")
     head = tensors.get("lm_head.weight") or (embed if tie_word_embeddings else None)
@@ -303,7 +314,24 @@ def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dic
         kept["lm_head.weight"] = head
     if embed is not None and embed.type_name in KQUANT_TYPES:
         kept["model.embed_tokens.weight"] = embed
+    elif embed is not None and head is embed and head.type_name in BLOCK32_TYPES:
+        kept["model.embed_tokens.weight"] = embed  # (its lookup reads the tied head's blocks)
     return kept
+
+
+def held_block32_types(kept: dict[str, GGUFTensor]) -> dict[str, str]:
+    """HF name → the block-32 type a kept tensor is held as: its own, or for a part of a fused projection whose
+    parts mix types (MIXED_BLOCK32: Q5_0 with Q8_0) the type they are all held as."""
+    held = {}
+    for name, t in kept.items():
+        if t.type_name not in BLOCK32_TYPES:
+            continue
+        parts = name.split(".")
+        group = next((g for g in FUSED_PARTS if parts[-2] in g), (parts[-2],))
+        siblings = [kept.get(".".join([*parts[:-2], p, "weight"])) for p in group]
+        mix = frozenset(s.type_name for s in siblings if s is not None)
+        held[name] = MIXED_BLOCK32.get(mix, t.type_name)
+    return held
 
 
 # A quantized weight path's claim on a block-32 or K-quant tensor: (HF name, tensor) → True when it keeps the
@@ -367,13 +395,23 @@ def log_kept(kept: dict[str, GGUFTensor]) -> None:
 
 def resident_weight_bytes(checkpoint: GGUFCheckpoint, dtype_bytes: float, keep_block32: bool) -> tuple[int, int]:
     """(bytes the loaded weights take, of which kept quantized bytes): kept tensors hold exactly their bytes in
-    the file (lmserve.model.quantization's int4 / int8w layouts are the blocks regrouped: Q4_0 18, Q4_1 20,
-    Q8_0 34 bytes per 32 weights; kquant is the K-quant blocks themselves), a tied head kept from a block-32
-    token embedding is one more copy of it (a K-quant one shares the embedding's), and everything else is
-    dequantized to `dtype_bytes` per element."""
+    the file (lmserve.model.quantization's int4 / int5 / int8w layouts are the blocks regrouped: Q4_0 18, Q4_1 20,
+    Q5_0 22, Q5_1 24, Q8_0 34 bytes per 32 weights; kquant is the K-quant blocks themselves; a Q5_0 part held as
+    Q8_0 takes Q8_0's 34), a tied head kept from a block-32 token embedding is one more copy of it (a K-quant one
+    shares the embedding's), and everything else is dequantized to `dtype_bytes` per element. (W4A8 panels pad
+    the rows to whole panels of 16: at most 15 rows more per Linear.)"""
     hf = checkpoint.hf_config()
     kept = kept_quantized(checkpoint, hf["tie_word_embeddings"]) if keep_block32 else {}
+    held = held_block32_types(kept)
     kept_names = {t.gguf_name for name, t in kept.items() if name == t.hf_name}
-    kept_bytes = sum(t.num_bytes for name, t in kept.items() if name == t.hf_name or t.gguf_name not in kept_names)
+
+    def held_bytes(name: str, t: GGUFTensor) -> int:
+        if held.get(name, t.type_name) != t.type_name:  # (Q5_0 held as Q8_0)
+            return int(np.prod(t.shape)) // 32 * 34
+        return t.num_bytes
+
+    kept_bytes = sum(
+        held_bytes(name, t) for name, t in kept.items() if name == t.hf_name or t.gguf_name not in kept_names
+    )
     rest = sum(int(np.prod(t.shape)) for t in checkpoint.tensors() if t.gguf_name not in kept_names)
     return math.ceil(rest * dtype_bytes) + kept_bytes, kept_bytes

@@ -43,8 +43,9 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
     _weight_bf16: torch.Tensor | None = None  # set by round_weights_to_bf16: what the C kernel reads
     # Quantized (lmserve.model.quantization): `weight` is None and buffers `qweight`, `scales` (and for GGUF
-    # Q4_1 blocks `mins`) hold it; quant_method "int8" | "int4" | "int8w" (GGUF Q8_0 blocks) | "kquant" (GGUF
-    # Q4_K / Q5_K / Q6_K super-blocks: `qweight` alone, its row segments in kq_segments).
+    # Q4_1 blocks `mins`) hold it; quant_method "int8" | "int4" | "int8w" (GGUF Q8_0 blocks) | "int5" (GGUF Q5_0 /
+    # Q5_1 blocks, run as 5-bit W4A8 panels) | "kquant" (GGUF Q4_K / Q5_K / Q6_K super-blocks: `qweight` alone, its
+    # row segments in kq_segments).
     quant_method: str | None = None
     group_size: int | None = None
     kq_segments: tuple[quant.KQuantSegment, ...] | None = None
@@ -116,12 +117,17 @@ class Linear(nn.Linear):
         self.kq_segments = self._kq_table = None
 
     def pack_w4a8(self, keep_int4: bool = False) -> None:
-        """Repack int4 codes (lmserve int4, GGUF Q4_0 / Q4_1) into the W4A8 kernels' panels, or int8w weights (the
-        int4 method's LM head) into their 8-bit panels; every row count then runs with int8 activations per block
-        of 32. Unless keep_int4, the source layout's buffers are dropped (the panels hold the same values)."""
-        assert self.quant_method in ("int4", "int8w") and self.qweight is not None, f"W4A8: not {self.quant_method}"
+        """Repack int4 codes (lmserve int4, GGUF Q4_0 / Q4_1) into the W4A8 kernels' panels, int5 codes (GGUF Q5_0 /
+        Q5_1) into their 5-bit panels, or int8w weights (the int4 method's LM head, GGUF Q8_0) into their 8-bit
+        panels; every row count then runs with int8 activations per block of 32. Unless keep_int4, the source
+        layout's buffers are dropped (the panels hold the same values)."""
+        assert self.quant_method in ("int4", "int5", "int8w") and self.qweight is not None, (
+            f"W4A8: not {self.quant_method}"
+        )
         if self.quant_method == "int8w":
             self._w4a8 = quant.pack_w8a8(self.qweight, self.scales)
+        elif self.quant_method == "int5":
+            self._w4a8 = quant.pack_w5a8(self.qweight, self.scales, self.mins)
         else:
             self._w4a8 = quant.pack_w4a8(self.qweight, self.scales, self.mins)
         if not keep_int4:
@@ -138,6 +144,14 @@ class Linear(nn.Linear):
                 for s in self.kq_segments
             ])  # fmt: skip
         return quant.dequantize_layout(self.quant_method, self.qweight, self.scales, self.mins)
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Output rows `rows` (int64) of the float32 weight a block-32 / W4A8 layout stands for (exactly)."""
+        if self._w4a8 is not None:
+            return quant.w4a8_rows(self._w4a8, rows)
+        assert self.quant_method in ("int8w", "int4", "int5"), f"rows of a {self.quant_method} weight"
+        mins = None if self.mins is None else self.mins[rows]
+        return quant.dequantize_layout(self.quant_method, self.qweight[rows], self.scales[rows], mins)
 
     def round_weights_to_bf16(self) -> None:
         """Round the weight to bfloat16 in place (still a float32 tensor, so every path computes the same
@@ -162,6 +176,8 @@ class Linear(nn.Linear):
             assert x.dim() == 2 and x.dtype == torch.float32, f"quantized Linear: 2-D float32 input, got {x.dtype}"
             if self._w4a8 is not None:
                 return "w4a8" if kernels.usable(x) else "int4_dequant"
+            if self.quant_method == "int5":  # weight-only: no few-row int5 kernel, dequantized tiles for every M
+                return "int5_dequant"
             few = x.shape[0] <= kernel_max_rows(self) and kernels.usable(x)
             if self.quant_method == "int8":
                 return "int8_kernel" if few and self._small_m_path is None else "int8_gemm"
@@ -202,7 +218,7 @@ class Linear(nn.Linear):
             return kernels.linear_i8w(x, self.qweight, self.scales, self.bias)
         if path == "kquant_kernel":
             return kernels.linear_kq(x, self.qweight, self._kq_table, self.out_features, self.bias)
-        assert path in ("int4_dequant", "int8w_dequant", "kquant_dequant"), f"unknown path {path}"
+        assert path in ("int4_dequant", "int8w_dequant", "int5_dequant", "kquant_dequant"), f"unknown path {path}"
         if not kernels.usable(x):
             return nn.functional.linear(x, self.dequantized_weight(), self.bias)
         # beyond 8 rows: dequantize DEQUANT_TILE_BYTES of float32 weight rows at a time and multiply them while they
@@ -226,6 +242,8 @@ class Linear(nn.Linear):
             seg = next(s for s in self.kq_segments if s.start <= start < s.end)
             return kernels.dequant_kq(seg.type_name, self.kquant_rows(start, end - start), self.in_features)
         q, s = self.qweight[start:end], self.scales[start:end]
+        if path == "int5_dequant":
+            return quant.dequantize_int5(q, s, None if self.mins is None else self.mins[start:end])
         if path == "int4_dequant":
             return kernels.dequant_i4(q, s, None if self.mins is None else self.mins[start:end])
         return kernels.dequant_i8w(q, s)
@@ -263,17 +281,18 @@ def quantize_linear_weights(model: nn.Module, config: QuantizationConfig) -> Non
         m.quantize(layout, group)
 
 
-def pack_w4a8_weights(model: nn.Module, head: bool = False, keep_int4: bool = False) -> int:
-    """int4_compute="w4a8": repack every int4 Linear (lmserve int4, GGUF Q4_0 / Q4_1) for the W4A8 kernels, and
-    with head an int8w LM head (the int4 method's) for the same kernels' 8-bit path; returns how many Linears.
-    Needs the C kernels (the caller checks kernels.available())."""
-    layers = [
-        m
-        for name, m in model.named_modules()
-        if isinstance(m, Linear)
-        and m._w4a8 is None
-        and (m.quant_method == "int4" or (head and name == "lm_head" and m.quant_method == "int8w"))
-    ]
+def pack_w4a8_weights(model: nn.Module, head: bool = False, keep_int4: bool = False, int8w: bool = False) -> int:
+    """int4_compute="w4a8": repack every int4 Linear (lmserve int4, GGUF Q4_0 / Q4_1) and int5 one (GGUF Q5_0 /
+    Q5_1) for the W4A8 kernels, with head an int8w LM head (the int4 method's) and with int8w every int8w Linear
+    (GGUF Q8_0: llama.cpp's q8_0 x q8_0) for the same kernels' 8-bit path; returns how many Linears. Needs the C
+    kernels (the caller checks kernels.available())."""
+
+    def wanted(name: str, m: Linear) -> bool:
+        if m.quant_method == "int8w":
+            return int8w or (head and name == "lm_head")
+        return m.quant_method in ("int4", "int5")
+
+    layers = [m for name, m in model.named_modules() if isinstance(m, Linear) and m._w4a8 is None and wanted(name, m)]
     for m in layers:
         m.pack_w4a8(keep_int4)
     return len(layers)
@@ -394,6 +413,17 @@ class Embedding(nn.Embedding):
     kernel, else gguf itself). A tied LM head kept as K-quant shares the same bytes (one copy for both)."""
 
     kq_type: str | None = None
+    head_rows = False  # a GGUF block-32 tied table: rows looked up in the LM head's blocks (set_head)
+    _head: tuple[Linear] | None = None  # (a tuple: not a submodule of the embedding)
+
+    def prepare_head_rows(self) -> None:
+        """No table of its own: set_head names the tied LM head whose (block-32) weight rows are the table's."""
+        self.register_parameter("weight", None)
+        self.head_rows = True
+
+    def set_head(self, head: Linear) -> None:
+        assert self.head_rows and head.out_features == self.num_embeddings and head.in_features == self.embedding_dim
+        self._head = (head,)
 
     def prepare_kquant(self, type_name: str) -> None:
         row_bytes = quant.kquant_row_bytes(type_name, self.embedding_dim, "token embedding")
@@ -417,6 +447,10 @@ class Embedding(nn.Embedding):
         return self.qweight[start * row_bytes : (start + rows) * row_bytes].view(rows, row_bytes)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._head is not None:
+            unique, inverse = ids.reshape(-1).unique(return_inverse=True)
+            values = self._head[0].weight_rows(unique)[inverse]
+            return values.reshape(*ids.shape, self.embedding_dim)
         if self.kq_type is None:
             return super().forward(ids)
         rows = self.kquant_rows(0, self.num_embeddings)[ids.reshape(-1)]

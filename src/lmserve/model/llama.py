@@ -134,11 +134,14 @@ class DecoderModel(nn.Module):
     _decode_stack: DecodeStack | None = None
     lora_active = False  # LoRA hooks on the projections (lora/layers.py); the C stack adds their deltas itself
     lora_hooks: Any = None  # the installed lora.layers.LoRAHooks (its linears and the step's groups), else None
+    tensor_parallel_size = 1  # > 1 (model/parallel.py): no decode stack, it has no place for the all-reduces
     _decode_stack_checked: tuple | None = None  # the KV caches supports() was last asked about
 
     def decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
         """The C description of this decoder over kv_caches, when DecodeStack.supports it (built once per
         set of caches; reset_decode_stack() after changing weights or their kernel paths)."""
+        if self.tensor_parallel_size > 1:
+            return None
         key = DecodeStack.cache_key(kv_caches)
         if key != self._decode_stack_checked:
             self._decode_stack_checked = key
@@ -147,7 +150,7 @@ class DecoderModel(nn.Module):
 
     def stack_linears(self) -> list[Linear]:
         """The projections a decode stack would run when they take their C kernels ([] if the layout has none)."""
-        if not DecodeStack.supports_layout(self):
+        if self.tensor_parallel_size > 1 or not DecodeStack.supports_layout(self):
             return []
         return [m for layer in self.layers for m in DecodeStack.layer_linears(layer)]
 

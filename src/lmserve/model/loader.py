@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from lmserve.config import ModelConfig, QuantizationConfig
 from lmserve.model.llama import CausalLM
+from lmserve.model.parallel import TPShard, local_config, shard_tensor
 
 # HF checkpoint name fragment → (our fused parameter fragment, shard index within the fused output)
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -39,10 +40,18 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_model(
-    cfg: ModelConfig, max_positions: int, device: str, quantization: QuantizationConfig | None = None
+    cfg: ModelConfig,
+    max_positions: int,
+    device: str,
+    quantization: QuantizationConfig | None = None,
+    tp: TPShard | None = None,
 ) -> CausalLM:
     """The model with its checkpoint's tensors. A pre-quantized checkpoint (`quantization.prequantized`)
-    fills the projections' quantized buffers directly (their float weights are never allocated)."""
+    fills the projections' quantized buffers directly (their float weights are never allocated). With tp, one
+    tensor-parallel rank's shard (model/parallel.py): each tensor is sliced as it is read."""
+    full_cfg = cfg
+    if tp is not None:
+        cfg = local_config(cfg, tp)
     dtype = TORCH_DTYPES[cfg.dtype]
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
@@ -64,6 +73,8 @@ def load_model(
     embed = model.model.embed_tokens
     if cfg.tie_word_embeddings and embed.kq_type is not None:  # a K-quant tied head reads the embedding's bytes
         model.lm_head.set_kquant(embed.qweight, model.lm_head.kq_segments)
+    if embed.head_rows:  # a block-32 tied embedding looks its rows up in the head's blocks
+        embed.set_head(model.lm_head)
     if dtype != torch.float32:  # (float32 already; .to() would also turn float16 int4 scales into float32)
         model = model.to(dtype)
     params = dict(model.named_parameters())
@@ -78,6 +89,8 @@ def load_model(
             if cfg.tie_word_embeddings and target == "lm_head.weight":
                 continue  # some tied checkpoints still save the head
             raise ValueError(f"checkpoint tensor {name!r} in {file_name} has no place in {cfg.architecture}")
+        if tp is not None:
+            tensor = shard_tensor(target, tensor, shard, full_cfg, tp)
         try:
             if target in kquant:
                 _copy_kquant(kquant[target], target, tensor, shard, cfg)
@@ -96,14 +109,16 @@ def load_model(
 
 def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig) -> dict:
     """Give every module whose GGUF tensors are kept as blocks (gguf.kept_quantized) the empty buffers of its
-    layout (Q8_0 → int8w, Q4_0 → int4, Q4_1 → int4 with mins, group 32; Q4_K / Q5_K / Q6_K → kquant, the
-    fused parts' types in their order); returns the kept tensors."""
-    from lmserve.model.gguf import KQUANT_TYPES, GGUFCheckpoint, kept_quantized, log_kept
+    layout (Q8_0 → int8w, Q4_0 → int4, Q4_1 → int4 with mins, Q5_0 / Q5_1 → int5, group 32, or the layout of the
+    type a fused mix is held as; Q4_K / Q5_K / Q6_K → kquant, the fused parts' types in their order); returns the
+    kept tensors."""
+    from lmserve.model.gguf import KQUANT_TYPES, GGUFCheckpoint, held_block32_types, kept_quantized, log_kept
     from lmserve.model.layers import Embedding
     from lmserve.model.quantization import GGUF_GROUP_SIZE, GGUF_LAYOUTS
 
     assert TORCH_DTYPES[cfg.dtype] == torch.float32, "GGUF blocks compute in float32"
     kept = kept_quantized(GGUFCheckpoint(cfg.path), cfg.tie_word_embeddings)
+    held = held_block32_types(kept)
     modules = dict(model.named_modules())
     kquant_parts: dict[str, list[tuple[int, str, int]]] = {}  # module → (shard, type, rows) of its parts
     for name, tensor in kept.items():
@@ -112,7 +127,10 @@ def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig) -> dict:
         if tensor.type_name in KQUANT_TYPES:
             kquant_parts.setdefault(module_name, []).append((shard or 0, tensor.type_name, tensor.shape[0]))
             continue
-        layout, mins = GGUF_LAYOUTS[tensor.type_name]
+        if isinstance(modules[module_name], Embedding):  # tied, block-32: rows from the head's copy
+            modules[module_name].prepare_head_rows()
+            continue
+        layout, mins = GGUF_LAYOUTS[held[name]]
         if modules[module_name].quant_method is None:  # (fused parts: the first one sets the layout they share)
             modules[module_name].prepare_quantized(layout, GGUF_GROUP_SIZE, mins)
     for module_name, parts in kquant_parts.items():
@@ -130,14 +148,15 @@ def _checkpoint_tensors(cfg: ModelConfig, kept: dict | None = None) -> Iterator[
     `kept` come as their layout's buffers (`<name>.qweight`, `.scales`, `.mins`) instead of `<name>.weight`
     (K-quants: `<name>.qweight`, the file's (rows, row bytes) block view itself, copied once into the model)."""
     if cfg.path.endswith(".gguf"):
-        from lmserve.model.gguf import KQUANT_TYPES, GGUFCheckpoint, iter_hf_tensors
-        from lmserve.model.quantization import gguf_block32_tensors
+        from lmserve.model.gguf import KQUANT_TYPES, GGUFCheckpoint, held_block32_types, iter_hf_tensors
+        from lmserve.model.quantization import GGUF_LAYOUTS, gguf_block32_tensors
 
         file_name = Path(cfg.path).name
         ckpt = GGUFCheckpoint(cfg.path)
         dtype_bytes = TORCH_DTYPES[cfg.dtype].itemsize
         kept = kept or {}
         claimed = {t.gguf_name for name, t in kept.items() if name == t.hf_name}  # (not the tied head's copy)
+        held = held_block32_types(kept)
         why = "the token embedding's lookup table, or a fused part of another type" if kept else None
         tensors = iter_hf_tensors(
             ckpt, cfg.dtype, dtype_bytes, lambda _, t: t.gguf_name in claimed, *([why] if why else [])
@@ -152,7 +171,10 @@ def _checkpoint_tensors(cfg: ModelConfig, kept: dict | None = None) -> Iterator[
                     warnings.simplefilter("ignore", UserWarning)
                     yield file_name, f"{name.removesuffix('.weight')}.qweight", torch.from_numpy(t.blocks())
                 continue
-            for suffix, tensor in gguf_block32_tensors(t.type_name, t.blocks()).items():
+            if name == "model.embed_tokens.weight":
+                continue  # a tied block-32 embedding: looked up in the head's blocks, which are loaded once
+            layout = GGUF_LAYOUTS[held[name]][0]
+            for suffix, tensor in gguf_block32_tensors(t.type_name, t.blocks(), layout).items():
                 yield file_name, f"{name.removesuffix('.weight')}.{suffix}", tensor
         return
     for file in checkpoint_files(Path(cfg.path)):

@@ -25,7 +25,14 @@ same bytes, no re-quantization), into two more per-Linear layouts of the same fa
          same (code - 8) * d).
   Q4_1 → "int4", group 32, with mins: w = code * d + m (codes 0..15 not offset, one float16 min per group).
   Q8_0 → "int8w", weight-only int8 with one float16 scale per group of 32: w = q * d; activations float32
-         (not the W8A8 path: that would re-quantize the weights per channel).
+         (not the W8A8 path: that would re-quantize the weights per channel), or with int4_compute="w4a8" the
+         same bytes in 8-bit W4A8 panels (int8 activations per block of 32, llama.cpp's q8_0 x q8_0).
+  Q5_0 → "int5", group 32, no mins: w = (code - 16) * d, codes 0..31 (four bits in the nibbles as Q4_0's, the
+         fifth in a 32-bit word a block); Q5_1 → "int5" with mins: w = code * d + m. Computed on the W4A8
+         kernels' 5-bit panels (int8 activations per block of 32, llama.cpp's q5_0 x q8_0) whatever int4_compute
+         says: there is no weight-only int5 kernel (without the C kernels: the dequantized weight in PyTorch).
+         A fused projection whose parts are Q5_0 and Q8_0 (llama-quantize's fallbacks in one qkv) is "int8w":
+         code - 16 is an int8 value with the same scale, so the Q5_0 parts convert exactly.
 and its K-quant tensors (Q4_K, Q5_K, Q6_K: 256-weight super-blocks with 6-bit sub-block scales) into a
 "kquant" layout that is the file's bytes themselves (see the K-quant section below; weight-only, x float32).
 
@@ -35,6 +42,9 @@ Layouts (what the C kernels read):
         nibble and input i + 16 in its high nibble; scales (O, K / group_size) float16; optional mins
         (O, K / group_size) float16 (then w = code * scale + min)
   int8w qweight (O, K) int8, scales (O, K / group_size) float16 (GGUF Q8_0 blocks; the int4 method's LM head)
+  int5  qweight (O, K / 32 * 20) uint8: per block of 32 inputs 20 bytes, the file's qh (4 bytes, a little-endian
+        word whose bit i is the fifth bit of input i) then qs (16 bytes as the int4 layout's); scales
+        (O, K / 32) float16; optional mins (O, K / 32) float16 (GGUF Q5_0 / Q5_1 blocks without their d / m)
   kquant qweight (bytes,) uint8: row segments of ggml Q4_K / Q5_K / Q6_K super-blocks, no scales tensor
 """
 
@@ -157,6 +167,45 @@ def dequantize_int8w(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return qweight.float() * scales.float().repeat_interleave(group_size, dim=1)
 
 
+INT5_BLOCK_BYTES = 20  # the int5 layout's bytes per block of 32 (qh word + 16 bytes of nibbles)
+
+
+def unpack_int5(qweight: torch.Tensor) -> torch.Tensor:
+    """The int5 layout's (O, K / 32 * 20) bytes → (O, K) uint8 codes 0..31."""
+    o = qweight.shape[0]
+    b = qweight.reshape(o, -1, INT5_BLOCK_BYTES)
+    low = unpack_int4(b[..., 4:].reshape(o, -1).contiguous())  # (O, K)
+    qh = b[..., :4].to(torch.int64)
+    word = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24  # (O, NB)
+    high = (word[..., None] >> torch.arange(INT4_BLOCK)) & 1  # (O, NB, 32)
+    return low | (high.reshape(o, -1) << 4).to(torch.uint8)
+
+
+def pack_int5(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of unpack_int5: (O, K) uint8 codes 0..31 → (O, K / 32 * 20)."""
+    o, k = codes.shape
+    nib = pack_int4((codes & 0x0F).contiguous()).reshape(o, k // INT4_BLOCK, 16)
+    high = (codes >> 4).to(torch.int64).reshape(o, k // INT4_BLOCK, INT4_BLOCK)
+    word = (high << torch.arange(INT4_BLOCK)).sum(-1)  # (O, NB)
+    qh = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+    return torch.cat((qh, nib), dim=-1).reshape(o, -1)
+
+
+def dequantize_int5(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """(O, K) float32 weights of the int5 layout: (code - 16) * scale (GGUF Q5_0), or code * scale + min (Q5_1),
+    each with gguf's dequantizer's one rounding (the products are exact in float32)."""
+    codes = unpack_int5(qweight)
+    d = scales.float().repeat_interleave(INT4_BLOCK, dim=1)
+    if mins is None:
+        return (codes.to(torch.int32) - 16).float() * d
+    return codes.float() * d + mins.float().repeat_interleave(INT4_BLOCK, dim=1)
+
+
+def int5_as_int8w(qweight: torch.Tensor) -> torch.Tensor:
+    """Symmetric int5 codes (GGUF Q5_0) as the int8w layout's weights, code - 16 (exact: same scales)."""
+    return (unpack_int5(qweight).to(torch.int16) - 16).to(torch.int8)
+
+
 # ---- W4A8: int4 weights with int8 activations (EngineArgs.int4_compute="w4a8") ------------------------------
 # The same codes, scales and mins as the int4 layout, repacked at load into 16-row panels the W4A8 kernels stream
 # (cpu_kernels.c, "W4A8 int4 kernels", describes the byte order); activations are quantized per row per block of
@@ -168,8 +217,9 @@ W4A8_PANEL = 16  # output rows per panel of the packed layout
 @dataclass(frozen=True)
 class W4A8Weights:
     """A weight in the W4A8 kernels' layout: codes (P, K/32, bits, 64) uint8, scales (P, K/G, 16) float16, mins the
-    same or None; P = ceil(O / 16) panels, rows past O zero. bits 4: int4 codes (pack_w4a8); bits 8: the int8w
-    layout's weights + 128 (pack_w8a8: the int4 method's 8-bit LM head with int8 activations too)."""
+    same or None; P = ceil(O / 16) panels, rows past O zero. bits 4: int4 codes (pack_w4a8); bits 5: int5 codes
+    (pack_w5a8, GGUF Q5_0 / Q5_1); bits 8: the int8w layout's weights + 128 (pack_w8a8: the int4 method's 8-bit
+    LM head, GGUF Q8_0, with int8 activations too)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -202,6 +252,26 @@ def pack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | 
     return W4A8Weights(packed, _panels(scales, p), None if mins is None else _panels(mins, p), o, k, group)
 
 
+def pack_w5a8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None) -> W4A8Weights:
+    """The int5 layout (qweight (O, K / 32 * 20), scales / mins (O, K / 32) float16) → 5-bit panels: vectors 0..3
+    the low nibbles as pack_w4a8 lays them, vector 4 byte 4j + i = sum over t of bit4(code(16p + j, 32b + 4t + i))
+    << t | bit4(code(16p + j, 32b + 16 + 4t + i)) << (4 + t)."""
+    o = qweight.shape[0]
+    codes = unpack_int5(qweight)
+    k = codes.shape[1]
+    assert scales.shape == (o, k // INT4_BLOCK), f"scales {tuple(scales.shape)} for ({o}, {k}): one per block of 32"
+    assert mins is None or mins.shape == scales.shape, f"mins {tuple(mins.shape)} vs scales {tuple(scales.shape)}"
+    low = pack_w4a8(pack_int4((codes & 0x0F).contiguous()), scales, mins)
+    p = low.codes.shape[0]
+    high = torch.zeros(p * W4A8_PANEL, k, dtype=torch.uint8)
+    high[:o] = codes >> 4
+    h = high.reshape(p, W4A8_PANEL, k // INT4_BLOCK, 2, 4, 4).permute(0, 2, 1, 5, 3, 4)  # (panel, block, j, i, half, t)
+    shifts = (torch.arange(2)[:, None] * 4 + torch.arange(4)[None, :]).to(torch.uint8)  # half * 4 + t
+    plane = (h << shifts).sum(dim=(-2, -1), dtype=torch.int32).to(torch.uint8).reshape(p, k // INT4_BLOCK, 1, 64)
+    codes5 = torch.cat((low.codes, plane), dim=2).contiguous()
+    return W4A8Weights(codes5, low.scales, low.mins, o, k, INT4_BLOCK, 5)
+
+
 def _panels(t: torch.Tensor, p: int) -> torch.Tensor:
     """(O, NG) per-row group values → (P, NG, 16), rows past O zero."""
     padded = torch.zeros(p * W4A8_PANEL, t.shape[1], dtype=t.dtype)
@@ -229,9 +299,16 @@ def pack_w8a8(qweight: torch.Tensor, scales: torch.Tensor) -> W4A8Weights:
 
 
 def unpack_w4a8(w: W4A8Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Inverse of pack_w4a8 (qweight, scales, mins in the int4 layout) and of pack_w8a8 (qweight, scales in the
-    int8w layout, mins None)."""
+    """Inverse of pack_w4a8 (qweight, scales, mins in the int4 layout), of pack_w5a8 (the int5 layout) and of
+    pack_w8a8 (qweight, scales in the int8w layout, mins None)."""
     p, nb = w.codes.shape[:2]
+    if w.bits == 5:
+        low = W4A8Weights(w.codes[:, :, :4].contiguous(), w.scales, w.mins, w.out_features, w.in_features, w.group_size)
+        q4, scales, mins = unpack_w4a8(low)
+        plane = w.codes[:, :, 4].reshape(p, nb, W4A8_PANEL, 4)  # (panel, block, j, i)
+        bits = (plane[..., None, None] >> torch.arange(8).reshape(2, 4).to(torch.uint8)) & 1  # (.., i, half, t)
+        high = bits.permute(0, 2, 1, 4, 5, 3).reshape(p * W4A8_PANEL, nb * INT4_BLOCK)[: w.out_features]
+        return pack_int5(unpack_int4(q4) | (high << 4)), scales, mins
     if w.bits == 8:
         q = w.codes.reshape(p, nb, 8, W4A8_PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * W4A8_PANEL, nb * INT4_BLOCK)
         return (q[: w.out_features].to(torch.int16) - 128).to(torch.int8), _rows(w.scales, w.out_features), None
@@ -244,7 +321,20 @@ def unpack_w4a8(w: W4A8Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def dequantize_w4a8(w: W4A8Weights) -> torch.Tensor:
     """The float32 weight packed panels stand for (exactly the source layout's)."""
+    if w.bits == 5:
+        return dequantize_int5(*unpack_w4a8(w))
     return dequantize_int8w(*unpack_w4a8(w)[:2]) if w.bits == 8 else dequantize_int4(*unpack_w4a8(w))
+
+
+def w4a8_rows(w: W4A8Weights, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64) of the float32 weight the panels stand for, exactly (a tied embedding's lookup)."""
+    p = rows // W4A8_PANEL
+    sub = W4A8Weights(
+        w.codes[p], w.scales[p], None if w.mins is None else w.mins[p], len(rows) * W4A8_PANEL, w.in_features,
+        w.group_size, w.bits,
+    )  # fmt: skip
+    values = dequantize_w4a8(sub).reshape(len(rows), W4A8_PANEL, w.in_features)
+    return values[torch.arange(len(rows)), rows % W4A8_PANEL]
 
 
 def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,25 +402,63 @@ def w4a8_reference(
     return y + bias if bias is not None else y
 
 
+def w5a8_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The 5-bit panels' product (int5 layout, int8 activations per block of 32) in PyTorch, as w4a8_reference:
+    per block the exact integer sum of code * q, then d_w * d_x * (sum - 16 * sum q) (GGUF Q5_0), or
+    d_w * d_x * sum + min * d_x * sum q (Q5_1); summed over blocks in float64. Returns (M, O) float32."""
+    q, d = quantize_activation_blocks(x)
+    m, k = q.shape
+    nb = k // INT4_BLOCK
+    codes = unpack_int5(qweight).float().reshape(-1, nb, INT4_BLOCK)
+    qb = q.float().reshape(m, nb, INT4_BLOCK)
+    isum = torch.einsum("mbi,obi->mob", qb, codes).double()
+    sx, dx, wd = qb.sum(dim=-1).double(), d.double(), scales.double()
+    if mins is None:
+        y = ((isum - 16 * sx[:, None, :]) * wd[None] * dx[:, None, :]).sum(-1)
+    else:
+        y = (isum * wd[None] * dx[:, None, :] + mins.double()[None] * (dx * sx)[:, None, :]).sum(-1)
+    y = y.float()
+    return y + bias if bias is not None else y
+
+
 # ---- GGUF block-32 tensors, as they are in the file ---------------------------------------------------------
 
 # GGML type → (Linear layout, whether it carries mins)
-GGUF_LAYOUTS = {"Q8_0": ("int8w", False), "Q4_0": ("int4", False), "Q4_1": ("int4", True)}
+GGUF_LAYOUTS = {
+    "Q8_0": ("int8w", False),
+    "Q4_0": ("int4", False),
+    "Q4_1": ("int4", True),
+    "Q5_0": ("int5", False),
+    "Q5_1": ("int5", True),
+}
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 GGUF_GROUP_SIZE = 32
 
 
-def gguf_block32_tensors(type_name: str, blocks: np.ndarray) -> dict[str, torch.Tensor]:
-    """A Q8_0 / Q4_0 / Q4_1 tensor's raw blocks (rows, row bytes) uint8 (rows in HF order,
+def gguf_block32_tensors(type_name: str, blocks: np.ndarray, layout: str | None = None) -> dict[str, torch.Tensor]:
+    """A Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 tensor's raw blocks (rows, row bytes) uint8 (rows in HF order,
     `GGUFTensor.blocks()`) → the layout's buffers {"qweight", "scales"[, "mins"]}: the file's bytes, regrouped
-    (a block is [d f16][m f16, Q4_1 only][32 int8 | 16 bytes of nibbles])."""
+    (a block is [d f16][m f16, Q4_1 / Q5_1 only][qh 4 bytes, Q5_* only][32 int8 | 16 bytes of nibbles]). layout
+    "int8w" for a Q5_0 tensor: its codes - 16 as int8 weights (a fused projection with Q8_0 parts)."""
     rows = blocks.shape[0]
-    b = np.ascontiguousarray(blocks).reshape(rows, -1, {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[type_name])
-    head = 4 if type_name == "Q4_1" else 2
+    b = np.ascontiguousarray(blocks).reshape(rows, -1, GGUF_BLOCK_BYTES[type_name])
+    with_mins = GGUF_LAYOUTS[type_name][1]
+    head = 4 if with_mins else 2
     out = {"scales": torch.from_numpy(b[..., :2].copy().view(np.float16)[..., 0])}
-    if type_name == "Q4_1":
+    if with_mins:
         out["mins"] = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0])
     body = b[..., head:].reshape(rows, -1).copy()
     out["qweight"] = torch.from_numpy(body.view(np.int8) if type_name == "Q8_0" else body)
+    if layout == "int8w" and type_name == "Q5_0":
+        out["qweight"] = int5_as_int8w(out["qweight"])
+    else:
+        assert layout in (None, GGUF_LAYOUTS[type_name][0]), f"{type_name} blocks as {layout}"
     return out
 
 
@@ -415,6 +543,8 @@ def dequantize_layout(
         return dequantize_int8(qweight, scales)
     if method == "int8w":
         return dequantize_int8w(qweight, scales)
+    if method == "int5":
+        return dequantize_int5(qweight, scales, mins)
     return dequantize_int4(qweight, scales, mins)
 
 
@@ -434,6 +564,13 @@ def quantized_tensor_specs(
     groups = ((out_features, in_features // group_size), torch.float16)
     if method == "int8w":
         return {"qweight": ((out_features, in_features), torch.int8), "scales": groups}
+    if method == "int5":
+        assert group_size == INT4_BLOCK, f"int5: one scale per block of {INT4_BLOCK}, not {group_size}"
+        specs = {
+            "qweight": ((out_features, in_features // INT4_BLOCK * INT5_BLOCK_BYTES), torch.uint8),
+            "scales": groups,
+        }
+        return {**specs, "mins": groups} if mins else specs
     specs = {"qweight": ((out_features, in_features // 2), torch.uint8), "scales": groups}
     return {**specs, "mins": groups} if mins else specs
 

@@ -22,6 +22,8 @@ from lmserve.model.layers import (
     round_linear_weights_to_bf16,
 )
 from lmserve.model.loader import load_model
+from lmserve.model.parallel import Collectives, TPShard, local_only, parallelize
+from lmserve.model.parallel import quantize_linear_weights as quantize_sharded_weights
 from lmserve.spec_decode.proposer import cut_at_grammar, make_proposer, proposal_inputs
 from lmserve.spec_decode.rejection_sampler import verify
 from lmserve.structured_output import fill_bitmasks
@@ -35,25 +37,30 @@ PROMPT_LOGPROBS_SLICE_ELEMENTS = 1 << 22
 
 
 def _log_quantized_kernels(method: str, w4a8_layers: int = 0, lm_head: str | None = None) -> None:
-    """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo); w4a8_layers: int4
-    Linears packed for the W4A8 kernels."""
+    """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo); w4a8_layers: Linears
+    packed for the W4A8 kernels (int4_compute=w4a8: int4, int5 and GGUF Q8_0 blocks)."""
     flags = kernels.cpu_flags()
     relevant = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "avx512_bf16", "avx512bw", "avx2"})
     if w4a8_layers:
         what = "int4 weights and the 8-bit LM head" if method == "int4" and lm_head == "int8w" else "int4 weights"
+        if method == "gguf":
+            what = "GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks"
         logger.info("%s: W4A8 in %d Linear layers, every row count: %s (activations int8 per block of 32, "
                     "int4_compute=w4a8; %s=%s); CPU flags %s", what, w4a8_layers,
                     kernels.w4a8_isa_name(kernels.w4a8_isa()), kernels.W4A8_ISA_ENV,
                     os.environ.get(kernels.W4A8_ISA_ENV, "auto"), relevant or "none")  # fmt: skip
-    # GGUF blocks: Q4_0/Q4_1, Q8_0, K-quants; int4's LM head: int8w
-    layouts = ("int4", "int8w", "kquant") if method == "gguf" else tuple(dict.fromkeys((method, lm_head or method)))
+    # GGUF blocks: Q4_0/Q4_1, Q5_0/Q5_1, Q8_0, K-quants; int4's LM head: int8w
+    gguf_layouts = ("int4", "int5", "int8w", "kquant")
+    layouts = gguf_layouts if method == "gguf" else tuple(dict.fromkeys((method, lm_head or method)))
     for layout in layouts:
-        if w4a8_layers and (layout == "int4" or (layout == "int8w" and method == "int4")):
+        if w4a8_layers and layout in ("int4", "int5", "int8w") and method in ("int4", "gguf"):
             continue
         if not kernels.available():
             decode = "PyTorch ops (no C kernels)"
         elif layout == "kquant":
             decode = kernels.kquant_kernel_name()
+        elif layout == "int5":  # (weight-only: no few-row kernel, every row count dequantizes tiles)
+            decode = "none (dequantized tiles)"
         else:
             decode = kernels.quantized_kernel_names()[layout]
         batched = "torch._int_mm (oneDNN int8)" if layout == "int8" else "dequantize + float32 GEMM"
@@ -79,21 +86,28 @@ def _log_bf16_compute() -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: Collectives | None = None) -> None:
+        """tp: this process's tensor-parallel group (worker/distributed.py): the runner holds its rank's shard
+        (model/parallel.py); compute_logits answers on rank 0 only, which alone samples."""
         self.config = config
+        self.tp = None if tp is None else TPShard.of(config.model, tp.rank, tp.size)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             tune_malloc_for_tensors()
         self.block_size = config.cache.block_size
         mc = config.model
-        self.model = load_model(mc, config.scheduler.max_model_len, config.device, config.quantization)
+        self.model = load_model(mc, config.scheduler.max_model_len, config.device, config.quantization, self.tp)
+        if self.tp is not None:
+            parallelize(self.model, self.tp, tp)
         if config.quantization is not None:
-            if not config.quantization.prequantized:
+            if not config.quantization.prequantized and tp is not None:
+                quantize_sharded_weights(self.model, config.quantization, tp)
+            elif not config.quantization.prequantized:
                 quantize_linear_weights(self.model, config.quantization)
-            w4a8 = 0
-            if config.quantization.int4_compute == "w4a8" and kernels.available():
-                w4a8 = pack_w4a8_weights(self.model, head=config.quantization.method == "int4")
-            _log_quantized_kernels(config.quantization.method, w4a8, config.quantization.lm_head)
+            w4a8, on, method = 0, config.quantization.int4_compute == "w4a8", config.quantization.method
+            if on and kernels.available():  # (GGUF: Q4_0 / Q4_1, Q5_0 / Q5_1 and Q8_0 blocks)
+                w4a8 = pack_w4a8_weights(self.model, head=method == "int4", int8w=method == "gguf")
+            _log_quantized_kernels(method, w4a8, config.quantization.lm_head)
         self.packed_weight_bytes = 0
         if config.weight_dtype == "bfloat16":
             if not kernels.available():
@@ -128,8 +142,9 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[KVCache]:
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
+        kv_heads = mc.num_kv_heads if self.tp is None else self.tp.num_kv_heads
         caches = [
-            KVCache.allocate(cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, cc.kv_cache_dtype, self.device)
+            KVCache.allocate(cc.num_blocks, cc.block_size, kv_heads, mc.head_dim, cc.kv_cache_dtype, self.device)
             for _ in range(mc.num_layers)
         ]
         scales = f", of which scales {cc.kv_scale_bytes_per_token} B" if cc.kv_scale_bytes_per_token else ""
@@ -148,7 +163,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self._small_m_pending:
             self._small_m_pending = False
-            choose_small_m_paths(self.model)
+            with local_only(self.model):  # (tensor parallel: each rank times its own shard's projections)
+                choose_small_m_paths(self.model)
         # Decode rows first, then prefill chunks: the attention backend batches the former. A verification run
         # (1 + k tokens) is k + 1 decode rows, each a query over its own prefix in the same blocks (its K/V rows
         # are all written before any query reads), so it takes the decode kernels and the one-call stack.
