@@ -301,7 +301,8 @@ def memory_report(
             f"{tp // shape.num_kv_heads} ranks"
         )
     if lora_bytes and tp > 1:
-        notes.append(f"LoRA slots are counted whole on every rank (tp={tp}): they are not sharded")
+        notes.append(f"LoRA slots are counted whole on every rank (tp={tp}): they are not sharded (the engine refuses "
+                     "enable_lora with tensor_parallel_size > 1 today)")  # fmt: skip
     if shape.max_position_embeddings is not None and seq_len > shape.max_position_embeddings:
         notes.append(
             f"seq_len {seq_len:,} exceeds the model's max_position_embeddings "
