@@ -157,3 +157,147 @@ def test_kernel_wrapper_refuses_bad_operands(model_dirs: dict[str, Path]) -> Non
         kernels.decode_stack(desc, h, torch.empty_like(h), cos, sin, ids.int(), ids[None], ids)
     with pytest.raises(AssertionError, match="one row per token"):
         kernels.decode_stack(desc, h, torch.empty(2, stack._model.hidden), cos, sin, ids, ids[None], ids)
+
+
+# ---- LoRA rows inside the stack: the hooks' deltas added in C (cpu_kernels.c: ls_lora_add, lora_delta_f32)
+
+LORA_SPECS = {"all8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+              "qv16": (16, 32, ("q_proj", "v_proj")), "mlp8": (8, 8, ("o_proj", "gate_proj", "down_proj"))}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(tmp_path_factory: pytest.TempPathFactory, model_dirs: dict[str, Path]) -> dict[str, dict[str, Path]]:
+    from tests.helpers import require_extra
+
+    require_extra("test", "peft")
+    from tests.lora_helpers import build_adapter
+
+    root = tmp_path_factory.mktemp("stack_lora")
+    return {
+        base: {n: build_adapter(model_dirs[base], root / base / n, r, a, t, seed=i)
+               for i, (n, (r, a, t)) in enumerate(LORA_SPECS.items())}  # fmt: skip
+        for base in ("llama-gqa", "qwen2")
+    }
+
+
+@pytest.fixture
+def compared_lora(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool, bool]]:
+    """As `compared`, recording (rows, bit-identical, the step had LoRA rows) for every forward the stack serves;
+    the module path recomputes it with the LoRA hooks on."""
+    seen: list[tuple[int, bool, bool]] = []
+    orig = DecoderModel.forward
+
+    def both(self, input_ids, positions, kv_caches, meta):
+        out = orig(self, input_ids, positions, kv_caches, meta)
+        stack = self.decode_stack(kv_caches)
+        lora = self.lora_hooks if self.lora_active else None
+        if stack is not None and stack.applies(self.embed_tokens(input_ids), meta):
+            if lora is not None and not stack.takes_lora(lora):
+                return out
+            self._decode_stack = None
+            try:
+                ref = orig(self, input_ids, positions, kv_caches, meta)
+            finally:
+                self._decode_stack = stack
+            seen.append((input_ids.shape[0], torch.equal(out, ref), bool(lora is not None and lora.groups)))
+        return out
+
+    monkeypatch.setattr(DecoderModel, "forward", both)
+    return seen
+
+
+def _lora_llm(model_dirs: dict[str, Path], name: str, **kw) -> LLM:
+    return LLM(str(model_dirs[name]), num_kv_blocks=96, block_size=4, enable_lora=True, max_loras=3,
+               max_lora_rank=16, **kw)  # fmt: skip
+
+
+LORA_CASES = [
+    ("llama-gqa", {}, ["all8"]),  # one stream under an adapter: the issue's single-stream fast path
+    ("llama-gqa", {}, ["all8", None, "qv16", "mlp8"]),  # three adapters and the base in one call (AVX-512: 8 rows)
+    ("qwen2", {}, ["qv16", "all8"]),  # q/k/v biases, then the delta
+    ("llama-gqa", {"quantization": "int4"}, ["mlp8", "all8", None]),
+    # W4A8 panels take up to 64 decode rows in one call: a run of 7 rows of one adapter and three more
+    ("llama-gqa", {"quantization": "int4"}, ["all8"] * 7 + ["qv16", None, "mlp8"]),
+    ("llama-gqa", {"weight_dtype": "bfloat16"}, ["all8", None]),
+    ("llama-gqa", {"kv_cache_dtype": "int8"}, ["qv16", "all8"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "names"), LORA_CASES,
+    ids=[f"{c[0]}-{'-'.join(map(str, c[1].values())) or 'fp32'}-{len(c[2])}" for c in LORA_CASES],
+)  # fmt: skip
+def test_lora_rows_take_the_stack_bit_identically(
+    model_dirs: dict[str, Path], lora_dirs: dict, compared_lora: list, name: str, kw: dict, names: list
+) -> None:
+    from lmserve import LoRARequest
+
+    if not kw and len(names) > kernels.f32_max_rows():
+        pytest.skip(f"the float32 kernel takes {kernels.f32_max_rows()} rows on this CPU (no AVX-512)")
+    llm = _lora_llm(model_dirs, name, **kw)
+    stack = llm.engine.runner.model.model.decode_stack(llm.engine.runner.kv_caches)
+    if stack is None or stack.max_rows < len(names):
+        pytest.skip(f"the stack takes {stack and stack.max_rows} rows here (int4 off W4A8 panels)")
+    ids = {n: i + 1 for i, n in enumerate(LORA_SPECS)}
+    reqs = [None if n is None else LoRARequest(n, ids[n], str(lora_dirs[name][n])) for n in names]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = (PROMPTS * 3)[: len(names)]
+    llm.generate(prompts, params, lora_request=reqs, use_tqdm=False)
+    lora_steps = [c for c in compared_lora if c[2]]
+    assert lora_steps, "no decode step with LoRA rows took the stack"
+    assert all(same for _, same, _ in compared_lora), compared_lora
+    assert max(rows for rows, _, _ in lora_steps) == len(names), "the decodes of all requests run in one call"
+
+
+def test_lora_in_the_stack_matches_peft(model_dirs: dict[str, Path], lora_dirs: dict) -> None:
+    """A single stream and a mixed batch under adapters, decoded on the stack: PeftModel's logits (1e-4) at every
+    step and its greedy tokens."""
+    from lmserve import LoRARequest
+    from tests.lora_helpers import peft_greedy, peft_last_logits
+
+    base = model_dirs["llama-gqa"]
+    llm = _lora_llm(model_dirs, "llama-gqa")
+    engine, decoder = llm.engine, llm.engine.runner.model.model
+    names = ["all8", "qv16", None][: max(1, min(3, kernels.f32_max_rows()))]
+    reqs = [None if n is None else LoRARequest(n, i + 1, str(lora_dirs["llama-gqa"][n])) for i, n in enumerate(names)]
+    taken = []
+    stack_cls = type(decoder.decode_stack(engine.runner.kv_caches))
+    orig_run = stack_cls.run
+
+    def run(self, h, cos, sin, meta, lora=None):
+        taken.append(lora is not None and bool(lora.groups))
+        return orig_run(self, h, cos, sin, meta, lora)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stack_cls, "run", run)
+        for i, req in enumerate(reqs):
+            engine.add_request(str(i), PROMPTS[i], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                               lora_request=req)  # fmt: skip
+        for step in range(6):
+            sched = engine.scheduler.schedule()
+            out = engine.runner.execute(sched)
+            for row, s in enumerate(sched.scheduled):
+                n = names[int(s.request.request_id)]
+                adapter = None if n is None else lora_dirs["llama-gqa"][n]
+                expected = peft_last_logits(base, adapter, s.request.all_token_ids)
+                torch.testing.assert_close(out.logits[row], expected, atol=1e-4, rtol=1e-4, msg=f"step {step} {n}")
+            engine.scheduler.update_from_output(sched, out, engine.config.scheduler.max_model_len)
+    assert sum(taken) >= 4, f"the decode steps with LoRA rows took the stack: {taken}"
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = _lora_llm(model_dirs, "llama-gqa").generate(PROMPTS[: len(names)], params, lora_request=reqs, use_tqdm=False)
+    for out, n, prompt in zip(outs, names, PROMPTS, strict=False):
+        adapter = None if n is None else lora_dirs["llama-gqa"][n]
+        assert list(out.outputs[0].token_ids) == peft_greedy(base, adapter, prompt, 10), n
+
+
+def test_lora_delta_kernel_is_the_two_products() -> None:
+    """kernels.lora_delta against torch: y += (x · A[:c]ᵀ) · B[:, :c]ᵀ on a slot's stacked weights (float32 sums in
+    another order: 1e-5)."""
+    gen = torch.Generator().manual_seed(0)
+    x, a, b = (torch.randn(s, generator=gen) for s in ((3, 40), (24, 40), (50, 24)))
+    y = torch.randn(3, 50, generator=gen)
+    ref = y + (x @ a[:16].t()) @ b[:, :16].t()
+    kernels.lora_delta(x, a, b, y, 16)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError, match="LoRA delta shapes"):
+        kernels.lora_delta(x, a, b, y, 25)

@@ -223,6 +223,55 @@ def test_ledger_counts_the_slot_bytes(bases) -> None:
     assert llm.engine.runner.lora.num_bytes == expected == llm.get_metrics()["lora_slot_bytes"]
 
 
+def test_kv_budget_takes_the_slot_bytes_and_the_report_agrees(bases, tmp_path: Path) -> None:
+    """kv_cache_memory_gib is the KV pool plus the LoRA slots: the pool gets what the slots leave, and
+    `lmserve memory --enable-lora` (memory_report and its CLI) counts the same slot bytes and the same blocks."""
+    import argparse
+    import contextlib
+    import io
+
+    from lmserve import memory
+    from lmserve.entrypoints.memory_cli import add_memory_parser
+    from lmserve.memory_report import memory_report
+
+    gib, block = 0.004, 4
+    budget = int(gib * 2**30)
+    llm = make_llm(bases["qwen3"], max_loras=3, max_lora_rank=32, num_kv_blocks=None, kv_cache_memory_gib=gib,
+                   block_size=block)  # fmt: skip
+    cfg = llm.engine.config
+    slot_bytes = llm.engine.runner.lora.num_bytes
+    assert slot_bytes == cfg.lora.slot_bytes > 0, "the engine set aside what its slots hold"
+    assert cfg.cache.pool_bytes + slot_bytes <= budget, "the pool and the slots fit the budget"
+    assert cfg.cache.num_blocks == memory.max_num_kv_blocks(budget - slot_bytes, block, cfg.cache.kv_bytes_per_token)
+    plain = LLM(str(bases["qwen3"]), kv_cache_memory_gib=gib, block_size=block).engine.config.cache
+    assert plain.num_blocks > cfg.cache.num_blocks, "without LoRA the whole budget is KV"
+
+    shape = memory.load_model_shape(bases["qwen3"])
+    no_lora = memory_report(shape, kv_dtype="fp32", weight_dtype="fp32", block_size=block)
+    total = budget + no_lora.weight_bytes_per_rank  # a device budget leaving the engine's KV budget after weights
+    report = memory_report(shape, kv_dtype="fp32", weight_dtype="fp32", block_size=block, memory_bytes=total,
+                           max_loras=3, max_lora_rank=32)  # fmt: skip
+    assert report.lora_slot_bytes == slot_bytes, "the report's slot bytes are the engine's, to the byte"
+    assert report.kv_budget_bytes_per_rank == budget - slot_bytes
+    assert report.num_kv_blocks == cfg.cache.num_blocks, "and so are its KV blocks"
+    assert "LoRA slots (fp32)" in report.format_table()
+
+    parser = argparse.ArgumentParser()
+    add_memory_parser(parser.add_subparsers())
+    args = parser.parse_args(["memory", "--model", str(bases["qwen3"]), "--kv-dtype", "fp32", "--weight-dtype",
+                              "fp32", "--block-size", str(block), "--memory", str(total), "--enable-lora",
+                              "--max-loras", "3", "--max-lora-rank", "32", "--json"])  # fmt: skip
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert args.func(args) == 0
+    printed = json.loads(buf.getvalue())
+    assert printed["lora_slot_bytes"] == slot_bytes and printed["num_kv_blocks"] == cfg.cache.num_blocks
+    args.max_loras = 0
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert args.func(args) == 2
+    assert "--max-loras" in err.getvalue()
+
+
 def test_chunked_prefill_and_preemption_keep_peft_tokens(bases, adapters) -> None:
     """Chunks of 8 tokens and a pool too small for every request at once (preemption by recompute releases the
     request's slot, readmission takes one again): PeftModel's tokens still."""

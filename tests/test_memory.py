@@ -565,3 +565,28 @@ def test_blocks_held_is_what_the_engine_holds(window: int, block_size: int, seq_
     assert held_decode <= kv_blocks_held(seq_len, block_size, window)
     if seq_len - prompt_len >= window + 2 * block_size:
         assert held_decode == kv_blocks_held(seq_len, block_size, window), "the decode bound is reached"
+
+
+def test_report_takes_the_lora_slots_from_the_budget() -> None:
+    """--enable-lora: the slots' bytes (memory.lora_slot_bytes, per layer and slot: A's parts · rank rows of each
+    projection's input, the block-diagonal B's columns of its output) come out of the budget before the KV."""
+    from lmserve.memory import lora_slot_bytes
+
+    shape = get_preset("llama-3-8b").shape()
+    h, q, kv, inter = 4096, 4096, 1024, 14336
+    per_layer_slot = (3 * 64 * h + (q + 2 * kv) * 3 * 64) + (64 * q + h * 64) + (2 * 64 * h + 2 * inter * 2 * 64) + (
+        64 * inter + h * 64)  # fmt: skip
+    slots = lora_slot_bytes(32, h, q, kv, inter, 4, 64, 2)
+    assert slots == 32 * 4 * per_layer_slot * 2
+    base = memory_report(shape, memory_bytes=80 * 2**30)
+    lora = memory_report(shape, memory_bytes=80 * 2**30, max_loras=4, max_lora_rank=64)
+    assert lora.lora_slot_bytes == slots and base.lora_slot_bytes == 0
+    assert lora.kv_budget_bytes_per_rank == base.kv_budget_bytes_per_rank - slots
+    assert lora.num_kv_blocks == max_num_kv_blocks(base.kv_budget_bytes_per_rank - slots, 16, lora.kv_bytes_per_token)
+    assert "LoRA slots (bf16)" in lora.format_table() and "LoRA slots" not in base.format_table()
+    assert json.loads(json.dumps(lora.to_dict()))["max_lora_rank"] == 64
+    fp32 = memory_report(shape, max_loras=4, max_lora_rank=64, lora_dtype="fp32")
+    assert fp32.lora_slot_bytes == 2 * slots
+    assert any("not sharded" in n for n in memory_report(shape, tp=2, max_loras=1).notes)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        memory_report(shape, max_loras=1, max_lora_rank=0)

@@ -133,6 +133,8 @@ class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int = 1
+    # the compute slots' stacked weights (memory.lora_slot_bytes at the model dtype), taken from the KV budget
+    slot_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,8 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={tp} with a draft model (speculative_config): not supported; "
                              "n-gram speculation works")
         draft_bpt = spec.draft_kv_bytes_per_token if spec is not None else 0
-        num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt)
+        lora = self._lora(spec, model)
+        num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt, lora.slot_bytes if lora else 0)
         # a draft model's KV shares the block tables and may attend to everything: no freeing beside one
         free_window = model.kv_free_window if spec is None or spec.draft is None else None
         cache = CacheConfig(
@@ -307,11 +310,10 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={tp} with {what}: not supported yet")
         return EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
-            quantization, spec, bool(self.structured_outputs_allow_additional_properties), kv_transfer,
-            self._lora(spec), tp,
+            quantization, spec, bool(self.structured_outputs_allow_additional_properties), kv_transfer, lora, tp,
         )  # fmt: skip
 
-    def _lora(self, spec: Any) -> LoRAConfig | None:
+    def _lora(self, spec: Any, model: ModelConfig) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
         _check_positive("max_loras", self.max_loras)
@@ -323,7 +325,13 @@ class EngineArgs:
         if spec is not None:
             raise ValueError("speculative_config: speculative decoding with enable_lora is not supported (the draft "
                              "and the verification would need the adapter's weights); turn one of them off")
-        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
+        from lmserve import memory
+
+        slot_bytes = memory.lora_slot_bytes(
+            model.num_layers, model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim,
+            model.intermediate_size, self.max_loras, self.max_lora_rank, memory.dtype_bytes(model.dtype),
+        )  # fmt: skip
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, slot_bytes)
 
     def _quantization(self, model: ModelConfig, weight_dtype: str | None) -> QuantizationConfig | None:
         """The checkpoint's quantization, else the requested one, validated against the model's shapes, with
@@ -398,7 +406,9 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
-    def _num_kv_blocks(self, kv_bytes_per_token: int) -> int:
+    def _num_kv_blocks(self, kv_bytes_per_token: int, lora_slot_bytes: int = 0) -> int:
+        """The pool's blocks: num_kv_blocks as given, else what the budget (kv_cache_memory_gib, or the default)
+        holds once the LoRA compute slots' bytes are taken from it (the pool plus the slots fit the budget)."""
         from lmserve import memory
 
         if self.num_kv_blocks is not None:
@@ -410,12 +420,15 @@ class EngineArgs:
             budget_bytes = int(self.kv_cache_memory_gib * 2**30)
         else:
             budget_bytes = default_kv_budget_bytes(self.device)
-        num_blocks = memory.max_num_kv_blocks(budget_bytes, self.block_size, kv_bytes_per_token)
+        num_blocks = memory.max_num_kv_blocks(max(0, budget_bytes - lora_slot_bytes), self.block_size,
+                                              kv_bytes_per_token)  # fmt: skip
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_gib: {budget_bytes} bytes cannot hold one block of {self.block_size} tokens "
                 f"({self.block_size * kv_bytes_per_token} bytes"
-                + (", the speculative draft's KV included)" if self.speculative_config is not None else ")")
+                + (", the speculative draft's KV included" if self.speculative_config is not None else "")
+                + (f") beside the LoRA slots' {lora_slot_bytes} bytes (lower max_loras / max_lora_rank)"
+                   if lora_slot_bytes else ")")
             )
         return num_blocks
 

@@ -16,6 +16,7 @@ from lmserve.memory import (
     kv_cache_bytes_per_token,
     kv_heads_per_rank,
     kv_scale_bytes_per_token,
+    lora_slot_bytes,
     max_num_kv_blocks,
     num_parameters,
     num_parameters_per_rank,
@@ -74,6 +75,11 @@ class MemoryReport:
     # sliding windows: the tokens of KV a request holds (seq_len, or the window + a block when freed)
     kv_tokens_per_request: int | None = None
     kv_freed_outside_window: bool = False
+    # LoRA (--enable-lora): the compute slots' stacked weights, per device, taken from the budget before the KV
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_dtype: str | None = None
+    lora_slot_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict (for ``--json``)."""
@@ -118,6 +124,14 @@ class MemoryReport:
                 "embeddings/norms)"
             )
         rows.append((label, both(self.weight_bytes, self.weight_bytes_per_rank)))
+        if self.max_loras is not None:
+            rows.append(
+                (
+                    f"LoRA slots ({self.lora_dtype})",
+                    f"{_fmt(self.lora_slot_bytes)} ({self.lora_slot_bytes:,} B: {self.max_loras} slot(s) of rank "
+                    f"<= {self.max_lora_rank})",
+                )
+            )
         if tp > 1:
             rows.append(
                 (
@@ -207,10 +221,16 @@ def memory_report(
     quantization: str | None = None,
     quantization_group_size: int = 32,
     exact_weight_bytes: int | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int = 16,
+    lora_dtype: str | None = None,
 ) -> MemoryReport:
     """Weights, KV per token/request/batch, and (given a per-device ``memory_bytes``) how many
     ``seq_len``-token requests fit after weights and ``reserve_bytes``. ``exact_weight_bytes``: the weights'
-    bytes when the checkpoint fixes them (a GGUF file's blocks kept as they are; tp=1)."""
+    bytes when the checkpoint fixes them (a GGUF file's blocks kept as they are; tp=1). ``max_loras`` (LoRA
+    enabled): the compute slots of rank ``max_lora_rank`` at ``lora_dtype`` (default ``weight_dtype``; the engine
+    keeps them at the model's compute dtype) are counted per device and taken from the budget before the KV, as
+    the engine sizes its pool (config.EngineArgs._num_kv_blocks)."""
     _positive("seq_len", seq_len)
     _positive("batch", batch)
     _positive("block_size", block_size)
@@ -226,6 +246,17 @@ def memory_report(
                 f"reserve_bytes ({format_bytes(reserve_bytes)}) exceeds memory_bytes "
                 f"({format_bytes(memory_bytes)})"
             )
+
+    lora_bytes = 0
+    if max_loras is not None:
+        _positive("max_loras", max_loras)
+        _positive("max_lora_rank", max_lora_rank)
+        lora_dtype = lora_dtype or weight_dtype
+        q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        lora_bytes = lora_slot_bytes(shape.num_layers, shape.hidden_size, q, kv, shape.intermediate_size, max_loras,
+                                     max_lora_rank, dtype_bytes(lora_dtype))  # fmt: skip
+    else:
+        lora_dtype = None
 
     params = num_parameters(shape)
     params_rank = num_parameters_per_rank(shape, tp)
@@ -269,6 +300,9 @@ def memory_report(
             f"{shape.num_kv_heads} KV heads < tp={tp}: each KV head is replicated on "
             f"{tp // shape.num_kv_heads} ranks"
         )
+    if lora_bytes and tp > 1:
+        notes.append(f"LoRA slots are counted whole on every rank (tp={tp}): they are not sharded (the engine refuses "
+                     "enable_lora with tensor_parallel_size > 1 today)")  # fmt: skip
     if shape.max_position_embeddings is not None and seq_len > shape.max_position_embeddings:
         notes.append(
             f"seq_len {seq_len:,} exceeds the model's max_position_embeddings "
@@ -277,11 +311,12 @@ def memory_report(
 
     budget: dict[str, Any] = {}
     if memory_bytes is not None:
-        free = memory_bytes - reserve_bytes - weight_bytes_rank
+        free = memory_bytes - reserve_bytes - weight_bytes_rank - lora_bytes
         kv_budget = max(0, free)
         if free < 0:
+            what = "weights" + (" and LoRA slots" if lora_bytes else "")
             notes.append(
-                f"weights ({format_bytes(weight_bytes_rank)} per device) do not fit in "
+                f"{what} ({format_bytes(weight_bytes_rank + lora_bytes)} per device) do not fit in "
                 f"memory minus reserve ({format_bytes(memory_bytes - reserve_bytes)})"
             )
         blocks = max_num_kv_blocks(kv_budget, block_size, per_token_rank)
@@ -330,5 +365,9 @@ def memory_report(
         notes=tuple(notes),
         quantization=quantization,
         quantization_group_size=quantization_group_size if quantization == "int4" else None,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank if max_loras is not None else None,
+        lora_dtype=lora_dtype,
+        lora_slot_bytes=lora_bytes,
         **budget,
     )

@@ -72,6 +72,16 @@ def add_memory_parser(subparsers: Any) -> None:
         help="prefill/decode disaggregation (1P1D, 2P1D, ...): each role's cores, weights and KV pool, the budget "
         "split over the cores, and the transfer buffer",
     )  # fmt: skip
+    p.add_argument(
+        "--enable-lora", action="store_true",
+        help="count the LoRA compute slots (lmserve serve --enable-lora): taken from the budget before the KV",
+    )  # fmt: skip
+    p.add_argument("--max-loras", type=int, default=1, help="with --enable-lora: compute slots (default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="with --enable-lora: largest rank (default 16)")
+    p.add_argument(
+        "--lora-dtype", default=None,
+        help="with --enable-lora: the slots' dtype, the engine's compute dtype (default: --weight-dtype)",
+    )  # fmt: skip
     p.set_defaults(func=run_memory)
 
 
@@ -156,6 +166,20 @@ def run_memory(args: argparse.Namespace) -> int:
         if memory_bytes is not None and reserve_bytes > memory_bytes:
             raise ValueError(f"--reserve ({reserve_bytes:,} B) is larger than --memory ({memory_bytes:,} B)")
         quantization, group_size = _quantization(args)
+        lora: dict[str, Any] = {}
+        if getattr(args, "enable_lora", False):
+            for flag, attr in (("--max-loras", "max_loras"), ("--max-lora-rank", "max_lora_rank")):
+                value = getattr(args, attr, 1 if attr == "max_loras" else 16)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+                lora[attr] = value
+            lora_dtype = getattr(args, "lora_dtype", None)
+            if lora_dtype is not None:
+                try:
+                    dtype_bytes(lora_dtype)
+                except ValueError as e:
+                    raise ValueError(f"--lora-dtype: {e}") from None
+            lora["lora_dtype"] = lora_dtype
         exact = None
         keep = getattr(args, "quantization", None) is None and getattr(args, "tp", 1) == 1
         if gguf_file is not None and keep and _keeps_gguf_blocks(gguf_file, weight_dtype):
@@ -174,6 +198,7 @@ def run_memory(args: argparse.Namespace) -> int:
             reserve_bytes=reserve_bytes,
             name=name,
             **ints,
+            **lora,
         )
         if gguf_file is not None:
             notes = gguf_notes(gguf_file, weight_dtype, keep=quantization == "gguf")

@@ -129,6 +129,8 @@ def _load() -> ctypes.CDLL | None:
     _declare_kquant(lib)
     lib.decode_stack.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int]
     lib.decode_stack.restype = ctypes.c_int
+    lib.lora_delta_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int]
+    lib.lora_delta_f32.restype = ctypes.c_int
     return lib
 
 
@@ -619,6 +621,25 @@ def decode_stack(
         model, h.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), b, block_tables.shape[1], torch.get_num_threads(),
     )  # fmt: skip
+
+
+# runs of at most this many rows take lora_delta, on the hooks' path and in the decode stack alike (its most rows:
+# model/decode_stack.W4A8_STACK_MAX_ROWS); longer runs (prefills) the hooks' BLAS products
+LORA_MAX_ROWS = 64
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, cols: int) -> None:
+    """y (M, O) += (x (M, K) · a[:cols]ᵀ) · b[:, :cols]ᵀ (cpu_kernels.c: lora_delta_f32, what the decode stack adds
+    for a LoRA run): a (≥ cols, K), b (O, ≥ cols) one slot's stacked LoRA weights, rows contiguous."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    for t, n in ((x, "x"), (a, "A"), (b, "B"), (y, "y")):
+        _check(t, n)
+    m, k = x.shape
+    o, stride = b.shape
+    assert y.shape == (m, o) and a.shape[1] == k and 0 < cols <= min(a.shape[0], stride), "LoRA delta shapes"
+    rc = _lib.lora_delta_f32(x.data_ptr(), a.data_ptr(), b.data_ptr(), y.data_ptr(), m, k, o, cols, stride,
+                             torch.get_num_threads())  # fmt: skip
+    assert rc == 0, "lora_delta: out of memory for its scratch"
 
 
 # ---- W4A8 int4 (int8 activations per block of 32, integer dot products); the C side is cpu_kernels.c's

@@ -1916,12 +1916,18 @@ typedef struct {
     ls_linear qkv, o, gate_up, down;
 } ls_layer;
 
+struct ls_lora; /* the LoRA section at the end of the file */
+
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, kv_kind; /* kv_kind -1: float32 */
     double eps, scale;
     const ls_layer *layers;
     const float *final_norm;
+    const struct ls_lora *lora; /* NULL: no LoRA row in the step */
 } ls_model;
+
+/* y (B, O) += the LoRA delta of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l for x (B, K); -1: no memory */
+static int ls_lora_add(const struct ls_lora *lora, int64_t l, int p, const float *x, float *y, int nthreads);
 
 /* Returns 0, or -1 when a kernel could not allocate its scratch. */
 static int ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M, int nthreads) {
@@ -1976,6 +1982,7 @@ int decode_stack(const ls_model *m, const float *h, float *out, const float *cos
             rmsnorm_f32(hb, res, L->in_norm, x, B, Hd, eps, nthreads);
         }
         if (ls_linear_run(&L->qkv, x, qkv, B, nthreads)) goto fail;
+        if (m->lora && ls_lora_add(m->lora, l, 0, x, qkv, nthreads)) goto fail;
         if (m->kv_kind < 0)
             rope_write_kv_f32(qkv, qkvw, qkv + qs, qkvw, qkv + qs + kvs, qkvw, cos, sin, (float *)L->k_cache,
                               (float *)L->v_cache, slots, B, NH, KVH, D, nthreads);
@@ -1990,10 +1997,13 @@ int decode_stack(const ls_model *m, const float *h, float *out, const float *cos
             paged_decode_attention_q(q, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables, lens, attn, B, NH,
                                      KVH, D, m->block_size, max_blocks, scale, L->window, (int)m->kv_kind, nthreads);
         if (ls_linear_run(&L->o, attn, ob, B, nthreads)) goto fail;
+        if (m->lora && ls_lora_add(m->lora, l, 1, attn, ob, nthreads)) goto fail;
         rmsnorm_f32(ob, res, L->post_norm, x, B, Hd, eps, nthreads);
         if (ls_linear_run(&L->gate_up, x, gu, B, nthreads)) goto fail;
+        if (m->lora && ls_lora_add(m->lora, l, 2, x, gu, nthreads)) goto fail;
         silu_mul_f32(gu, act, B, I, nthreads);
         if (ls_linear_run(&L->down, act, hb, B, nthreads)) goto fail;
+        if (m->lora && ls_lora_add(m->lora, l, 3, act, hb, nthreads)) goto fail;
     }
     rmsnorm_f32(hb, res, m->final_norm, out, B, Hd, eps, nthreads);
     free(buf);
@@ -2003,3 +2013,73 @@ fail:
     return -1;
 }
 /* ========================================= end of decode_stack ========================================= */
+
+/* ==================================================================================================== *
+ * LoRA deltas (lora_delta_f32) and the decode stack's LoRA rows (ls_lora_add).                           *
+ * ==================================================================================================== *
+ *
+ * One adapter's delta for a run of M rows of one projection, as lmserve/lora/layers.py lays the slots out:
+ * y (M, O) += (x (M, K) . A[:cols]^T) . B[:, :cols]^T, A (cols, K) rows contiguous, B (O, b_stride) (the slot's
+ * block-diagonal B, its first cols columns used). The LoRA hooks call it for runs of a few rows (decodes) and the
+ * decode stack calls it for the same runs with the same arguments, so the two paths add the same bits. Every
+ * value of xa and y is one thread's fixed-order sum (16 partial sums, then the tail, then the partials in order),
+ * whatever the thread count, the row count or the pointers' alignment.
+ */
+#define LORA_LANES 16
+
+static inline float lora_dot(const float *a, const float *b, int64_t n) {
+    float acc[LORA_LANES] = {0};
+    int64_t i = 0;
+    for (; i + LORA_LANES <= n; i += LORA_LANES)
+        for (int j = 0; j < LORA_LANES; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int j = 0; j < LORA_LANES; j++) s += acc[j];
+    return s;
+}
+
+/* Returns 0, or -1 when the (M, cols) scratch could not be allocated. */
+int lora_delta_f32(const float *x, const float *A, const float *B, float *y, int64_t M, int64_t K, int64_t O,
+                   int64_t cols, int64_t b_stride, int nthreads) {
+    if (M <= 0 || cols <= 0) return 0;
+    float *xa = (float *)malloc(sizeof(float) * (size_t)(M * cols));
+    if (!xa) return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * cols * K > 65536)
+    for (int64_t c = 0; c < cols; c++)
+        for (int64_t m = 0; m < M; m++) xa[m * cols + c] = lora_dot(x + m * K, A + c * K, K);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * cols * O > 65536)
+    for (int64_t o = 0; o < O; o++)
+        for (int64_t m = 0; m < M; m++) y[m * O + o] += lora_dot(xa + m * cols, B + o * b_stride, cols);
+    free(xa);
+    return 0;
+}
+
+/* One LoRA'd projection of the decode stack: the slot-stacked A (max_loras, PR, K) and B (max_loras, O, PR) of
+ * lmserve/lora/layers.LoRALinear, and its per-slot columns in use (0: the slot's adapter skips it). */
+typedef struct {
+    const float *A, *B;
+    const int64_t *cols;
+    int64_t O, K, PR;
+} ls_lora_linear;
+
+/* The step's LoRA rows: linears[4 l + p] for layer l's projection p; groups (num_groups, 3) int64 rows of
+ * (slot, first row, end row), as LoRAHooks.groups. Every field 8 bytes (the ctypes Structure mirrors it). */
+struct ls_lora {
+    const ls_lora_linear *linears;
+    const int64_t *groups;
+    int64_t num_groups;
+};
+
+static int ls_lora_add(const struct ls_lora *lora, int64_t l, int p, const float *x, float *y, int nthreads) {
+    const ls_lora_linear *d = lora->linears + 4 * l + p;
+    for (int64_t g = 0; g < lora->num_groups; g++) {
+        const int64_t slot = lora->groups[3 * g], r0 = lora->groups[3 * g + 1], r1 = lora->groups[3 * g + 2];
+        const int64_t cols = d->cols[slot];
+        if (!cols) continue;
+        if (lora_delta_f32(x + r0 * d->K, d->A + slot * d->PR * d->K, d->B + slot * d->O * d->PR, y + r0 * d->O,
+                           r1 - r0, d->K, d->O, cols, d->PR, nthreads))
+            return -1;
+    }
+    return 0;
+}
+/* ========================================= end of LoRA deltas ========================================= */

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from lmserve import kernels
+
 
 class LoRALinear:
     """The compute slots' weights for one Linear with the given output parts (row ranges)."""
@@ -35,8 +37,11 @@ class LoRALinear:
         self.A = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device)
         self.B = torch.zeros(max_loras, out_features, len(parts) * max_rank, dtype=dtype, device=device)
         # per slot: the columns of A's rows / B's columns in use (present parts · rank); 0: the slot's adapter skips
-        # this Linear
+        # this Linear. `cols` mirrors it for the decode stack's C side (which reads it each step)
         self.slot_cols = [0] * max_loras
+        self.cols = torch.zeros(max_loras, dtype=torch.int64)
+        # float32 CPU slots: runs of up to LORA_MAX_ROWS rows take the C kernel the decode stack calls (same bits)
+        self.kernel = dtype == torch.float32 and self.A.device.type == "cpu" and kernels.available()
 
     @property
     def num_bytes(self) -> int:
@@ -47,6 +52,7 @@ class LoRALinear:
         None or {} clears it (the adapter does not target this Linear)."""
         if not weights:
             self.slot_cols[slot] = 0
+            self.cols[slot] = 0
             return
         assert rank <= self.max_rank, f"rank {rank} > max_rank {self.max_rank}"
         self.A[slot].zero_()
@@ -56,19 +62,29 @@ class LoRALinear:
             self.A[slot, j * rank : (j + 1) * rank].copy_(a)
             self.B[slot, r0:r1, j * rank : (j + 1) * rank].copy_(b)
         self.slot_cols[slot] = len(weights) * rank
+        self.cols[slot] = self.slot_cols[slot]
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, groups: list[tuple[int, int, int]]) -> None:
-        """out[rows] += the slot's delta for x[rows], per (slot, start, end) group; x (T, in), out (T, out)."""
+        """out[rows] += the slot's delta for x[rows], per (slot, start, end) group; x (T, in), out (T, out). A run
+        of at most LORA_MAX_ROWS rows of float32 CPU tensors takes kernels.lora_delta (the decode stack's own
+        arithmetic, so a decode computes the same bits on either path); longer runs two BLAS products."""
         for slot, start, end in groups:
             cols = self.slot_cols[slot]
-            if cols:
+            if not cols:
+                continue
+            rows = out[start:end]
+            if (self.kernel and end - start <= kernels.LORA_MAX_ROWS and x.dtype == torch.float32
+                    and rows.is_contiguous() and rows.dtype == torch.float32):  # fmt: skip
+                kernels.lora_delta(x[start:end].contiguous(), self.A[slot], self.B[slot], rows, cols)
+            else:
                 xa = torch.mm(x[start:end], self.A[slot, :cols].t())  # shrink: (n, parts · r)
-                out[start:end].addmm_(xa, self.B[slot, :, :cols].t())  # expand, every part at once
+                rows.addmm_(xa, self.B[slot, :, :cols].t())  # expand, every part at once
 
 
 class LoRAHooks:
     """Forward hooks on the LoRA'd Linears, installed only while steps have LoRA rows (a step without any runs the
-    plain modules, and the one-call decode stack, which would bypass the hooks, only then)."""
+    plain modules). The one-call decode stack bypasses the hooks: with LoRA rows it adds the same deltas in C from
+    these linears and groups (DecodeStack.run's lora), else it stands aside."""
 
     def __init__(self, decoder: torch.nn.Module, linears: dict[tuple[int, str], LoRALinear]) -> None:
         self.decoder = decoder  # a DecoderModel
@@ -87,12 +103,14 @@ class LoRAHooks:
             module = self.decoder.layers[layer].get_submodule(name)
             self._handles.append(module.register_forward_hook(self._hook(lora)))
         self.decoder.lora_active = True
+        self.decoder.lora_hooks = self  # the decode stack adds the same deltas itself (model/decode_stack.py)
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
         self.decoder.lora_active = False
+        self.decoder.lora_hooks = None
 
     def _hook(self, lora: LoRALinear):
         def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:

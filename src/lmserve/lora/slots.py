@@ -40,6 +40,10 @@ class LoRASlotPool:
             for name in LORA_MODULES
         }
         self.hooks = LoRAHooks(model.model, self.linears)
+        assert self.num_bytes == self.lora.slot_bytes or not self.lora.slot_bytes, (
+            f"LoRA slots hold {self.num_bytes} bytes, the KV budget set aside {self.lora.slot_bytes} "
+            "(memory.lora_slot_bytes)"
+        )
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id → adapter, least recently used first
         self.slot_ids: list[int | None] = [None] * self.lora.max_loras  # the adapter each compute slot holds
         self.num_slot_loads_total = 0

@@ -17,11 +17,17 @@ the CPU with the kernels loaded. Which models (`DecodeStack.supports`): the plai
 (Llama, Mistral, Qwen2, Phi-3, SmolLM ...) with full rotary, SiLU MLP, no q/k norms, no sandwich or post
 norms, no logit soft-capping, a KV cache the kernels read, and every projection on its C kernel (not
 switched to torch / oneDNN by `LMSERVE_SMALL_M_LINEAR` or the measured small-M choice).
+
+LoRA (`takes_lora`, `run(..., lora)`): while LoRA hooks are on (lora/layers.py) the stack, which skips them, adds
+each run's slot delta after each projection itself (`ls_model.lora` → cpu_kernels.c's LoRA section), with the C
+kernel the hooks call for runs of that size, so the step stays bit-identical to the module path. Without LoRA rows
+`lora` is NULL and nothing else changes.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -57,6 +63,42 @@ class _Model(ctypes.Structure):
     ]
     _fields_ += [("eps", ctypes.c_double), ("scale", ctypes.c_double)]
     _fields_ += [("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
+    _fields_ += [("lora", ctypes.c_void_p)]  # NULL, or a _LoRA for a step with LoRA rows
+
+
+class _LoRALinear(ctypes.Structure):  # ls_lora_linear: one projection's slot-stacked A, B and columns in use
+    _fields_ = [(n, ctypes.c_void_p) for n in ("A", "B", "cols")] + [(n, ctypes.c_int64) for n in ("O", "K", "PR")]
+
+
+class _LoRA(ctypes.Structure):  # struct ls_lora: the projections (4 a layer) and the step's (slot, start, end) runs
+    _fields_ = [("linears", ctypes.POINTER(_LoRALinear)), ("groups", ctypes.c_void_p), ("num_groups", ctypes.c_int64)]
+
+
+class _LoRADesc:
+    """The C description of one LoRAHooks' slot weights (their tensors never move: set_slot copies in place)."""
+
+    def __init__(self, hooks: Any, num_layers: int) -> None:
+        # DecodeStack.layer_linears' order: ls_lora_add's projection index p
+        names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+        self.hooks = hooks
+        self.max_loras = min((lora.A.shape[0] for lora in hooks.linears.values()), default=0)
+        self.linears = (_LoRALinear * (4 * num_layers))()
+        self.ok = True
+        for layer in range(num_layers):
+            for p, name in enumerate(names):
+                lora = hooks.linears.get((layer, name))
+                if lora is None:
+                    continue
+                a, b = lora.A, lora.B
+                if not lora.kernel or not (a.is_contiguous() and b.is_contiguous()):
+                    self.ok = False
+                    return
+                self.linears[4 * layer + p] = _LoRALinear(
+                    a.data_ptr(), b.data_ptr(), lora.cols.data_ptr(), b.shape[1], a.shape[2], a.shape[1]
+                )
+        # a missing projection (none in LORA_MODULES today) would have cols NULL: refuse it rather than read it
+        self.ok = all(self.linears[i].cols for i in range(4 * num_layers))
+        self.struct = _LoRA(self.linears, None, 0)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -127,6 +169,7 @@ class DecodeStack:
             _ptr(model.norm.weight),
         )  # fmt: skip
         self._kv_caches = kv_caches  # the pointers above stay valid while these live
+        self._lora: _LoRADesc | None = None
 
     @staticmethod
     def cache_key(kv_caches: list[KVCache]) -> tuple[int, ...]:
@@ -180,15 +223,42 @@ class DecodeStack:
             and h.device.type == "cpu"
         )
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _lora_desc(self, hooks: Any) -> _LoRADesc:
+        if self._lora is None or self._lora.hooks is not hooks:
+            self._lora = _LoRADesc(hooks, self._model.num_layers)
+        return self._lora
+
+    def takes_lora(self, hooks: Any) -> bool:
+        """Whether the stack adds the LoRA deltas of hooks (a lora.layers.LoRAHooks) itself, with the hooks'
+        arithmetic: float32 CPU slots on the C kernel (LoRALinear.kernel) and runs the kernel takes."""
+        runs_fit = all(end - start <= kernels.LORA_MAX_ROWS for _, start, end in hooks.groups)
+        return runs_fit and self._lora_desc(hooks).ok
+
+    def run(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, lora: Any = None
+    ) -> torch.Tensor:
         """The final norm of the residual stream after every layer, (B, hidden): what DecoderModel.forward
-        returns on the module path. cos, sin: (B, head_dim) rows of the step's positions."""
+        returns on the module path. cos, sin: (B, head_dim) rows of the step's positions. lora: the installed
+        LoRAHooks (takes_lora holds), whose groups' rows get their slot's delta after each projection, as the
+        hooks add it; None: no LoRA (the model's lora pointer stays NULL)."""
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None, "decode metadata"
         h, cos, sin = h.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty_like(h)
-        rc = kernels.decode_stack(
-            ctypes.byref(self._model), h, out, cos, sin, meta.slot_mapping, meta.decode_block_tables,
-            meta.decode_context_lens,
-        )  # fmt: skip
+        groups = None
+        if lora is not None and lora.groups:
+            desc = self._lora_desc(lora)
+            assert desc.ok, "the stack does not take these LoRA slots (check takes_lora)"
+            groups = torch.tensor(lora.groups, dtype=torch.int64)
+            assert groups.shape[1] == 3 and int(groups[:, 2].max()) <= h.shape[0], "LoRA runs within the step's rows"
+            assert 0 <= int(groups[:, 0].min()) and int(groups[:, 0].max()) < desc.max_loras, "LoRA slots in range"
+            desc.struct.groups, desc.struct.num_groups = groups.data_ptr(), groups.shape[0]
+            self._model.lora = ctypes.addressof(desc.struct)
+        try:
+            rc = kernels.decode_stack(
+                ctypes.byref(self._model), h, out, cos, sin, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_context_lens,
+            )  # fmt: skip
+        finally:
+            self._model.lora = None
         assert rc == 0, "decode_stack: out of memory for its scratch buffers"
         return out

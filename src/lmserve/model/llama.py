@@ -6,6 +6,8 @@ Parameter names mirror HF's, except that q/k/v and gate/up are fused (see loader
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -130,7 +132,8 @@ class DecoderModel(nn.Module):
         )
 
     _decode_stack: DecodeStack | None = None
-    lora_active = False  # LoRA hooks on the projections (lora/layers.py): the C stack, which skips them, is off
+    lora_active = False  # LoRA hooks on the projections (lora/layers.py); the C stack adds their deltas itself
+    lora_hooks: Any = None  # the installed lora.layers.LoRAHooks (its linears and the step's groups), else None
     tensor_parallel_size = 1  # > 1 (model/parallel.py): no decode stack, it has no place for the all-reduces
     _decode_stack_checked: tuple | None = None  # the KV caches supports() was last asked about
 
@@ -166,9 +169,11 @@ class DecoderModel(nn.Module):
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the dtype first, as HF
         cos, sin = self.rotary(positions, h.dtype)
         stack = self.decode_stack(kv_caches)
-        # the whole stack in one C call, same arithmetic (not while LoRA hooks are on: it would skip them)
-        if stack is not None and not self.lora_active and stack.applies(h, meta):
-            return stack.run(h, cos.squeeze(1), sin.squeeze(1), meta)
+        # the whole stack in one C call, same arithmetic (with LoRA rows, the hooks' deltas added in C, when the
+        # slots are float32 CPU tensors; else the module path runs the hooks)
+        lora = self.lora_hooks if self.lora_active else None
+        if stack is not None and stack.applies(h, meta) and (lora is None or stack.takes_lora(lora)):
+            return stack.run(h, cos.squeeze(1), sin.squeeze(1), meta, lora)
         local = None if self.rotary_local is None else self.rotary_local(positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
