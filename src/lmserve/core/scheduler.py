@@ -133,7 +133,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         budget = self._schedule_running(budget, scheduled, preempted)
-        if not preempted:
+        if not preempted and self.waiting:
             self._schedule_waiting(budget, scheduled)
         now = self.clock()
         num_tokens = num_decode = 0
@@ -251,7 +251,11 @@ class Scheduler:
         """Make the blocks this step fills findable now, so requests scheduled after it in the same step
         (a burst sharing a system prompt) hit them instead of computing the prefix again."""
         if self.config.share_prefix_in_step:  # known tokens only: speculative proposals may be rejected
-            self.kv.cache_blocks(request, min(request.num_computed_tokens + num_new, request.num_tokens))
+            end = min(request.num_computed_tokens + num_new, len(request.all_token_ids))
+            # every full block of the computed tokens is registered already (update_from_output caches them after
+            # each step), so only a step that completes a block has something to share: most decode steps do not
+            if end // self.kv.block_size > request.num_computed_tokens // self.kv.block_size:
+                self.kv.cache_blocks(request, end)
 
     def _num_lookahead(self, request: Request, num_new: int) -> int:
         """Slots past this step that a draft model writes while proposing after it: only for a step that
