@@ -383,23 +383,7 @@ def w4a8_reference(
     row m and weight row o, the exact integer sum of code * q (each block's sum of 32 integer products is
     exact in float32: |.| <= 60960 < 2^24), then d_w(o, b) * d_x(m, b) * (sum - 8 * sum q) for symmetric codes, or
     d_w * d_x * sum + min * d_x * sum q with mins; summed over blocks in float64. Returns (M, O) float32."""
-    q, d = quantize_activation_blocks(x)
-    m, k = q.shape
-    o = qweight.shape[0]
-    nb, group = k // INT4_BLOCK, k // scales.shape[1]
-    codes = unpack_int4(qweight).float().reshape(o, nb, INT4_BLOCK)
-    qb = q.float().reshape(m, nb, INT4_BLOCK)
-    isum = torch.einsum("mbi,obi->mob", qb, codes).double()  # exact integers
-    sx = qb.sum(dim=-1).double()  # (m, nb)
-    wd = scales.double().repeat_interleave(group // INT4_BLOCK, dim=1)  # (o, nb)
-    dx = d.double()
-    if mins is None:
-        y = ((isum - 8 * sx[:, None, :]) * wd[None] * dx[:, None, :]).sum(-1)
-    else:
-        wm = mins.double().repeat_interleave(group // INT4_BLOCK, dim=1)
-        y = (isum * wd[None] * dx[:, None, :] + wm[None] * (dx * sx)[:, None, :]).sum(-1)
-    y = y.float()
-    return y + bias if bias is not None else y
+    return _a8_block_product(x, unpack_int4(qweight), 8, scales, mins, bias)
 
 
 def w5a8_reference(
@@ -412,17 +396,34 @@ def w5a8_reference(
     """The 5-bit panels' product (int5 layout, int8 activations per block of 32) in PyTorch, as w4a8_reference:
     per block the exact integer sum of code * q, then d_w * d_x * (sum - 16 * sum q) (GGUF Q5_0), or
     d_w * d_x * sum + min * d_x * sum q (Q5_1); summed over blocks in float64. Returns (M, O) float32."""
+    return _a8_block_product(x, unpack_int5(qweight), 16, scales, mins, bias)
+
+
+def _a8_block_product(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    offset: int,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """w4a8_reference / w5a8_reference: unsigned codes (O, K) against x's int8 blocks of 32; `offset` is the
+    symmetric codes' zero (8 or 16); scales (and mins) per group of K // scales.shape[1] weights."""
     q, d = quantize_activation_blocks(x)
     m, k = q.shape
     nb = k // INT4_BLOCK
-    codes = unpack_int5(qweight).float().reshape(-1, nb, INT4_BLOCK)
+    reps = nb // scales.shape[1]  # activation blocks per weight group
+    cb = codes.float().reshape(-1, nb, INT4_BLOCK)
     qb = q.float().reshape(m, nb, INT4_BLOCK)
-    isum = torch.einsum("mbi,obi->mob", qb, codes).double()
-    sx, dx, wd = qb.sum(dim=-1).double(), d.double(), scales.double()
+    isum = torch.einsum("mbi,obi->mob", qb, cb).double()  # exact integers
+    sx = qb.sum(dim=-1).double()  # (m, nb)
+    wd = scales.double().repeat_interleave(reps, dim=1)  # (o, nb)
+    dx = d.double()
     if mins is None:
-        y = ((isum - 16 * sx[:, None, :]) * wd[None] * dx[:, None, :]).sum(-1)
+        y = ((isum - offset * sx[:, None, :]) * wd[None] * dx[:, None, :]).sum(-1)
     else:
-        y = (isum * wd[None] * dx[:, None, :] + mins.double()[None] * (dx * sx)[:, None, :]).sum(-1)
+        wm = mins.double().repeat_interleave(reps, dim=1)
+        y = (isum * wd[None] * dx[:, None, :] + wm[None] * (dx * sx)[:, None, :]).sum(-1)
     y = y.float()
     return y + bias if bias is not None else y
 
