@@ -461,17 +461,17 @@ def test_disaggregated_tokens_and_records_match_colocated(llama_dir: Path) -> No
 
 def test_the_kv_transfer_cost_comes_from_the_flags_then_the_step_model_then_the_defaults(llama_dir: Path) -> None:
     from lmserve.sim.calibrate import measure_kv_transfer
-    from lmserve.sim.simulator import DEFAULT_KV_TRANSFER_BLOCK_S, DEFAULT_KV_TRANSFER_LATENCY_S
+    from lmserve.sim.simulator import DEFAULT_KV_TRANSFER_BLOCK_S, DEFAULT_KV_TRANSFER_LATENCY_S, kv_transfer_cost
 
     config = _config(llama_dir, num_kv_blocks=64, block_size=16)
     profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
     pd = SimConfig(config, disaggregation="1P1D")
-    assert Simulator(profile, pd).kv_transfer_cost() == (DEFAULT_KV_TRANSFER_LATENCY_S, DEFAULT_KV_TRANSFER_BLOCK_S)
+    assert kv_transfer_cost(pd, profile.overheads) == (DEFAULT_KV_TRANSFER_LATENCY_S, DEFAULT_KV_TRANSFER_BLOCK_S)
     latency, block = measure_kv_transfer(config, repeats=2)  # the real transport on this machine's KV geometry
     assert latency >= 0 and block >= 0 and latency + 32 * block > 0
     profile.overheads = Overheads(kv_transfer_latency_s=latency, kv_transfer_block_s=block)
-    assert Simulator(profile, pd).kv_transfer_cost() == (latency, block)
+    assert kv_transfer_cost(pd, profile.overheads) == (latency, block)
     flagged = SimConfig(config, disaggregation="1P1D", kv_transfer_block_s=1e-3)
-    assert Simulator(profile, flagged).kv_transfer_cost() == (latency, 1e-3)
+    assert kv_transfer_cost(flagged, profile.overheads) == (latency, 1e-3)
     with pytest.raises(ValueError, match="kv_transfer_block_s"):
         Overheads(kv_transfer_block_s=-1.0)

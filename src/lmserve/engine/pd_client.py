@@ -92,7 +92,7 @@ class DisaggregatedClient(EngineCoreClient):
         return dataclasses.replace(self.config, kv_transfer=kv)
 
     def _route(self, prompt_ids: list[int], lora_int_id: int = 0) -> _Core:
-        assert lora_int_id == 0, "LoRA is refused with disaggregation (config.py)"
+        assert lora_int_id == 0, "LoRA is refused with disaggregation (DisaggregatedClient.__init__)"
         return self._route_role(prompt_ids, "prefill", self._affinity)
 
     def _route_role(self, prompt_ids: list[int], role: str, affinity: OrderedDict[int, int]) -> _Core:

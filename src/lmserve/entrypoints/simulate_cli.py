@@ -188,7 +188,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     from lmserve.bench.metrics import parse_slos, summarize
     from lmserve.bench.report import format_summary, json_safe, load_pyplot, save_plots, write_json
-    from lmserve.sim.simulator import SimConfig, Simulator
+    from lmserve.sim.simulator import SimConfig, kv_transfer_cost
 
     try:
         slos = parse_slos(args.goodput)
@@ -204,7 +204,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         profile, config, workload = prepare(args, tp=args.tensor_parallel_size)
         sim_cfg = SimConfig(config, args.data_parallel_size, args.tensor_parallel_size, args.max_concurrency, **pd)
-        kv_cost = Simulator(profile, sim_cfg).kv_transfer_cost()
+        kv_cost = kv_transfer_cost(sim_cfg, profile.overheads)
         t_prep = time.perf_counter() - t0
         result = simulate(profile, config, workload, args.data_parallel_size, args.tensor_parallel_size,
                           args.max_concurrency, args.step_noise, args.seed, pd)  # fmt: skip

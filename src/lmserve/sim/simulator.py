@@ -116,6 +116,19 @@ def check_disaggregation(spec: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def kv_transfer_cost(config: SimConfig, overheads: Overheads) -> tuple[float, float]:
+    """(seconds per pull, seconds per block) of a KV transfer: the config's, else the step model's measured ones
+    (calibrate), else the defaults."""
+
+    def first(*values: float | None) -> float:
+        return next(v for v in values if v is not None)
+
+    return (
+        first(config.kv_transfer_latency_s, overheads.kv_transfer_latency_s, DEFAULT_KV_TRANSFER_LATENCY_S),
+        first(config.kv_transfer_block_s, overheads.kv_transfer_block_s, DEFAULT_KV_TRANSFER_BLOCK_S),
+    )
+
+
 @dataclass
 class StepTrace:
     """One simulated step of one replica (SimConfig.record_steps)."""
@@ -254,16 +267,6 @@ class Simulator:
             raise ValueError(f"--step-noise: the step model {profile.source or ''} has no measured noise (a roofline "
                              "or an old profile); run without it")  # fmt: skip
 
-    def kv_transfer_cost(self) -> tuple[float, float]:
-        """(seconds per pull, seconds per block) of a KV transfer: the config's, else the step model's measured ones,
-        else the defaults."""
-        ov, cfg = self.overheads, self.config
-        latency = next(v for v in (cfg.kv_transfer_latency_s, ov.kv_transfer_latency_s, DEFAULT_KV_TRANSFER_LATENCY_S)
-                       if v is not None)  # fmt: skip
-        block = next(v for v in (cfg.kv_transfer_block_s, ov.kv_transfer_block_s, DEFAULT_KV_TRANSFER_BLOCK_S)
-                     if v is not None)  # fmt: skip
-        return latency, block
-
     def run(self, workload: Workload) -> SimResult:
         """Simulate the workload to its end (the cyclic garbage collector paused: see paused_gc)."""
         with paused_gc():
@@ -299,7 +302,7 @@ class Simulator:
         handoffs: dict[int, tuple[Request, int]] = {}  # request index → (its prefill-side request, that replica)
         in_transit: dict[int, tuple[Request, int]] = {}  # → (its decode-side request, the replica it goes to)
         pull_target: dict[int, int] = {}  # request index → the decode replica pulling its blocks
-        pull_latency, pull_block = self.kv_transfer_cost()
+        pull_latency, pull_block = kv_transfer_cost(cfg, self.overheads)
         n = len(workload)
         records = [
             RequestRecord(i, len(workload.prompt_token_ids[i]), workload.output_lens[i], workload.arrivals_s[i])
