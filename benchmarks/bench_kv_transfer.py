@@ -18,7 +18,6 @@ import tempfile
 import time
 from multiprocessing import shared_memory
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -27,15 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from benchmark_model import add_size_args, resolve_size_args  # noqa: E402
 from machine import write_result  # noqa: E402
 
-from lmserve.engine.kv_transfer import (  # noqa: E402
-    KVLeases,
-    KVPuller,
-    KVServer,
-    block_nbytes,
-    cache_tensors,
-    import_blocks,
-)
+from lmserve.engine.kv_transfer import block_nbytes, cache_tensors  # noqa: E402
 from lmserve.model.kv_cache import KVCache  # noqa: E402
+from lmserve.sim.calibrate import time_kv_pulls  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 FULL = {"num_blocks": 1024, "repeats": 20}
@@ -49,33 +42,6 @@ def caches(num_blocks: int, dtype: str) -> list[KVCache]:
         for t in cache_tensors([c]):
             t.copy_(torch.randint(-100, 100, t.shape).to(t.dtype))
     return out
-
-
-def zmq_pull(src: list[KVCache], dst: list[KVCache], address: str, n: int, repeats: int) -> list[float]:
-    leases = KVLeases(60.0)
-    server = KVServer(address, leases, src, {})
-    addr = server.start()
-    puller = KVPuller(30.0)
-    times = []
-    try:
-        for r in range(repeats + 1):
-            ids = list(range(n))
-            req = SimpleNamespace(request_id=f"r{r}")
-            leases.grant(req, ids)
-            t0 = time.perf_counter()
-            ticket = puller.pull(addr, req.request_id, ids)
-            results = []
-            while not results:
-                results = puller.poll(100)
-            assert results[0].ticket == ticket and results[0].frames is not None, results[0].error
-            import_blocks(dst, list(range(n, 2 * n)), results[0].frames)
-            if r:  # the first is a warm-up (connection set-up)
-                times.append(time.perf_counter() - t0)
-            leases.collect(lambda _: None)
-    finally:
-        puller.close()
-        server.stop()
-    return times
 
 
 def shm_copy(src: list[KVCache], dst: list[KVCache], n: int, repeats: int) -> list[float]:
@@ -126,7 +92,7 @@ def main() -> int:
                         times = shm_copy(src, dst, n, args.repeats)
                     else:
                         where = f"ipc://{tmp}/kv-{dtype}-{n}" if name == "zmq ipc" else "tcp://127.0.0.1:*"
-                        times = zmq_pull(src, dst, where, n, args.repeats)
+                        times = time_kv_pulls(src, dst, where, n, args.repeats)
                     t = statistics.median(times)
                     rows.append({"transport": name, "kv_dtype": dtype, "blocks": n, "block_bytes": per_block,
                                  "median_s": t, "us_per_block": 1e6 * t / n,
