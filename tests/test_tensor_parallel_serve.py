@@ -16,19 +16,9 @@ from lmserve.config import EngineArgs
 from lmserve.engine.async_engine import EngineDeadError
 from lmserve.engine.core_client import EngineCoreClient
 from lmserve.sampling_params import SamplingParams
+from tests.test_core_client import _final, greedy
 
 BLOCK = 16
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-async def _final(client: EngineCoreClient, rid: str, prompt, params: SamplingParams):
-    last = None
-    async for out in client.add_request(rid, prompt, params):
-        last = out
-    return last
 
 
 def _children(pid: int) -> list[int]:
