@@ -326,6 +326,12 @@ class Simulator:
             heapq.heappush(heap, (t, kind, seq, payload))
             seq += 1
 
+        def wake(rep: _Replica, t: float) -> None:
+            """An idle replica with something new to do starts a step at t (after the other events of t)."""
+            if not rep.busy and not rep.waking:
+                rep.waking = True
+                push(t, _WAKE, rep.index)
+
         def send(i: int, t: float) -> None:
             nonlocal in_flight
             in_flight += 1
@@ -366,9 +372,7 @@ class Simulator:
             rep.pending += 1
             rep.stats.num_requests += 1
             rep.inbox.append(req)
-            if not rep.busy and not rep.waking:
-                rep.waking = True
-                push(t, _WAKE, rep.index)
+            wake(rep, t)
 
         def hand_off(i: int, t: float) -> None:
             """The API process got a prefill replica's handoff: route it to a decode replica, where it lands
@@ -392,9 +396,7 @@ class Simulator:
             remote, index = in_transit.pop(i)
             rep = replicas[index]
             rep.remote_inbox.append(remote)
-            if not rep.busy and not rep.waking:
-                rep.waking = True
-                push(t, _WAKE, rep.index)
+            wake(rep, t)
 
         def free_leases(rep: _Replica) -> None:
             """Prefill replica, between steps: free the blocks of the leases whose pull completed."""
@@ -402,7 +404,7 @@ class Simulator:
                 rep.kv.free(rep.leased.pop(rid))
             rep.lease_ended = []
 
-        def end_lease(i: int, t: float) -> None:
+        def end_lease(i: int) -> None:
             prefill = replicas[handoffs.pop(i)[1]]
             prefill.lease_ended.append(str(i))
             if not prefill.busy:  # an idle core frees it at once (it polls while it holds leases)
@@ -416,10 +418,12 @@ class Simulator:
             while rep.remote_inbox:
                 sch.add_remote(rep.remote_inbox.popleft())
                 rep.applied += 1
-            for rid in rep.pulled:
-                req = sch.remote_kv[rid]
-                sch.remote_kv_loaded(req, rep.pulling.pop(rid))
+            def loaded(req: Request, num_hit_tokens: int) -> None:  # its prompt's KV is here: it decodes
+                sch.remote_kv_loaded(req, num_hit_tokens)
                 kv.cache_blocks(req)
+
+            for rid in rep.pulled:
+                loaded(sch.remote_kv[rid], rep.pulling.pop(rid))
             rep.pulled = []
             for req in list(sch.remote_kv.values()):
                 rid = req.request_id
@@ -435,9 +439,8 @@ class Simulator:
                 rep.stats.num_blocks_hit += len(hits)
                 rep.stats.num_blocks_pulled += missing
                 if missing == 0:  # all cached here: the lease is released, nothing travels
-                    end_lease(int(rid), t)
-                    sch.remote_kv_loaded(req, num_hit_tokens)
-                    kv.cache_blocks(req)
+                    end_lease(int(rid))
+                    loaded(req, num_hit_tokens)
                     continue
                 rep.pulling[rid] = num_hit_tokens
                 pull_target[int(rid)] = rep.index
@@ -446,10 +449,8 @@ class Simulator:
         def pull_done(i: int, t: float) -> None:
             rep = replicas[pull_target.pop(i)]
             rep.pulled.append(str(i))
-            end_lease(i, t)
-            if not rep.busy and not rep.waking:
-                rep.waking = True
-                push(t, _WAKE, rep.index)
+            end_lease(i)
+            wake(rep, t)
 
         def start_step(rep: _Replica, t: float) -> None:
             sch = rep.scheduler
