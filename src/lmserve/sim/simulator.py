@@ -63,7 +63,7 @@ from lmserve.sim.workload import Workload
 _PULL_DONE, _STEP_END, _HANDOFF, _DELIVER_REMOTE, _DELIVER, _ARRIVE, _WAKE = 0, 1, 2, 3, 4, 5, 6
 FINISHED = RequestStatus.FINISHED
 # the KV transfer's cost when the config gives none: a ZeroMQ round trip on one host, and a 16-token block of a
-# small model copied at memory speed (`lmserve simulate run --kv-transfer-block-us` sets the measured figure)
+# small model copied at memory speed (calibrate measures both into the step model; --kv-transfer-*-us set them)
 DEFAULT_KV_TRANSFER_LATENCY_S = 200e-6
 DEFAULT_KV_TRANSFER_BLOCK_S = 20e-6
 
@@ -99,9 +99,11 @@ class SimConfig:
             check_disaggregation(self.disaggregation)
             if self.data_parallel_size != 1:
                 raise ValueError("--disaggregation sets the replicas (xPyD); --data-parallel-size must stay 1")
-        if (self.kv_transfer_latency_s or 0.0) < 0 or (self.kv_transfer_block_s or 0.0) < 0:
-            raise ValueError(f"the KV transfer's cost must be >= 0, got {self.kv_transfer_latency_s} s per pull and "
-                             f"{self.kv_transfer_block_s} s per block")  # fmt: skip
+        for name, flag in (("kv_transfer_latency_s", "latency"), ("kv_transfer_block_s", "block")):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"the KV transfer's cost: {name} (--kv-transfer-{flag}-us) must be a number of "
+                                 f"seconds >= 0, got {value!r}")  # fmt: skip
         if self.engine.speculative is not None:
             raise ValueError("--speculative-config: speculative decoding is not simulated (acceptance is not modelled)")
 
