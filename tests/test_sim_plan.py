@@ -187,3 +187,42 @@ def test_cli_calibrate_refit_from_saved_steps(llama_dir: Path, tmp_path: Path, c
     for k, v in truth.coefficients_s.items():
         assert new.linear.coefficients_s[k] == pytest.approx(v, rel=0.1)
     assert len(new.noise_quantiles) == 201 and 0.95 < new.noise_quantiles[100] < 1.05
+
+
+def test_refit_fits_the_served_steps_when_there_are_enough(llama_dir: Path, tmp_path: Path, capsys) -> None:
+    import random
+
+    from lmserve.sim.calibrate import MIN_SERVED_STEPS
+    from lmserve.sim.step_model import StepFeatures, StepProfile
+
+    config = EngineArgs.from_kwargs(str(llama_dir)).create_engine_config()
+    grid_truth = LinearStepModel(0.001, {"prefill_tokens": 2e-5, "prefill_segments": 1e-3, "decode_rows": 3e-4})
+    served_truth = LinearStepModel(0.0014, {"prefill_tokens": 2.5e-5, "prefill_segments": 1e-3, "decode_rows": 4e-4,
+                                            "decode_off_stack": 2e-3}, 8)  # fmt: skip
+    rng = random.Random(3)
+
+    def rows(truth: LinearStepModel, n: int) -> list[list[float]]:
+        out = []
+        for _ in range(n):
+            p = rng.choice([0, 0, 16, 256])
+            f = StepFeatures(p, int(p > 0), rng.randrange(1, 33), 0, p * (p + 1) / 2)
+            out.append([*f.as_tuple(), truth.step_time_s(f) * rng.uniform(0.99, 1.01)])
+        return out
+
+    grid = rows(grid_truth, 120)
+    cal = {"samples": grid, "workload_samples": grid[:20], "decode_stack_rows": 8}
+    few = profile_for(config, LinearStepModel(0.0, {}), calibration={**cal, "served_samples": rows(served_truth, 10)})
+    assert main(["simulate", "calibrate", "--refit", str(few.save(tmp_path / "few.json")), "--out",
+                 str(tmp_path / "few-new.json")]) == 0  # fmt: skip
+    assert StepProfile.load(tmp_path / "few-new.json").fit["fitted_on"] == "in-process grid"  # too few served
+    served = rows(served_truth, MIN_SERVED_STEPS + 100)
+    profile = profile_for(config, LinearStepModel(0.0, {}), calibration={**cal, "served_samples": served})
+    assert main(["simulate", "calibrate", "--refit", str(profile.save(tmp_path / "old.json")), "--out",
+                 str(tmp_path / "new.json")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "fitted on: served steps" in out and "held-out served steps" in out and "in-process grid steps" in out
+    new = StepProfile.load(tmp_path / "new.json")
+    assert new.fit["fitted_on"] == "served" and new.linear is not None and new.linear.stack_rows == 8
+    for k, v in served_truth.coefficients_s.items():
+        assert new.linear.coefficients_s[k] == pytest.approx(v, rel=0.1), k
+    assert new.fit["in_process_grid"]["sum_error_pct"] > 20  # the grid's steps are faster than the served ones

@@ -252,6 +252,53 @@ def test_fit_recovers_known_coefficients() -> None:
     assert q.median_ape_heldout_pct < 3
 
 
+def test_off_stack_term_is_a_jump_for_pure_decodes_past_the_stack() -> None:
+    model = LinearStepModel(0.001, {"decode_rows": 1e-4, "prefill_segments": 2e-3, "decode_off_stack": 3e-3}, 8)
+    fn = model.fast()
+    assert fn(0, 0, 8, 0, 0.0) == pytest.approx(0.001 + 8e-4)
+    assert fn(0, 0, 9, 0, 0.0) == pytest.approx(0.001 + 9e-4 + 3e-3)  # the module path's fixed cost
+    assert fn(16, 1, 9, 0, 0.0) == pytest.approx(0.001 + 9e-4 + 2e-3)  # a step with a prefill: never the stack
+    assert model.step_time_s(StepFeatures(0, 0, 20, 0, 0.0)) == pytest.approx(0.001 + 2e-3 + 3e-3)
+    assert "decode_off_stack" in model.formula() and "> 8 rows" in model.formula()
+    with pytest.raises(ValueError, match="stack_rows"):
+        LinearStepModel(0.001, {}, -1)
+    with pytest.raises(ValueError, match="unknown terms"):
+        LinearStepModel(0.001, {"decode_offstack": 1.0})
+
+
+def test_fit_finds_the_jump_past_the_stack_and_keeps_it_in_the_file(llama_dir: Path, tmp_path: Path) -> None:
+    import random
+
+    from lmserve.sim.step_model import choose_form
+
+    rng = random.Random(2)
+    truth = LinearStepModel(0.0015, {"prefill_tokens": 5e-5, "prefill_segments": 1e-3, "decode_rows": 1.5e-4,
+                                     "decode_context_tokens": 5e-7, "decode_off_stack": 2e-3}, 8)  # fmt: skip
+    samples = []
+    for _ in range(300):
+        p = rng.choice([0, 0, 0, 32, 256])
+        rows = rng.randrange(1, 33)
+        f = StepFeatures(p, int(p > 0), rows, rows * rng.randrange(16, 400), 0.0)
+        samples.append((f, truth.step_time_s(f) * rng.uniform(0.98, 1.02)))
+    model, q, comparison = choose_form(samples, stack_rows=8)
+    assert model.stack_rows == 8 and q.median_ape_heldout_pct < 3
+    for k, v in truth.coefficients_s.items():
+        assert model.coefficients_s[k] == pytest.approx(v, rel=0.1), k
+    without, _, _ = choose_form(samples)  # no stack known: no such term, and a worse fit
+    assert "decode_off_stack" not in without.coefficients_s
+    assert fit_linear(samples, ("decode_rows",))[1].median_ape_heldout_pct > q.median_ape_heldout_pct
+    on_one_side = [(f, t) for f, t in samples if f.decode_rows <= 8]  # nothing past the stack: the term is left out
+    assert "decode_off_stack" not in choose_form(on_one_side, stack_rows=8)[0].coefficients_s
+    config = _config(llama_dir)
+    path = profile_for(config, model).save(tmp_path / "m.json")
+    loaded = StepProfile.load(path)
+    assert loaded.linear == model
+    assert loaded.step_time_s(StepFeatures(0, 0, 9, 900, 0.0)) == pytest.approx(
+        model.step_time_s(StepFeatures(0, 0, 9, 900, 0.0))
+    )
+    assert loaded.scaled(2.0).linear.stack_rows == 8
+
+
 # ---- workloads -------------------------------------------------------------------------------------------------
 
 

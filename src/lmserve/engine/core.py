@@ -39,6 +39,7 @@ from lmserve.engine.messages import (
     WatchBlockMap,
 )
 from lmserve.engine.snapshot import BlockMapWatch, EngineSnapshot, take_snapshot
+from lmserve.engine.step_trace import StepTrace, trace_path
 
 if TYPE_CHECKING:
     from lmserve.config import EngineConfig
@@ -137,22 +138,38 @@ class EngineCore:
         if launch.cpu_backoff and launch.num_threads > 1 and engine.executor is None:  # (not per TP rank)
             pids = (os.getpid(),) + ((launch.parent_pid,) if launch.parent_pid else ())
             self._backoff = ThreadBackoff(launch.num_threads, CpuShare(os.sched_getaffinity(0), pids))
+        path = trace_path(self.index)
+        self._trace = StepTrace(engine, path) if path else None  # LMSERVE_STEP_TRACE: calibrate's served steps
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self._trace is not None:
+                self._trace.close()
+
+    def _loop(self) -> None:
         self._out.send(self._codec.encode(CoreReady(self.index, os.getpid(), self._snapshot())))
         executor = self.engine.executor
         while True:
             if executor is not None and executor.failure is not None:
                 raise RuntimeError(executor.failure)  # a tensor-parallel rank died: the core fails (CoreFailed)
             busy = self.engine.has_unfinished_requests()
+            if self._trace is not None and busy:
+                self._trace.begin_iteration()
             if not self._drain(0 if busy else IDLE_POLL_MS):
                 return  # Shutdown
+            if self._trace is not None and not busy:
+                self._trace.begin_iteration()  # (after the idle wait for input: that is not the loop's cost)
             if self.launch.parent_pid is not None and os.getppid() != self.launch.parent_pid:
                 logger.warning("engine core %d: the API process is gone; exiting", self.index)
                 return
             if self._backoff is not None and (threads := self._backoff.poll()) is not None:
                 torch.set_num_threads(threads)
-            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            if not self.engine.has_unfinished_requests():
+                outputs = []
+            else:
+                outputs = self._trace.step() if self._trace is not None else self.engine.step()
             handoffs = self._kv_transfer()
             if not (busy or self._changed or outputs or handoffs):
                 continue
@@ -165,6 +182,8 @@ class EngineCore:
             msg = StepOutputs(self.index, outputs, self._snapshot(idle), self._added, self._failed, handoffs)
             self._out.send(self._codec.encode(msg))
             self._added, self._failed, self._changed = [], [], False
+            if self._trace is not None:
+                self._trace.end_iteration()
 
     def _kv_transfer(self) -> list:
         """Disaggregation: the handoffs of a prefill core (those requests are no longer its), the KV failures of a

@@ -55,11 +55,13 @@ class Grid:
 
     @staticmethod
     def quick() -> Grid:
-        return Grid((0, 1, 8, 32), (64, 384), (16, 128, 384), (0, 256), decode_steps=3, repeats=2, workload_requests=16)
+        return Grid((0, 1, 4, 8, 16, 32), (64, 384), (16, 128, 384), (0, 256), decode_steps=3, repeats=2,
+                    workload_requests=16)  # fmt: skip
 
     @staticmethod
     def full() -> Grid:
-        return Grid((0, 1, 2, 4, 8, 16, 32, 64), (32, 256, 640), (8, 32, 128, 256, 512), (0, 128, 384), 4, 3, 48)
+        return Grid((0, 1, 2, 4, 8, 12, 16, 24, 32, 64), (32, 256, 640), (8, 32, 128, 256, 512), (0, 128, 384), 4, 3,
+                    48)  # fmt: skip
 
     def max_tokens_per_step(self) -> int:
         return max(self.prefills) + max(self.decode_batches) + 1
@@ -237,16 +239,24 @@ def _profile_child(config: Any, grid: Grid, num_threads: int, backoff: bool, con
         counted = [c / t for c, (_, t) in zip(rec.counted, grid_samples, strict=True)]
         held = list(profile_workload(rec, grid.workload_requests))
         conn.send(("done", ([(f.as_tuple(), t) for f, t in grid_samples], [(f.as_tuple(), t) for f, t in held],
-                            rec.threads_used, float(np.median(counted)) if counted else 1.0)))  # fmt: skip
+                            rec.threads_used, float(np.median(counted)) if counted else 1.0,
+                            decode_stack_rows(engine))))  # fmt: skip
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"{type(e).__name__}: {e}"))
     finally:
         conn.close()
 
 
+def decode_stack_rows(engine: Any) -> int:
+    """The most decode rows the engine's one-call decode stack takes (model/decode_stack.py), 0 without one."""
+    decoder = getattr(getattr(engine.runner, "model", None), "model", None)
+    stack = getattr(decoder, "_decode_stack", None)
+    return int(stack.max_rows) if stack is not None else 0
+
+
 def profile_in_core_process(
     config: Any, grid: Grid, num_threads: int, cpu_policy: str, log: Any
-) -> tuple[list[tuple[StepFeatures, float]], list[tuple[StepFeatures, float]], dict[int, int], float]:
+) -> tuple[list[tuple[StepFeatures, float]], list[tuple[StepFeatures, float]], dict[int, int], float, int]:
     """Profile in a spawned process with an engine core's environment (engine/core_client.py: OMP_NUM_THREADS and
     the --cpu-wait-policy's OpenMP settings, read by the child before anything runs; `adaptive` also backs off to
     one thread while other processes use the CPUs): the steps are timed as a served core would take them."""
@@ -273,9 +283,9 @@ def profile_in_core_process(
             elif kind == "error":
                 raise RuntimeError(f"profiling failed: {payload}")
             else:
-                grid_raw, held_raw, threads, counted = payload
+                grid_raw, held_raw, threads, counted, stack_rows = payload
                 return ([(StepFeatures(*f), t) for f, t in grid_raw], [(StepFeatures(*f), t) for f, t in held_raw],
-                        threads, counted)  # fmt: skip
+                        threads, counted, stack_rows)  # fmt: skip
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -324,18 +334,29 @@ def scrape_step_counters(base_url: str) -> dict[str, float]:
     return out
 
 
-def measure_overheads(
-    profile: StepProfile, model: str, flags: list[str], tokenizer_path: str, out_dir: Path, num_requests: int = 6
-) -> Overheads:
-    """Requests sent one at a time to `lmserve serve` on the same flags; around each, the engine's own step-time
-    counters (/metrics) give its prefill step and its decode steps, so: TTFT − that prefill step = ingress +
-    egress, and TPOT − its mean decode step = the core loop's per-step cost (not from the fit: exact even when the
-    fit is off). The counters time execute + update only; they are divided by the calibration's counted_fraction to
-    stand for whole LLMEngine.step()s, as the step model's do. The fitted model's error on those server steps is
-    reported beside them."""
+def measure_on_server(
+    profile: StepProfile,
+    model: str,
+    flags: list[str],
+    tokenizer_path: str,
+    out_dir: Path,
+    grid: Grid | None = None,
+    max_len: int = 0,
+    num_requests: int = 6,
+) -> tuple[Overheads, list[tuple[StepFeatures, float]]]:
+    """`lmserve serve` on the same flags, started with its engine core tracing its steps (engine/step_trace.py).
+    With a grid: its served_loads first, giving the served steps (each with its core-loop iteration's time). Then
+    requests one at a time; around each, the engine's own step-time counters (/metrics) give its prefill step and
+    its decode steps, so: TTFT − that prefill step = ingress + egress, and TPOT − its mean decode step = the core
+    loop's per-step cost (not from the fit: exact even when the fit is off). The counters time execute + update
+    only; they are divided by the calibration's counted_fraction to stand for whole LLMEngine.step()s. The fitted
+    model's error on those server steps is reported beside them. Returns (overheads, served steps)."""
+    import tempfile
+
     from lmserve.bench.datasets import DatasetConfig, build_requests, load_tokenizer
     from lmserve.bench.experiments import lmserve_server
     from lmserve.bench.loadgen import LoadConfig, run_load
+    from lmserve.engine.step_trace import ENV
 
     tok = load_tokenizer(tokenizer_path)
     out_len = 16
@@ -343,15 +364,72 @@ def measure_overheads(
     for i, n in enumerate((32, 128, 256)):
         reqs += build_requests(DatasetConfig(num_requests=max(1, num_requests // 3), input_len=n, output_len=out_len,
                                              seed=100 + i), tok)  # fmt: skip
-    with lmserve_server(model, flags, out_dir / "calibrate-server.log") as (url, _):
-        cfg = LoadConfig(base_url=url, max_concurrency=1, seed=0)
-        warm = build_requests(DatasetConfig(num_requests=2, input_len=16, output_len=4, seed=99), tok)
-        asyncio.run(run_load(warm, cfg))
-        return overheads_on_server(url, profile, tok, reqs, out_len)
+    with tempfile.TemporaryDirectory(prefix="lmserve-calibrate-") as tmp:
+        trace = Path(tmp) / "steps"
+        saved = os.environ.get(ENV)
+        os.environ[ENV] = str(trace)  # the server (and its engine core) inherit it
+        try:
+            with lmserve_server(model, flags, out_dir / "calibrate-server.log") as (url, _):
+                cfg = LoadConfig(base_url=url, max_concurrency=1, seed=0)
+                warm = build_requests(DatasetConfig(num_requests=2, input_len=16, output_len=4, seed=99), tok)
+                asyncio.run(run_load(warm, cfg))
+                served: list[tuple[StepFeatures, float]] = []
+                if grid is not None:
+                    skip = sum(1 for _ in _trace_rows(trace))  # the warm-up's steps
+                    served = profile_served(url, trace, served_loads(grid, tok, max_len))[skip:]
+                return overheads_on_server(url, profile, tok, reqs, out_len), served
+        finally:
+            if saved is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = saved
+
+
+def _trace_rows(trace: Path) -> list[tuple[float, ...]]:
+    from lmserve.engine.step_trace import read_trace
+
+    return [row for path in sorted(trace.parent.glob(trace.name + ".*")) for row in read_trace(str(path))]
+
+
+def served_loads(grid: Grid, tok: Any, max_len: int, seed: int = 7) -> list[tuple[list[Any], int]]:
+    """The loads calibrate serves to time served steps: for every decode batch D of the grid, requests of varied
+    prompt lengths (up to the grid's largest prefill) and outputs at D concurrent streams (D-row decodes, with
+    prefills joining them as streams end and start), and one stream of prompts sharing a prefix of the grid's
+    largest cached context (prefills over cached blocks). (requests, client concurrency) each."""
+    from lmserve.bench.datasets import DatasetConfig, build_requests
+
+    longest = min(max(grid.prefills), max_len // 2)
+    out_len = 32 if grid.repeats < 3 else 48
+    loads = []
+    for i, d in enumerate(b for b in grid.decode_batches if b > 0):
+        num = max(2 * d, 6 if grid.repeats < 3 else 12)
+        cfg = DatasetConfig(num_requests=num, input_len=max(8, longest // 2), output_len=out_len, range_ratio=0.9,
+                            seed=seed + i)  # fmt: skip
+        loads.append((build_requests(cfg, tok), d))
+    cached = max(grid.prefill_contexts)
+    if cached > 0 and cached + longest < max_len:
+        cfg = DatasetConfig(name="prefix", num_requests=6 if grid.repeats < 3 else 12, input_len=max(8, longest // 2),
+                            output_len=8, range_ratio=0.9, prefix_len=cached, seed=seed + 100)  # fmt: skip
+        loads.append((build_requests(cfg, tok), 1))
+    return loads
+
+
+def profile_served(url: str, trace: Path, loads: list[tuple[list[Any], int]]) -> list[tuple[StepFeatures, float]]:
+    """Serve `loads` one after another on the server at `url` (started with LMSERVE_STEP_TRACE=trace): the steps
+    its engine core took, each with its core-loop iteration's wall time (engine/step_trace.py)."""
+    from lmserve.bench.loadgen import LoadConfig, run_load
+
+    for reqs, concurrency in loads:
+        result = asyncio.run(run_load(reqs, LoadConfig(base_url=url, max_concurrency=concurrency, seed=0)))
+        if result.fatal_error:
+            raise RuntimeError(f"served profiling failed: {result.fatal_error}")
+    time.sleep(0.2)  # the core writes a step's line after sending its outputs
+    rows = _trace_rows(trace)
+    return [(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4]), r[6]) for r in rows if r[6] > 0]
 
 
 def overheads_on_server(url: str, profile: StepProfile, tok: Any, reqs: list[Any], out_len: int) -> Overheads:
-    """measure_overheads' readings on a running server (validation reads them again before its points)."""
+    """measure_on_server's readings on a running server (validation reads them again before its points)."""
     from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
     from lmserve.bench.metrics import request_latency
 
@@ -483,12 +561,13 @@ def refit(path: str, out: str) -> int:
         cal = profile.calibration
         samples = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("samples") or []]
         held = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("workload_samples") or []]
+        served = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("served_samples") or []]
         if len(samples) < 10:
             raise ValueError(f"--refit: {path} holds {len(samples)} profiled steps; at least 10 are needed")
     except ValueError as e:
         print(f"lmserve simulate calibrate: error: {e}", file=sys.stderr)
         return 2
-    _fit_into(profile, samples, held)
+    _fit_into(profile, samples, held, int(cal.get("decode_stack_rows") or 0), served)
     profile.calibration = {**cal, "refit_of": path, "refit_time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out_path = profile.save(out)
     print(format_profile(profile))
@@ -496,18 +575,38 @@ def refit(path: str, out: str) -> int:
     return 0
 
 
+MIN_SERVED_STEPS = 40  # served steps enough to fit on (else the in-process grid is the training set)
+
+
 def _fit_into(
-    profile: StepProfile, samples: list[tuple[StepFeatures, float]], held: list[tuple[StepFeatures, float]]
+    profile: StepProfile,
+    samples: list[tuple[StepFeatures, float]],
+    held: list[tuple[StepFeatures, float]],
+    stack_rows: int = 0,
+    served: list[tuple[StepFeatures, float]] | None = None,
 ) -> None:
-    linear, quality, comparison = choose_form(samples)
+    """Fit the profile's linear model: on the served steps (core-loop iterations of a real server) when there are
+    MIN_SERVED_STEPS of them, else on the in-process grid; the other sets are scored against it."""
+    on_served = served is not None and len(served) >= MIN_SERVED_STEPS
+    train = served if on_served else samples
+    assert train is not None
+    linear, quality, comparison = choose_form(train, stack_rows=stack_rows)
     profile.kind, profile.linear = "linear", linear
-    profile.noise_quantiles = ratio_quantiles(linear, samples)
+    profile.noise_quantiles = ratio_quantiles(linear, train)
     profile.fit = {
         **comparison,
-        "heldout_grid": asdict(quality),
+        "fitted_on": "served" if on_served else "in-process grid",
+        "heldout_grid" if not on_served else "heldout_served": asdict(quality),
         "heldout_workload": _quality(profile, held),
         "weighting": "least absolute relative error (IRLS), coefficients >= 0",
     }
+    if on_served:
+        profile.fit["in_process_grid"] = _quality(profile, samples)
+        profile.fit["why_served"] = (
+            "the steps are a served engine core's loop iterations (engine/step_trace.py): they include the API "
+            "process taking turns on the step's cores and the loop's own work, which an in-process profile misses; "
+            "the in-process grid's steps are scored against the fit (in_process_grid)"
+        )
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -556,7 +655,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     load_start = os.getloadavg()[0]
     try:
-        samples, held, threads_used, counted_fraction = profile_in_core_process(
+        samples, held, threads_used, counted_fraction, stack_rows = profile_in_core_process(
             config, grid, num_threads, args.cpu_wait_policy, log
         )
     except RuntimeError as e:
@@ -579,16 +678,27 @@ def run_calibrate(args: argparse.Namespace) -> int:
         machine={},
         linear=LinearStepModel(0.0, {}),
     )
-    _fit_into(profile, samples, held)
+    _fit_into(profile, samples, held, stack_rows)
     profile.calibration = {"counted_fraction": counted_fraction}
     overheads = Overheads()
+    served: list[tuple[StepFeatures, float]] = []
     if args.server:
         flags = _server_flags(args)
-        log(f"measuring API/network overheads: lmserve serve {shlex.join(flags)}")
+        log(f"serving the calibration loads and measuring API/network overheads: lmserve serve {shlex.join(flags)}")
         try:
-            overheads = measure_overheads(profile, model, flags, config.tokenizer, Path(args.out).resolve().parent)
+            overheads, served = measure_on_server(
+                profile, model, flags, config.tokenizer, Path(args.out).resolve().parent, grid, max_len
+            )
+            log(f"served {len(served)} traced steps")
         except Exception as e:  # noqa: BLE001 - the fit is still worth saving
             log(f"warning: overheads not measured ({type(e).__name__}: {e}); they stay 0")
+    _fit_into(profile, samples, held, stack_rows, served)
+    if profile.fit["fitted_on"] == "served":  # the fitted steps are whole core-loop iterations
+        overheads = dataclasses.replace(
+            overheads,
+            core_step_overhead_s=0.0,
+            how=overheads.how + "; the core loop's per-step cost is inside the fitted (served) steps: 0 here",
+        )
     try:
         latency_s, block_s = measure_kv_transfer(config)
         overheads = dataclasses.replace(overheads, kv_transfer_latency_s=latency_s, kv_transfer_block_s=block_s)
@@ -609,8 +719,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         "load_avg_1m_start": load_start,
         "elapsed_s": time.perf_counter() - t0,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "decode_stack_rows": stack_rows,
         "samples": [[*f.as_tuple(), t] for f, t in samples],
         "workload_samples": [[*f.as_tuple(), t] for f, t in held],
+        "served_samples": [[*f.as_tuple(), t] for f, t in served],  # step_time_s: the core loop's iteration
         "sample_columns": [
             "prefill_tokens",
             "prefill_segments",
@@ -662,19 +774,23 @@ def format_profile(profile: StepProfile) -> str:
     fit = profile.fit
     if fit:
         lines.append(f"  form: {fit.get('chosen')} — {fit.get('why')}")
-        g = fit.get("heldout_grid") or {}
-        if g:
-            lines.append(
-                f"  held-out grid steps: R² {g['r2_heldout']:.3f}, median |error| {g['median_ape_heldout_pct']:.1f} %, "
-                f"mean {g['mape_heldout_pct']:.1f} % (train R² {g['r2_train']:.3f}, mean {g['mape_train_pct']:.1f} %; "
-                f"{g['num_train']} / {g['num_heldout']} steps)"
-            )
-        w = fit.get("heldout_workload") or {}
-        if w:
-            lines.append(
-                f"  held-out workload steps: R² {w['r2']:.3f}, median |error| {w['median_ape_pct']:.1f} %, mean "
-                f"{w['mape_pct']:.1f} %, total time {w['sum_error_pct']:+.1f} % ({w['num_steps']} steps)"
-            )
+        lines.append(f"  fitted on: {fit.get('fitted_on', 'in-process grid')} steps")
+        for key, what in (("heldout_grid", "grid"), ("heldout_served", "served")):
+            g = fit.get(key) or {}
+            if g:
+                lines.append(
+                    f"  held-out {what} steps: R² {g['r2_heldout']:.3f}, median |error| "
+                    f"{g['median_ape_heldout_pct']:.1f} %, mean {g['mape_heldout_pct']:.1f} % (train R² "
+                    f"{g['r2_train']:.3f}, mean {g['mape_train_pct']:.1f} %; {g['num_train']} / {g['num_heldout']} "
+                    "steps)"
+                )
+        for key, what in (("heldout_workload", "in-process workload"), ("in_process_grid", "in-process grid")):
+            w = fit.get(key) or {}
+            if w:
+                lines.append(
+                    f"  {what} steps against it: R² {w['r2']:.3f}, median |error| {w['median_ape_pct']:.1f} %, mean "
+                    f"{w['mape_pct']:.1f} %, total time {w['sum_error_pct']:+.1f} % ({w['num_steps']} steps)"
+                )
     ov = profile.overheads
     lines.append(
         f"  overheads: ingress {ov.ingress_s * 1e3:.2f} ms, egress {ov.egress_s * 1e3:.2f} ms, core loop "

@@ -10,15 +10,18 @@ Features of a step (a SchedulerOutput, read before update_from_output advances t
 
 Two step models share one interface (`step_time_s(features)`) and one JSON file format:
 
-* LinearStepModel, fitted by `lmserve simulate calibrate` from timed LLMEngine steps:
+* LinearStepModel, fitted by `lmserve simulate calibrate` from timed steps:
       t = c0 + c1·prefill_tokens + cs·prefill_segments + c2·decode_rows + c3·decode_context_tokens
-          [+ c4·prefill_attention_pairs]
+          [+ c4·prefill_attention_pairs] [+ c5·decode_off_stack]
   c0 is the per-step overhead (schedule, launch, the LM head's fixed part), c1 the per-token cost of the
   projections, cs a prefill segment's own cost (its attention call, its sampled row; on the CPU a step with a
   prefill beside decodes also leaves the one-call decode stack, which this term absorbs: without it the held-out
   median error on mixed workloads doubled), c2 a decode row's cost (its small-M matmul share, sampling,
   detokenizing), c3 reading its KV; c4, the quadratic prefill attention, is kept only when it lowers the held-out
-  error (calibrate says which).
+  error (calibrate says which). c5: a pure-decode step of more rows than the one-call decode stack takes
+  (model/decode_stack.py; `stack_rows` in the model, 0 where the model has no stack) leaves it for the module
+  path, whose Python between kernels costs the same whatever the rows: measured on the bundled model, 8 rows
+  2.1 ms and 9 rows 3.9 ms, where a slope alone put 9 rows at 2.3 ms.
 * RooflineStepModel, an analytic estimate for machines we do not have: per step
       t = overhead + max(FLOPs / (peak · mfu), bytes / (bandwidth · mbu)) + all-reduces (tensor parallel)
   from published peak FLOP/s and memory bandwidth. Labelled an estimate everywhere it is printed.
@@ -49,6 +52,10 @@ FEATURE_NAMES = (
 )
 LINEAR_TERMS = ("prefill_tokens", "prefill_segments", "decode_rows", "decode_context_tokens")  # the base form
 QUADRATIC_TERM = "prefill_attention_pairs"
+# 1 for a pure-decode step with more rows than the one-call decode stack takes (LinearStepModel.stack_rows): such a
+# step runs the module path, with its Python between kernels, on every layer (a jump, not a slope, in step time)
+OFF_STACK_TERM = "decode_off_stack"
+TERMS = (*FEATURE_NAMES, OFF_STACK_TERM)
 DEFAULT_TP_EFFICIENCY = 0.85  # assumed for fitted profiles (calibrate runs one process; no TP to time)
 
 StepTimeFn = Callable[[int, int, int, int, float], float]  # (prefill, segments, rows, context, pairs) → s
@@ -131,22 +138,26 @@ class Overheads:
 
 @dataclass(frozen=True)
 class LinearStepModel:
-    """t = intercept_s + Σ coefficients_s[term] · feature[term] (seconds)."""
+    """t = intercept_s + Σ coefficients_s[term] · value(term) (seconds); value(decode_off_stack) is 1 for a pure
+    decode step of more than stack_rows rows (stack_rows > 0), else every term is the feature of that name."""
 
     intercept_s: float
     coefficients_s: dict[str, float]
+    stack_rows: int = 0  # the most decode rows the one-call decode stack takes (0: none, the term is unused)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.coefficients_s) - set(FEATURE_NAMES))
+        unknown = sorted(set(self.coefficients_s) - set(TERMS))
         if unknown:
-            raise ValueError(f"linear step model: unknown terms {unknown}; known: {list(FEATURE_NAMES)}")
+            raise ValueError(f"linear step model: unknown terms {unknown}; known: {list(TERMS)}")
+        if not (isinstance(self.stack_rows, int) and self.stack_rows >= 0):
+            raise ValueError(f"linear step model: stack_rows must be an integer >= 0, got {self.stack_rows!r}")
         for name, value in [("intercept_s", self.intercept_s), *self.coefficients_s.items()]:
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"linear step model: {name} must be a finite number >= 0, got {value!r}")
 
     @property
     def terms(self) -> tuple[str, ...]:
-        return tuple(t for t in FEATURE_NAMES if t in self.coefficients_s)
+        return tuple(t for t in TERMS if t in self.coefficients_s)
 
     def step_time_s(self, f: StepFeatures) -> float:
         return self.fast()(*f.as_tuple())
@@ -162,16 +173,27 @@ class LinearStepModel:
             c.get("decode_rows", 0.0) * scale,
         )
         c3, c4 = c.get("decode_context_tokens", 0.0) * scale, c.get("prefill_attention_pairs", 0.0) * scale
+        c5, stack = c.get(OFF_STACK_TERM, 0.0) * scale, self.stack_rows
 
         def step_time(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
             return c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
 
-        return step_time
+        if not (c5 and stack):
+            return step_time
+
+        def step_time_stack(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
+            t = c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
+            return t + c5 if segments == 0 and rows > stack else t
+
+        return step_time_stack
 
     def formula(self) -> str:
         parts = [f"{self.intercept_s * 1e3:.4g} ms"]
         parts += [f"{self.coefficients_s[t] * 1e6:.4g} µs·{t}" for t in self.terms]
-        return "t = " + " + ".join(parts)
+        where = (
+            f" ({OFF_STACK_TERM}: a pure decode of > {self.stack_rows} rows)" if OFF_STACK_TERM in self.terms else ""
+        )
+        return "t = " + " + ".join(parts) + where
 
 
 @dataclass(frozen=True)
@@ -186,8 +208,19 @@ class FitQuality:
     median_ape_heldout_pct: float
 
 
+def term_value(f: StepFeatures, term: str, stack_rows: int = 0) -> float:
+    """The value a LinearStepModel multiplies `term`'s coefficient by for a step with features f."""
+    if term == OFF_STACK_TERM:
+        return float(stack_rows > 0 and f.prefill_segments == 0 and f.decode_rows > stack_rows)
+    return float(getattr(f, term))
+
+
 def fit_linear(
-    samples: list[tuple[StepFeatures, float]], terms: tuple[str, ...], heldout_fraction: float = 0.25, seed: int = 0
+    samples: list[tuple[StepFeatures, float]],
+    terms: tuple[str, ...],
+    heldout_fraction: float = 0.25,
+    seed: int = 0,
+    stack_rows: int = 0,
 ) -> tuple[LinearStepModel, FitQuality]:
     """Least absolute relative error (each step's error relative to its time, so a 2 ms decode step counts as much
     as a 300 ms prefill: TPOT is made of the small ones; absolute, not squared, so the model follows the typical
@@ -198,14 +231,14 @@ def fit_linear(
         raise ValueError(
             f"fitting {len(terms) + 1} coefficients needs at least {len(terms) + 2} steps, got {len(samples)}"
         )
-    x = np.array([[getattr(f, t) for t in terms] for f, _ in samples], dtype=np.float64)
+    x = np.array([[term_value(f, t, stack_rows) for t in terms] for f, _ in samples], dtype=np.float64)
     y = np.array([t for _, t in samples], dtype=np.float64)
     assert (y > 0).all(), "step times must be positive"
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(y))
     num_heldout = max(1, int(round(len(y) * heldout_fraction))) if heldout_fraction > 0 else 0
     test, train = order[:num_heldout], order[num_heldout:]
-    model = _nnls_fit(x[train], y[train], terms)
+    model = _nnls_fit(x[train], y[train], terms, stack_rows)
     quality = FitQuality(
         num_train=len(train),
         num_heldout=len(test),
@@ -216,10 +249,12 @@ def fit_linear(
         max_ape_heldout_pct=float(np.max(_ape(model, x[test], y[test], terms))) if len(test) else math.nan,
         median_ape_heldout_pct=float(np.median(_ape(model, x[test], y[test], terms))) if len(test) else math.nan,
     )
-    return _nnls_fit(x, y, terms), quality
+    return _nnls_fit(x, y, terms, stack_rows), quality
 
 
-def _nnls_fit(x: np.ndarray, y: np.ndarray, terms: tuple[str, ...], iterations: int = 40) -> LinearStepModel:
+def _nnls_fit(
+    x: np.ndarray, y: np.ndarray, terms: tuple[str, ...], stack_rows: int = 0, iterations: int = 40
+) -> LinearStepModel:
     """min Σ |pred − y| / y over coefficients >= 0: iteratively reweighted least squares (weights 1 / |relative
     residual|), a term whose coefficient goes negative dropped and the fit redone."""
     active = list(range(len(terms)))
@@ -241,7 +276,7 @@ def _nnls_fit(x: np.ndarray, y: np.ndarray, terms: tuple[str, ...], iterations: 
     coefs = {t: 0.0 for t in terms}
     for i, c in zip(active, coef[1:], strict=True):
         coefs[terms[i]] = float(c)
-    return LinearStepModel(intercept, coefs)
+    return LinearStepModel(intercept, coefs, stack_rows)
 
 
 def _predict(model: LinearStepModel, x: np.ndarray, terms: tuple[str, ...]) -> np.ndarray:
@@ -264,13 +299,21 @@ def _mape(model: LinearStepModel, x: np.ndarray, y: np.ndarray, terms: tuple[str
 
 
 def choose_form(
-    samples: list[tuple[StepFeatures, float]], seed: int = 0, min_gain_pct: float = 5.0
+    samples: list[tuple[StepFeatures, float]], seed: int = 0, min_gain_pct: float = 5.0, stack_rows: int = 0
 ) -> tuple[LinearStepModel, FitQuality, dict[str, Any]]:
     """Fit the base form and the form with the quadratic prefill-attention term; keep the quadratic one only if
     its held-out median relative error is lower by at least min_gain_pct percent (relative) and its coefficient
-    survives the non-negativity. Returns (model, its quality, the comparison for the JSON)."""
-    base, base_q = fit_linear(samples, LINEAR_TERMS, seed=seed)
-    quad, quad_q = fit_linear(samples, (*LINEAR_TERMS, QUADRATIC_TERM), seed=seed)
+    survives the non-negativity. Both forms have the decode-off-stack term when the model has a decode stack
+    (stack_rows > 0) and the samples hold pure-decode steps on both sides of it. Returns (model, its quality, the
+    comparison for the JSON)."""
+    decode_rows = {f.decode_rows for f, _ in samples if f.prefill_segments == 0 and f.decode_rows}
+    both_sides = (
+        stack_rows > 0 and any(r <= stack_rows for r in decode_rows) and any(r > stack_rows for r in decode_rows)
+    )
+    base_terms = (*LINEAR_TERMS, OFF_STACK_TERM) if both_sides else LINEAR_TERMS
+    rows = stack_rows if both_sides else 0
+    base, base_q = fit_linear(samples, base_terms, seed=seed, stack_rows=rows)
+    quad, quad_q = fit_linear(samples, (*base_terms, QUADRATIC_TERM), seed=seed, stack_rows=rows)
     gain = 100.0 * (base_q.median_ape_heldout_pct - quad_q.median_ape_heldout_pct) / base_q.median_ape_heldout_pct
     use_quad = quad.coefficients_s[QUADRATIC_TERM] > 0 and gain >= min_gain_pct
     why = (
@@ -296,7 +339,7 @@ def ratio_quantiles(model: LinearStepModel, samples: list[tuple[StepFeatures, fl
 
 
 def _model_dict(m: LinearStepModel) -> dict[str, Any]:
-    return {"intercept_s": m.intercept_s, "coefficients_s": dict(m.coefficients_s)}
+    return {"intercept_s": m.intercept_s, "coefficients_s": dict(m.coefficients_s), "stack_rows": m.stack_rows}
 
 
 # ---- the analytic estimate -----------------------------------------------------------------------------
@@ -465,7 +508,9 @@ class StepProfile:
         if self.linear is None or not factor > 0:
             raise ValueError(f"only a fitted (linear) profile can be scaled, by a factor > 0 (got {factor!r})")
         lin = LinearStepModel(
-            self.linear.intercept_s * factor, {k: v * factor for k, v in self.linear.coefficients_s.items()}
+            self.linear.intercept_s * factor,
+            {k: v * factor for k, v in self.linear.coefficients_s.items()},
+            self.linear.stack_rows,
         )
         return dataclasses.replace(self, linear=lin)
 
@@ -571,8 +616,9 @@ class StepProfile:
             if "linear" in doc:
                 lin = doc["linear"]
                 linear = LinearStepModel(
-                    float(lin["intercept_s"]), {k: float(v) for k, v in lin["coefficients_s"].items()}
-                )
+                    float(lin["intercept_s"]), {k: float(v) for k, v in lin["coefficients_s"].items()},
+                    int(lin.get("stack_rows", 0)),
+                )  # fmt: skip
             if "roofline" in doc:
                 r = doc["roofline"]
                 roofline = RooflineStepModel(

@@ -1,0 +1,98 @@
+"""A served engine core's steps, one line each: what the scheduler put in the step and how long it took there.
+
+`lmserve simulate calibrate` fits its step-time model on these (sim/calibrate.py): a step timed inside a serving
+core includes what an in-process profile cannot see on a small machine, the API process taking turns on the cores
+the step's OpenMP team runs on (its SSE writes, tokenizing arrivals) and the core loop's own work between steps.
+
+Switched on by the environment variable LMSERVE_STEP_TRACE=<path> in the API process (an engine core inherits it);
+core i appends to `<path>.<i>` (created anew when the core starts). Off (the default), nothing here runs. A line:
+
+    prefill_tokens prefill_segments decode_rows decode_context_tokens prefill_attention_pairs step_s loop_s threads
+
+step_s: LLMEngine.step()'s wall time; loop_s: the core loop's iteration around it (drain, step, send the outputs);
+threads: torch's intra-op threads for the step. The features are sim.step_model.step_features' (read from the
+SchedulerOutput before update_from_output advances the counters).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import IO, Any
+
+ENV = "LMSERVE_STEP_TRACE"
+COLUMNS = (
+    "prefill_tokens",
+    "prefill_segments",
+    "decode_rows",
+    "decode_context_tokens",
+    "prefill_attention_pairs",
+    "step_s",
+    "loop_s",
+    "threads",
+)
+
+
+def trace_path(engine_index: int) -> str | None:
+    """The trace file of core `engine_index`, or None when tracing is off."""
+    base = os.environ.get(ENV)
+    return f"{base}.{engine_index}" if base else None
+
+
+class StepTrace:
+    """Wraps an engine's scheduler.schedule to read each step's features; `step()` runs and times engine.step()."""
+
+    def __init__(self, engine: Any, path: str) -> None:
+        from lmserve.sim.step_model import step_features
+
+        self.engine = engine
+        self._file: IO[str] = open(path, "w", buffering=1)  # noqa: SIM115 (line-buffered: read while serving)
+        self._features: tuple | None = None
+        self._pending: str | None = None  # the last step's line, waiting for its loop time
+        self._loop_start = time.perf_counter()
+        inner = engine.scheduler.schedule
+
+        def schedule() -> Any:
+            out = inner()
+            self._features = None if out.is_empty else step_features(out)
+            return out
+
+        engine.scheduler.schedule = schedule
+
+    def step(self) -> list:
+        import torch
+
+        self._features = None
+        t = time.perf_counter()
+        outputs = self.engine.step()
+        dt = time.perf_counter() - t
+        if self._features is not None:
+            f = self._features
+            self._pending = f"{f[0]} {f[1]} {f[2]} {f[3]} {f[4]:.0f} {dt:.7f} {{loop}} {torch.get_num_threads()}\n"
+        return outputs
+
+    def begin_iteration(self) -> None:
+        """The core loop starts an iteration (before draining its input socket)."""
+        self._loop_start = time.perf_counter()
+        self._pending = None
+
+    def end_iteration(self) -> None:
+        """The core loop finished an iteration (after sending its outputs): write the step it took, if any."""
+        if self._pending is not None:
+            loop_s = time.perf_counter() - self._loop_start
+            self._file.write(self._pending.replace("{loop}", f"{loop_s:.7f}"))
+            self._pending = None
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_trace(path: str) -> list[tuple[float, ...]]:
+    """The rows of a trace file (COLUMNS order), skipping a last line cut short by the core's exit."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == len(COLUMNS):
+                rows.append(tuple(float(x) for x in parts))
+    return rows
