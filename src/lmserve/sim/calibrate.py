@@ -392,10 +392,11 @@ def _trace_rows(trace: Path) -> list[tuple[float, ...]]:
 
 
 def served_loads(grid: Grid, tok: Any, max_len: int, seed: int = 7) -> list[tuple[list[Any], int]]:
-    """The loads calibrate serves to time served steps: for every decode batch D of the grid, requests of varied
-    prompt lengths (up to the grid's largest prefill) and outputs at D concurrent streams (D-row decodes, with
-    prefills joining them as streams end and start), and one stream of prompts sharing a prefix of the grid's
-    largest cached context (prefills over cached blocks). (requests, client concurrency) each."""
+    """The loads calibrate serves to time served steps: for every decode batch D of the grid, D concurrent streams
+    of short prompts and D of long ones (up to the grid's largest prefill; so that the decode rows' context varies
+    at every row count, not with it), giving D-row decodes with prefills joining them as streams end and start; and
+    one stream of prompts sharing a prefix of the grid's largest cached context (prefills over cached blocks).
+    (requests, client concurrency) each."""
     from lmserve.bench.datasets import DatasetConfig, build_requests
 
     longest = min(max(grid.prefills), max_len // 2)
@@ -403,9 +404,10 @@ def served_loads(grid: Grid, tok: Any, max_len: int, seed: int = 7) -> list[tupl
     loads = []
     for i, d in enumerate(b for b in grid.decode_batches if b > 0):
         num = max(2 * d, 6 if grid.repeats < 3 else 12)
-        cfg = DatasetConfig(num_requests=num, input_len=max(8, longest // 2), output_len=out_len, range_ratio=0.9,
-                            seed=seed + i)  # fmt: skip
-        loads.append((build_requests(cfg, tok), d))
+        for j, input_len in enumerate((min(32, longest), longest)):
+            cfg = DatasetConfig(num_requests=num, input_len=max(8, input_len * 3 // 4), output_len=out_len,
+                                range_ratio=0.25, seed=seed + 2 * i + j)  # fmt: skip
+            loads.append((build_requests(cfg, tok), d))
     cached = max(grid.prefill_contexts)
     if cached > 0 and cached + longest < max_len:
         cfg = DatasetConfig(name="prefix", num_requests=6 if grid.repeats < 3 else 12, input_len=max(8, longest // 2),
