@@ -414,6 +414,15 @@ def test_tensor_parallel_is_a_step_time_factor(llama_dir: Path) -> None:
     f = StepFeatures(0, 0, 8, 1000, 0.0)
     t1, t2 = profile.step_time_s(f), profile.step_time_s(f, tp=2)
     assert t2 == pytest.approx(0.002 + (t1 - 0.002) / (2 * profile.tp_efficiency))
+    assert profile.tp_is_estimate(2) and not profile.tp_is_estimate(1)
+    # a profile timed on a TP = 2 group (calibrate --tensor-parallel-size 2): exact there, scaled elsewhere
+    timed2 = profile_for(config, LinearStepModel(0.002, {"decode_rows": 1e-3}), tensor_parallel_size=2)
+    assert timed2.step_time_s(f, tp=2) == pytest.approx(0.002 + 8e-3) and not timed2.tp_is_estimate(2)
+    assert timed2.step_time_s(f, tp=1) == pytest.approx(0.002 + 8e-3 * 2 * timed2.tp_efficiency)
+    assert timed2.step_time_s(f, tp=4) == pytest.approx(0.002 + 8e-3 / 2 / timed2.tp_efficiency)
+    assert timed2.tp_is_estimate(1) and timed2.tp_is_estimate(4)
+    loaded = StepProfile.from_dict(json.loads(json.dumps(timed2.to_dict())))
+    assert loaded.tensor_parallel_size == 2 and loaded.step_time_s(f, tp=2) == timed2.step_time_s(f, tp=2)
     roof = roofline_profile("h200", dict(get_preset("llama-3-8b").config), "llama-3-8b")
     assert roof.estimate and "ESTIMATE" in roof.label
     decode = StepFeatures(0, 0, 32, 32 * 1024, 0.0)

@@ -216,7 +216,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     rate = None if args.trace else args.request_rate  # a trace's arrivals are its own
     with paused_gc():
         summary = summarize(result.records, result.duration_s or None, rate, args.max_concurrency, slos)
-    estimate = profile.estimate or args.tensor_parallel_size > 1
+    estimate = profile.tp_is_estimate(args.tensor_parallel_size)
     title = f"simulate: {args.label or profile.model.get('name')}" + (" (ESTIMATE)" if estimate else "")
     print(format_summary(summary, title))
     stats = result.stats_dict()

@@ -229,9 +229,10 @@ def _profile_child(config: Any, grid: Grid, num_threads: int, backoff: bool, con
         from lmserve.engine.cpu_share import CpuShare, ThreadBackoff
         from lmserve.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+        tp = config.tensor_parallel_size  # a TP group: rank 0 here, its workers spawned on the same CPUs, split
+        engine = LLMEngine(config, num_threads, tuple(sorted(os.sched_getaffinity(0))) if tp > 1 else None)
         policy = None
-        if backoff and num_threads > 1:
+        if backoff and num_threads > 1 and engine.executor is None:  # (a TP core does not back off: core.py)
             pids = (os.getpid(), os.getppid())
             policy = ThreadBackoff(num_threads, CpuShare(os.sched_getaffinity(0), pids))
         rec = _StepRecorder(engine, policy)
@@ -679,6 +680,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         device=config.device,
         machine={},
         linear=LinearStepModel(0.0, {}),
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     _fit_into(profile, samples, held, stack_rows)
     profile.calibration = {"counted_fraction": counted_fraction}

@@ -27,8 +27,9 @@ Two step models share one interface (`step_time_s(features)`) and one JSON file 
   from published peak FLOP/s and memory bandwidth. Labelled an estimate everywhere it is printed.
 
 Tensor parallelism is a step-time factor: the roofline splits FLOPs, weights and KV over the ranks and adds two
-all-reduces per layer; a fitted profile (one process) scales its variable part by 1 / (tp · efficiency) with an
-assumed efficiency stored in the file. Both are estimates.
+all-reduces per layer; a fitted profile is timed at one tensor-parallel size (`calibrate --tensor-parallel-size N`
+times the steps of a real TP = N group: measured, no factor), and at another size its variable part scales by
+(its size / tp) / efficiency (efficiency assumed, stored in the file: an estimate).
 """
 
 from __future__ import annotations
@@ -162,11 +163,14 @@ class LinearStepModel:
     def step_time_s(self, f: StepFeatures) -> float:
         return self.fast()(*f.as_tuple())
 
-    def fast(self, tp: int = 1, tp_efficiency: float = DEFAULT_TP_EFFICIENCY) -> StepTimeFn:
-        """The model as a plain function of the feature tuple (the simulator's hot path)."""
+    def fast(self, tp: int = 1, tp_efficiency: float = DEFAULT_TP_EFFICIENCY, timed_tp: int = 1) -> StepTimeFn:
+        """The model as a plain function of the feature tuple (the simulator's hot path), at tensor-parallel size
+        tp for a model timed at timed_tp: the variable part × (timed_tp / tp), divided by tp_efficiency when tp is
+        larger (the collectives' cost) and multiplied by it when smaller."""
         c = self.coefficients_s
         c0 = self.intercept_s
-        scale = 1.0 if tp == 1 else 1.0 / (tp * tp_efficiency)
+        ratio = timed_tp / tp
+        scale = 1.0 if ratio == 1 else ratio / tp_efficiency if ratio < 1 else ratio * tp_efficiency
         c1, cs, c2 = (
             c.get("prefill_tokens", 0.0) * scale,
             c.get("prefill_segments", 0.0) * scale,
@@ -463,6 +467,7 @@ class StepProfile:
     linear: LinearStepModel | None = None
     roofline: RooflineStepModel | None = None
     tp_efficiency: float = DEFAULT_TP_EFFICIENCY
+    tensor_parallel_size: int = 1  # the TP size a fitted profile's steps were timed at
     estimate: bool = False
     fit: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
@@ -480,6 +485,8 @@ class StepProfile:
             raise ValueError("step model kind 'roofline' needs its 'roofline' description")
         if not 0 < self.tp_efficiency <= 1:
             raise ValueError(f"tensor_parallel.efficiency must be in (0, 1], got {self.tp_efficiency!r}")
+        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
+            raise ValueError(f"tensor_parallel.size must be an integer >= 1, got {self.tensor_parallel_size!r}")
 
     @property
     def label(self) -> str:
@@ -495,7 +502,12 @@ class StepProfile:
             assert self.roofline is not None
             return self.roofline.fast(tp)
         assert self.linear is not None
-        return self.linear.fast(tp, self.tp_efficiency)
+        return self.linear.fast(tp, self.tp_efficiency, self.tensor_parallel_size)
+
+    def tp_is_estimate(self, tp: int) -> bool:
+        """Whether step times at tensor-parallel size tp are an estimate (a roofline, or a fitted profile timed at
+        another size)."""
+        return self.estimate or tp != self.tensor_parallel_size
 
     def step_time_s(self, f: StepFeatures, tp: int = 1) -> float:
         return self.step_time_fn(tp)(*f.as_tuple())
@@ -570,10 +582,11 @@ class StepProfile:
             "machine": self.machine,
             "overheads": asdict(self.overheads),
             "tensor_parallel": {
+                "size": self.tensor_parallel_size,
                 "efficiency": self.tp_efficiency,
-                "note": "an estimate: a fitted profile scales its variable part by 1 / (tp · efficiency) "
-                "(efficiency assumed, not measured); a roofline splits FLOPs, weights and KV and adds two "
-                "all-reduces per layer",
+                "note": "a fitted profile's steps were timed at tensor-parallel size `size` (measured there); at "
+                "another size its variable part scales by (size / tp) / efficiency (efficiency assumed, not "
+                "measured: an estimate); a roofline splits FLOPs, weights and KV and adds two all-reduces per layer",
             },
             "fit": self.fit,
             "noise": {
@@ -639,6 +652,7 @@ class StepProfile:
                 linear=linear,
                 roofline=roofline,
                 tp_efficiency=float((doc.get("tensor_parallel") or {}).get("efficiency", DEFAULT_TP_EFFICIENCY)),
+                tensor_parallel_size=int((doc.get("tensor_parallel") or {}).get("size", 1)),
                 estimate=bool(doc.get("estimate", False)),
                 fit=dict(doc.get("fit") or {}),
                 calibration=dict(doc.get("calibration") or {}),
