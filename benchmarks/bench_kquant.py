@@ -88,7 +88,7 @@ def rss() -> dict[str, int]:
     return fields
 
 
-def measure_memory_child(gguf_file: str, tokenizer: str, quantization: str | None) -> None:
+def measure_memory_child(gguf_file: str, tokenizer: str, quantization: str | None, int4_compute: str = "w4a8") -> None:
     """(In a fresh process.) Load the file and print the memory figures as one JSON line."""
     import gc
 
@@ -103,7 +103,10 @@ def measure_memory_child(gguf_file: str, tokenizer: str, quantization: str | Non
         torch.nn.Linear(4, 4)(torch.arange(8, dtype=torch.float32)[:, None] * torch.ones(4)).cos()
     ckpt = GGUFCheckpoint(gguf_file)
     file_bytes = sum(b for _, b, _ in ckpt.bytes_by_type().values())
-    ledger, kept = resident_weight_bytes(ckpt, 4, quantization is None)
+    from lmserve import kernels
+
+    panels = int4_compute == "w4a8" and kernels.available()  # (the Q4_K / Q5_K projections held as W4A8 panels)
+    ledger, kept = resident_weight_bytes(ckpt, 4, quantization is None, panels)
     del ckpt
     gc.collect()
     import lmserve.worker.model_runner as model_runner
@@ -119,7 +122,7 @@ def measure_memory_child(gguf_file: str, tokenizer: str, quantization: str | Non
 
     model_runner.load_model = measured_load
     before = rss()
-    kwargs = {} if quantization is None else {"quantization": quantization}
+    kwargs = {"int4_compute": int4_compute} if quantization is None else {"quantization": quantization}
     llm = LLM(gguf_file, tokenizer=tokenizer, num_kv_blocks=64, **kwargs)
     gc.collect()
     after = rss()
@@ -127,7 +130,7 @@ def measure_memory_child(gguf_file: str, tokenizer: str, quantization: str | Non
     kv_bytes = sum(t.numel() * t.element_size() for c in cache for t in (c.k, c.v))
     maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(Path(gguf_file).name)]
     print(json.dumps({
-        "quantization": quantization or "gguf (kept)", "file_tensor_bytes": file_bytes,
+        "quantization": quantization or "gguf (kept)", "int4_compute": int4_compute, "file_tensor_bytes": file_bytes,
         "file_bytes": Path(gguf_file).stat().st_size, "ledger_weight_bytes": ledger, "ledger_kept_bytes": kept,
         "rss_before": before, "rss_after": after, "rss_delta": after["VmRSS"] - before["VmRSS"],
         "rss_load_model_delta": around_load["after"]["VmRSS"] - around_load["before"]["VmRSS"],
@@ -135,10 +138,11 @@ def measure_memory_child(gguf_file: str, tokenizer: str, quantization: str | Non
     }))  # fmt: skip
 
 
-def measure_memory(gguf_file: Path, tokenizer: Path, quantization: str | None) -> dict:
+def measure_memory(gguf_file: Path, tokenizer: Path, quantization: str | None, int4_compute: str = "w4a8") -> dict:
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import bench_kquant; "
-        f"bench_kquant.measure_memory_child({str(gguf_file)!r}, {str(tokenizer)!r}, {quantization!r})"
+        f"bench_kquant.measure_memory_child({str(gguf_file)!r}, {str(tokenizer)!r}, {quantization!r}, "
+        f"{int4_compute!r})"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)

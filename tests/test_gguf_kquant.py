@@ -216,13 +216,16 @@ def _mix(model_dir: Path, base: str) -> dict[str, str]:
 
 
 def _weight_bytes(llm: LLM) -> int:
-    """What the loaded model's weights take: parameters and quantized buffers (each tensor once)."""
+    """What the loaded model's weights take: parameters, quantized buffers (each tensor once) and W4A8 panels."""
+    from lmserve.model.layers import Linear
+
     model = llm.engine.runner.model
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(
         b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith((".qweight", ".scales", ".mins"))
     )
-    return params + buffers
+    panels = sum(m._w4a8.nbytes for m in model.modules() if isinstance(m, Linear) and m._w4a8 is not None)
+    return params + buffers + panels
 
 
 def _last_logits(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], torch.Tensor]:
@@ -250,9 +253,11 @@ def test_k_quant_model_matches_transformers_reading_the_same_file(
     file = write_gguf(model_dir, tmp_path / f"{name}-{base}_M.gguf", base, types)
     stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(file)).tensors}
     assert {"Q6_K", base} <= set(stored.values()), stored
-    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):
-        llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
-    assert llm.engine.config.quantization == QuantizationConfig("gguf", 32, prequantized=True)
+    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):  # (the blocks' own kernels: exact)
+        llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, int4_compute="weight-only")
+    assert llm.engine.config.quantization == QuantizationConfig(
+        "gguf", 32, prequantized=True, int4_compute="weight-only"
+    )
     logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
     assert not any("dequantized" in line for line in logged), f"every K-quant tensor is kept: {logged}"
     assert any("Q6_K tensors kept as they are in the file (their K-quant kernels run them)" in x for x in logged)
@@ -298,14 +303,90 @@ def test_k_quant_model_matches_transformers_reading_the_same_file(
     assert lm_gguf.resident_weight_bytes(ckpt, 4, False)[0] == _weight_bytes(dequantized)
 
 
+def test_kquant_as_block32_is_the_file_up_to_float16_scales() -> None:
+    """Q4_K / Q5_K super-blocks as the int4 / int5 layout with mins (what the W4A8 panels are packed from): every
+    weight within the float16 rounding of its sub-block's scale and min, on random bytes (valid blocks)."""
+    rng = np.random.default_rng(5)
+    for type_name in ("Q4_K", "Q5_K"):
+        k = 512
+        blocks = rng.integers(0, 256, (9, Q.kquant_row_bytes(type_name, k)), dtype=np.uint8)
+        view = blocks.reshape(-1, Q.KQ_BLOCK_BYTES[type_name])
+        view[:, 0:4] = np.array(rng.uniform(1e-3, 1e-1, (view.shape[0], 2)), np.float16).view(np.uint8)  # finite
+        ref = Q.dequantize_kquant(type_name, torch.from_numpy(blocks), k)
+        lay = Q.kquant_as_block32(type_name, torch.from_numpy(blocks), k)
+        assert lay["scales"].shape == lay["mins"].shape == (9, k // 32)
+        unpack = Q.dequantize_int4 if type_name == "Q4_K" else Q.dequantize_int5
+        got = unpack(lay["qweight"], lay["scales"], lay["mins"])
+        levels = 15 if type_name == "Q4_K" else 31
+        scale = lay["scales"].float().abs().repeat_interleave(32, dim=1)
+        bound = 2.0**-11 * (levels * scale + lay["mins"].float().abs().repeat_interleave(32, dim=1)) + 1e-7
+        assert ((got - ref).abs() <= bound).all(), f"{type_name}: {(got - ref).abs().max()}"
+        assert (got - ref).abs().max() > 0, "float16 scales: not bit for bit (the weight-only path is)"
+    with pytest.raises(AssertionError, match="no W4A8 panels"):
+        Q.kquant_as_block32("Q6_K", torch.zeros(1, 210, dtype=torch.uint8), 256)
+
+
+@pytest.mark.parametrize(("name", "base"), [("llama", "Q4_K"), ("qwen2", "Q5_K")])
+def test_q4_k_and_q5_k_projections_run_w4a8_by_default(
+    kquant_models: dict[str, Path], tmp_path: Path, name: str, base: str
+) -> None:
+    """int4_compute="w4a8" (the default) repacks every projection that is all Q4_K or all Q5_K into the W4A8
+    panels (its weights the file's up to float16 sub-block scales); Q6_K and mixed ones stay K-quant blocks; the
+    memory ledger counts the panels; logits stay within the int8 activations' rounding of the exact engine's and
+    greedy tokens are HF's up to near-ties."""
+    from lmserve.model.layers import Linear
+    from tests.hf_reference import assert_greedy_matches_hf_up_to_margin
+
+    if not kernels.available():
+        pytest.skip("no C compiler: K-quants run on their own kernels")
+    model_dir = kquant_models[name]
+    file = write_gguf(model_dir, tmp_path / f"{name}-{base}_M.gguf", base, _mix(model_dir, base))
+    llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
+    exact = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, int4_compute="weight-only")
+    plain = dict(exact.engine.runner.model.named_modules())
+    packed = kept = 0
+    for mod_name, m in llm.engine.runner.model.named_modules():
+        if not isinstance(m, Linear):
+            continue
+        ref = plain[mod_name]
+        if ref.kquant_panel_bits() is not None:
+            assert m._w4a8 is not None and m._w4a8.bits == ref.kquant_panel_bits() and m.qweight is None, mod_name
+            w, r = m.dequantized_weight(), ref.dequantized_weight()
+            assert (w - r).abs().max() <= 1e-3 * r.abs().max(), mod_name
+            packed += 1
+        else:
+            assert m.quant_method == "kquant" and m._w4a8 is None, mod_name
+            assert any(s.type_name == "Q6_K" for s in m.kq_segments), mod_name
+            kept += 1
+    assert packed >= 4 and kept >= 2, (packed, kept)
+    ckpt = lm_gguf.GGUFCheckpoint(file)
+    resident = lm_gguf.resident_weight_bytes(ckpt, 4, True, kquant_panels=True)[0]
+    assert resident == _weight_bytes(llm) > lm_gguf.resident_weight_bytes(ckpt, 4, True)[0] == _weight_bytes(exact)
+    assert llm.engine.runner.model.model.decode_stack(llm.engine.runner.kv_caches) is not None
+    _, logits = _last_logits(llm, PROMPTS)
+    _, expected = _last_logits(exact, PROMPTS)
+    rel = ((logits - expected).norm() / expected.norm()).item()
+    # measured 0.079 (Q4_K) and 0.092 (Q5_K) on these random models: each projection's own error is the W4A8
+    # rounding of plain int4 (0.5-0.6 %), which their layers amplify
+    assert rel < 0.15, f"W4A8 logits {rel:.4f} (relative) from the exact engine's"
+    # a greedy token may differ only where HF's top two are closer than twice the largest logit error measured
+    margin = 2 * float((logits - expected).abs().max())
+    ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        ids = out.outputs[0].token_ids
+        assert_greedy_matches_hf_up_to_margin(ref_dir, out.prompt_token_ids, ids, margin, out.prompt)
+
+
 def test_the_hf_reference_also_agrees_on_dequantized_weights(kquant_models: dict[str, Path], tmp_path: Path) -> None:
-    """The same file against an HF directory holding gguf's dequantized weights (no transformers GGUF loader)."""
+    """The same file against an HF directory holding gguf's dequantized weights (no transformers GGUF loader), on
+    the blocks' own kernels (int4_compute="weight-only": exact)."""
     from tests.hf_reference import hf_greedy
 
     model_dir = kquant_models["llama"]
     file = write_gguf(model_dir, tmp_path / "llama-Q4_K_M.gguf", "Q4_K", _mix(model_dir, "Q4_K"))
     ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
-    llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
+    llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, int4_compute="weight-only")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for out in llm.generate(PROMPTS, params, use_tqdm=False):
         assert out.outputs[0].token_ids == hf_greedy(ref_dir, out.prompt_token_ids, 8), out.prompt
@@ -316,7 +397,7 @@ def test_a_k_quant_fused_with_another_kind_is_dequantized(kquant_models: dict[st
     model_dir = kquant_models["llama"]
     types = {**_mix(model_dir, "Q4_K"), "model.layers.0.self_attn.v_proj.weight": "Q8_0"}
     file = write_gguf(model_dir, tmp_path / "mixed.gguf", "Q4_K", types)
-    llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
+    llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, int4_compute="weight-only")  # (no panels)
     layers = llm.engine.runner.model.model.layers
     assert layers[0].self_attn.qkv_proj.quant_method is None and layers[1].self_attn.qkv_proj.quant_method == "kquant"
     ckpt = lm_gguf.GGUFCheckpoint(file)
@@ -344,7 +425,7 @@ def test_memory_cli_reports_the_file_bytes(kquant_models: dict[str, Path], tmp_p
     file = write_gguf(model_dir, tmp_path / "tied-Q4_K_M.gguf", "Q4_K", _mix(model_dir, "Q4_K"))
     parser = argparse.ArgumentParser()
     add_memory_parser(parser.add_subparsers())
-    args = parser.parse_args(["memory", "--model", str(file), "--json"])
+    args = parser.parse_args(["memory", "--model", str(file), "--json", "--int4-compute", "weight-only"])
     assert args.func(args) == 0
     report = json.loads(capsys.readouterr().out)
     tensors = gguf.GGUFReader(str(file)).tensors
@@ -352,6 +433,15 @@ def test_memory_cli_reports_the_file_bytes(kquant_models: dict[str, Path], tmp_p
     floats = sum(int(t.n_elements) for t in tensors if t.tensor_type.name == "F32")
     assert report["quantization"] == "gguf" and report["weight_bytes"] == quantized + 4 * floats
     assert any(f"keeps {format_bytes(quantized)} of K-quant tensors as they are" in n for n in report["notes"])
+    assert not any("W4A8 panels" in n for n in report["notes"])
+    # the default (w4a8): the Q4_K projections' panels, 20 bytes per 32 weights against the file's 18
+    args = parser.parse_args(["memory", "--model", str(file), "--json"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    panels = lm_gguf.resident_weight_bytes(lm_gguf.GGUFCheckpoint(file), 4, True, kquant_panels=True)[0]
+    assert report["weight_bytes"] == panels > quantized + 4 * floats
+    extra = panels - quantized - 4 * floats
+    assert any("held as W4A8 panels" in n and format_bytes(extra) in n for n in report["notes"]), report["notes"]
 
 
 def test_resident_memory_after_load_is_about_the_file(tmp_path: Path) -> None:
@@ -365,9 +455,11 @@ def test_resident_memory_after_load_is_about_the_file(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(bench))
     model_dir, file = bench_kquant.build_gguf("small", "Q4_K")
-    m = bench_kquant.measure_memory(file, model_dir, None)
-    file_bytes = m["file_tensor_bytes"]
-    assert m["ledger_weight_bytes"] < 1.01 * file_bytes
-    assert m["rss_load_model_delta"] <= 1.3 * file_bytes, m
-    assert m["rss_delta"] <= 1.3 * file_bytes + m["kv_pool_bytes"] + 12 * 2**20, m
-    assert not m["file_still_mapped"], "the file's map is closed after load"
+    for int4_compute in ("weight-only", "w4a8"):  # the blocks as they are; the Q4_K projections as W4A8 panels
+        m = bench_kquant.measure_memory(file, model_dir, None, int4_compute)
+        file_bytes = m["file_tensor_bytes"]
+        # the ledger: the file's bytes, or with the panels 20 bytes per 32 Q4_K weights instead of 18
+        assert m["ledger_weight_bytes"] < (1.01 if int4_compute == "weight-only" else 1.12) * file_bytes, m
+        assert m["rss_load_model_delta"] <= 1.3 * file_bytes, m
+        assert m["rss_delta"] <= 1.3 * file_bytes + m["kv_pool_bytes"] + 12 * 2**20, m
+        assert not m["file_still_mapped"], "the file's map is closed after load"

@@ -59,6 +59,13 @@ def add_memory_parser(subparsers: Any) -> None:
         "checkpoint's own (`lmserve quantize`, a GGUF file's block-32 tensors), else none",
     )
     p.add_argument("--quantization-group-size", type=int, default=32, help="int4: inputs per scale (default 32)")
+    p.add_argument(
+        "--int4-compute",
+        choices=["w4a8", "weight-only"],
+        default="w4a8",
+        help="as the engine's flag (default w4a8): a GGUF file's Q4_K / Q5_K projections are then held as W4A8 "
+        "panels (a float16 scale and min per 32 weights: 20 / 24 bytes per 32 against the file's 18 / 22)",
+    )
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 80GB")
     p.add_argument("--reserve", default="0", help="memory kept aside per device (default 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -185,7 +192,8 @@ def run_memory(args: argparse.Namespace) -> int:
         if gguf_file is not None and keep and _keeps_gguf_blocks(gguf_file, weight_dtype):
             from lmserve.model.gguf import GGUFCheckpoint, resident_weight_bytes
 
-            exact, _ = resident_weight_bytes(GGUFCheckpoint(gguf_file), dtype_bytes(weight_dtype), True)
+            panels = getattr(args, "int4_compute", "w4a8") == "w4a8"
+            exact, _ = resident_weight_bytes(GGUFCheckpoint(gguf_file), dtype_bytes(weight_dtype), True, panels)
             quantization = "gguf"
         report = memory_report(
             shape,
@@ -201,7 +209,8 @@ def run_memory(args: argparse.Namespace) -> int:
             **lora,
         )
         if gguf_file is not None:
-            notes = gguf_notes(gguf_file, weight_dtype, keep=quantization == "gguf")
+            panels = getattr(args, "int4_compute", "w4a8") == "w4a8"
+            notes = gguf_notes(gguf_file, weight_dtype, keep=quantization == "gguf", kquant_panels=panels)
             report = dataclasses.replace(report, notes=report.notes + notes)
         pd = None
         if getattr(args, "disaggregation", None):
@@ -240,16 +249,18 @@ def _keeps_gguf_blocks(gguf_file: Path, weight_dtype: str) -> bool:
     return dtype_bytes(weight_dtype) == 4 and bool(set(GGUFCheckpoint(gguf_file).bytes_by_type()) & set(KEPT_TYPES))
 
 
-def gguf_notes(gguf_file: Path, weight_dtype: str, keep: bool = False) -> tuple[str, ...]:
+def gguf_notes(gguf_file: Path, weight_dtype: str, keep: bool = False, kquant_panels: bool = False) -> tuple[str, ...]:
     """What the GGUF file holds per tensor type, and what its weights take once lmserve has loaded them
     (`keep`: its Q8_0 / Q4_0 / Q4_1 projections and LM head, and its K-quant ones and K-quant token embedding,
-    stay as they are, the rest is dequantized)."""
+    stay as they are, the rest is dequantized; kquant_panels: the Q4_K / Q5_K projections are held as W4A8
+    panels)."""
     from lmserve.model.gguf import BLOCK32_TYPES, KQUANT_TYPES, UNQUANTIZED_TYPES, GGUFCheckpoint, resident_weight_bytes
 
     ckpt = GGUFCheckpoint(gguf_file)
     by_type = ckpt.bytes_by_type()
     file_bytes = sum(b for _, b, _ in by_type.values())
-    resident, kept = resident_weight_bytes(ckpt, dtype_bytes(weight_dtype), keep)
+    resident, kept = resident_weight_bytes(ckpt, dtype_bytes(weight_dtype), keep, kquant_panels)
+    as_file = resident_weight_bytes(ckpt, dtype_bytes(weight_dtype), keep)[1] if kquant_panels else kept
     parts = ", ".join(f"{n} {t} tensors {format_bytes(b)}" for t, (n, b, _) in sorted(by_type.items()))
     quantized = sorted(t for t in by_type if t not in UNQUANTIZED_TYPES)
     notes = [f"GGUF file: {format_bytes(file_bytes)} of tensors ({parts})"]
@@ -259,10 +270,15 @@ def gguf_notes(gguf_file: Path, weight_dtype: str, keep: bool = False) -> tuple[
         ]
         what = "projections, LM head, token embedding" if "K-quant" in kinds else "projections, LM head"
         notes.append(
-            f"lmserve keeps {format_bytes(kept)} of {' and '.join(kinds)} tensors as they are ({what}) and "
+            f"lmserve keeps {format_bytes(as_file)} of {' and '.join(kinds)} tensors as they are ({what}) and "
             f"dequantizes the rest to {weight_dtype}: the weights take {format_bytes(resident)} in memory "
             f"({resident / file_bytes:.1f}x the file; --quantization none dequantizes everything)"
         )
+        if kept != as_file:
+            notes.append(
+                f"its Q4_K / Q5_K projections are held as W4A8 panels (a float16 scale and min per 32 weights): "
+                f"{format_bytes(kept - as_file)} more than in the file (--int4-compute weight-only keeps the blocks)"
+            )
     elif quantized:
         notes.append(
             f"lmserve dequantizes {', '.join(quantized)} at load: the weights take {format_bytes(resident)} in memory "

@@ -13,7 +13,8 @@ rows already un-permuted, to lmserve.model.quantization's int8w / int4 / kquant 
 the same block math). A fused projection (qkv, gate_up) is kept when its parts share one block-32 type, are
 Q5_0 and Q8_0 (`held_block32_types`: all held as Q8_0, Q5_0's codes converting exactly; llama-quantize's
 fallbacks for rows that are not whole super-blocks give a Q4_K_M file's qkv those two), or are all K-quants (of
-any mix: Q4_K_M files give some layers' attn_v Q6_K beside Q4_K q / k). Everything else
+any mix: Q4_K_M files give some layers' attn_v Q6_K beside Q4_K q / k; with int4_compute="w4a8" those all Q4_K
+or all Q5_K become W4A8 panels after loading: `kquant_panel_types`, counted by `resident_weight_bytes`). Everything else
 quantized (a block-32 token embedding's lookup table, a projection fused with a part of another kind, other
 types such as Q3_K, or all of them with quantization="none") is dequantized at load to float32 by
 gguf's own dequantizer (the loader then casts to the compute dtype), logged with what it costs.
@@ -334,6 +335,33 @@ def held_block32_types(kept: dict[str, GGUFTensor]) -> dict[str, str]:
     return held
 
 
+# the K-quants the W4A8 kernels also run (lmserve.model.quantization.KQUANT_PANEL_BITS): their bits per weight in
+# the panels, a float16 scale and min per 32 beside the codes (the file's super-block: 4.5 / 5.5)
+KQUANT_PANEL_BITS = {"Q4_K": 4, "Q5_K": 5}
+
+
+def kquant_panel_types(kept: dict[str, GGUFTensor]) -> dict[str, str]:
+    """HF name → K-quant type of the kept tensors int4_compute="w4a8" repacks into W4A8 panels (layers.
+    pack_w4a8_weights): projections (and an untied LM head) whose fused parts are all one type of
+    KQUANT_PANEL_BITS; the token embedding and a head sharing its bytes stay as they are."""
+    out = {}
+    for name, t in kept.items():
+        if t.type_name not in KQUANT_PANEL_BITS or name == "model.embed_tokens.weight" or name != t.hf_name:
+            continue
+        parts = name.split(".")
+        group = next((g for g in FUSED_PARTS if parts[-2] in g), (parts[-2],))
+        siblings = [kept.get(".".join([*parts[:-2], p, "weight"])) for p in group]
+        if all(s is not None and s.type_name == t.type_name for s in siblings):
+            out[name] = t.type_name
+    return out
+
+
+def kquant_panel_bytes(type_name: str, num_weights: int) -> int:
+    """Bytes the W4A8 panels of `num_weights` weights of a Q4_K / Q5_K tensor take (codes, float16 scales and
+    mins per 32; rows padded to whole panels of 16 not counted, as for the block-32 panels)."""
+    return num_weights * KQUANT_PANEL_BITS[type_name] // 8 + num_weights // 32 * 4
+
+
 # A quantized weight path's claim on a block-32 or K-quant tensor: (HF name, tensor) → True when it keeps the
 # blocks itself (`GGUFTensor.blocks()` / `unpack_block32`); the tensor is then not dequantized nor yielded.
 Block32Hook = Callable[[str, GGUFTensor], bool]
@@ -393,21 +421,28 @@ def log_kept(kept: dict[str, GGUFTensor]) -> None:
         )  # fmt: skip
 
 
-def resident_weight_bytes(checkpoint: GGUFCheckpoint, dtype_bytes: float, keep_block32: bool) -> tuple[int, int]:
+def resident_weight_bytes(
+    checkpoint: GGUFCheckpoint, dtype_bytes: float, keep_block32: bool, kquant_panels: bool = False
+) -> tuple[int, int]:
     """(bytes the loaded weights take, of which kept quantized bytes): kept tensors hold exactly their bytes in
     the file (lmserve.model.quantization's int4 / int5 / int8w layouts are the blocks regrouped: Q4_0 18, Q4_1 20,
     Q5_0 22, Q5_1 24, Q8_0 34 bytes per 32 weights; kquant is the K-quant blocks themselves; a Q5_0 part held as
     Q8_0 takes Q8_0's 34), a tied head kept from a block-32 token embedding is one more copy of it (a K-quant one
-    shares the embedding's), and everything else is dequantized to `dtype_bytes` per element. (W4A8 panels pad
-    the rows to whole panels of 16: at most 15 rows more per Linear.)"""
+    shares the embedding's), and everything else is dequantized to `dtype_bytes` per element. kquant_panels
+    (int4_compute="w4a8" with the C kernels): the Q4_K / Q5_K tensors kquant_panel_types names take their W4A8
+    panels' bytes (kquant_panel_bytes: 20 / 24 per 32 weights against the file's 18 / 22) instead. (W4A8 panels
+    pad the rows to whole panels of 16: at most 15 rows more per Linear.)"""
     hf = checkpoint.hf_config()
     kept = kept_quantized(checkpoint, hf["tie_word_embeddings"]) if keep_block32 else {}
     held = held_block32_types(kept)
+    panels = kquant_panel_types(kept) if kquant_panels else {}
     kept_names = {t.gguf_name for name, t in kept.items() if name == t.hf_name}
 
     def held_bytes(name: str, t: GGUFTensor) -> int:
         if held.get(name, t.type_name) != t.type_name:  # (Q5_0 held as Q8_0)
             return int(np.prod(t.shape)) // 32 * 34
+        if name in panels:
+            return kquant_panel_bytes(t.type_name, int(np.prod(t.shape)))
         return t.num_bytes
 
     kept_bytes = sum(

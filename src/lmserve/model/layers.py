@@ -116,11 +116,24 @@ class Linear(nn.Linear):
         self._packed = self._weight_bf16 = self._row_sums = self._w4a8 = None
         self.kq_segments = self._kq_table = None
 
+    def kquant_panel_bits(self) -> int | None:
+        """4 / 5 when this kquant Linear is all GGUF Q4_K / Q5_K (pack_w4a8 then takes it), else None."""
+        if self.quant_method != "kquant" or len(self.kq_segments) != 1:
+            return None
+        return quant.KQUANT_PANEL_BITS.get(self.kq_segments[0].type_name)
+
     def pack_w4a8(self, keep_int4: bool = False) -> None:
         """Repack int4 codes (lmserve int4, GGUF Q4_0 / Q4_1) into the W4A8 kernels' panels, int5 codes (GGUF Q5_0 /
         Q5_1) into their 5-bit panels, or int8w weights (the int4 method's LM head, GGUF Q8_0) into their 8-bit
-        panels; every row count then runs with int8 activations per block of 32. Unless keep_int4, the source
-        layout's buffers are dropped (the panels hold the same values)."""
+        panels; every row count then runs with int8 activations per block of 32. GGUF Q4_K / Q5_K super-blocks
+        (kquant_panel_bits) become the int4 / int5 layout with mins first (quantization.kquant_as_block32: the
+        sub-blocks' scales and mins rounded to float16). Unless keep_int4, the source layout's buffers are dropped
+        (the panels hold the same values)."""
+        if self.kquant_panel_bits() is not None:
+            seg = self.kq_segments[0]
+            lay = quant.kquant_as_block32(seg.type_name, self.kquant_rows(0, self.out_features), self.in_features)
+            method = "int4" if seg.type_name == "Q4_K" else "int5"
+            self._set_quantized(method, quant.GGUF_GROUP_SIZE, lay["qweight"], lay["scales"], lay["mins"])
         assert self.quant_method in ("int4", "int5", "int8w") and self.qweight is not None, (
             f"W4A8: not {self.quant_method}"
         )
@@ -283,13 +296,19 @@ def quantize_linear_weights(model: nn.Module, config: QuantizationConfig) -> Non
 
 def pack_w4a8_weights(model: nn.Module, head: bool = False, keep_int4: bool = False, int8w: bool = False) -> int:
     """int4_compute="w4a8": repack every int4 Linear (lmserve int4, GGUF Q4_0 / Q4_1) and int5 one (GGUF Q5_0 /
-    Q5_1) for the W4A8 kernels, with head an int8w LM head (the int4 method's) and with int8w every int8w Linear
-    (GGUF Q8_0: llama.cpp's q8_0 x q8_0) for the same kernels' 8-bit path; returns how many Linears. Needs the C
+    Q5_1) for the W4A8 kernels, with head an int8w LM head (the int4 method's) and with int8w (a GGUF model) every
+    int8w Linear (GGUF Q8_0: llama.cpp's q8_0 x q8_0) for the same kernels' 8-bit path and every Q4_K / Q5_K one
+    (not a head sharing a tied embedding's bytes) for their 4- / 5-bit paths; returns how many Linears. Needs the C
     kernels (the caller checks kernels.available())."""
+
+    tables = [getattr(m, "qweight", None) for m in model.modules() if isinstance(m, Embedding)]
+    shared = {id(q) for q in tables if q is not None}  # K-quant token embeddings' bytes (a tied head's too)
 
     def wanted(name: str, m: Linear) -> bool:
         if m.quant_method == "int8w":
             return int8w or (head and name == "lm_head")
+        if m.kquant_panel_bits() is not None:  # (GGUF runs: int8w is set; a tied head keeps the embedding's bytes)
+            return int8w and id(m.qweight) not in shared
         return m.quant_method in ("int4", "int5")
 
     layers = [m for name, m in model.named_modules() if isinstance(m, Linear) and m._w4a8 is None and wanted(name, m)]

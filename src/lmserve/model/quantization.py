@@ -59,6 +59,7 @@ import torch
 
 from lmserve.config import QUANTIZATION_FORMAT, QuantizationConfig
 from lmserve.kernels import KQ_BLOCK, KQ_BLOCK_BYTES, KQ_TYPES
+from lmserve.model.gguf import KQUANT_PANEL_BITS  # the K-quants W4A8 panels run (Q6_K's sub-blocks of 16 do not)
 
 INT4_BLOCK = 32  # inputs per packed run (16 bytes); group sizes are multiples of it
 INT8W_GROUP = 32  # the int8w layout's group (GGUF Q8_0's block)
@@ -525,6 +526,37 @@ def dequantize_kquant(type_name: str, blocks: torch.Tensor, in_features: int) ->
     assert blocks.numel() == rows * kquant_row_bytes(type_name, in_features), f"{type_name} {tuple(blocks.shape)}"
     values = gguf.dequantize(blocks.reshape(rows, -1).numpy(), gguf.GGMLQuantizationType[type_name])
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(rows, in_features))
+
+
+
+
+def kquant_as_block32(type_name: str, blocks: torch.Tensor, in_features: int) -> dict[str, torch.Tensor]:
+    """Q4_K / Q5_K super-blocks (rows, row bytes) uint8 → the int4 / int5 layout with mins, group 32, for the W4A8
+    panels: each sub-block of 32 keeps its codes (4 / 5 bits), its scale d·sc and its min −dmin·m rounded once to
+    float16 (gguf computes them in float32; the relative difference is at most 2⁻¹¹, below the int8 activations'
+    own rounding). ggml's layout (block_q4_K / block_q5_K): d, dmin float16, 12 bytes of 6-bit (sc, m) pairs
+    (get_scale_min_k4), [Q5_K: qh, 32 bytes, bit 2c / 2c + 1 of qh[l] the fifth bit of chunk c's low / high
+    sub-block], qs 128 bytes: chunk c = 0..3 of 32 bytes, low nibbles sub-block 2c, high nibbles 2c + 1."""
+    assert type_name in KQUANT_PANEL_BITS, f"{type_name}: no W4A8 panels for it"
+    rows = blocks.shape[0]
+    assert blocks.numel() == rows * kquant_row_bytes(type_name, in_features), f"{type_name} {tuple(blocks.shape)}"
+    b = blocks.reshape(rows * (in_features // KQ_BLOCK), KQ_BLOCK_BYTES[type_name]).numpy()
+    n = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    q = b[:, 4:16].astype(np.int32)  # get_scale_min_k4, for j = 0..7
+    sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
+    qs = b[:, -128:].reshape(n, 4, 32)
+    codes = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32)  # sub-block 2c low, 2c + 1 high
+    if type_name == "Q5_K":
+        qh = b[:, 16:48]  # (n, 32): bit j of qh[l] is the fifth bit of sub-block j, element l
+        codes = codes | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+    scales = (d * sc).astype(np.float16).reshape(rows, -1)
+    mins = (-(dmin * mn)).astype(np.float16).reshape(rows, -1)
+    codes_t = torch.from_numpy(codes.reshape(rows, in_features).astype(np.uint8))
+    qweight = pack_int4(codes_t) if type_name == "Q4_K" else pack_int5(codes_t)
+    return {"qweight": qweight, "scales": torch.from_numpy(scales), "mins": torch.from_numpy(mins)}
 
 
 def kquant_scales(type_name: str, blocks: torch.Tensor) -> torch.Tensor:

@@ -50,3 +50,18 @@ def tune_malloc_for_tensors() -> bool:
         logger.debug("mallopt refused a setting; allocator left partly at its defaults")
     _applied = ok
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS once (glibc malloc_trim(0)): after the load's repacking, whose
+    temporary copies the untrimmed heap would otherwise keep resident; the steps' activations regrow it as they
+    need. Returns whether it ran (glibc only)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True

@@ -27,7 +27,7 @@ from lmserve.model.parallel import quantize_linear_weights as quantize_sharded_w
 from lmserve.spec_decode.proposer import cut_at_grammar, make_proposer, proposal_inputs
 from lmserve.spec_decode.rejection_sampler import verify
 from lmserve.structured_output import fill_bitmasks
-from lmserve.worker.host_memory import tune_malloc_for_tensors
+from lmserve.worker.host_memory import release_freed_memory, tune_malloc_for_tensors
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ class ModelRunner:
             w4a8, on, method = 0, config.quantization.int4_compute == "w4a8", config.quantization.method
             if on and kernels.available():  # (GGUF: Q4_0 / Q4_1, Q5_0 / Q5_1 and Q8_0 blocks)
                 w4a8 = pack_w4a8_weights(self.model, head=method == "int4", int8w=method == "gguf")
+                if w4a8 and self.device.type == "cpu":
+                    release_freed_memory()  # the repacking's temporary copies (the heap is never trimmed)
             _log_quantized_kernels(method, w4a8, config.quantization.lm_head)
         self.packed_weight_bytes = 0
         if config.weight_dtype == "bfloat16":
