@@ -38,13 +38,13 @@ PROMPT_LOGPROBS_SLICE_ELEMENTS = 1 << 22
 
 def _log_quantized_kernels(method: str, w4a8_layers: int = 0, lm_head: str | None = None) -> None:
     """Which instructions the quantized path uses on this CPU (flags from /proc/cpuinfo); w4a8_layers: Linears
-    packed for the W4A8 kernels (int4_compute=w4a8: int4, int5 and GGUF Q8_0 blocks)."""
+    packed for the W4A8 kernels (int4_compute=w4a8: int4, int5 and GGUF Q8_0 blocks, GGUF Q4_K / Q5_K)."""
     flags = kernels.cpu_flags()
     relevant = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "avx512_bf16", "avx512bw", "avx2"})
     if w4a8_layers:
         what = "int4 weights and the 8-bit LM head" if method == "int4" and lm_head == "int8w" else "int4 weights"
         if method == "gguf":
-            what = "GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks"
+            what = "GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks and Q4_K / Q5_K projections"
         logger.info("%s: W4A8 in %d Linear layers, every row count: %s (activations int8 per block of 32, "
                     "int4_compute=w4a8; %s=%s); CPU flags %s", what, w4a8_layers,
                     kernels.w4a8_isa_name(kernels.w4a8_isa()), kernels.W4A8_ISA_ENV,
