@@ -221,6 +221,7 @@ def main() -> int:
     load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     fresh_overheads: dict[str, Any] = {}
+    served = profile.fit.get("fitted_on") == "served"  # (calibrate's served steps: whole core-loop iterations)
     for server in SERVERS:
         todo = [p for p in points if p.server == server]
         if not todo:
@@ -256,11 +257,15 @@ def main() -> int:
                 p.server_steps = int(counters["steps"])
                 frac = float(profile.calibration.get("counted_fraction") or 1.0)  # counters: execute + update only
                 p.server_step_s = counters["step_s"] / counters["steps"] / frac if counters["steps"] else None
+                sim_overheads = fresh
+                if served and p.server_step_s:  # the fitted steps are core-loop iterations: compare those
+                    p.server_step_s += fresh.core_step_overhead_s
+                    sim_overheads = dataclasses.replace(fresh, core_step_overhead_s=0.0)
                 p.sim_steps = result.num_steps
                 p.sim_step_s = sum(r.step_s for r in result.replicas) / max(1, result.num_steps)
                 if p.server_step_s and p.sim_step_s:
                     drift = p.server_step_s / p.sim_step_s
-                    rescaled = dataclasses.replace(profile.scaled(drift), overheads=fresh)
+                    rescaled = dataclasses.replace(profile.scaled(drift), overheads=sim_overheads)
                     p.sim_rescaled, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, args.seed,
                                                  False)  # fmt: skip
                 e = error_pct(p.sim, p.real, "ttft_ms", "mean")
