@@ -25,8 +25,6 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 REL_TOL = 1e-4
 
 
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread_per_rank() -> Iterator[None]:
     before = torch.get_num_threads()

@@ -130,6 +130,8 @@ def _load() -> ctypes.CDLL | None:
     lib.decode_stack.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int]
     lib.decode_stack.restype = ctypes.c_int
     lib.shm_all_reduce_f32.argtypes, lib.shm_all_reduce_f32.restype = [_P, _P, _I], ctypes.c_int
+    lib.shm_wait.argtypes, lib.shm_wait.restype = [_P, _I], ctypes.c_int
+    lib.shm_post.argtypes, lib.shm_post.restype = [_P, _I], None
     lib.lora_delta_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int]
     lib.lora_delta_f32.restype = ctypes.c_int
     return lib
@@ -635,6 +637,19 @@ def shm_all_reduce(desc: ctypes._Pointer | ctypes._CArgObject, x: torch.Tensor) 
     assert _lib is not None, "kernels not loaded: call available() first"
     _check(x, "x")
     return _lib.shm_all_reduce_f32(desc, x.data_ptr(), x.numel())
+
+
+def shm_wait(desc: ctypes._Pointer | ctypes._CArgObject, seq: int) -> int:
+    """Wait (spin, then sleep) until every peer of the group desc points at posted call seq (cpu_kernels.c:
+    shm_wait). Returns 0, SHM_ABORTED or SHM_TIMEOUT."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    return _lib.shm_wait(desc, seq)
+
+
+def shm_post(desc: ctypes._Pointer | ctypes._CArgObject, seq: int) -> None:
+    """Post this rank's call seq and wake peers sleeping on it (cpu_kernels.c: shm_post)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    _lib.shm_post(desc, seq)
 
 
 # runs of at most this many rows take lora_delta, on the hooks' path and in the decode stack alike (its most rows:

@@ -1,7 +1,8 @@
 """A shared-memory all-reduce for the ranks of one tensor-parallel group on one host (vLLM's CPU backend has one
 beside gloo): a /dev/shm file mapped by every rank, spin-waited sequence flags, no sockets.
 
-    header   one int64 flag per rank, 64 bytes apart (no false sharing): the last call the rank has posted
+    header   per rank, 64 bytes apart (no false sharing): an int64 flag, the last call the rank has posted, and
+             an int64 waiters word (a peer sleeps on the flag: the poster wakes it)
     data     2 buffers (call parity) x ranks x slot_bytes
 
 Call k (per rank, in the same order on all ranks, as every collective): wait until every peer posted call k - 1
@@ -19,8 +20,12 @@ gather (the logits on rank 0) is the same exchange, except that only rank 0 wait
 their slots: a peer posts and goes on (its next call waits for rank 0's post of this one, and the call after that,
 which reuses this parity, for rank 0's post of the next: rank 0 has finished reading by then).
 
-A rank waiting in C cannot call alive(): a watcher thread polls it every WATCH_S and sets this process's abort
-word, which the C wait checks (with the timeout) between spins; C returns, Python raises alive()'s reason.
+Waiting, with the kernels loaded (every wait and post goes through C then, Python's too): spin for SPIN_US
+(LMSERVE_TP_SPIN_US), then sleep on a futex until the peer posts (a poster wakes sleepers; cpu_kernels.c's section
+says how). A rank that is late because another process (the API server) took its CPU thus gets a CPU back from
+the waiting rank instead of racing a spinner for it. A rank waiting in C cannot call alive(): a watcher thread polls
+it every WATCH_S and sets this process's abort word, which the C wait checks (with the timeout) between sleeps; C
+returns, Python raises alive()'s reason. Without the kernels: spins, then sched_yield between checks.
 
 Ordering relies on x86's total store order (the data is stored before the flag, and read after it): the group uses
 this only on x86-64 (worker/distributed.py), else gloo.
@@ -45,6 +50,18 @@ DEFAULT_SLOT_BYTES = 4 * 2**20  # a 1,024-token prefill's hidden states (576 flo
 SPINS_BEFORE_YIELD = 2000  # then the waiting rank yields its CPU between checks (a crowded machine)
 CHECK_EVERY = 4096  # spins between liveness checks
 WATCH_S = 0.05  # how often the watcher thread asks alive() for the C waits
+SPIN_US = 50  # a C wait spins this long before it sleeps on the futex
+SPIN_ENV = "LMSERVE_TP_SPIN_US"  # overrides SPIN_US (benchmarks, A/B)
+
+
+def spin_us() -> int:
+    """How long a C wait spins before sleeping: $LMSERVE_TP_SPIN_US, else SPIN_US."""
+    text = os.environ.get(SPIN_ENV, "")
+    if not text:
+        return SPIN_US
+    if not text.isdigit():
+        raise ValueError(f"{SPIN_ENV} must be a whole number of microseconds, got {text!r}")
+    return int(text)
 
 
 class ShmDesc(ctypes.Structure):
@@ -52,7 +69,7 @@ class ShmDesc(ctypes.Structure):
 
     _fields_ = [("flags", ctypes.c_void_p), ("data", ctypes.c_void_p)]
     _fields_ += [(n, ctypes.c_int64) for n in ("rank", "size", "slot_bytes")]
-    _fields_ += [("abort", ctypes.c_void_p), ("timeout_s", ctypes.c_double), ("spins", ctypes.c_int64)]
+    _fields_ += [("abort", ctypes.c_void_p), ("timeout_s", ctypes.c_double), ("spin_us", ctypes.c_int64)]
 
 
 class ShmAllReduce:
@@ -90,7 +107,7 @@ class ShmAllReduce:
         if kernels.available():
             self.desc = ShmDesc(
                 self._flags.ctypes.data, self._data.data_ptr(), rank, size, slot_bytes, self._abort.ctypes.data,
-                timeout_s, SPINS_BEFORE_YIELD,
+                timeout_s, spin_us(),
             )  # fmt: skip
             if alive is not None:
                 name = f"lmserve-shm-watch-{rank}"
@@ -120,7 +137,16 @@ class ShmAllReduce:
         start = (parity * self.size + rank) * self.slot_bytes
         return self._data[start : start + numel * dtype.itemsize].view(dtype)
 
+    def _post(self, seq: int) -> None:
+        if self.desc is not None:
+            kernels.shm_post(ctypes.byref(self.desc), seq)  # (wakes a peer sleeping in C)
+        else:
+            self._flags[self.rank * FLAG_STRIDE] = seq
+
     def _wait(self, seq: int) -> None:
+        if self.desc is not None:
+            self.raise_for(kernels.shm_wait(ctypes.byref(self.desc), seq))
+            return
         flags, spins, deadline = self._flags, 0, None
         for r in range(self.size):
             if r == self.rank:
@@ -155,7 +181,7 @@ class ShmAllReduce:
         parity = seq % 2
         self._wait(seq - 1)  # every peer is done with this parity's buffer (its call seq - 2)
         self._slot(parity, self.rank, x.dtype, x.numel()).copy_(x)
-        self._flags[self.rank * FLAG_STRIDE] = seq
+        self._post(seq)
         self._wait(seq)
         torch.add(self._slot(parity, 0, x.dtype, x.numel()), self._slot(parity, 1, x.dtype, x.numel()), out=x)
         for r in range(2, self.size):
@@ -175,7 +201,7 @@ class ShmAllReduce:
             self._wait(seq - 1)
             if self.rank:
                 self._slot(parity, self.rank, x.dtype, x.numel()).copy_(x)
-            self._flags[self.rank * FLAG_STRIDE] = seq
+            self._post(seq)
             if out is not None:
                 self._wait(seq)
                 for r in range(1, self.size):
