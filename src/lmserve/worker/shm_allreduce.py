@@ -1,5 +1,5 @@
 """A shared-memory all-reduce for the ranks of one tensor-parallel group on one host (vLLM's CPU backend has one
-beside gloo): a /dev/shm file mapped by every rank, spin-waited sequence flags, no sockets.
+beside gloo): a /dev/shm file mapped by every rank, sequence flags spun on then slept on, no sockets.
 
     header   per rank, 64 bytes apart (no false sharing): an int64 flag, the last call the rank has posted, and
              an int64 waiters word (a peer sleeps on the flag: the poster wakes it)
@@ -22,10 +22,11 @@ which reuses this parity, for rank 0's post of the next: rank 0 has finished rea
 
 Waiting, with the kernels loaded (every wait and post goes through C then, Python's too): spin for SPIN_US
 (LMSERVE_TP_SPIN_US), then sleep on a futex until the peer posts (a poster wakes sleepers; cpu_kernels.c's section
-says how). A rank that is late because another process (the API server) took its CPU thus gets a CPU back from
-the waiting rank instead of racing a spinner for it. A rank waiting in C cannot call alive(): a watcher thread polls
-it every WATCH_S and sets this process's abort word, which the C wait checks (with the timeout) between sleeps; C
-returns, Python raises alive()'s reason. Without the kernels: spins, then sched_yield between checks.
+says how). A rank that is late because another process (the API server, anything else on a crowded machine) took
+its CPU thus gets a CPU back from the waiting rank instead of racing a spinner for it. A rank waiting in C cannot
+call alive(): a watcher thread polls it every WATCH_S and sets this process's abort word, which the C wait checks
+(with the timeout) between sleeps; C returns, Python raises alive()'s reason. Without the kernels: spins, then
+sched_yield between checks.
 
 Ordering relies on x86's total store order (the data is stored before the flag, and read after it): the group uses
 this only on x86-64 (worker/distributed.py), else gloo.
