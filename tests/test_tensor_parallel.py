@@ -407,3 +407,17 @@ def test_shm_all_reduce_in_c_gives_up_on_abort_and_on_timeout(tmp_path: Path) ->
     finally:
         a.close()
         b.close()
+
+
+def test_tp2_on_gloo_keeps_the_module_path(
+    llama_dir: Path, engines: list[LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LMSERVE_TP_ALL_REDUCE=backend: the all-reduce is gloo's, which C cannot call, so no decode stack; the same
+    greedy tokens as TP = 1."""
+    one = make(engines, llama_dir, num_kv_blocks=64)
+    monkeypatch.setenv("LMSERVE_TP_ALL_REDUCE", "backend")
+    two = make(engines, llama_dir, num_kv_blocks=64, tensor_parallel_size=2)
+    runner = two.engine.runner
+    assert two.engine.executor.group.all_reduce_kind == "gloo"
+    assert runner.model.model.decode_stack(runner.kv_caches) is None
+    assert greedy(two) == greedy(one)
