@@ -421,3 +421,28 @@ def test_tp2_on_gloo_keeps_the_module_path(
     assert two.engine.executor.group.all_reduce_kind == "gloo"
     assert runner.model.model.decode_stack(runner.kv_caches) is None
     assert greedy(two) == greedy(one)
+
+
+def test_rank_killed_while_rank0_waits_in_c_fails_the_step(llama_dir: Path, engines: list[LLM]) -> None:
+    """Rank 1 stopped (SIGSTOP) so rank 0's next step waits for it in the C all-reduce (asleep on the futex, the GIL
+    released), then killed: the watcher's failure reaches the C wait through the abort word, and the step raises
+    naming the rank, within seconds (not the 300 s timeout)."""
+    import threading
+
+    llm = make(engines, llama_dir, num_kv_blocks=64, tensor_parallel_size=2)
+    executor = llm.engine.executor
+    assert executor.group.all_reduce_kind == "shm"
+    assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
+    (pid,) = executor.worker_pids
+    os.kill(pid, signal.SIGSTOP)
+    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    finally:
+        killer.join()
+    assert time.monotonic() - t0 < 10
+    executor.close()
+    assert not _alive(pid)
