@@ -65,11 +65,10 @@ def _collective_rank(rank: int, port: int, mode: str, iters: int, queue) -> None
         t = torch.randn(rows * HIDDEN)
         timed(f"all_reduce {rows}x{HIDDEN}", lambda t=t: group.all_reduce(t), iters if rows < 1024 else iters // 10)
     for rows in (1, 32):  # the logits' gather on rank 0: gloo's, or the shared memory's beside its all-reduce
-
-            t = torch.randn(rows, VOCAB // 2)
-            timed(f"gather logits {rows}x{VOCAB // 2}", lambda t=t: group.gather(t), iters // 4)
-            pairs = torch.randn(rows, 2)
-            timed(f"gather top-1 pairs {rows}x2", lambda p=pairs: group.gather(p), iters // 4)
+        t = torch.randn(rows, VOCAB // 2)
+        timed(f"gather logits {rows}x{VOCAB // 2}", lambda t=t: group.gather(t), iters // 4)
+        pairs = torch.randn(rows, 2)
+        timed(f"gather top-1 pairs {rows}x2", lambda p=pairs: group.gather(p), iters // 4)
     group.barrier_backend()
     if rank == 0:
         queue.put((group.all_reduce_kind, out))
