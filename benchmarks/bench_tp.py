@@ -8,7 +8,8 @@ parameter count and bytes per step (q/k/v/o keep their shapes: 12 x 48 = 9 x 64,
 
 1. all-reduce us per call between 2 processes, 1 thread each: gloo vs the shared-memory all-reduce, for a decode
    row (576 floats), a 32-row decode batch and a 1,024-token prefill; plus the logits' gather on rank 0 for 1 and 32
-   rows (V/2 floats each) against a gather of 2 floats per row (the floor of sampling from sharded logits).
+   rows (V/2 floats each, gloo vs shared memory) against a gather of 2 floats per row (the floor of sampling from
+   sharded logits).
 2. the engine: decode step (batch 1 and 32) and a 1,024-token prefill step at TP = 1 (--threads threads) vs TP = N
    (--threads / N per rank), with the shared-memory all-reduce and with gloo (LMSERVE_TP_ALL_REDUCE=backend).
 3. HTTP: 32 concurrent streams against `lmserve serve` at TP = 1 vs TP = N (output tok/s).
@@ -63,12 +64,11 @@ def _collective_rank(rank: int, port: int, mode: str, iters: int, queue) -> None
     for rows in (1, 32, 1024):
         t = torch.randn(rows * HIDDEN)
         timed(f"all_reduce {rows}x{HIDDEN}", lambda t=t: group.all_reduce(t), iters if rows < 1024 else iters // 10)
-    if mode == "backend":  # the logits: the gather stays on gloo whichever all-reduce runs
-        for rows in (1, 32):
-            t = torch.randn(rows, VOCAB // 2)
-            timed(f"gather logits {rows}x{VOCAB // 2}", lambda t=t: group.gather(t), iters // 4)
-            pairs = torch.randn(rows, 2)
-            timed(f"gather top-1 pairs {rows}x2", lambda p=pairs: group.gather(p), iters // 4)
+    for rows in (1, 32):  # the logits' gather on rank 0: gloo's, or the shared memory's beside its all-reduce
+        t = torch.randn(rows, VOCAB // 2)
+        timed(f"gather logits {rows}x{VOCAB // 2}", lambda t=t: group.gather(t), iters // 4)
+        pairs = torch.randn(rows, 2)
+        timed(f"gather top-1 pairs {rows}x2", lambda p=pairs: group.gather(p), iters // 4)
     group.barrier_backend()
     if rank == 0:
         queue.put((group.all_reduce_kind, out))

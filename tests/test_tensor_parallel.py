@@ -25,8 +25,6 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 REL_TOL = 1e-4
 
 
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread_per_rank() -> Iterator[None]:
     before = torch.get_num_threads()
@@ -302,3 +300,149 @@ def test_nccl_path_is_importable_and_refused_without_cuda() -> None:
         pytest.skip("a CUDA build: the NCCL group needs its peers")
     with pytest.raises(ValueError, match="'nccl' needs a CUDA build of torch"):
         TPGroup(Rendezvous("127.0.0.1", free_port(), 1, backend="nccl", timeout_s=10), 0)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
+def test_tp2_decode_stack_is_bit_identical_to_the_module_path(
+    model_dirs: dict[str, Path], engines: list[LLM], monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Under TP = 2 with the shared-memory all-reduce, decode steps take the one-call C stack, which sums o and down
+    over the ranks from C: every such step on rank 0 is recomputed on the module path (the Python all-reduce, the
+    same sequence of calls; rank 1 is sent the step again) and must give the same bits. Greedy tokens equal TP = 1's.
+    """
+    from lmserve.engine.tp_executor import _forward_message
+    from lmserve.model.llama import DecoderModel
+
+    one = make(engines, model_dirs[name], num_kv_blocks=64)
+    two = make(engines, model_dirs[name], num_kv_blocks=64, tensor_parallel_size=2)
+    executor, expected = two.engine.executor, greedy(one)
+    assert executor.group.all_reduce_kind == "shm"
+    rank0 = two.engine.runner.model.model
+    seen: list[bool] = []
+    orig = DecoderModel.forward
+
+    def both(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN202
+        out = orig(self, input_ids, positions, kv_caches, meta)
+        stack = self.decode_stack(kv_caches)
+        if self is rank0 and stack is not None and stack.applies(self.embed_tokens.weight[: len(input_ids)], meta):
+            executor._send(_forward_message(input_ids, positions, meta))  # rank 1 runs the step again
+            self._decode_stack = None
+            try:
+                ref = orig(self, input_ids, positions, kv_caches, meta)
+            finally:
+                self._decode_stack = stack
+            seen.append(torch.equal(out, ref))
+        return out
+
+    monkeypatch.setattr(DecoderModel, "forward", both)
+    assert greedy(two) == expected
+    assert len(seen) >= 10 and all(seen), f"{seen.count(False)} of {len(seen)} stack steps differ from the module path"
+
+
+def _shm_pair(tmp_path: Path, **kw) -> tuple:  # noqa: ANN003
+    from lmserve.worker.shm_allreduce import ShmAllReduce
+
+    path = str(tmp_path / "shm")
+    return ShmAllReduce(path, 0, 2, create=True, **kw), ShmAllReduce(path, 1, 2, create=False, **kw)
+
+
+def test_shm_all_reduce_c_and_python_calls_interleave_with_the_same_bits(tmp_path: Path) -> None:
+    """Rank 0 sums through C (kernels.shm_all_reduce), rank 1 through the torch ops, on one sequence of calls (and
+    gathers between them): both get the same bits, which are the Python side's x0 + x1."""
+    import threading
+
+    from lmserve import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler: kernels not built")
+    a, b = _shm_pair(tmp_path, slot_bytes=4096)  # 1,024 floats a slot: the longer inputs go in chunks
+    b.desc = None  # rank 1: the Python path only
+    sizes = [576, 3000, 7, 576 * 8]
+    gens = [torch.Generator().manual_seed(r) for r in range(2)]
+    inputs = [[torch.randn(n, generator=g) for n in sizes] for g in gens]
+    got: dict[int, list] = {0: [], 1: []}
+
+    def run(rank: int, shm) -> None:  # noqa: ANN001
+        for x in inputs[rank]:
+            got[rank].append(shm.all_reduce(x.clone()))
+            got[rank].append(shm.gather(x.clone()))
+
+    threads = [threading.Thread(target=run, args=(r, s)) for r, s in ((0, a), (1, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        for i, (x0, x1) in enumerate(zip(*inputs, strict=True)):
+            want = torch.add(x0, x1)
+            assert torch.equal(got[0][2 * i], want) and torch.equal(got[1][2 * i], want)
+            assert [torch.equal(p, x) for p, x in zip(got[0][2 * i + 1], (x0, x1), strict=True)] == [True, True]
+            assert got[1][2 * i + 1] is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shm_all_reduce_in_c_gives_up_on_abort_and_on_timeout(tmp_path: Path) -> None:
+    """A rank waiting in C for a peer that never comes: alive()'s reason once the watcher sees it, else the
+    timeout (both raised as RuntimeError)."""
+    from lmserve import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler: kernels not built")
+    t0 = time.monotonic()
+    a, b = _shm_pair(tmp_path, alive=lambda: "peer gone" if time.monotonic() - t0 > 0.3 else None)
+    try:
+        assert a.desc is not None
+        with pytest.raises(RuntimeError, match="peer gone"):
+            a.all_reduce(torch.ones(576))
+        assert time.monotonic() - t0 < 5
+    finally:
+        a.close()
+        b.close()
+    a, b = _shm_pair(tmp_path, timeout_s=0.3)
+    try:
+        with pytest.raises(RuntimeError, match="did not arrive in 0.3 s"):
+            a.all_reduce(torch.ones(576))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tp2_on_gloo_keeps_the_module_path(
+    llama_dir: Path, engines: list[LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LMSERVE_TP_ALL_REDUCE=backend: the all-reduce is gloo's, which C cannot call, so no decode stack; the same
+    greedy tokens as TP = 1."""
+    one = make(engines, llama_dir, num_kv_blocks=64)
+    monkeypatch.setenv("LMSERVE_TP_ALL_REDUCE", "backend")
+    two = make(engines, llama_dir, num_kv_blocks=64, tensor_parallel_size=2)
+    runner = two.engine.runner
+    assert two.engine.executor.group.all_reduce_kind == "gloo"
+    assert runner.model.model.decode_stack(runner.kv_caches) is None
+    assert greedy(two) == greedy(one)
+
+
+def test_rank_killed_while_rank0_waits_in_c_fails_the_step(llama_dir: Path, engines: list[LLM]) -> None:
+    """Rank 1 stopped (SIGSTOP) so rank 0's next step waits for it in the C all-reduce (asleep on the futex, the GIL
+    released), then killed: the watcher's failure reaches the C wait through the abort word, and the step raises
+    naming the rank, within seconds (not the 300 s timeout)."""
+    import threading
+
+    llm = make(engines, llama_dir, num_kv_blocks=64, tensor_parallel_size=2)
+    executor = llm.engine.executor
+    assert executor.group.all_reduce_kind == "shm"
+    assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
+    (pid,) = executor.worker_pids
+    os.kill(pid, signal.SIGSTOP)
+    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    finally:
+        killer.join()
+    assert time.monotonic() - t0 < 10
+    executor.close()
+    assert not _alive(pid)

@@ -6,7 +6,7 @@
     Scheduler.schedule → ModelRunner.execute                       PULL ◀─ TPForward / TPLogits / TPStop
       model(...)      → TPForward (flat inputs) ─ PUSH per rank ─▶   model(...) on its shard
       compute_logits  → TPLogits (the rows)     ─────────────────▶   compute_logits on its vocabulary slice
-      └ gloo: 2 all-reduces per layer, 1 for the embedding, a gather of the logits on rank 0 ┘
+      └ shm (one host) or gloo: 2 all-reduces per layer, 1 for the embedding, the logits gathered on rank 0 ┘
       Sampler (rank 0 only)
 
 What crosses per step is the model's flat inputs (token ids, positions, slots, block tables: what ModelRunner.execute

@@ -129,6 +129,9 @@ def _load() -> ctypes.CDLL | None:
     _declare_kquant(lib)
     lib.decode_stack.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int]
     lib.decode_stack.restype = ctypes.c_int
+    lib.shm_all_reduce_f32.argtypes, lib.shm_all_reduce_f32.restype = [_P, _P, _I], ctypes.c_int
+    lib.shm_wait.argtypes, lib.shm_wait.restype = [_P, _I], ctypes.c_int
+    lib.shm_post.argtypes, lib.shm_post.restype = [_P, _I], None
     lib.lora_delta_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int]
     lib.lora_delta_f32.restype = ctypes.c_int
     return lib
@@ -608,7 +611,8 @@ def decode_stack(
     """Every layer of a decoder and its final norm for B decode tokens (cpu_kernels.c: decode_stack): model
     points at the C description lmserve.model.decode_stack builds; h (B, hidden) embeddings in, out (B, hidden)
     written; cos, sin (B, head_dim); slot_mapping (B,), block_tables (B, max_blocks), context_lens (B,) int64.
-    Returns 0, or -1 if the kernel's scratch memory could not be allocated."""
+    Returns 0, -1 if the kernel's scratch memory could not be allocated, or (a tensor-parallel rank's stack,
+    model.allreduce set) SHM_ABORTED / SHM_TIMEOUT from its all-reduce."""
     assert _lib is not None, "kernels not loaded: call available() first"
     b, hidden = h.shape
     for t, n in ((h, "h"), (out, "out"), (cos, "cos"), (sin, "sin")):
@@ -621,6 +625,31 @@ def decode_stack(
         model, h.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), b, block_tables.shape[1], torch.get_num_threads(),
     )  # fmt: skip
+
+
+SHM_ABORTED, SHM_TIMEOUT = -2, -3  # cpu_kernels.c's LS_AR_ABORTED / LS_AR_TIMEOUT
+
+
+def shm_all_reduce(desc: ctypes._Pointer | ctypes._CArgObject, x: torch.Tensor) -> int:
+    """x (contiguous float32, CPU) summed in place over a shared-memory group (cpu_kernels.c: shm_all_reduce_f32,
+    worker/shm_allreduce.py's protocol); desc points at the group's ls_allreduce. Returns 0, SHM_ABORTED or
+    SHM_TIMEOUT."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    _check(x, "x")
+    return _lib.shm_all_reduce_f32(desc, x.data_ptr(), x.numel())
+
+
+def shm_wait(desc: ctypes._Pointer | ctypes._CArgObject, seq: int) -> int:
+    """Wait (spin, then sleep) until every peer of the group desc points at posted call seq (cpu_kernels.c:
+    shm_wait). Returns 0, SHM_ABORTED or SHM_TIMEOUT."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    return _lib.shm_wait(desc, seq)
+
+
+def shm_post(desc: ctypes._Pointer | ctypes._CArgObject, seq: int) -> None:
+    """Post this rank's call seq and wake peers sleeping on it (cpu_kernels.c: shm_post)."""
+    assert _lib is not None, "kernels not loaded: call available() first"
+    _lib.shm_post(desc, seq)
 
 
 # runs of at most this many rows take lora_delta, on the hooks' path and in the decode stack alike (its most rows:

@@ -18,6 +18,12 @@ the CPU with the kernels loaded. Which models (`DecodeStack.supports`): the plai
 norms, no logit soft-capping, a KV cache the kernels read, and every projection on its C kernel (not
 switched to torch / oneDNN by `LMSERVE_SMALL_M_LINEAR` or the measured small-M choice).
 
+Tensor parallelism (model/parallel.py): a rank's stack runs its shard's layers and, as the module path's hooks
+do, sums the outputs of o and down over the ranks, through the shared-memory all-reduce called from C
+(`ls_model.allreduce`: worker/shm_allreduce.py's protocol and summation order, so the same bits as the module
+path's Python calls, with which the C calls share one sequence). A group whose all-reduce is gloo (ranks on
+several hosts, LMSERVE_TP_ALL_REDUCE=backend) has no stack: the module path. LoRA is not served with TP.
+
 LoRA (`takes_lora`, `run(..., lora)`): while LoRA hooks are on (lora/layers.py) the stack, which skips them, adds
 each run's slot delta after each projection itself (`ls_model.lora` → cpu_kernels.c's LoRA section), with the C
 kernel the hooks call for runs of that size, so the step stays bit-identical to the module path. Without LoRA rows
@@ -36,6 +42,7 @@ from lmserve.model import quantization as quant
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
+from lmserve.worker.shm_allreduce import ShmAllReduce
 
 # ls_linear.kind in cpu_kernels.c
 _KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8}
@@ -64,6 +71,7 @@ class _Model(ctypes.Structure):
     _fields_ += [("eps", ctypes.c_double), ("scale", ctypes.c_double)]
     _fields_ += [("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
     _fields_ += [("lora", ctypes.c_void_p)]  # NULL, or a _LoRA for a step with LoRA rows
+    _fields_ += [("allreduce", ctypes.c_void_p)]  # NULL, or a tensor-parallel rank's ShmAllReduce.desc
 
 
 class _LoRALinear(ctypes.Structure):  # ls_lora_linear: one projection's slot-stacked A, B and columns in use
@@ -147,8 +155,11 @@ def _kernel_linear(m: Linear) -> bool:
 class DecodeStack:
     """The C description of one model's layers over one set of KV caches (built once, reused every step)."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache]) -> None:
-        """model: a DecoderModel for which supports() holds."""
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list[KVCache], all_reduce: ShmAllReduce | None = None
+    ) -> None:
+        """model: a DecoderModel for which supports() holds. all_reduce: a tensor-parallel rank's shared-memory
+        group (its C description set: the kernels are loaded), whose sum the stack takes after o and down."""
         layers = list(model.layers)
         attn = layers[0].self_attn
         self._layers = (_Layer * len(layers))()
@@ -169,6 +180,11 @@ class DecodeStack:
             _ptr(model.norm.weight),
         )  # fmt: skip
         self._kv_caches = kv_caches  # the pointers above stay valid while these live
+        self._all_reduce = all_reduce
+        if all_reduce is not None:
+            assert all_reduce.desc is not None, "a shared-memory all-reduce without its C description"
+            self._all_reduce_desc = all_reduce.desc  # (kept alive with the pointer to it)
+            self._model.allreduce = ctypes.addressof(all_reduce.desc)
         self._lora: _LoRADesc | None = None
 
     @staticmethod
@@ -260,5 +276,8 @@ class DecodeStack:
             )  # fmt: skip
         finally:
             self._model.lora = None
-        assert rc == 0, "decode_stack: out of memory for its scratch buffers"
+        assert rc != -1, "decode_stack: out of memory for its scratch buffers"
+        if rc != 0:
+            assert self._all_reduce is not None, f"decode_stack: return {rc} without an all-reduce"
+            self._all_reduce.raise_for(rc)  # a peer died or never came: the reason, raised
         return out

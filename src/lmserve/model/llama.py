@@ -134,23 +134,32 @@ class DecoderModel(nn.Module):
     _decode_stack: DecodeStack | None = None
     lora_active = False  # LoRA hooks on the projections (lora/layers.py); the C stack adds their deltas itself
     lora_hooks: Any = None  # the installed lora.layers.LoRAHooks (its linears and the step's groups), else None
-    tensor_parallel_size = 1  # > 1 (model/parallel.py): no decode stack, it has no place for the all-reduces
+    tensor_parallel_size = 1  # > 1 (model/parallel.py): the decode stack only with a shared-memory all-reduce
+    tp_all_reduce: Any = None  # that all-reduce (worker/shm_allreduce.ShmAllReduce, its C description set)
     _decode_stack_checked: tuple | None = None  # the KV caches supports() was last asked about
 
     def decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
         """The C description of this decoder over kv_caches, when DecodeStack.supports it (built once per
-        set of caches; reset_decode_stack() after changing weights or their kernel paths)."""
-        if self.tensor_parallel_size > 1:
+        set of caches; reset_decode_stack() after changing weights or their kernel paths). A tensor-parallel
+        rank has one when its group's all-reduce is the shared memory's, which the C stack calls itself."""
+        if not self._stack_possible():
             return None
         key = DecodeStack.cache_key(kv_caches)
         if key != self._decode_stack_checked:
             self._decode_stack_checked = key
-            self._decode_stack = DecodeStack(self, kv_caches) if DecodeStack.supports(self, kv_caches) else None
+            ok = DecodeStack.supports(self, kv_caches)
+            self._decode_stack = DecodeStack(self, kv_caches, self.tp_all_reduce) if ok else None
         return self._decode_stack
+
+    def _stack_possible(self) -> bool:
+        """One rank, or a tensor-parallel rank whose all-reduce C can call."""
+        if self.tensor_parallel_size == 1:
+            return True
+        return self.tp_all_reduce is not None and self.tp_all_reduce.desc is not None
 
     def stack_linears(self) -> list[Linear]:
         """The projections a decode stack would run when they take their C kernels ([] if the layout has none)."""
-        if self.tensor_parallel_size > 1 or not DecodeStack.supports_layout(self):
+        if not self._stack_possible() or not DecodeStack.supports_layout(self):
             return []
         return [m for layer in self.layers for m in DecodeStack.layer_linears(layer)]
 

@@ -12,8 +12,10 @@ rank holds, the slicing at load, and the collectives a split decoder needs, atta
 
 The model is built from `local_config(cfg, tp)`: the same classes with a rank's head / row counts, so the C kernels
 (RoPE + KV write, attention, small-M linears) run on the local shard unchanged. The one-call decode stack
-(model/decode_stack.py) runs a whole decoder in one C call, with no place for the all-reduces: it is off with tp > 1
-(DecoderModel.tensor_parallel_size). A rank's collectives are a `Collectives` (worker/distributed.py's TPGroup).
+(model/decode_stack.py) runs a whole decoder in one C call: with tp > 1 it calls the group's shared-memory all-reduce
+from C after o and down (DecoderModel.tp_all_reduce, the Collectives' `shm`); a group on gloo (several hosts,
+LMSERVE_TP_ALL_REDUCE=backend) takes the module path. A rank's collectives are a `Collectives`
+(worker/distributed.py's TPGroup).
 """
 
 from __future__ import annotations
@@ -175,7 +177,8 @@ def quantize_linear_weights(model: nn.Module, config: QuantizationConfig, comm: 
 def parallelize(model: nn.Module, shard: TPShard, comm: Collectives) -> None:
     """Attach the split's collectives to a CausalLM built from local_config: an all-reduce after every o_proj and
     down_proj, the vocab-parallel embedding, and a compute_logits that gathers the vocabulary slices on rank 0
-    (the other ranks get None). The decode stack is switched off (it has no all-reduce points)."""
+    (the other ranks get None). The decode stack is on only with comm's shared-memory all-reduce (`comm.shm`, a
+    worker/shm_allreduce.ShmAllReduce with its C description), which it calls from C at the same two points."""
     assert comm.size == shard.size and comm.rank == shard.rank, f"group {comm.rank}/{comm.size} vs shard {shard}"
 
     state = model._tp_state = {"local": False}  # local_only(): projections timed alone, no all-reduce
@@ -188,6 +191,7 @@ def parallelize(model: nn.Module, shard: TPShard, comm: Collectives) -> None:
         layer.self_attn.o_proj.register_forward_hook(reduce_output)
         layer.mlp.down_proj.register_forward_hook(reduce_output)
     decoder.tensor_parallel_size = shard.size
+    decoder.tp_all_reduce = getattr(comm, "shm", None)
     decoder.reset_decode_stack()
     start, rows = shard.vocab_start, shard.vocab_rows
     masks: list[torch.Tensor] = []

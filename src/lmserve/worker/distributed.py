@@ -1,5 +1,8 @@
 """A tensor-parallel group's collectives (model/parallel.Collectives) on torch.distributed: gloo on the CPU, NCCL on
-CUDA. The process group is built directly on a TCPStore (`ProcessGroupGloo(store, rank, size)`), not through
+CUDA; when every rank is on this x86-64 host, the sum all-reduce and the gather go through shared memory instead
+(worker/shm_allreduce.py; the max all-reduce, used once at load, stays on gloo).
+
+The process group is built directly on a TCPStore (`ProcessGroupGloo(store, rank, size)`), not through
 `init_process_group`: no global default group, so several engines (data parallel, tests) can live in one process.
 
 Rendezvous: rank 0 hosts the store at (host, port); every rank connects to it with the same world size, whether the
@@ -121,7 +124,10 @@ class TPGroup:
         return t
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's t (same shape) on rank 0, in rank order; None on the others."""
+        """Every rank's t (same shape) on rank 0, in rank order; None on the others. Through the shared memory
+        when the all-reduce is (a CPU tensor), else the backend's gather."""
+        if self.shm is not None and t.device.type == "cpu":
+            return self.shm.gather(t.contiguous())
         if self.rank == 0:
             out = [torch.empty_like(t) for _ in range(self.size)]
             self.pg.gather([out], [t], self._gather).wait()
