@@ -262,7 +262,8 @@ def test_w4a8_runs_q5_and_q8_0_blocks_on_the_integer_path(
     file, _ = _file(q5_models, name, base, tmp_path)
     with caplog.at_level(logging.INFO, logger="lmserve.worker.model_runner"):
         llm = LLM(str(file), tokenizer=str(q5_models[name]), num_kv_blocks=64)
-    assert "GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks: W4A8 in" in " ".join(r.getMessage() for r in caplog.records)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks and Q4_K / Q5_K projections: W4A8 in" in logged
     model = llm.engine.runner.model
     bits = {n: m._w4a8.bits for n, m in model.named_modules() if isinstance(m, Linear) and m._w4a8 is not None}
     assert bits["lm_head"] == 8 and bits["model.layers.1.self_attn.o_proj"] == 5
