@@ -202,7 +202,7 @@ static inline __attribute__((always_inline)) void softmax_rows_zero_out(float *s
  * single-stream step waits on DRAM latency token after token (~100 us a layer of the benchmark model at 230 tokens
  * against ~14 us of bandwidth). While the scores walk token t, K of token t + ATTN_PREFETCH (into L1) and V of
  * token t (into L2, for the weighted sum that follows) are fetched. Prefetches change no arithmetic. */
-#define ATTN_PREFETCH 8
+#define ATTN_PREFETCH 16
 
 /* The bytes [p, p + n) of one token's K or V row (the heads an item reads) into the cache level `hint` (2: L1,
  * 1: L2). */
@@ -222,6 +222,53 @@ static inline __attribute__((always_inline)) const char *token_row(const void *b
                                                                    int64_t off) {
     return (const char *)base + (table[t / block_size] * block_size + t % block_size) * row_bytes + off;
 }
+
+#ifdef F32_ROWS_AVX512
+/* r[t] lane i -> r[i] lane t: the 16 x 16 transpose (in-lane unpacks and shuffles, then 128-bit block shuffles). */
+static inline __attribute__((always_inline)) void transpose16_ps(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* The scores of one query head qr (D floats, D a multiple of 16) against the K rows kr, kr + row, ... of 16
+ * consecutive tokens, times scale, into out[0..15]: each the value the scalar loop of decode_attention_heads
+ * computes (its `omp simd` reduction, as GCC vectorizes it: one 16-lane accumulator of FMAs over the D / 16
+ * chunks, then s = 0 + lane 0 + lane 1 + ... + lane 15 in order, then s * scale), so a token's score does not
+ * depend on which path computed it. The 16 serial lane sums of the scalar loop become 15 vector adds of the
+ * transposed accumulators, one score a lane. */
+static inline __attribute__((always_inline)) void scores16_f32(const float *qr, const float *kr, int64_t row,
+                                                               int64_t D, float scale, float *out) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+        const __m512 qc = _mm512_loadu_ps(qr + c);
+        for (int t = 0; t < 16; t++) acc[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kr + t * row + c), acc[t]);
+    }
+    transpose16_ps(acc);
+    __m512 r = _mm512_add_ps(_mm512_setzero_ps(), acc[0]);
+    for (int i = 1; i < 16; i++) r = _mm512_add_ps(r, acc[i]);
+    _mm512_storeu_ps(out, _mm512_mul_ps(r, _mm512_set1_ps(scale)));
+}
+#endif
 
 /* Attention of query heads [h0, h1) of one sequence over its tokens [t_begin, L) (t_begin > 0: a sliding window;
  * the blocks before it are never read); query head h reads kv head h / G. Token t's K (and V) row holds all kv
@@ -245,7 +292,24 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
         const float *kb = k_cache + table[t0 / block_size] * block_size * row;
         int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
         int64_t n = L - t0 < block_size ? L - t0 : block_size;
-        for (int64_t j = j0; j < n; j++) {
+        int64_t j = j0;
+#ifdef F32_ROWS_AVX512
+        if (D % 16 == 0) /* runs of 16 tokens: the same scores, the lane sums vectorized (scores16_f32) */
+            for (; j + 16 <= n; j += 16) {
+                for (int64_t u = j; u < j + 16; u++) {
+                    if (t0 + u + ATTN_PREFETCH < L)
+                        prefetch_span(token_row(k_cache, table, t0 + u + ATTN_PREFETCH, block_size, row_bytes, pf_off),
+                                      pf_len, 2);
+                    prefetch_span(token_row(v_cache, table, t0 + u, block_size, row_bytes, pf_off), pf_len, 1);
+                }
+                for (int64_t h = 0; h < nq; h++) {
+                    float *sh = scores + h * N + t0 + j - t_begin;
+                    scores16_f32(q0 + h * D, kb + j * row + (h0 + h) / G * D, row, D, scale, sh);
+                    for (int u = 0; u < 16; u++) mx[h] = sh[u] > mx[h] ? sh[u] : mx[h];
+                }
+            }
+#endif
+        for (; j < n; j++) {
             const float *kr = kb + j * row;
             if (t0 + j + ATTN_PREFETCH < L)
                 prefetch_span(token_row(k_cache, table, t0 + j + ATTN_PREFETCH, block_size, row_bytes, pf_off),
