@@ -268,6 +268,18 @@ static inline __attribute__((always_inline)) void scores16_f32(const float *qr, 
     for (int i = 1; i < 16; i++) r = _mm512_add_ps(r, acc[i]);
     _mm512_storeu_ps(out, _mm512_mul_ps(r, _mm512_set1_ps(scale)));
 }
+
+/* One token's score as scores16_f32 computes it (the tokens past the last run of 16), written out so that both
+ * paths agree whatever the compiler makes of the scalar loop's reduction. */
+static inline __attribute__((always_inline)) float score1_f32(const float *qr, const float *kr, int64_t D,
+                                                              float scale) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(kr + c), acc);
+    float lanes[16], s = 0.f;
+    _mm512_storeu_ps(lanes, acc);
+    for (int i = 0; i < 16; i++) s += lanes[i];
+    return s * scale;
+}
 #endif
 
 /* Attention of query heads [h0, h1) of one sequence over its tokens [t_begin, L) (t_begin > 0: a sliding window;
@@ -318,9 +330,16 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
             for (int64_t h = 0; h < nq; h++) {
                 const float *qr = q0 + h * D, *kh = kr + (h0 + h) / G * D;
                 float s = 0.f;
+#ifdef F32_ROWS_AVX512
+                if (D % 16 == 0) {
+                    s = score1_f32(qr, kh, D, scale);
+                } else
+#endif
+                {
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qr[d] * kh[d];
-                s *= scale;
+                    for (int64_t d = 0; d < D; d++) s += qr[d] * kh[d];
+                    s *= scale;
+                }
                 scores[h * N + t0 + j - t_begin] = s;
                 mx[h] = s > mx[h] ? s : mx[h];
             }
