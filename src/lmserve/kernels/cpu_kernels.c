@@ -346,6 +346,28 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
         }
     }
     softmax_rows_zero_out(scores, mx, nq, N, o0, D);
+#ifdef F32_ROWS_AVX512
+    if (D % 16 == 0 && D <= 128) { /* each head's output in registers over all tokens: the same FMAs in order */
+        for (int64_t h = 0; h < nq; h++) {
+            __m512 acc[8];
+            for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_loadu_ps(o0 + h * D + 16 * c);
+            const float *sh = scores + h * N - t_begin;
+            const int64_t off = (h0 + h) / G * D;
+            for (int64_t t0 = t_begin - t_begin % block_size; t0 < L; t0 += block_size) {
+                const float *vb = v_cache + table[t0 / block_size] * block_size * row + off;
+                int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
+                int64_t n = L - t0 < block_size ? L - t0 : block_size;
+                for (int64_t j = j0; j < n; j++) {
+                    const __m512 pv = _mm512_set1_ps(sh[t0 + j]);
+                    for (int64_t c = 0; c < D / 16; c++)
+                        acc[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vb + j * row + 16 * c), acc[c]);
+                }
+            }
+            for (int64_t c = 0; c < D / 16; c++) _mm512_storeu_ps(o0 + h * D + 16 * c, acc[c]);
+        }
+        return;
+    }
+#endif
     for (int64_t t0 = t_begin - t_begin % block_size; t0 < L; t0 += block_size) {
         const float *vb = v_cache + table[t0 / block_size] * block_size * row;
         int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
