@@ -159,6 +159,46 @@ def test_paged_decode_attention_matches_reference(heads: int, kv_heads: int, bat
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
+def _paged(rows: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """rows (B, L, KVH, D) of K or V laid out in a paged cache of block_size through tables (B, blocks a sequence)."""
+    batch, per_seq = tables.shape
+    padded = torch.zeros(batch, per_seq * block_size, *rows.shape[2:])
+    padded[:, : rows.shape[1]] = rows
+    cache = torch.zeros(batch * per_seq, block_size, *rows.shape[2:])
+    cache[tables.flatten()] = padded.view(batch * per_seq, block_size, *rows.shape[2:])
+    return cache
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 32), (4, 4, 128), (6, 2, 80)])
+def test_paged_decode_attention_same_bits_in_every_layout(heads: int, kv_heads: int, head_dim: int) -> None:
+    """Blocks of 16 and 32 tokens take the 16-token vectorized scores (AVX-512, head_dim a multiple of 16), blocks
+    of 8 only the one-token path; thread counts split the heads differently (by kv head, or a single stream's query
+    heads in runs): every output must be the same bits, and agree with plain softmax attention."""
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim)
+    lens = torch.tensor([230, 17, 16, 1, 64], dtype=torch.long)
+    length = int(lens.max())
+    k_rows = torch.randn(len(lens), length, kv_heads, head_dim, generator=g)
+    v_rows = torch.randn(len(lens), length, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(lens), heads, head_dim, generator=g) * 2
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for block_size, nthreads, batch in [(16, 2, 5), (32, 2, 5), (8, 2, 5), (16, 1, 5), (16, 2, 1), (8, 1, 1)]:
+            torch.set_num_threads(nthreads)
+            per_seq = -(-length // block_size)
+            tables = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq).contiguous()
+            k_cache = _paged(k_rows[:batch], tables, block_size)
+            v_cache = _paged(v_rows[:batch], tables, block_size)
+            out = kernels.paged_decode_attention(q[:batch], k_cache, v_cache, tables, lens[:batch], head_dim**-0.5)
+            expected = _reference_decode_attention(q[:batch], k_cache, v_cache, tables, lens[:batch])
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0][: out.shape[0]]), "attention bits depend on the cache layout or threads"
+
+
 @pytest.mark.parametrize("window", [1, 3, 4, 9, 64])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
 def test_paged_decode_attention_reads_only_the_window(window: int, kv_dtype: str) -> None:
