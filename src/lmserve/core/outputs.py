@@ -133,3 +133,27 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[Any] | None = None  # None for the first prompt token, then TokenLogprobs per token
     kv_transfer_params: dict[str, Any] | None = None  # a kv_producer server's answer: where the KV waits (handoff)
+
+
+def step_features(sched: Any, sampling: list[Any] | None = None) -> tuple[int, int, int, int, float]:
+    """(prefill_tokens, prefill_segments, decode_rows, decode_context_tokens, prefill_attention_pairs) of a
+    SchedulerOutput: what a step costs, for the simulator's step model and the engine's step trace. A request is
+    decoding when its step starts at its last token (as Scheduler.schedule counts). `sampling`, if given, gets the
+    requests whose step reaches the end of their tokens (those that sample; no speculative proposals), in
+    scheduled order."""
+    prefill = segments = rows = context = 0
+    pairs = 0.0
+    for s in sched.scheduled:
+        req = s.request
+        start, n = req.num_computed_tokens, s.num_new_tokens
+        num_tokens = len(req.all_token_ids)
+        if start >= num_tokens - 1:
+            rows += 1
+            context += start + n
+        else:
+            prefill += n
+            segments += 1
+            pairs += n * start + n * (n + 1) / 2
+        if sampling is not None and start + n == num_tokens:
+            sampling.append(req)
+    return prefill, segments, rows, context, pairs

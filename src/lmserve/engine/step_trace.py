@@ -10,7 +10,7 @@ core i appends to `<path>.<i>` (created anew when the core starts). Off (the def
     prefill_tokens prefill_segments decode_rows decode_context_tokens prefill_attention_pairs step_s loop_s threads
 
 step_s: LLMEngine.step()'s wall time; loop_s: the core loop's iteration around it (drain, step, send the outputs);
-threads: torch's intra-op threads for the step. The features are sim.step_model.step_features' (read from the
+threads: torch's intra-op threads for the step. The features are core.outputs.step_features' (read from the
 SchedulerOutput before update_from_output advances the counters).
 """
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import time
 from typing import IO, Any
+
+from lmserve.core.outputs import step_features
 
 ENV = "LMSERVE_STEP_TRACE"
 COLUMNS = (
@@ -43,8 +45,6 @@ class StepTrace:
     """Wraps an engine's scheduler.schedule to read each step's features; `step()` runs and times engine.step()."""
 
     def __init__(self, engine: Any, path: str) -> None:
-        from lmserve.sim.step_model import step_features
-
         self.engine = engine
         self._file: IO[str] = open(path, "w", buffering=1)  # noqa: SIM115 (line-buffered: read while serving)
         self._features: tuple | None = None

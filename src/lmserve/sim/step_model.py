@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from lmserve.core.outputs import step_features  # (the engine's step trace reads them too)
+
 FORMAT = "lmserve-step-model-v1"
 FEATURE_NAMES = (
     "prefill_tokens",
@@ -83,29 +85,6 @@ class StepFeatures:
             self.decode_context_tokens,
             self.prefill_attention_pairs,
         )
-
-
-def step_features(sched: Any, sampling: list[Any] | None = None) -> tuple[int, int, int, int, float]:
-    """(prefill_tokens, prefill_segments, decode_rows, decode_context_tokens, prefill_attention_pairs) of a
-    SchedulerOutput; a request is decoding when its step starts at its last token (as Scheduler.schedule counts).
-    `sampling`, if given, gets the requests whose step reaches the end of their tokens (those that sample; no
-    speculative proposals), in scheduled order."""
-    prefill = segments = rows = context = 0
-    pairs = 0.0
-    for s in sched.scheduled:
-        req = s.request
-        start, n = req.num_computed_tokens, s.num_new_tokens
-        num_tokens = len(req.all_token_ids)
-        if start >= num_tokens - 1:
-            rows += 1
-            context += start + n
-        else:
-            prefill += n
-            segments += 1
-            pairs += n * start + n * (n + 1) / 2
-        if sampling is not None and start + n == num_tokens:
-            sampling.append(req)
-    return prefill, segments, rows, context, pairs
 
 
 # ---- overheads outside the step ------------------------------------------------------------------------
