@@ -226,3 +226,15 @@ def test_refit_fits_the_served_steps_when_there_are_enough(llama_dir: Path, tmp_
     for k, v in served_truth.coefficients_s.items():
         assert new.linear.coefficients_s[k] == pytest.approx(v, rel=0.1), k
     assert new.fit["in_process_grid"]["sum_error_pct"] > 20  # the grid's steps are faster than the served ones
+    # the total-time correction: the served steps' sum is the model's (a tail of slow steps counted, not ignored)
+    steps = [(StepFeatures(*r[:5]), r[5]) for r in served]
+    assert sum(new.linear.step_time_s(f) for f, _ in steps) == pytest.approx(sum(t for _, t in steps), rel=1e-9)
+    assert new.fit["total_time_correction"] == pytest.approx(1.0, abs=0.02)  # (no tail in these steps)
+    tail = [[*r[:5], r[5] * (5 if i % 10 == 0 else 1)] for i, r in enumerate(served)]  # every 10th step 5x slower
+    profile = profile_for(config, LinearStepModel(0.0, {}), calibration={**cal, "served_samples": tail})
+    assert main(["simulate", "calibrate", "--refit", str(profile.save(tmp_path / "tail.json")), "--out",
+                 str(tmp_path / "tail-new.json")]) == 0  # fmt: skip
+    tailed = StepProfile.load(tmp_path / "tail-new.json")
+    assert tailed.fit["total_time_correction"] > 1.3  # the median fit ignores the tail; the correction puts it back
+    for k, v in served_truth.coefficients_s.items():
+        assert tailed.linear.coefficients_s[k] == pytest.approx(v * tailed.fit["total_time_correction"], rel=0.1), k
