@@ -107,9 +107,9 @@ class ModelRunner:
             w4a8, on, method = 0, config.quantization.int4_compute == "w4a8", config.quantization.method
             if on and kernels.available():  # (GGUF: Q4_0 / Q4_1, Q5_0 / Q5_1 and Q8_0 blocks)
                 w4a8 = pack_w4a8_weights(self.model, head=method == "int4", int8w=method == "gguf")
-                if w4a8 and self.device.type == "cpu":
-                    release_freed_memory()  # the repacking's temporary copies (the heap is never trimmed)
             _log_quantized_kernels(method, w4a8, config.quantization.lm_head)
+            if self.device.type == "cpu":
+                release_freed_memory()  # the load's and the repacking's temporary copies (the heap is never trimmed)
         self.packed_weight_bytes = 0
         if config.weight_dtype == "bfloat16":
             if not kernels.available():
