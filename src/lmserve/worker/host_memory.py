@@ -53,9 +53,9 @@ def tune_malloc_for_tensors() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """Give the heap's free pages back to the OS once (glibc malloc_trim(0)): after the load's repacking, whose
-    temporary copies the untrimmed heap would otherwise keep resident; the steps' activations regrow it as they
-    need. Returns whether it ran (glibc only)."""
+    """Give the heap's free pages back to the OS once (glibc malloc_trim(0)): after a quantized load and its
+    repacking, whose temporary copies the untrimmed heap would otherwise keep resident; the steps' activations
+    regrow it as they need. Returns whether it ran (glibc only)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False
