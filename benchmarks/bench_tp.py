@@ -35,7 +35,9 @@ from machine import write_result
 TP_OVERRIDES = {"num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 48}
 TP_DIR = DEFAULT_DIR.parent / "smollm-135m-shaped-tp"
 FULL = {"allreduce_iters": 2000, "decode_steps": 32, "prefill_len": 1024, "prefill_reps": 3, "http_tokens": 64}
-QUICK = {"allreduce_iters": 300, "decode_steps": 6, "prefill_len": 1024, "prefill_reps": 1, "http_tokens": 16}
+# (the HTTP run keeps 64 tokens in quick mode too: with 16, the 32 streams' prefills were most of its time and
+# the TP = 2 / TP = 1 ratio read 0.57-0.97x from run to run; with 64, 0.96x and 0.97x)
+QUICK = {"allreduce_iters": 300, "decode_steps": 6, "prefill_len": 1024, "prefill_reps": 1, "http_tokens": 64}
 HIDDEN, VOCAB = CONFIG["hidden_size"], CONFIG["vocab_size"]
 
 
@@ -98,7 +100,8 @@ def bench_collectives(iters: int) -> dict:
 def bench_engine(model_dir: Path, tp: int, threads: int, all_reduce: str, args: argparse.Namespace) -> dict:
     from lmserve import LLM, SamplingParams
 
-    os.environ["LMSERVE_TP_ALL_REDUCE"] = all_reduce
+    saved = os.environ.get("LMSERVE_TP_ALL_REDUCE")
+    os.environ["LMSERVE_TP_ALL_REDUCE"] = all_reduce  # (restored below: the HTTP servers inherit the environment)
     torch.set_num_threads(threads)
     n = 32
     llm = LLM(
@@ -136,6 +139,10 @@ def bench_engine(model_dir: Path, tp: int, threads: int, all_reduce: str, args: 
         return out
     finally:
         engine.close()
+        if saved is None:
+            os.environ.pop("LMSERVE_TP_ALL_REDUCE", None)
+        else:
+            os.environ["LMSERVE_TP_ALL_REDUCE"] = saved
 
 
 # ---- 3. HTTP ------------------------------------------------------------------------------------------------------
@@ -165,7 +172,8 @@ def bench_http(model_dir: Path, tp: int, threads: int, max_tokens: int, out_dir:
         t0 = time.perf_counter()
         tokens = asyncio.run(_streams(url, prompts, max_tokens))
         wall = time.perf_counter() - t0
-    return {"streams": 32, "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall}
+    mode = os.environ.get("LMSERVE_TP_ALL_REDUCE") or "auto"  # (the server's: shared memory on one host)
+    return {"streams": 32, "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall, "all_reduce": mode}
 
 
 def main(argv: list[str] | None = None) -> int:
