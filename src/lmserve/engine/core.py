@@ -140,6 +140,7 @@ class EngineCore:
             self._backoff = ThreadBackoff(launch.num_threads, CpuShare(os.sched_getaffinity(0), pids))
         path = trace_path(self.index)
         self._trace = StepTrace(engine, path) if path else None  # LMSERVE_STEP_TRACE: calibrate's served steps
+        self._step = self._trace.step if self._trace is not None else engine.step
 
     def run(self) -> None:
         try:
@@ -166,10 +167,7 @@ class EngineCore:
                 return
             if self._backoff is not None and (threads := self._backoff.poll()) is not None:
                 torch.set_num_threads(threads)
-            if not self.engine.has_unfinished_requests():
-                outputs = []
-            else:
-                outputs = self._trace.step() if self._trace is not None else self.engine.step()
+            outputs = self._step() if self.engine.has_unfinished_requests() else []
             handoffs = self._kv_transfer()
             if not (busy or self._changed or outputs or handoffs):
                 continue

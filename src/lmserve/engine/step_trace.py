@@ -41,15 +41,13 @@ def trace_path(engine_index: int) -> str | None:
     return f"{base}.{engine_index}" if base else None
 
 
-class StepTrace:
-    """Wraps an engine's scheduler.schedule to read each step's features; `step()` runs and times engine.step()."""
+class StepTimer:
+    """Wraps an engine's scheduler.schedule to read the features of the step it schedules; `step()` runs and times
+    engine.step(). (calibrate's in-process profile times its steps with one too.)"""
 
-    def __init__(self, engine: Any, path: str) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._file: IO[str] = open(path, "w", buffering=1)  # noqa: SIM115 (line-buffered: read while serving)
-        self._features: tuple | None = None
-        self._pending: str | None = None  # the last step's line, waiting for its loop time
-        self._loop_start = time.perf_counter()
+        self._features: tuple[int, int, int, int, float] | None = None
         inner = engine.scheduler.schedule
 
         def schedule() -> Any:
@@ -59,16 +57,31 @@ class StepTrace:
 
         engine.scheduler.schedule = schedule
 
-    def step(self) -> list:
-        import torch
-
+    def step(self) -> tuple[list, tuple[int, int, int, int, float] | None, float]:
+        """(engine.step()'s outputs, the features of the step it took or None when it scheduled none, its wall
+        time in seconds)."""
         self._features = None
         t = time.perf_counter()
         outputs = self.engine.step()
-        dt = time.perf_counter() - t
-        if self._features is not None:
-            f = self._features
-            self._pending = f"{f[0]} {f[1]} {f[2]} {f[3]} {f[4]:.0f} {dt:.7f} {{loop}} {torch.get_num_threads()}\n"
+        return outputs, self._features, time.perf_counter() - t
+
+
+class StepTrace:
+    """A core's trace file: `step()` runs and times engine.step() (a StepTimer); the loop's begin_iteration /
+    end_iteration around it give the iteration's time, and end_iteration writes the step's line."""
+
+    def __init__(self, engine: Any, path: str) -> None:
+        self._timer = StepTimer(engine)
+        self._file: IO[str] = open(path, "w", buffering=1)  # noqa: SIM115 (line-buffered: read while serving)
+        self._pending: tuple[tuple, float, int] | None = None  # the last step (features, step_s, threads)
+        self._loop_start = time.perf_counter()
+
+    def step(self) -> list:
+        import torch
+
+        outputs, features, dt = self._timer.step()
+        if features is not None:
+            self._pending = (features, dt, torch.get_num_threads())
         return outputs
 
     def begin_iteration(self) -> None:
@@ -79,8 +92,9 @@ class StepTrace:
     def end_iteration(self) -> None:
         """The core loop finished an iteration (after sending its outputs): write the step it took, if any."""
         if self._pending is not None:
+            (prefill, segments, rows, context, pairs), step_s, threads = self._pending
             loop_s = time.perf_counter() - self._loop_start
-            self._file.write(self._pending.replace("{loop}", f"{loop_s:.7f}"))
+            self._file.write(f"{prefill} {segments} {rows} {context} {pairs:.0f} {step_s:.7f} {loop_s:.7f} {threads}\n")
             self._pending = None
 
     def close(self) -> None:

@@ -3,8 +3,8 @@
 The scheduler (core/scheduler.py), the KV cache manager and its prefix cache import no torch, so the very code
 that decides each step of the real engine runs here against a step-time model instead of the model runner:
 
-    step_model.py   StepFeatures of a SchedulerOutput; LinearStepModel (fitted by least squares from profiled
-                    steps) and RooflineStepModel (an analytic estimate from a hardware description); the JSON
+    step_model.py   StepFeatures (core.outputs.step_features of a step); LinearStepModel (fitted from
+                    profiled steps) and RooflineStepModel (an analytic estimate from a hardware description); the JSON
                     file both are saved as (machine, model, dtype, KV dtype, quantization, API overheads)
     workload.py     the requests: the bench harness's datasets (token ids from the model's tokenizer), its
                     arrival process (Poisson / gamma), or a recorded `lmserve bench serve` JSON

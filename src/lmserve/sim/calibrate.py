@@ -106,24 +106,18 @@ def machine_description(device: str) -> dict[str, Any]:
 
 
 class _StepRecorder:
-    """Wraps an engine's scheduler.schedule to keep each step's features; times engine.step(). Between steps it
-    applies the served engine core's thread back-off (engine/cpu_share.py), as the core's loop does."""
+    """Keeps each step's features and wall time (engine/step_trace.StepTimer). Between steps it applies the served
+    engine core's thread back-off (engine/cpu_share.py), as the core's loop does."""
 
     def __init__(self, engine: Any, backoff: Any = None) -> None:
+        from lmserve.engine.step_trace import StepTimer
+
         self.engine = engine
         self.backoff = backoff
         self.samples: list[tuple[StepFeatures, float]] = []
         self.counted: list[float] = []  # per sample, the part the engine's own step counter times (execute + update)
         self.threads_used: dict[int, int] = {}  # torch threads → steps taken with them
-        self._last: StepFeatures | None = None
-        inner = engine.scheduler.schedule
-
-        def schedule() -> Any:
-            out = inner()
-            self._last = None if out.is_empty else StepFeatures.of(out)
-            return out
-
-        engine.scheduler.schedule = schedule
+        self._timer = StepTimer(engine)
 
     def step(self, keep: bool = True) -> float:
         import torch
@@ -131,11 +125,9 @@ class _StepRecorder:
         if self.backoff is not None and (threads := self.backoff.poll()) is not None:
             torch.set_num_threads(threads)
         counted = self.engine.counters.step_time_s_total
-        t = time.perf_counter()
-        self.engine.step()
-        dt = time.perf_counter() - t
-        if keep and self._last is not None and dt > 0:
-            self.samples.append((self._last, dt))
+        _, features, dt = self._timer.step()
+        if keep and features is not None and dt > 0:
+            self.samples.append((StepFeatures(*features), dt))
             self.counted.append(self.engine.counters.step_time_s_total - counted)
             n = torch.get_num_threads()
             self.threads_used[n] = self.threads_used.get(n, 0) + 1
@@ -376,8 +368,7 @@ def measure_on_server(
                 asyncio.run(run_load(warm, cfg))
                 served: list[tuple[StepFeatures, float]] = []
                 if grid is not None:
-                    skip = sum(1 for _ in _trace_rows(trace))  # the warm-up's steps
-                    served = profile_served(url, trace, served_loads(grid, tok, max_len))[skip:]
+                    served = profile_served(url, trace, served_loads(grid, tok, max_len))
                 return overheads_on_server(url, profile, tok, reqs, out_len), served
         finally:
             if saved is None:
@@ -422,12 +413,13 @@ def profile_served(url: str, trace: Path, loads: list[tuple[list[Any], int]]) ->
     its engine core took, each with its core-loop iteration's wall time (engine/step_trace.py)."""
     from lmserve.bench.loadgen import LoadConfig, run_load
 
+    before = len(_trace_rows(trace))  # (steps served before these loads: a warm-up's)
     for reqs, concurrency in loads:
         result = asyncio.run(run_load(reqs, LoadConfig(base_url=url, max_concurrency=concurrency, seed=0)))
         if result.fatal_error:
             raise RuntimeError(f"served profiling failed: {result.fatal_error}")
     time.sleep(0.2)  # the core writes a step's line after sending its outputs
-    rows = _trace_rows(trace)
+    rows = _trace_rows(trace)[before:]
     return [(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4]), r[6]) for r in rows if r[6] > 0]
 
 

@@ -1,6 +1,7 @@
 """How long one engine step takes, as a function of what the scheduler put in it.
 
-Features of a step (a SchedulerOutput, read before update_from_output advances the counters):
+Features of a step (core.outputs.step_features of a SchedulerOutput, read before update_from_output advances the
+counters):
 
     prefill_tokens            tokens of requests still in their prompt (chunks, recompute after preemption)
     prefill_segments          such requests (each prefill chunk is its own attention call)
@@ -43,8 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from lmserve.core.outputs import step_features  # (the engine's step trace reads them too)
-
 FORMAT = "lmserve-step-model-v1"
 FEATURE_NAMES = (
     "prefill_tokens",
@@ -71,11 +70,6 @@ class StepFeatures:
     decode_rows: int = 0
     decode_context_tokens: int = 0
     prefill_attention_pairs: float = 0.0
-
-    @staticmethod
-    def of(sched: Any) -> StepFeatures:
-        """The features of a SchedulerOutput (call before update_from_output)."""
-        return StepFeatures(*step_features(sched))
 
     def as_tuple(self) -> tuple[int, int, int, int, float]:
         return (
