@@ -291,6 +291,15 @@ def _open_reader(path: Path):
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
 
 
+def fused_siblings(tensors: dict[str, GGUFTensor], name: str) -> list[GGUFTensor | None]:
+    """The tensors (of an HF name → tensor dict) of the parts fused with HF weight `name` into one projection
+    (FUSED_PARTS: q/k/v, gate/up), itself included, in part order; None for a part not in `tensors`. A projection
+    that fuses nothing: [itself]."""
+    parts = name.split(".")
+    group = next((g for g in FUSED_PARTS if parts[-2] in g), (parts[-2],))
+    return [tensors.get(".".join([*parts[:-2], p, "weight"])) for p in group]
+
+
 def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dict[str, GGUFTensor]:
     """HF weight name → quantized tensor the quantized weight path keeps as it is: every projection whose fused
     parts share one block-32 type or are all K-quants, the LM head (`output.weight`, or for a tied model the
@@ -304,8 +313,7 @@ def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dic
         parts = name.split(".")
         if t.type_name not in KEPT_TYPES or parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
             continue
-        group = next((g for g in FUSED_PARTS if parts[-2] in g), (parts[-2],))
-        siblings = [tensors.get(".".join([*parts[:-2], p, "weight"])) for p in group]
+        siblings = fused_siblings(tensors, name)
         kinds = {None if s is None else "K" if s.type_name in KQUANT_TYPES else s.type_name for s in siblings}
         if kinds in ({t.type_name}, {"K"}) or frozenset(kinds) in MIXED_BLOCK32:  # one type, a mix held as one
             kept[name] = t
@@ -327,10 +335,7 @@ def held_block32_types(kept: dict[str, GGUFTensor]) -> dict[str, str]:
     for name, t in kept.items():
         if t.type_name not in BLOCK32_TYPES:
             continue
-        parts = name.split(".")
-        group = next((g for g in FUSED_PARTS if parts[-2] in g), (parts[-2],))
-        siblings = [kept.get(".".join([*parts[:-2], p, "weight"])) for p in group]
-        mix = frozenset(s.type_name for s in siblings if s is not None)
+        mix = frozenset(s.type_name for s in fused_siblings(kept, name) if s is not None)
         held[name] = MIXED_BLOCK32.get(mix, t.type_name)
     return held
 
@@ -348,10 +353,7 @@ def kquant_panel_types(kept: dict[str, GGUFTensor]) -> dict[str, str]:
     for name, t in kept.items():
         if t.type_name not in KQUANT_PANEL_BITS or name == "model.embed_tokens.weight" or name != t.hf_name:
             continue
-        parts = name.split(".")
-        group = next((g for g in FUSED_PARTS if parts[-2] in g), (parts[-2],))
-        siblings = [kept.get(".".join([*parts[:-2], p, "weight"])) for p in group]
-        if all(s is not None and s.type_name == t.type_name for s in siblings):
+        if all(s is not None and s.type_name == t.type_name for s in fused_siblings(kept, name)):
             out[name] = t.type_name
     return out
 
