@@ -6,6 +6,7 @@ One server per module (tiny random Llama with a ChatML template); every test lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -87,6 +88,26 @@ class LiveServer:
             self.proc.kill()
             self.proc.wait(5)
         self._log.close()
+
+
+@contextlib.contextmanager
+def live_servers(model_dir: Path, log_dir: Path, healthy_s: float) -> Iterator[Callable[..., LiveServer]]:
+    """A factory of LiveServers on model_dir (extra `lmserve serve` flags each), every one healthy within
+    healthy_s when returned; those still running are stopped on exit."""
+    started: list[LiveServer] = []
+
+    def start(*extra: str) -> LiveServer:
+        srv = LiveServer(model_dir, log_dir / f"server{len(started)}.log", *extra)
+        started.append(srv)
+        srv.wait_healthy(healthy_s)
+        return srv
+
+    try:
+        yield start
+    finally:
+        for srv in started:
+            if srv.proc.poll() is None:
+                srv.stop()
 
 
 @pytest.fixture(scope="module")

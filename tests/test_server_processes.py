@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.helpers import require_extra
-from tests.test_server import MODEL_NAME, LiveServer, make_chat_model
+from tests.test_server import MODEL_NAME, LiveServer, live_servers, make_chat_model
 
 
 def children(pid: int) -> list[int]:
@@ -55,18 +55,8 @@ def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture
 def start_server(chat_model: Path, tmp_path: Path) -> Iterator:
-    started: list[LiveServer] = []
-
-    def start(*extra: str) -> LiveServer:
-        srv = LiveServer(chat_model, tmp_path / f"server{len(started)}.log", *extra)
-        started.append(srv)
-        srv.wait_healthy(180)
-        return srv
-
-    yield start
-    for srv in started:
-        if srv.proc.poll() is None:
-            srv.stop()
+    with live_servers(chat_model, tmp_path, 180) as start:
+        yield start
 
 
 def _stream_killing_the_core(srv: LiveServer) -> list[dict]:

@@ -110,20 +110,10 @@ def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture
 def serve(chat_model: Path, tmp_path: Path):  # noqa: ANN201 (a factory of LiveServers)
-    from tests.test_server import LiveServer
+    from tests.test_server import live_servers
 
-    started = []
-
-    def start(*extra: str):  # noqa: ANN202
-        srv = LiveServer(chat_model, tmp_path / f"server{len(started)}.log", *extra)
-        started.append(srv)
-        srv.wait_healthy(240)
-        return srv
-
-    yield start
-    for srv in started:
-        if srv.proc.poll() is None:
-            srv.stop()
+    with live_servers(chat_model, tmp_path, 240) as start:
+        yield start
 
 
 def _complete(srv, max_tokens: int = 4) -> dict:  # noqa: ANN001
