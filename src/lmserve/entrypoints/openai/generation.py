@@ -23,7 +23,7 @@ from lmserve.engine.token_bytes import TextOffsets
 from lmserve.entrypoints.openai import logprobs as lp_fmt
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai.errors import APIError, from_value_error
-from lmserve.entrypoints.openai.sse import ClientGone, SSEResponse, cancel_on_disconnect, sse, sse_json
+from lmserve.entrypoints.openai.sse import ChunkTemplate, ClientGone, SSEResponse, cancel_on_disconnect, sse, sse_json
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
@@ -55,6 +55,7 @@ class Generation:
         self.model = state.served_model_name if lora_request is None else lora_request.lora_name
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
+        self._templates: dict[int, ChunkTemplate] = {}  # per streamed choice: its plain text chunk (plain_event)
 
     # -- start
 
@@ -213,6 +214,25 @@ class Generation:
     def chunk(self, choices: list[Any], usage: p.Usage | None = None) -> Any:
         raise NotImplementedError
 
+    def is_plain_step(self, idx: int, c: CompletionOutput) -> bool:
+        """Whether this step only adds text to choice `idx` (no logprobs, not its first or last chunk, nothing
+        else the endpoint adds): then its chunk is `text_chunk(idx, c.delta_text)`."""
+        return False
+
+    def text_chunk(self, idx: int, text: str) -> Any:
+        """The chunk of a plain step of choice `idx` (is_plain_step) whose new text is `text`."""
+        raise NotImplementedError
+
+    def plain_event(self, idx: int, c: CompletionOutput) -> str | None:
+        """The SSE event of a plain step (the common token step), spliced into choice `idx`'s template of
+        text_chunk (sse.ChunkTemplate, built once); None: this step's chunks need their models."""
+        if not self.is_plain_step(idx, c):
+            return None
+        template = self._templates.get(idx)
+        if template is None:
+            template = self._templates[idx] = ChunkTemplate(self.text_chunk(idx, ChunkTemplate.MARKER))
+        return template(c.delta_text)
+
     async def events(self) -> AsyncIterator[str]:
         n = self.params.n
         latest: list[RequestOutput | None] = [None] * len(self.streams)
@@ -230,7 +250,11 @@ class Generation:
                         continue
                     if c.finished:
                         finished.add(idx)
-                    events.extend(sse(chunk) for chunk in self.stream_choices(idx, c, out))
+                    event = self.plain_event(idx, c)
+                    if event is not None:
+                        events.append(event)
+                    else:
+                        events.extend(sse(chunk) for chunk in self.stream_choices(idx, c, out))
                 if events:
                     yield "".join(events)
             opts = self.body.stream_options

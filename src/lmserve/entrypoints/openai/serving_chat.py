@@ -124,6 +124,12 @@ class ChatGeneration(Generation):
             chunks.append(chunk)
         return chunks
 
+    def is_plain_step(self, idx: int, c: CompletionOutput) -> bool:
+        return self._prompt_logprobs_sent and self.tool_calls is None and not c.finished and c.logprobs is None
+
+    def text_chunk(self, idx: int, text: str) -> p.ChatCompletionChunk:
+        return self.chunk([p.ChatChunkChoice(index=idx, delta=p.DeltaMessage(content=text))])
+
     def chunk(self, choices: list[Any], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage

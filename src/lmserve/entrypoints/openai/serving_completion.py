@@ -105,6 +105,12 @@ class CompletionGeneration(Generation):
         choice = self.completion_choice(idx, c, out, c.delta_text, delta_logprobs(c), self._offsets[idx], first)
         return [self.chunk([choice])]
 
+    def is_plain_step(self, idx: int, c: CompletionOutput) -> bool:
+        return idx in self._offsets and not c.finished and c.logprobs is None  # (echo: in the first chunk only)
+
+    def text_chunk(self, idx: int, text: str) -> p.CompletionChunk:
+        return self.chunk([p.CompletionChoice(index=idx, text=text)])
+
     def chunk(self, choices: list[Any], usage: p.Usage | None = None) -> p.CompletionChunk:
         return p.CompletionChunk(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage

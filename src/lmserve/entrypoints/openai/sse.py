@@ -1,5 +1,6 @@
-"""Server-sent events: the `data: ...` framing of a stream's chunks, the text/event-stream response that aborts
-its requests however the stream ends, and the watch that cancels a non-streaming request whose client left."""
+"""Server-sent events: the `data: ...` framing of a stream's chunks (and ChunkTemplate, the plain text chunk of
+a token step written without building its model), the text/event-stream response that aborts its requests however
+the stream ends, and the watch that cancels a non-streaming request whose client left."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic_core import to_json
 from starlette.types import Receive, Scope, Send
 
 
@@ -25,6 +27,23 @@ def sse(model: Any) -> str:
 
 def sse_json(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class ChunkTemplate:
+    """The SSE event of one chunk model with only its text changing: the chunk is written once by pydantic with a
+    marker for the text, and each event splices the new text, serialized by pydantic's own string encoder, in
+    place of the marker. The bytes are the model's (tests/test_server.py checks them against model_dump_json);
+    building and dumping a chunk's two or three models costs ~6-8 µs a token, the splice ~0.3 µs."""
+
+    MARKER = "\x00lmserve-chunk-text\x00"
+
+    def __init__(self, chunk: Any) -> None:
+        parts = chunk.model_dump_json().split(to_json(self.MARKER).decode())
+        assert len(parts) == 2, "the template chunk must hold the text marker exactly once"
+        self._head, self._tail = "data: " + parts[0], parts[1] + "\n\n"
+
+    def __call__(self, text: str) -> str:
+        return self._head + to_json(text).decode() + self._tail
 
 
 async def cancel_on_disconnect(request: Request, coro: Any) -> Any:
