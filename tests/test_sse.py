@@ -16,13 +16,15 @@ from lmserve.entrypoints.openai.sse import ChunkTemplate, sse
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.sampling_params import SamplingParams
 
-TEXTS = [chr(i) for i in range(128)] + ["", " hello", 'a "quoted" \\ back\\slash', "é 中文 😀 \u2028\u2029 \ufffd", "\r\n\t"]
+TEXTS = [chr(i) for i in range(128)]
+TEXTS += ["", " hello", 'a "quoted" \\ back\\slash', "é 中文 😀 \u2028\u2029 \ufffd", "\r\n\t"]
 
 
 @pytest.mark.parametrize("index", [0, 3])
 def test_template_writes_the_models_bytes(index: int) -> None:
     def completion(text: str) -> p.CompletionChunk:
-        return p.CompletionChunk(id="cmpl-1", created=7, model="m", choices=[p.CompletionChoice(index=index, text=text)])
+        choice = p.CompletionChoice(index=index, text=text)
+        return p.CompletionChunk(id="cmpl-1", created=7, model="m", choices=[choice])
 
     def chat(text: str) -> p.ChatCompletionChunk:
         choice = p.ChatChunkChoice(index=index, delta=p.DeltaMessage(content=text))
