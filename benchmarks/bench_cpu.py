@@ -39,6 +39,9 @@ decode, TTFT, --concurrency streams).
 
 llama.cpp runs with its default settings and with --no-repack (--llama-cpp-settings both, the default); each row
 compares with the faster of the two (JSON: results.peer.settings names which, results.peer_runs holds both).
+--repeats N runs the HTTP workloads N times, lmserve and llama.cpp alternating, and shows each number's median
+(results.lmserve_server_repeats / results.peer_repeats keep every run): on a 2-core guest one run of a single
+stream spreads by ±10 %.
 The converted and quantized GGUF files are cached in --gguf-cache (benchmarks/.cache/gguf). Before anything is
 timed against llama.cpp, the greedy continuation of the single-stream prompt is asked of both engines
 (results.greedy_agreement: how many of the first GREEDY_CHECK_TOKENS agree).
@@ -512,6 +515,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="run the HTTP workloads N times, lmserve and the peer alternating; the table shows each number's "
+        "median over the runs (the JSON keeps every run)",
+    )  # fmt: skip
+    ap.add_argument(
         "--weight-dtype", default=None, choices=["bfloat16"], help="lmserve's linear weights in bf16 (fp32 compute)"
     )
     ap.add_argument("--device", default="cpu", help="cpu or cuda (lmserve and HF alike)")
@@ -550,7 +558,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    for k in (*FULL, "threads", "max_model_len"):
+    for k in (*FULL, "threads", "max_model_len", "repeats"):
         if getattr(args, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     if args.output_len < 2:
@@ -566,6 +574,65 @@ def read_hf_config(model: Path) -> dict[str, Any]:
     if gguf_file is not None:
         return GGUFCheckpoint(gguf_file).hf_config()
     return json.loads((model / "config.json").read_text())
+
+
+def run_lmserve_server(
+    args: argparse.Namespace, w: Workloads, model_dir: Path, max_model_len: int, engine: dict[str, Any]
+) -> dict[str, Any]:
+    """The HTTP workloads against a fresh `lmserve serve`."""
+    num_seqs = max(64, w.concurrency)
+    blocks = w.kv_blocks(num_seqs, max_model_len)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
+    with lmserve_server(model_dir, max_model_len, num_seqs, blocks, args.threads, args.server_timeout, flags) as url:
+        out = run_http(url, None, w, strict=True)
+    out.update(max_num_seqs=num_seqs, num_kv_blocks=blocks)
+    return out
+
+
+def run_llama_cpp(
+    args: argparse.Namespace,
+    w: Workloads,
+    gguf: Path,
+    peer_name: str | None,
+    greedy_into: dict[str, Any] | None,
+    errors: dict[str, str],
+) -> dict[str, Any]:
+    """The HTTP workloads against llama-server with each of --llama-cpp-settings (name -> run_http result; a
+    failed setting is absent, its error in `errors`). greedy_into: where the peer's greedy tokens go, once."""
+    settings = llama_cpp_peer.REPACK_SETTINGS
+    names = list(settings) if args.llama_cpp_settings == "both" else [args.llama_cpp_settings]
+    runs: dict[str, Any] = {}
+    for name in names:
+        print(f"{peer_name} (llama-server, {name} settings, {args.threads} threads) ...", flush=True)
+        try:
+            ctx = w.prompt_len + w.output_len + 16
+            with llama_cpp_peer.llama_server(
+                args.llama_cpp_dir.resolve(), gguf, args.threads, w.concurrency, ctx, args.server_timeout,
+                [*settings[name], *shlex.split(args.llama_cpp_args)],
+            ) as url:
+                if greedy_into is not None and "greedy" not in greedy_into:  # the same model? (untimed)
+                    greedy_into["greedy"] = llama_cpp_peer.greedy_tokens(url, w.single, GREEDY_CHECK_TOKENS)
+                runs[name] = run_http(url, None, w, strict=False)
+        except (ServerError, OSError) as e:
+            errors[f"peer {name}"] = str(e)
+            print(f"warning: peer ({name} settings) failed: {e}", file=sys.stderr)
+    return runs
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several runs of the same workloads: each number the median of its runs' (a section or
+    value a run lacks is left out of that median), anything else the first run's."""
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        values = [r[key] for r in runs if key in r]
+        if isinstance(first, dict):
+            out[key] = median_run([v for v in values if isinstance(v, dict)])
+        elif isinstance(first, (int, float)) and not isinstance(first, bool):
+            nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            out[key] = statistics.median(nums)
+        else:
+            out[key] = first
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -616,16 +683,28 @@ def main(argv: list[str] | None = None) -> int:
         http = do_server or has_peer
         res["hf"] = run_hf(model_dir, w, do_single or http, http, do_offline, args.device, args.dtype)
         gc.collect()
-    if do_server:
-        print("lmserve server ...", flush=True)
-        num_seqs = max(64, w.concurrency)
-        blocks = w.kv_blocks(num_seqs, max_model_len)
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
-        with lmserve_server(
-            model_dir, max_model_len, num_seqs, blocks, args.threads, args.server_timeout, flags
-        ) as url:
-            res["lmserve_server"] = run_http(url, None, w, strict=True)
-        res["lmserve_server"].update(max_num_seqs=num_seqs, num_kv_blocks=blocks)
+    gguf = None
+    if args.llama_cpp_dir:
+        try:
+            gguf = model_gguf or llama_cpp_peer.convert(
+                args.llama_cpp_dir.resolve(), model_dir, args.quantization, cache
+            )
+        except ServerError as e:
+            errors["peer"] = str(e)
+            print(f"warning: peer failed: {e}", file=sys.stderr)
+    server_runs: list[dict[str, Any]] = []
+    peer_rounds: list[dict[str, Any]] = []  # per repeat: llama.cpp settings name -> run_http result
+    for rep in range(args.repeats):  # lmserve, then the peer, alternating: a drift of the machine hits both
+        tag = f" (repeat {rep + 1} of {args.repeats})" if args.repeats > 1 else ""
+        if do_server:
+            print(f"lmserve server{tag} ...", flush=True)
+            server_runs.append(run_lmserve_server(args, w, model_dir, max_model_len, engine))
+        if gguf is not None:
+            peer_rounds.append(run_llama_cpp(args, w, gguf, peer_name, res if do_single else None, errors))
+    if server_runs:
+        res["lmserve_server"] = median_run(server_runs)
+        if len(server_runs) > 1:
+            res["lmserve_server_repeats"] = server_runs
     if args.peer_url:
         print(f"peer {args.peer_url} ...", flush=True)
         try:
@@ -635,35 +714,15 @@ def main(argv: list[str] | None = None) -> int:
             errors["peer"] = str(e)
             print(f"warning: peer failed: {e}", file=sys.stderr)
     if args.llama_cpp_dir:
-        settings = llama_cpp_peer.REPACK_SETTINGS
-        names = list(settings) if args.llama_cpp_settings == "both" else [args.llama_cpp_settings]
-        runs: dict[str, Any] = {}
-        try:
-            gguf = model_gguf or llama_cpp_peer.convert(
-                args.llama_cpp_dir.resolve(), model_dir, args.quantization, cache
-            )
-        except ServerError as e:
-            gguf, errors["peer"] = None, str(e)
-            print(f"warning: peer failed: {e}", file=sys.stderr)
-        for name in names if gguf else []:
-            print(f"{peer_name} (llama-server, {name} settings, {args.threads} threads) ...", flush=True)
-            try:
-                ctx = w.prompt_len + w.output_len + 16
-                with llama_cpp_peer.llama_server(
-                    args.llama_cpp_dir.resolve(), gguf, args.threads, w.concurrency, ctx, args.server_timeout,
-                    [*settings[name], *shlex.split(args.llama_cpp_args)],
-                ) as url:
-                    if "greedy" not in res and do_single:  # the same model? (untimed, before the workloads)
-                        res["greedy"] = llama_cpp_peer.greedy_tokens(url, w.single, GREEDY_CHECK_TOKENS)
-                    runs[name] = run_http(url, None, w, strict=False)
-            except (ServerError, OSError) as e:
-                errors[f"peer {name}"] = str(e)
-                print(f"warning: peer ({name} settings) failed: {e}", file=sys.stderr)
-        if runs:
-            res["peer"] = llama_cpp_peer.best_of(runs)
+        rounds = [r for r in peer_rounds if r]
+        if rounds:
+            best = [llama_cpp_peer.best_of(r) for r in rounds]
+            res["peer"] = median_run(best)
             res["peer"]["gguf"] = str(gguf)
-            res["peer_runs"] = runs
-            errors = {k: v for k, v in errors.items() if not k.startswith("peer ")}  # the other setting ran
+            res["peer_runs"] = rounds[0] if len(rounds) == 1 else rounds
+            if len(rounds) > 1:
+                res["peer_repeats"] = best
+            errors = {k: v for k, v in errors.items() if not k.startswith("peer ")}  # another setting ran
         ours = _get_list(res.get("lmserve_offline"), "single", "greedy_tokens")
         if "greedy" in res and ours:
             theirs = res.pop("greedy")

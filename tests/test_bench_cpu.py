@@ -76,6 +76,20 @@ def test_llama_cpp_peer_compares_with_the_faster_setting_per_workload() -> None:
     assert llama_cpp_peer.REPACK_SETTINGS == {"default": [], "no-repack": ["--no-repack"]}
 
 
+def test_repeats_take_each_numbers_median() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_cpu
+
+    runs = [
+        {"single": {"tpot_ms": 5.0, "url": "a"}, "n": 1, "flag": True},
+        {"single": {"tpot_ms": 9.0, "url": "b"}, "n": 3, "flag": False},
+        {"single": {"tpot_ms": 4.0}, "n": 2},
+    ]
+    assert bench_cpu.median_run(runs) == {"single": {"tpot_ms": 5.0, "url": "a"}, "n": 2, "flag": True}
+    with pytest.raises(SystemExit):
+        bench_cpu.parse_args(["--repeats", "0"])
+
+
 def test_gguf_type_without_a_model_quantizes_the_benchmark_model(tmp_path: Path) -> None:
     sys.path.insert(0, str(SCRIPT.parent))
     import bench_cpu
