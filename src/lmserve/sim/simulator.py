@@ -218,7 +218,7 @@ class _Replica:
     __slots__ = (
         "index", "kv", "scheduler", "inbox", "busy", "load", "kv_usage", "pending", "applied", "sched", "start_s",
         "stats", "now", "trace", "sampling", "waking", "output", "remote_inbox", "pulling", "pulled", "leased",
-        "lease_ended",
+        "lease_ended", "api_work",
     )  # fmt: skip
 
     def __init__(self, index: int, config: EngineConfig) -> None:
@@ -249,6 +249,7 @@ class _Replica:
         # prefill role: detached requests whose blocks are held (the lease), and those whose pull completed
         self.leased: dict[str, Request] = {}
         self.lease_ended: list[str] = []
+        self.api_work = 0.0  # API seconds of work that overlap this replica's current step (its next step's stretch)
 
     def _clock(self) -> float:
         return self.now
@@ -283,8 +284,16 @@ class Simulator:
         max_model_len = engine.scheduler.max_model_len
         vocab = engine.model.vocab_size
         block_size = engine.cache.block_size
-        ingress, egress = self.overheads.ingress_s, self.overheads.egress_s
-        core_overhead = self.overheads.core_step_overhead_s
+        ov = self.overheads
+        ingress, egress = ov.ingress_s, ov.egress_s
+        core_overhead = ov.core_step_overhead_s
+        # the API process as one FIFO server (Overheads.api_*): busy until api_free; its work stretches steps
+        api_queue = ov.api_queue
+        api_req, api_chunk = ov.api_request_s, ov.api_chunk_s
+        api_first, api_last = ov.api_first_chunk_s, ov.api_last_chunk_s
+        api_req_work = api_req + api_first + api_last  # a request's API work, counted when it reaches a busy core
+        stretch = ov.api_step_stretch
+        api_free = 0.0
         step_time = self.step_time
         noise = self.noise
         facts = _Facts(engine)
@@ -335,10 +344,14 @@ class Simulator:
                 push(t, _WAKE, rep.index)
 
         def send(i: int, t: float) -> None:
-            nonlocal in_flight
+            nonlocal in_flight, api_free
             in_flight += 1
             records[i].send_s = t
-            push(t + ingress, _DELIVER, i)
+            if api_queue:  # the API process takes the request when it is free, then it travels on
+                api_free = (api_free if api_free > t else t) + api_req
+                push(api_free + ingress, _DELIVER, i)
+            else:
+                push(t + ingress, _DELIVER, i)
 
         def finish_client(i: int, t: float) -> None:
             nonlocal in_flight
@@ -374,6 +387,8 @@ class Simulator:
             rep.pending += 1
             rep.stats.num_requests += 1
             rep.inbox.append(req)
+            if rep.busy:  # the API's work for it ran beside this step: the next one is stretched
+                rep.api_work += api_req_work
             wake(rep, t)
 
         def hand_off(i: int, t: float) -> None:
@@ -468,6 +483,7 @@ class Simulator:
             sched = sch.schedule()
             if sched.is_empty:
                 rep.busy = False
+                rep.api_work = 0.0
                 assert not sch.running, f"replica {rep.index}: running requests but nothing scheduled"
                 return
             sampling: list[Request] = []
@@ -476,6 +492,9 @@ class Simulator:
             dt = step_time(prefill, segments, rows, context, pairs)
             if noise is not None:
                 dt *= noise()
+            if rep.api_work:  # the API process took turns on this step's cores
+                dt += stretch * rep.api_work
+                rep.api_work = 0.0
             rep.stats.step_s += dt
             dt += core_overhead
             assert dt > 0, f"step time must be positive, got {dt} for features {(prefill, segments, rows, context)}"
@@ -503,10 +522,23 @@ class Simulator:
             }  # sim_token, inlined (the hot path)
             sch = rep.scheduler
             updated = sch.update_from_output(sched, out, max_model_len)
+            nonlocal api_free
             chunk_s = t + egress
             finished = []
+            finished_s = []
+            if api_queue and updated:
+                rep.api_work += api_chunk * len(updated)
+                if api_free < t:
+                    api_free = t
             for req in updated:
                 rec = record_of[req.request_id]
+                if api_queue:  # the API process streams the step's chunks one after another, in scheduled order
+                    api_free += api_chunk
+                    if not rec.chunk_times_s:
+                        api_free += api_first
+                    if req.status is FINISHED:
+                        api_free += api_last
+                    chunk_s = api_free + egress
                 rec.chunk_times_s.append(chunk_s)
                 if req.status is FINISHED:
                     rec.chunk_num_tokens = [1] * len(rec.chunk_times_s)
@@ -516,13 +548,14 @@ class Simulator:
                     rec.output_tokens_source = rec.chunk_tokens_source = "simulator"
                     del prompt_hash[req.request_id]
                     finished.append(req.request_id)
+                    finished_s.append(chunk_s)
             if decoders and rep.index < num_prefill:  # a prefill replica: hand off what got its first token
                 for req in updated:
                     if req.status is not FINISHED:
                         sch.detach(req)
                         rep.leased[req.request_id] = req
                         handoffs[int(req.request_id)] = (req, rep.index)
-                        push(chunk_s, _HANDOFF, int(req.request_id))
+                        push(record_of[req.request_id].chunk_times_s[-1], _HANDOFF, int(req.request_id))
             st = rep.stats
             st.num_steps += 1
             st.busy_s += t - rep.start_s
@@ -534,9 +567,9 @@ class Simulator:
             rep.pending -= rep.applied
             rep.applied = 0
             rep.sched = None
-            for rid in finished:
+            for rid, done_s in zip(finished, finished_s, strict=True):
                 del record_of[rid]
-                finish_client(int(rid), chunk_s)
+                finish_client(int(rid), done_s)
             start_step(rep, t)
 
         inf = math.inf

@@ -97,9 +97,29 @@ class Overheads:
     # geometry and dtype) = kv_transfer_latency_s + blocks × kv_transfer_block_s; None: not measured
     kv_transfer_latency_s: float | None = None
     kv_transfer_block_s: float | None = None
+    # The API process (and, on a benchmark machine, the load generator beside it) as one FIFO server of measured CPU
+    # costs: a request's arrival occupies it api_request_s before the request travels on (ingress_s is then only the
+    # rest of the way), each streamed chunk api_chunk_s (+ api_first_chunk_s for a request's first, the response's
+    # start; + api_last_chunk_s for its last, the finish and usage) before it travels egress_s to the client. On
+    # cores it shares with an engine core's OpenMP team that work also stretches the engine's steps: a replica's step
+    # is longer by api_step_stretch × the API work its previous step's chunks (api_chunk_s each) and the requests
+    # routed to it while that step ran (their api_request_s + first + last chunk costs) gave the API. All 0 (the
+    # default, and an older step model's): no queue, no stretch.
+    api_request_s: float = 0.0
+    api_chunk_s: float = 0.0
+    api_first_chunk_s: float = 0.0
+    api_last_chunk_s: float = 0.0
+    api_step_stretch: float = 0.0  # dimensionless: step seconds per second of API work
+
+    @property
+    def api_queue(self) -> bool:
+        """Whether the API process is modelled as a queue (any of its CPU costs measured)."""
+        return bool(self.api_request_s or self.api_chunk_s or self.api_first_chunk_s or self.api_last_chunk_s)
 
     def __post_init__(self) -> None:
-        for name in ("ingress_s", "egress_s", "core_step_overhead_s", "kv_transfer_latency_s", "kv_transfer_block_s"):
+        for name in ("ingress_s", "egress_s", "core_step_overhead_s", "kv_transfer_latency_s", "kv_transfer_block_s",
+                     "api_request_s", "api_chunk_s", "api_first_chunk_s", "api_last_chunk_s",
+                     "api_step_stretch"):  # fmt: skip
             value = getattr(self, name)
             if value is None and name.startswith("kv_"):
                 continue
