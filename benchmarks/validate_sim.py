@@ -87,6 +87,7 @@ class Point:
     # stretch) on the same steps: 1 when the model fits the served steps, whatever the batching
     one_thread_pct: float | None = None
     served_fit_ratio: float | None = None
+    trace_rows: tuple[int, int] = (0, 0)  # the point's rows in its server's step trace
     notes: list[str] = field(default_factory=list)
 
 
@@ -164,6 +165,7 @@ def measure(
     cfg = LoadConfig(base_url=url, request_rate_rps=p.rate_rps, max_concurrency=p.max_concurrency, seed=seed,
                      timeout_s=timeout_s)  # fmt: skip
     first_row = len(trace_rows(trace)) if trace is not None else 0
+    p.trace_rows = (first_row, first_row)
     before = scrape_step_counters(url)
     result = asyncio.run(run_load(p.requests, cfg))
     after = scrape_step_counters(url)
@@ -174,7 +176,9 @@ def measure(
     p.noise_pct = tuple(_noise_pct([getattr(x, a) for x in lats]) for a in ("ttft_s", "tpot_s"))  # type: ignore
     if trace is not None and profile is not None:
         time.sleep(0.1)  # the core writes a step's line after sending its outputs
-        rows = [r for r in trace_rows(trace)[first_row:] if r[6] > 0]
+        all_rows = trace_rows(trace)
+        p.trace_rows = (first_row, len(all_rows))
+        rows = [r for r in all_rows[first_row:] if r[6] > 0]
         if rows:
             p.one_thread_pct = 100.0 * sum(r[7] == 1 for r in rows) / len(rows)
             p.served_fit_ratio = served_fit(profile, rows, [result.start_wall_time + r.send_s for r in result.raw
@@ -200,16 +204,15 @@ def trace_rows(trace: Path) -> list[tuple[float, ...]]:
 def served_fit(profile: StepProfile, rows: list[tuple[float, ...]], sends: list[float]) -> float:
     """The served iterations' total time / the step model's on their features, with the model's API stretch on the
     API work beside each (api_costs.stretch_inputs: the previous step's chunks, the requests sent while it ran)."""
-    from lmserve.sim.api_costs import stretch_inputs
+    from lmserve.engine.step_trace import OLD_COLUMNS
+    from lmserve.sim.api_costs import api_work, stretch_inputs
     from lmserve.sim.step_model import StepFeatures
 
     ov = profile.overheads
-    inputs = stretch_inputs(rows, sends) if len(rows[0]) > 9 else [(0, 0)] * len(rows)
-    per_request = ov.api_request_s + ov.api_first_chunk_s + ov.api_last_chunk_s
-    fitted = sum(profile.step_time_s(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4]))
-                 + ov.api_step_stretch * (ov.api_chunk_s * c + per_request * a)
-                 for r, (c, a) in zip(rows, inputs, strict=True))  # fmt: skip
-    return sum(r[6] for r in rows) / fitted
+    inputs = stretch_inputs(rows, sends) if len(rows[0]) > OLD_COLUMNS else [(0, 0, 0, 0)] * len(rows)
+    work = api_work(ov, inputs)
+    fitted = sum(profile.step_time_s(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4])) for r in rows)
+    return sum(r[6] for r in rows) / (fitted + ov.api_step_stretch * float(work.sum()))
 
 
 def format_table(points: list[Point], which: str) -> str:
@@ -270,6 +273,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--keep-trace", default=None, metavar="DIR",
+                    help="keep the servers' step traces here (<server>.0), with each point's first and last row in "
+                    "the JSON, to score other step models on the same served steps")  # fmt: skip
     args = ap.parse_args()
     from lmserve.default_model import default_model_path
 
@@ -289,6 +295,9 @@ def main() -> int:
     t0 = time.perf_counter()
     fresh_overheads: dict[str, Any] = {}
     trace_dir = tempfile.TemporaryDirectory(prefix="validate-sim-trace-")
+    if args.keep_trace:
+        Path(args.keep_trace).mkdir(parents=True, exist_ok=True)
+    trace_base = Path(args.keep_trace or trace_dir.name)
     saved_trace = os.environ.get(ENV)
     served = profile.fit.get("fitted_on") == "served"  # (calibrate's served steps: whole core-loop iterations)
     for server in SERVERS:
@@ -297,7 +306,7 @@ def main() -> int:
             continue
         flags = BASE_FLAGS + SERVERS[server][0]
         print(f"server {server}: lmserve serve {' '.join(flags)}", flush=True)
-        trace = Path(trace_dir.name) / server
+        trace = trace_base / server
         os.environ[ENV] = str(trace)  # the server's engine core traces its steps (the served / model column)
         with lmserve_server(model, flags, out_dir / f"validate-server-{server}.log") as (url, _):
             measure(url, Point("warm-up", server, build_requests(DatasetConfig(num_requests=2, input_len=16,
@@ -404,6 +413,7 @@ def main() -> int:
                 "measured_noise_pct": {"ttft_mean": p.noise_pct[0], "tpot_mean": p.noise_pct[1]},
                 "served_steps_one_thread_pct": p.one_thread_pct,
                 "served_steps_over_model": p.served_fit_ratio,
+                "trace_rows": p.trace_rows,
                 "errors_pct": {m: error_pct(p.sim, p.real, a, q) for m, a, q in METRICS} if p.real and p.sim else None,
                 "errors_rescaled_pct": (
                     {m: error_pct(p.sim_rescaled, p.real, a, q) for m, a, q in METRICS}

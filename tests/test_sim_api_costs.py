@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lmserve.sim.api_costs import chunk_latencies, cpu_costs, fit_stretch, overheads_from, stretch_inputs
+from lmserve.sim.api_costs import api_work, chunk_latencies, cpu_costs, fit_stretch, overheads_from, stretch_inputs
 from lmserve.sim.calibrate import _fit_into
 from lmserve.sim.step_model import LinearStepModel, Overheads, StepFeatures, StepProfile
 
 MS = 1e-3
 
 
-def _row(features, step_s, loop_s, sampled, end_time, threads=2):
-    return (*features, step_s, loop_s, threads, sampled, end_time)
+def _row(features, step_s, loop_s, sampled, end_time, threads=2, finished=0):
+    return (*features, step_s, loop_s, threads, sampled, finished, end_time)
 
 
 def test_chunk_latencies_by_position() -> None:
@@ -53,31 +53,33 @@ def test_chunk_latencies_by_position() -> None:
 
 
 def test_stretch_inputs_and_fit() -> None:
-    """Iterations back to back, each the model's 2 ms + 1.0 × (0.1 ms × the previous one's chunks + 1 ms × the
-    requests sent while it ran); after an idle gap nothing counts."""
+    """Iterations back to back, each the model's 2 ms + 1.0 × the API work beside it (0.1 ms per chunk of the
+    previous iteration, + 0.4 ms per first chunk, + 0.3 ms per request it finished, + 1 ms per request sent while it
+    ran); after an idle gap nothing counts."""
+    ov = Overheads(api_request_s=1.0 * MS, api_chunk_s=0.1 * MS, api_first_chunk_s=0.4 * MS,
+                   api_last_chunk_s=0.3 * MS)  # fmt: skip
     rng = np.random.default_rng(0)
-    rows, sends = [], []
-    t = 10.0
-    prev_sampled, prev_arrivals = 0, 0
-    truth = []
-    for i in range(200):
+    # per iteration: (decode rows, prefill segments that sample, requests it finishes, requests sent while it runs)
+    plan = [tuple(int(rng.integers(0, k)) for k in (8, 3, 2, 3)) for _ in range(200)]
+    out, sends, t, last = [], [], 10.0, None
+    for i, (decodes, prefills, finished, arrivals) in enumerate(plan):
         if i == 100:
             t += 0.05  # the core idles
-            prev_sampled = prev_arrivals = 0
-        sampled = int(rng.integers(1, 9))
-        work = 0.1 * MS * prev_sampled + 1.0 * MS * prev_arrivals
-        loop = 2 * MS + work
-        truth.append((prev_sampled, prev_arrivals))
-        rows.append(_row((0, 0, sampled, 10 * sampled, 0), loop, loop, sampled, t + loop))
-        arrivals = int(rng.integers(0, 3))
+            last = None
+        inputs = (0, 0, 0, 0) if last is None else last
+        loop = 2 * MS + float(api_work(ov, [inputs])[0])
+        out.append(_row((16 * prefills, prefills, decodes, 10 * decodes, 0), loop, loop, decodes + prefills, t + loop,
+                        finished=finished))  # fmt: skip
         sends += list(t + loop * (np.arange(arrivals) + 0.5) / max(arrivals, 1))
-        prev_sampled, prev_arrivals = sampled, arrivals
+        last = (decodes + prefills, prefills, finished, arrivals)
         t += loop
-    inputs = stretch_inputs(rows, sends)
-    assert inputs == truth
-    work = np.array([0.1 * MS * c + 1.0 * MS * a for c, a in inputs])
-    measured = np.array([r[6] for r in rows])
-    c0, coefs, f = fit_stretch(np.zeros((len(rows), 0)), work, measured)
+    got = stretch_inputs(out, sends)
+    expected = [(0, 0, 0, 0)] + [(d + p, p, f, a) for d, p, f, a in plan[:-1]]
+    expected[100] = (0, 0, 0, 0)  # after the idle gap
+    assert got == expected
+    work = api_work(ov, got)
+    measured = np.array([r[6] for r in out])
+    c0, coefs, f = fit_stretch(np.zeros((len(out), 0)), work, measured)
     assert (c0, f) == pytest.approx((2 * MS, 1.0), rel=1e-3) and coefs == []
     c0, coefs, f = fit_stretch(np.ones((3, 1)), np.zeros(3), np.full(3, 4 * MS))  # no work beside: f = 0
     assert c0 + coefs[0] == pytest.approx(4 * MS) and f == 0.0
@@ -92,10 +94,11 @@ def test_calibrate_fits_the_model_and_the_stretch_together() -> None:
     for _ in range(300):
         rows = int(rng.integers(1, 8))
         c, a = int(rng.integers(0, 8)), int(rng.integers(0, 3))
-        work = 0.1 * MS * c + 1.0 * MS * a
+        first, done = int(rng.integers(0, c + 1)), int(rng.integers(0, 2))
+        work = float(api_work(ov, [(c, first, done, a)])[0])
         context = int(rng.integers(rows, 40 * rows))
         served.append((StepFeatures(0, 0, rows, context, 0.0), 1 * MS + 0.2 * MS * rows + 0.5 * work))
-        inputs.append((c, a))
+        inputs.append((c, first, done, a))
     profile = StepProfile("linear", {}, "float32", "float32", None, None, "cpu", {}, linear=LinearStepModel(0.0, {}))
     stretch = _fit_into(profile, served[:50], [], 0, served, inputs, ov)
     assert stretch == pytest.approx(0.5, rel=1e-3)

@@ -35,7 +35,8 @@ def test_a_traced_core_writes_each_step_with_its_features(
     for r in rows:
         step_s, loop_s, threads, sampled = r[5], r[6], r[7], r[8]
         assert 0 < step_s <= loop_s and threads == 1 and sampled == 1  # one request: each step samples its token
-    ends = [r[9] for r in rows]  # wall-clock ends of the steps, in order, as far apart as the steps at least
+    assert [r[9] for r in rows] == [0, 0, 0, 1]  # finished: the last step's
+    ends = [r[10] for r in rows]  # wall-clock ends of the steps, in order, as far apart as the steps at least
     assert all(b - a >= r[5] * 0.99 for a, b, r in zip(ends, ends[1:], rows[1:], strict=False))
     assert abs(ends[-1] - time.time()) < 60
 
@@ -54,6 +55,7 @@ def test_read_trace_skips_a_line_cut_short(tmp_path: Path) -> None:
     path = tmp_path / "t.0"  # an older trace: 8 columns
     path.write_text("16 1 0 0 136 0.01 0.011 2\n0 0 1 17 0 0.002 0.0025 2\n0 0 1 1")
     assert read_trace(str(path)) == [(16, 1, 0, 0, 136, 0.01, 0.011, 2), (0, 0, 1, 17, 0, 0.002, 0.0025, 2)]
-    path.write_text("16 1 0 0 136 0.01 0.011 2 1 100.5\n0 0 1 17 0 0.002 0.0025 2 1 100.6\n0 0 1 17 0 0.002 0.0025 2")
-    assert read_trace(str(path)) == [(16, 1, 0, 0, 136, 0.01, 0.011, 2, 1, 100.5), (0, 0, 1, 17, 0, 0.002, 0.0025, 2,
-                                                                                    1, 100.6)]  # fmt: skip
+    new = "16 1 0 0 136 0.01 0.011 2 1 0 100.5\n0 0 1 17 0 0.002 0.0025 2 1 1 100.6\n"
+    path.write_text(new + "0 0 1 17 0 0.002 0.0025 2")
+    assert read_trace(str(path)) == [(16, 1, 0, 0, 136, 0.01, 0.011, 2, 1, 0, 100.5), (0, 0, 1, 17, 0, 0.002, 0.0025,
+                                                                                       2, 1, 1, 100.6)]  # fmt: skip

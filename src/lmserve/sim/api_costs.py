@@ -20,10 +20,10 @@ Measured (all from one served engine core tracing its steps, engine/step_trace.p
   measured one. The middle chunks' latency is the per-chunk cost plus the way to the client.
 * CPU per request and per chunk: the API process's (/proc/<pid>/stat) and the load generator's (this process's)
   CPU time over two loads, many one-token requests and a few long streams: two equations, two unknowns.
-* the stretch: served steps ≈ model(features) + f · W, W = the API work beside the step (the chunks the
-  previous step sampled × the per-chunk cost + the requests sent while the previous step ran × the per-request
-  cost), the model's coefficients and f fitted together by least absolute relative error, all >= 0 (f: step
-  seconds per second of API work).
+* the stretch: served steps ≈ model(features) + f · W, W = the API work beside the step (the previous step's
+  chunks × the per-chunk cost, + its first chunks × the first's extra, + the requests it finished × the last's
+  extra, + the requests sent while it ran × the arrival's cost), the model's coefficients and f fitted together
+  by least absolute relative error, all >= 0 (f: step seconds per second of API work).
 """
 
 from __future__ import annotations
@@ -90,13 +90,13 @@ def chunk_latencies(rows: list[tuple[float, ...]], requests: list[tuple[float, l
     k = 0
     for send, chunks in requests:
         n = len(chunks)
-        while k < len(rows) and (rows[k][1] < 1 or rows[k][9] < send):  # its prefill, after its send
+        while k < len(rows) and (rows[k][1] < 1 or rows[k][10] < send):  # its prefill, after its send
             k += 1
         steps = rows[k : k + n]
         assert len(steps) == n, f"the trace has {len(rows)} iterations; request {len(ingress)} needs {k + n}"
         assert all(int(r[8]) == 1 for r in steps), "one request at a time: every iteration samples one token"
-        ends = [r[9] for r in steps]
-        ingress.append(steps[0][9] - steps[0][6] - send)
+        ends = [r[10] for r in steps]
+        ingress.append(steps[0][10] - steps[0][6] - send)
         lat = [c - e for c, e in zip(chunks, ends, strict=True)]
         first.append(lat[0])
         if n > 2:
@@ -121,23 +121,31 @@ def cpu_costs(loads: list[tuple[int, int, float]]) -> tuple[float, float]:
     return max(0.0, float(per_request)), max(0.0, float(per_chunk))
 
 
-def stretch_inputs(rows: list[tuple[float, ...]], sends: list[float]) -> list[tuple[int, int]]:
-    """Per trace row: (the chunks the previous iteration sampled, the requests sent while it ran), both 0 after an
-    idle core (a gap over IDLE_GAP_S before the iteration). `sends`: the requests' send times, wall clock. An
-    iteration runs [end_time − step_s, that + loop_s] (its drain is put after its step: the same length)."""
+def stretch_inputs(rows: list[tuple[float, ...]], sends: list[float]) -> list[tuple[int, int, int, int]]:
+    """Per trace row, what its API work beside it is made of: (the chunks the previous iteration sampled, of those
+    the requests' first ones (sampled − decode rows), the requests it finished, the requests sent while it ran),
+    all 0 after an idle core (a gap over IDLE_GAP_S before the iteration). `sends`: the requests' send times, wall
+    clock. An iteration runs [end_time − step_s, that + loop_s] (its drain is put after its step: the same
+    length)."""
     s = np.sort(np.asarray(sends, dtype=np.float64))
     out = []
     prev: tuple[float, float] | None = None  # the previous iteration's (start, end)
-    sampled = 0.0  # and the chunks it sampled
+    chunks = (0, 0, 0)  # and its (sampled, first chunks, finished)
     for r in rows:
-        start = r[9] - r[5]
+        start = r[10] - r[5]
         if prev is None or start - prev[1] > IDLE_GAP_S:
-            out.append((0, 0))
+            out.append((0, 0, 0, 0))
         else:
             arrived = int(np.searchsorted(s, prev[1]) - np.searchsorted(s, prev[0]))
-            out.append((int(sampled), arrived))
-        prev, sampled = (start, start + r[6]), r[8]
+            out.append((*chunks, arrived))
+        prev, chunks = (start, start + r[6]), (int(r[8]), max(0, int(r[8]) - int(r[2])), int(r[9]))
     return out
+
+
+def api_work(ov: Any, inputs: list[tuple[int, int, int, int]]) -> np.ndarray:
+    """The API seconds beside each step (Overheads `ov`'s costs on stretch_inputs), as the simulator counts them."""
+    cost = np.array([ov.api_chunk_s, ov.api_first_chunk_s, ov.api_last_chunk_s, ov.api_request_s])
+    return np.array(inputs, dtype=np.float64).reshape(-1, 4) @ cost
 
 
 def fit_stretch(

@@ -337,7 +337,7 @@ def measure_on_server(
     grid: Grid | None = None,
     max_len: int = 0,
     num_requests: int = 6,
-) -> tuple[Overheads, list[tuple[StepFeatures, float]], list[tuple[int, int]]]:
+) -> tuple[Overheads, list[tuple[StepFeatures, float]], list[tuple[int, int, int, int]]]:
     """`lmserve serve` on the same flags, started with its engine core tracing its steps (engine/step_trace.py).
     With a grid: its served_loads first, giving the served steps (each with its core-loop iteration's time). Then
     requests one at a time; around each, the engine's own step-time counters (/metrics) give its prefill step and
@@ -372,7 +372,7 @@ def measure_on_server(
                 warm = build_requests(DatasetConfig(num_requests=2, input_len=16, output_len=4, seed=99), tok)
                 asyncio.run(run_load(warm, cfg))
                 served: list[tuple[StepFeatures, float]] = []
-                inputs: list[tuple[int, int]] = []
+                inputs: list[tuple[int, int, int, int]] = []
                 if grid is not None:
                     served, inputs = profile_served(url, trace, served_loads(grid, tok, max_len))
                 overheads = overheads_on_server(url, profile, tok, reqs, out_len)
@@ -421,12 +421,13 @@ def served_loads(grid: Grid, tok: Any, max_len: int, seed: int = 7) -> list[tupl
 
 def profile_served(
     url: str, trace: Path, loads: list[tuple[list[Any], int]]
-) -> tuple[list[tuple[StepFeatures, float]], list[tuple[int, int]]]:
+) -> tuple[list[tuple[StepFeatures, float]], list[tuple[int, int, int, int]]]:
     """Serve `loads` one after another on the server at `url` (started with LMSERVE_STEP_TRACE=trace): the steps
     its engine core took, each with its core-loop iteration's wall time (engine/step_trace.py), and per step the
     inputs of the API work beside it (api_costs.stretch_inputs: the previous step's chunks, the requests sent while
     it ran; empty for an old trace without end times)."""
     from lmserve.bench.loadgen import LoadConfig, run_load
+    from lmserve.engine.step_trace import OLD_COLUMNS
     from lmserve.sim.api_costs import stretch_inputs
 
     before = len(_trace_rows(trace))  # (steps served before these loads: a warm-up's)
@@ -438,7 +439,7 @@ def profile_served(
         sends += [result.start_wall_time + r.send_s for r in result.raw if r.send_s is not None]
     time.sleep(0.2)  # the core writes a step's line after sending its outputs
     rows = [r for r in _trace_rows(trace)[before:] if r[6] > 0]
-    inputs = stretch_inputs(rows, sends) if rows and len(rows[0]) > 9 else []
+    inputs = stretch_inputs(rows, sends) if rows and len(rows[0]) > OLD_COLUMNS else []
     return [(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4]), r[6]) for r in rows], inputs
 
 
@@ -451,6 +452,7 @@ def measure_api_costs(url: str, trace: Path, tok: Any, base: Overheads, seed: in
 
     from lmserve.bench.datasets import DatasetConfig, build_requests
     from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
+    from lmserve.engine.step_trace import OLD_COLUMNS
     from lmserve.sim.api_costs import chunk_latencies, cpu_costs, find_api_pid, overheads_from, process_cpu_s
 
     pid = find_api_pid(url)
@@ -475,7 +477,7 @@ def measure_api_costs(url: str, trace: Path, tok: Any, base: Overheads, seed: in
         DatasetConfig(num_requests=6, input_len=n, output_len=16, seed=seed + i), tok)]  # fmt: skip
     result, records, before, cpu1, chunks1 = serve(single, 1)
     rows = _trace_rows(trace)[before:]
-    if not rows or len(rows[0]) < 10:
+    if not rows or len(rows[0]) <= OLD_COLUMNS:
         raise RuntimeError("the step trace has no end times (an older engine core)")
     wall0 = result.start_wall_time
     lat = chunk_latencies(rows, [(wall0 + r.send_s, [wall0 + c for c in r.chunk_times_s]) for r in records])
@@ -638,7 +640,7 @@ def refit(path: str, out: str) -> int:
     except ValueError as e:
         print(f"lmserve simulate calibrate: error: {e}", file=sys.stderr)
         return 2
-    inputs = [(int(c), int(a)) for c, a in cal.get("served_api_inputs") or []]
+    inputs = [(int(c), int(f), int(e), int(a)) for c, f, e, a in cal.get("served_api_inputs") or []]
     stretch = _fit_into(profile, samples, held, int(cal.get("decode_stack_rows") or 0), served, inputs,
                         profile.overheads)  # fmt: skip
     if profile.overheads.api_queue:
@@ -661,14 +663,14 @@ def _fit_into(
     held: list[tuple[StepFeatures, float]],
     stack_rows: int = 0,
     served: list[tuple[StepFeatures, float]] | None = None,
-    inputs: list[tuple[int, int]] | None = None,
+    inputs: list[tuple[int, int, int, int]] | None = None,
     overheads: Overheads | None = None,
 ) -> float:
     """Fit the profile's linear model: on the served steps (core-loop iterations of a real server) when there are
     MIN_SERVED_STEPS of them, else on the in-process grid; the other sets are scored against it. With the served
     steps' API-work inputs (api_costs.stretch_inputs) and measured API costs (`overheads`), the model and the API's
     step stretch are fitted together (api_costs.fit_stretch). Returns the stretch (0 without)."""
-    from lmserve.sim.api_costs import fit_stretch
+    from lmserve.sim.api_costs import api_work, fit_stretch
 
     on_served = served is not None and len(served) >= MIN_SERVED_STEPS
     train = served if on_served else samples
@@ -678,9 +680,7 @@ def _fit_into(
     correction, stretch = 1.0, 0.0
     work = np.zeros(len(train))
     if on_served and inputs and overheads is not None and overheads.api_queue and len(inputs) == len(train):
-        ov = overheads
-        per_request = ov.api_request_s + ov.api_first_chunk_s + ov.api_last_chunk_s
-        work = np.array([ov.api_chunk_s * c + per_request * a for c, a in inputs])
+        work = api_work(overheads, inputs)
         terms, rows = linear.terms, linear.stack_rows  # the chosen form, refitted with the stretch beside it
         x = np.array([[term_value(f, t, rows) for t in terms] for f, _ in train], dtype=np.float64)
         c0, coefs, stretch = fit_stretch(x, work, np.array([t for _, t in train]))
@@ -800,7 +800,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     profile.calibration = {"counted_fraction": counted_fraction}
     overheads = Overheads()
     served: list[tuple[StepFeatures, float]] = []
-    inputs: list[tuple[int, int]] = []
+    inputs: list[tuple[int, int, int, int]] = []
     if args.server:
         flags = _server_flags(args)
         log(f"serving the calibration loads and measuring API/network overheads: lmserve serve {shlex.join(flags)}")
@@ -845,7 +845,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         "samples": [[*f.as_tuple(), t] for f, t in samples],
         "workload_samples": [[*f.as_tuple(), t] for f, t in held],
         "served_samples": [[*f.as_tuple(), t] for f, t in served],  # step_time_s: the core loop's iteration
-        # per served sample: the chunks the previous step sampled, the requests sent while it ran (api_costs)
+        # per served sample: the previous step's chunks, first chunks, finished requests, and the requests sent while
+        # it ran (api_costs.stretch_inputs)
         "served_api_inputs": [list(x) for x in inputs],
         "sample_columns": [
             "prefill_tokens",

@@ -291,7 +291,6 @@ class Simulator:
         api_queue = ov.api_queue
         api_req, api_chunk = ov.api_request_s, ov.api_chunk_s
         api_first, api_last = ov.api_first_chunk_s, ov.api_last_chunk_s
-        api_req_work = api_req + api_first + api_last  # a request's API work, counted when it reaches a busy core
         stretch = ov.api_step_stretch
         api_free = 0.0
         step_time = self.step_time
@@ -388,7 +387,7 @@ class Simulator:
             rep.stats.num_requests += 1
             rep.inbox.append(req)
             if rep.busy:  # the API's work for it ran beside this step: the next one is stretched
-                rep.api_work += api_req_work
+                rep.api_work += api_req
             wake(rep, t)
 
         def hand_off(i: int, t: float) -> None:
@@ -527,9 +526,9 @@ class Simulator:
             finished = []
             finished_s = []
             if api_queue and updated:
-                rep.api_work += api_chunk * len(updated)
                 if api_free < t:
                     api_free = t
+                busy_from = api_free
             for req in updated:
                 rec = record_of[req.request_id]
                 if api_queue:  # the API process streams the step's chunks one after another, in scheduled order
@@ -549,6 +548,8 @@ class Simulator:
                     del prompt_hash[req.request_id]
                     finished.append(req.request_id)
                     finished_s.append(chunk_s)
+            if api_queue and updated:  # the API's work on these chunks runs beside the next step
+                rep.api_work += api_free - busy_from
             if decoders and rep.index < num_prefill:  # a prefill replica: hand off what got its first token
                 for req in updated:
                     if req.status is not FINISHED:

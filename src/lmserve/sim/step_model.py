@@ -57,7 +57,12 @@ QUADRATIC_TERM = "prefill_attention_pairs"
 # 1 for a pure-decode step with more rows than the one-call decode stack takes (LinearStepModel.stack_rows): such a
 # step runs the module path, with its Python between kernels, on every layer (a jump, not a slope, in step time)
 OFF_STACK_TERM = "decode_off_stack"
-TERMS = (*FEATURE_NAMES, OFF_STACK_TERM)
+# 1 for a step with any prefill segment: what such a step costs once, however many segments it has (it leaves the
+# one-call decode stack for the module path; the first segment's own attention call, sampled row): without it the
+# per-segment coefficient carried that fixed part for every segment, and a step of 32 new prompts (a burst, a
+# closed-loop start) came out 1.4-1.5x the served one
+PREFILL_STEP_TERM = "prefill_step"
+TERMS = (*FEATURE_NAMES, OFF_STACK_TERM, PREFILL_STEP_TERM)
 DEFAULT_TP_EFFICIENCY = 0.85  # assumed for fitted profiles (calibrate runs one process; no TP to time)
 
 StepTimeFn = Callable[[int, int, int, int, float], float]  # (prefill, segments, rows, context, pairs) → s
@@ -102,8 +107,8 @@ class Overheads:
     # rest of the way), each streamed chunk api_chunk_s (+ api_first_chunk_s for a request's first, the response's
     # start; + api_last_chunk_s for its last, the finish and usage) before it travels egress_s to the client. On
     # cores it shares with an engine core's OpenMP team that work also stretches the engine's steps: a replica's step
-    # is longer by api_step_stretch × the API work its previous step's chunks (api_chunk_s each) and the requests
-    # routed to it while that step ran (their api_request_s + first + last chunk costs) gave the API. All 0 (the
+    # is longer by api_step_stretch × the API work beside it, the service of its previous step's chunks (with their
+    # first / last extras) and the api_request_s of the requests routed to it while that step ran. All 0 (the
     # default, and an older step model's): no queue, no stretch.
     api_request_s: float = 0.0
     api_chunk_s: float = 0.0
@@ -171,10 +176,20 @@ class LinearStepModel:
         )
         c3, c4 = c.get("decode_context_tokens", 0.0) * scale, c.get("prefill_attention_pairs", 0.0) * scale
         c5, stack = c.get(OFF_STACK_TERM, 0.0) * scale, self.stack_rows
+        c6 = c.get(PREFILL_STEP_TERM, 0.0) * scale
 
         def step_time(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
             return c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
 
+        if c6:
+
+            def step_time_prefill(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
+                t = c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
+                if segments:
+                    return t + c6
+                return t + c5 if stack and rows > stack else t
+
+            return step_time_prefill
         if not (c5 and stack):
             return step_time
 
@@ -209,6 +224,8 @@ def term_value(f: StepFeatures, term: str, stack_rows: int = 0) -> float:
     """The value a LinearStepModel multiplies `term`'s coefficient by for a step with features f."""
     if term == OFF_STACK_TERM:
         return float(stack_rows > 0 and f.prefill_segments == 0 and f.decode_rows > stack_rows)
+    if term == PREFILL_STEP_TERM:
+        return float(f.prefill_segments > 0)
     return float(getattr(f, term))
 
 
@@ -301,13 +318,16 @@ def choose_form(
     """Fit the base form and the form with the quadratic prefill-attention term; keep the quadratic one only if
     its held-out median relative error is lower by at least min_gain_pct percent (relative) and its coefficient
     survives the non-negativity. Both forms have the decode-off-stack term when the model has a decode stack
-    (stack_rows > 0) and the samples hold pure-decode steps on both sides of it. Returns (model, its quality, the
-    comparison for the JSON)."""
+    (stack_rows > 0) and the samples hold pure-decode steps on both sides of it, and the prefill-step term when
+    some steps hold several prefill segments (else it cannot be told from the per-segment one). Returns (model, its
+    quality, the comparison for the JSON)."""
     decode_rows = {f.decode_rows for f, _ in samples if f.prefill_segments == 0 and f.decode_rows}
     both_sides = (
         stack_rows > 0 and any(r <= stack_rows for r in decode_rows) and any(r > stack_rows for r in decode_rows)
     )
     base_terms = (*LINEAR_TERMS, OFF_STACK_TERM) if both_sides else LINEAR_TERMS
+    if sum(f.prefill_segments > 1 for f, _ in samples) >= 5:
+        base_terms = (*base_terms, PREFILL_STEP_TERM)
     rows = stack_rows if both_sides else 0
     base, base_q = fit_linear(samples, base_terms, seed=seed, stack_rows=rows)
     quad, quad_q = fit_linear(samples, (*base_terms, QUADRATIC_TERM), seed=seed, stack_rows=rows)
