@@ -12,11 +12,11 @@ core i appends to `<path>.<i>` (created anew when the core starts). Off (the def
 
 step_s: LLMEngine.step()'s wall time; loop_s: the core loop's iteration around it (drain, step, send the outputs);
 threads: torch's intra-op threads for the step; sampled: the requests that sampled a token in it (the chunks the API
-process then streams); finished: the requests the step finished; end_time: time.time() when LLMEngine.step() returned (its outputs exist; the iteration
-then encodes and sends them), to line steps up with a client's send and chunk times (calibrate's API costs). The
-features are core.outputs.step_features' (read from the SchedulerOutput before update_from_output advances the
-counters). Files written before the last two columns
-existed (8 columns) still read.
+process then streams); finished: the requests the step finished; end_time: time.time() when LLMEngine.step()
+returned (its outputs exist; the iteration then encodes and sends them), to line steps up with a client's send and
+chunk times (calibrate's API costs). The features are core.outputs.step_features' (read from the SchedulerOutput
+before update_from_output advances the counters). Files written before the last three columns (8 columns) still
+read.
 """
 
 from __future__ import annotations

@@ -57,11 +57,11 @@ QUADRATIC_TERM = "prefill_attention_pairs"
 # 1 for a pure-decode step with more rows than the one-call decode stack takes (LinearStepModel.stack_rows): such a
 # step runs the module path, with its Python between kernels, on every layer (a jump, not a slope, in step time)
 OFF_STACK_TERM = "decode_off_stack"
-# 1 for a step with any prefill segment: what such a step costs once, however many segments it has (it leaves the
-# one-call decode stack for the module path; the first segment's own attention call, sampled row): without it the
-# per-segment coefficient carried that fixed part for every segment, and a step of 32 new prompts (a burst, a
-# closed-loop start) came out 1.4-1.5x the served one
-PREFILL_STEP_TERM = "prefill_step"
+# 1 for a mixed step (prefill segments beside decode rows): what such a step costs once, however many segments it
+# has (the decode rows leave the one-call decode stack for the module path): without it the per-segment
+# coefficient carried that fixed part for every segment, and a step of 32 new prompts beside decodes (a burst, a
+# closed-loop start) came out 1.4-1.5x the served one, while a lone prefill (no stack to leave) came out too slow
+PREFILL_STEP_TERM = "mixed_step"
 TERMS = (*FEATURE_NAMES, OFF_STACK_TERM, PREFILL_STEP_TERM)
 DEFAULT_TP_EFFICIENCY = 0.85  # assumed for fitted profiles (calibrate runs one process; no TP to time)
 
@@ -186,7 +186,7 @@ class LinearStepModel:
             def step_time_prefill(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
                 t = c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
                 if segments:
-                    return t + c6
+                    return t + c6 if rows else t
                 return t + c5 if stack and rows > stack else t
 
             return step_time_prefill
@@ -225,7 +225,7 @@ def term_value(f: StepFeatures, term: str, stack_rows: int = 0) -> float:
     if term == OFF_STACK_TERM:
         return float(stack_rows > 0 and f.prefill_segments == 0 and f.decode_rows > stack_rows)
     if term == PREFILL_STEP_TERM:
-        return float(f.prefill_segments > 0)
+        return float(f.prefill_segments > 0 and f.decode_rows > 0)
     return float(getattr(f, term))
 
 
@@ -318,15 +318,15 @@ def choose_form(
     """Fit the base form and the form with the quadratic prefill-attention term; keep the quadratic one only if
     its held-out median relative error is lower by at least min_gain_pct percent (relative) and its coefficient
     survives the non-negativity. Both forms have the decode-off-stack term when the model has a decode stack
-    (stack_rows > 0) and the samples hold pure-decode steps on both sides of it, and the prefill-step term when
-    some steps hold several prefill segments (else it cannot be told from the per-segment one). Returns (model, its
-    quality, the comparison for the JSON)."""
+    (stack_rows > 0) and the samples hold pure-decode steps on both sides of it, and the mixed-step term when
+    some mixed steps hold several prefill segments (else it cannot be told from the per-segment one). Returns
+    (model, its quality, the comparison for the JSON)."""
     decode_rows = {f.decode_rows for f, _ in samples if f.prefill_segments == 0 and f.decode_rows}
     both_sides = (
         stack_rows > 0 and any(r <= stack_rows for r in decode_rows) and any(r > stack_rows for r in decode_rows)
     )
     base_terms = (*LINEAR_TERMS, OFF_STACK_TERM) if both_sides else LINEAR_TERMS
-    if sum(f.prefill_segments > 1 for f, _ in samples) >= 5:
+    if sum(f.prefill_segments > 1 and f.decode_rows > 0 for f, _ in samples) >= 5:
         base_terms = (*base_terms, PREFILL_STEP_TERM)
     rows = stack_rows if both_sides else 0
     base, base_q = fit_linear(samples, base_terms, seed=seed, stack_rows=rows)
