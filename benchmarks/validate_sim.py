@@ -88,6 +88,7 @@ class Point:
     one_thread_pct: float | None = None
     served_fit_ratio: float | None = None
     trace_rows: tuple[int, int] = (0, 0)  # the point's rows in its server's step trace
+    send_times: list[float] = field(default_factory=list)  # its requests' send times, wall clock (--keep-trace)
     notes: list[str] = field(default_factory=list)
 
 
@@ -179,10 +180,10 @@ def measure(
         all_rows = trace_rows(trace)
         p.trace_rows = (first_row, len(all_rows))
         rows = [r for r in all_rows[first_row:] if r[6] > 0]
+        p.send_times = [result.start_wall_time + r.send_s for r in result.raw if r.send_s is not None]
         if rows:
             p.one_thread_pct = 100.0 * sum(r[7] == 1 for r in rows) / len(rows)
-            p.served_fit_ratio = served_fit(profile, rows, [result.start_wall_time + r.send_s for r in result.raw
-                                                            if r.send_s is not None])  # fmt: skip
+            p.served_fit_ratio = served_fit(profile, rows, p.send_times)
     return summarize(records, result.duration_s or None, p.rate_rps, p.max_concurrency), {
         k: after[k] - before[k] for k in after
     }
@@ -414,6 +415,7 @@ def main() -> int:
                 "served_steps_one_thread_pct": p.one_thread_pct,
                 "served_steps_over_model": p.served_fit_ratio,
                 "trace_rows": p.trace_rows,
+                "send_times": p.send_times if args.keep_trace else None,
                 "errors_pct": {m: error_pct(p.sim, p.real, a, q) for m, a, q in METRICS} if p.real and p.sim else None,
                 "errors_rescaled_pct": (
                     {m: error_pct(p.sim_rescaled, p.real, a, q) for m, a, q in METRICS}

@@ -440,7 +440,15 @@ def profile_served(
     time.sleep(0.2)  # the core writes a step's line after sending its outputs
     rows = [r for r in _trace_rows(trace)[before:] if r[6] > 0]
     inputs = stretch_inputs(rows, sends) if rows and len(rows[0]) > OLD_COLUMNS else []
-    return [(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4]), r[6]) for r in rows], inputs
+    # steps the core took with fewer threads than it has (its back-off: other processes were using the CPUs) time
+    # another machine; they are left out
+    full = max((int(r[7]) for r in rows), default=0)
+    keep = [i for i, r in enumerate(rows) if int(r[7]) == full]
+    if len(keep) < len(rows):
+        print(f"  (left out {len(rows) - len(keep)} of {len(rows)} served steps taken with fewer than {full} "
+              "threads: the core backed off while other processes used the CPUs)", flush=True)  # fmt: skip
+    samples = [(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4]), r[6]) for r in rows]
+    return [samples[i] for i in keep], [inputs[i] for i in keep] if inputs else []
 
 
 def measure_api_costs(url: str, trace: Path, tok: Any, base: Overheads, seed: int = 11) -> Overheads:
