@@ -83,7 +83,8 @@ class Point:
     server_step_s: float | None = None  # their mean wall time
     sim_steps: int | None = None
     sim_step_s: float | None = None
-    # the point's own noise: 2 standard errors of the measured mean TTFT / TPOT over its requests, % of the mean
+    # the point's own noise: 2 standard errors of the measured mean TTFT (from the send) / TPOT over its requests,
+    # % of the mean
     noise_pct: tuple[float | None, float | None] = (None, None)
     # the server's traced steps (LMSERVE_STEP_TRACE) for the point: the fraction taken with one torch thread (the
     # core's back-off: other processes used its CPUs), and their total time / the step model's (with its API
@@ -183,7 +184,9 @@ def measure(
     if result.fatal_error:
         raise RuntimeError(result.fatal_error)
     lats = [request_latency(r) for r in records]
-    p.noise_pct = tuple(_noise_pct([getattr(x, a) for x in lats]) for a in ("ttft_s", "tpot_s"))  # type: ignore
+    # (TTFT from the send: from the scheduled arrival it also holds the client's queue, which is not noise: with one
+    # request at a time the k-th waits for k − 1 others by design)
+    p.noise_pct = tuple(_noise_pct([getattr(x, a) for x in lats]) for a in ("ttft_from_send_s", "tpot_s"))  # type: ignore
     if trace is not None and profile is not None:
         time.sleep(0.1)  # the core writes a step's line after sending its outputs
         all_rows = trace_rows(trace)
@@ -431,7 +434,7 @@ def main() -> int:
         "1-thread: its steps the engine core took with one torch thread (its back-off: other processes used its "
         "CPUs); others: cores' worth of CPU other processes used while it ran (points over "
         f"{OTHERS_MAX:g} or over {BACKED_OFF_PCT:g} % one-thread steps were measured again, up to --retries times); "
-        "noise: 2 standard errors of the measured mean TTFT / TPOT over the point's requests",
+        "noise: 2 standard errors of the measured mean TTFT (from the send) / TPOT over the point's requests",
         format_steps(points),
         "",
         format_values(points),
