@@ -511,6 +511,14 @@ class Simulator:
                 steps.append(rep.trace)
             push(t + dt, _STEP_END, rep.index)
 
+        def finish_record(req: Request, rec: RequestRecord, end_s: float) -> None:
+            rec.chunk_num_tokens = [1] * len(rec.chunk_times_s)
+            rec.num_output_tokens = req.num_output_tokens
+            rec.end_s = end_s
+            rec.success = True
+            rec.output_tokens_source = rec.chunk_tokens_source = "simulator"
+            del prompt_hash[req.request_id]
+
         def end_step(rep: _Replica, t: float) -> None:
             sched = rep.sched
             assert sched is not None, f"replica {rep.index}: a step ended that never started"
@@ -524,32 +532,33 @@ class Simulator:
             nonlocal api_free
             chunk_s = t + egress
             finished = []
-            finished_s = []
-            if api_queue and updated:
+            finished_s: list[float] | None = None  # with the API queue: each finished request's last chunk time
+            if api_queue and updated:  # the API process streams the step's chunks one after another, in order
+                finished_s = []
                 if api_free < t:
                     api_free = t
                 busy_from = api_free
-            for req in updated:
-                rec = record_of[req.request_id]
-                if api_queue:  # the API process streams the step's chunks one after another, in scheduled order
+                for req in updated:
+                    rec = record_of[req.request_id]
                     api_free += api_chunk
                     if not rec.chunk_times_s:
                         api_free += api_first
                     if req.status is FINISHED:
                         api_free += api_last
-                    chunk_s = api_free + egress
-                rec.chunk_times_s.append(chunk_s)
-                if req.status is FINISHED:
-                    rec.chunk_num_tokens = [1] * len(rec.chunk_times_s)
-                    rec.num_output_tokens = req.num_output_tokens
-                    rec.end_s = chunk_s
-                    rec.success = True
-                    rec.output_tokens_source = rec.chunk_tokens_source = "simulator"
-                    del prompt_hash[req.request_id]
-                    finished.append(req.request_id)
-                    finished_s.append(chunk_s)
-            if api_queue and updated:  # the API's work on these chunks runs beside the next step
-                rep.api_work += api_free - busy_from
+                        rec.chunk_times_s.append(api_free + egress)
+                        finish_record(req, rec, api_free + egress)
+                        finished.append(req.request_id)
+                        finished_s.append(api_free + egress)
+                    else:
+                        rec.chunk_times_s.append(api_free + egress)
+                rep.api_work += api_free - busy_from  # that work runs beside the next step
+            else:  # (the hot path of a run without API costs: as it was before they existed)
+                for req in updated:
+                    rec = record_of[req.request_id]
+                    rec.chunk_times_s.append(chunk_s)
+                    if req.status is FINISHED:
+                        finish_record(req, rec, chunk_s)
+                        finished.append(req.request_id)
             if decoders and rep.index < num_prefill:  # a prefill replica: hand off what got its first token
                 for req in updated:
                     if req.status is not FINISHED:
@@ -568,9 +577,9 @@ class Simulator:
             rep.pending -= rep.applied
             rep.applied = 0
             rep.sched = None
-            for rid, done_s in zip(finished, finished_s, strict=True):
+            for k, rid in enumerate(finished):
                 del record_of[rid]
-                finish_client(int(rid), done_s)
+                finish_client(int(rid), chunk_s if finished_s is None else finished_s[k])
             start_step(rep, t)
 
         inf = math.inf
