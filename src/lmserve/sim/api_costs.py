@@ -19,7 +19,8 @@ Measured (all from one served engine core tracing its steps, engine/step_trace.p
   that the simulator's TTFT of a lone request, ingress + its iteration + the first chunk's latency, is the
   measured one. The middle chunks' latency is the per-chunk cost plus the way to the client.
 * CPU per request and per chunk: the API process's (/proc/<pid>/stat) and the load generator's (this process's)
-  CPU time over two loads, many one-token requests and a few long streams: two equations, two unknowns.
+  CPU time over three loads (the one-at-a-time requests, many one-token requests, a few long streams): least
+  squares on cpu = per request · requests + per chunk · chunks.
 * the stretch: served steps ≈ model(features) + f · W, W = the API work beside the step (the previous step's
   chunks × the per-chunk cost, + its first chunks × the first's extra, + the requests it finished × the last's
   extra, + the requests sent while it ran × the arrival's cost), the model's coefficients and f fitted together
@@ -45,7 +46,7 @@ class ChunkLatencies:
     """Medians over requests sent one at a time (seconds)."""
 
     ingress_s: float  # send → the start of the request's first core-loop iteration
-    first_s: float  # the end of the iteration that sampled the first token → the chunk at the client
+    first_s: float  # the end of the step that sampled the first token → the chunk at the client
     middle_s: float  # the same for the chunks between the first and the last
     last_s: float  # and for the last
     num_requests: int
