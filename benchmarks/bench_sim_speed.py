@@ -45,6 +45,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--load", type=float, default=0.7, help="fraction of the replicas' saturation throughput")
     ap.add_argument("--profile", action="store_true", help="cProfile the simulation (slower), top 25 functions")
+    ap.add_argument(
+        "--api-queue",
+        action="store_true",
+        help="also model the API process (Overheads.api_*: tiny costs, so one API for 64 replicas never saturates, "
+        "and a stretch): times the queue and stretch code path",
+    )
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     if args.step_model:  # its model (a roofline's needs no weights) and, for a roofline, the accelerator's KV pool
@@ -53,6 +59,12 @@ def main() -> None:
     else:
         config = EngineArgs.from_kwargs(default_model_path(), kv_cache_memory_gib=0.25).create_engine_config()
         profile = profile_for(config, REFERENCE, overheads=Overheads(0.004, 0.004, 0.0006))
+    if args.api_queue:
+        import dataclasses
+
+        profile.overheads = dataclasses.replace(profile.overheads, api_request_s=1e-6, api_chunk_s=1e-8,
+                                                api_first_chunk_s=1e-7, api_last_chunk_s=1e-7,
+                                                api_step_stretch=1.0)  # fmt: skip
     tok = load_tokenizer(config.tokenizer)
     load_start = os.getloadavg()[0]
 
@@ -98,6 +110,7 @@ def main() -> None:
         "load_avg_1m": [load_start, os.getloadavg()[0]],
         "cpus": os.cpu_count(),
         "step_model": args.step_model or "reference (bench_sim_speed.REFERENCE)",
+        "api_queue": profile.overheads.api_queue,
         "step_model_label": profile.label,
         "model": profile.model.get("name"),
     }

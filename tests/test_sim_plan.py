@@ -238,3 +238,32 @@ def test_refit_fits_the_served_steps_when_there_are_enough(llama_dir: Path, tmp_
     assert tailed.fit["total_time_correction"] > 1.3  # the median fit ignores the tail; the correction puts it back
     for k, v in served_truth.coefficients_s.items():
         assert tailed.linear.coefficients_s[k] == pytest.approx(v * tailed.fit["total_time_correction"], rel=0.1), k
+
+
+def test_mixed_step_term_separates_a_mixed_steps_fixed_cost() -> None:
+    """Steps cost 1 ms + 0.05 ms a prefill token + 3 ms once for a mixed step (prefills beside decodes) + 0.2 ms a
+    segment + 0.1 ms a decode row: with mixed steps of several segments (a burst joining decodes) the fit keeps the
+    fixed part apart, so 32 segments beside decodes cost 3 + 32 × 0.2 ms, not 32 × 3.2, and a lone prefill 0.2."""
+    import numpy as np
+
+    from lmserve.sim.step_model import PREFILL_STEP_TERM, StepFeatures, choose_form
+
+    rng = np.random.default_rng(3)
+    samples = []
+    for _ in range(400):
+        segments = int(rng.choice([0, 0, 1, 1, 2, 4, 8, 32]))
+        tokens = int(sum(rng.integers(8, 64) for _ in range(segments)))
+        rows = int(rng.integers(0, 16)) if segments else int(rng.integers(1, 16))
+        t = 1e-3 + 5e-5 * tokens + (3e-3 if segments and rows else 0.0) + 2e-4 * segments + 1e-4 * rows
+        samples.append((StepFeatures(tokens, segments, rows, int(rng.integers(rows, 50 * rows + 1)), 0.0), t))
+    model, _, _ = choose_form(samples)
+    c = model.coefficients_s
+    assert c[PREFILL_STEP_TERM] == pytest.approx(3e-3, rel=1e-3)
+    assert c["prefill_segments"] == pytest.approx(2e-4, rel=1e-2)
+    f = StepFeatures(32 * 32, 32, 4, 100, 0.0)
+    assert model.step_time_s(f) == pytest.approx(1e-3 + 5e-5 * 1024 + 3e-3 + 32 * 2e-4 + 4e-4, rel=1e-3)
+    assert model.fast()(*f.as_tuple()) == model.step_time_s(f)
+    lone = StepFeatures(32, 1, 0, 0, 0.0)
+    assert model.step_time_s(lone) == pytest.approx(1e-3 + 5e-5 * 32 + 2e-4, rel=1e-3)
+    old = LinearStepModel(1e-3, {"prefill_tokens": 5e-5, "prefill_segments": 3e-3})  # an older model: no such term
+    assert PREFILL_STEP_TERM not in old.terms and old.step_time_s(f) == pytest.approx(1e-3 + 5e-5 * 1024 + 0.096)

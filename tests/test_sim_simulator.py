@@ -77,6 +77,52 @@ def test_overheads_shift_as_documented(llama_dir: Path) -> None:
     assert a.send_s == 0.0
 
 
+def test_api_queue_and_step_stretch_hand_checked(llama_dir: Path) -> None:
+    """The API process as one FIFO server (request 0.5 ms; chunk 1 ms, + 2 ms a request's first, + 3 ms its last;
+    ingress 1 ms and egress 2 ms the rest of the way) whose work stretches the step beside it by 0.5 × its
+    seconds. The two requests of test_two_requests_hand_checked (t = 10 ms + 0.1 ms/prefill token + 1 ms/row):
+
+        A sent at 0: API [0, 0.5], at the core at 1.5 (idle: no stretch)
+        step 1  [1.5, 21.5]     prefill A: 20                         API [21.5, 24.5] A's first chunk → 26.5
+        step 2  [21.5, 34]      decode A: 11 + 0.5 × 3 (A's first chunk)
+          B sent at 25: API [25, 25.5], at the core at 26.5, during step 2: 0.5 of API work beside it
+                                                                      API [34, 35] A's 2nd chunk → 37
+        step 3  [34, 50.75]     A + prefill B: 16 + 0.5 × (0.5 + 1)   API [50.75, 54.75] A's last → 56.75,
+                                                                          [54.75, 57.75] B's first → 59.75
+        step 4  [50.75, 65.25]  decode B: 11 + 0.5 × 7                API [65.25, 69.25] B's last → 71.25
+    """
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
+    profile.overheads = Overheads(ingress_s=0.001, egress_s=0.002, api_request_s=0.0005, api_chunk_s=0.001,
+                                  api_first_chunk_s=0.002, api_last_chunk_s=0.003, api_step_stretch=0.5)  # fmt: skip
+    workload = Workload([list(range(1, 101)), list(range(200, 250))], [3, 2], [0.0, 0.025])
+    result = Simulator(profile, SimConfig(config, record_steps=True)).run(workload)
+    a, b = result.records
+    assert [t for s in result.steps for t in (s.start_s, s.end_s)] == pytest.approx(
+        [0.0015, 0.0215, 0.0215, 0.034, 0.034, 0.05075, 0.05075, 0.06525]
+    )
+    assert a.chunk_times_s == pytest.approx([0.0265, 0.037, 0.05675])
+    assert b.chunk_times_s == pytest.approx([0.05975, 0.07125])
+    la, lb = request_latency(a), request_latency(b)
+    assert la.ttft_s == pytest.approx(0.0265) and lb.ttft_s == pytest.approx(0.03475)
+    assert la.tpot_s == pytest.approx(0.015125) and lb.tpot_s == pytest.approx(0.0115)
+    assert result.duration_s == pytest.approx(0.07125)
+
+
+def test_no_api_costs_no_queue(llama_dir: Path) -> None:
+    """An older step model (no api_* keys) loads with the API costs 0: chunks exactly as before."""
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
+    doc = profile.to_dict()
+    doc["overheads"] = {"ingress_s": 0.001, "egress_s": 0.002, "core_step_overhead_s": 0.0005}
+    old = StepProfile.from_dict(doc)
+    assert not old.overheads.api_queue and old.overheads.api_step_stretch == 0.0
+    (a,) = Simulator(old, SimConfig(config)).run(Workload([list(range(1, 101))], [3], [0.0])).records
+    assert a.chunk_times_s == pytest.approx([0.0235, 0.035, 0.0465])
+    with pytest.raises(ValueError, match="api_chunk_s"):
+        Overheads(api_chunk_s=-1.0)
+
+
 # ---- the simulator decides as the engine does ---------------------------------------------------------------
 
 

@@ -8,10 +8,15 @@ Switched on by the environment variable LMSERVE_STEP_TRACE=<path> in the API pro
 core i appends to `<path>.<i>` (created anew when the core starts). Off (the default), nothing here runs. A line:
 
     prefill_tokens prefill_segments decode_rows decode_context_tokens prefill_attention_pairs step_s loop_s threads
+    sampled finished end_time
 
 step_s: LLMEngine.step()'s wall time; loop_s: the core loop's iteration around it (drain, step, send the outputs);
-threads: torch's intra-op threads for the step. The features are core.outputs.step_features' (read from the
-SchedulerOutput before update_from_output advances the counters).
+threads: torch's intra-op threads for the step; sampled: the requests that sampled a token in it (the chunks the API
+process then streams); finished: the requests the step finished; end_time: time.time() when LLMEngine.step()
+returned (its outputs exist; the iteration then encodes and sends them), to line steps up with a client's send and
+chunk times (calibrate's API costs). The features are core.outputs.step_features' (read from the SchedulerOutput
+before update_from_output advances the counters). Files written before the last three columns (8 columns) still
+read.
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ COLUMNS = (
     "step_s",
     "loop_s",
     "threads",
+    "sampled",
+    "finished",
+    "end_time",
 )
+OLD_COLUMNS = 8  # a trace written before `sampled`, `finished` and `end_time`
 
 
 def trace_path(engine_index: int) -> str | None:
@@ -48,11 +57,14 @@ class StepTimer:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._features: tuple[int, int, int, int, float] | None = None
+        self.num_sampled = 0  # of the last step: the requests whose step reached the end of their tokens
         inner = engine.scheduler.schedule
 
         def schedule() -> Any:
             out = inner()
-            self._features = None if out.is_empty else step_features(out)
+            sampling: list[Any] = []
+            self._features = None if out.is_empty else step_features(out, sampling)
+            self.num_sampled = len(sampling)
             return out
 
         engine.scheduler.schedule = schedule
@@ -73,7 +85,8 @@ class StepTrace:
     def __init__(self, engine: Any, path: str) -> None:
         self._timer = StepTimer(engine)
         self._file: IO[str] = open(path, "w", buffering=1)  # noqa: SIM115 (line-buffered: read while serving)
-        self._pending: tuple[tuple, float, int] | None = None  # the last step (features, step_s, threads)
+        # the last step: (features, step_s, threads, sampled, finished, the wall time it ended)
+        self._pending: tuple[tuple, float, int, int, int, float] | None = None
         self._loop_start = time.perf_counter()
 
     def step(self) -> list:
@@ -81,7 +94,8 @@ class StepTrace:
 
         outputs, features, dt = self._timer.step()
         if features is not None:
-            self._pending = (features, dt, torch.get_num_threads())
+            finished = sum(1 for o in outputs if o.finished)
+            self._pending = (features, dt, torch.get_num_threads(), self._timer.num_sampled, finished, time.time())
         return outputs
 
     def begin_iteration(self) -> None:
@@ -92,9 +106,10 @@ class StepTrace:
     def end_iteration(self) -> None:
         """The core loop finished an iteration (after sending its outputs): write the step it took, if any."""
         if self._pending is not None:
-            (prefill, segments, rows, context, pairs), step_s, threads = self._pending
+            (prefill, segments, rows, context, pairs), step_s, threads, sampled, finished, end = self._pending
             loop_s = time.perf_counter() - self._loop_start
-            self._file.write(f"{prefill} {segments} {rows} {context} {pairs:.0f} {step_s:.7f} {loop_s:.7f} {threads}\n")
+            self._file.write(f"{prefill} {segments} {rows} {context} {pairs:.0f} {step_s:.7f} {loop_s:.7f} {threads} "
+                             f"{sampled} {finished} {end:.6f}\n")  # fmt: skip
             self._pending = None
 
     def close(self) -> None:
@@ -102,11 +117,15 @@ class StepTrace:
 
 
 def read_trace(path: str) -> list[tuple[float, ...]]:
-    """The rows of a trace file (COLUMNS order), skipping a last line cut short by the core's exit."""
+    """The rows of a trace file (COLUMNS order; an older file's rows have its first OLD_COLUMNS), skipping a last
+    line cut short by the core's exit."""
     rows = []
+    width = None  # the file's, from its first line
     with open(path) as f:
         for line in f:
             parts = line.split()
-            if len(parts) == len(COLUMNS):
+            if width is None and len(parts) in (OLD_COLUMNS, len(COLUMNS)):
+                width = len(parts)
+            if len(parts) == width:
                 rows.append(tuple(float(x) for x in parts))
     return rows

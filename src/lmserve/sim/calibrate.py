@@ -40,6 +40,7 @@ from lmserve.sim.step_model import (
     choose_form,
     model_description,
     ratio_quantiles,
+    term_value,
 )
 
 
@@ -336,14 +337,18 @@ def measure_on_server(
     grid: Grid | None = None,
     max_len: int = 0,
     num_requests: int = 6,
-) -> tuple[Overheads, list[tuple[StepFeatures, float]]]:
+) -> tuple[Overheads, list[tuple[StepFeatures, float]], list[tuple[int, int, int, int]]]:
     """`lmserve serve` on the same flags, started with its engine core tracing its steps (engine/step_trace.py).
     With a grid: its served_loads first, giving the served steps (each with its core-loop iteration's time). Then
     requests one at a time; around each, the engine's own step-time counters (/metrics) give its prefill step and
     its decode steps, so: TTFT − that prefill step = ingress + egress, and TPOT − its mean decode step = the core
     loop's per-step cost (not from the fit: exact even when the fit is off). The counters time execute + update
     only; they are divided by the calibration's counted_fraction to stand for whole LLMEngine.step()s. The fitted
-    model's error on those server steps is reported beside them. Returns (overheads, served steps)."""
+    model's error on those server steps is reported beside them. Then the API process's costs (sim/api_costs.py:
+    chunk latencies from the trace and the client, CPU per request and per chunk): when they are measured, the
+    overheads are those (ingress and egress only the way in and out beyond the API's own work). Returns
+    (overheads, served steps, each served step's API-work inputs (api_costs.stretch_inputs))."""
+    import dataclasses
     import tempfile
 
     from lmserve.bench.datasets import DatasetConfig, build_requests, load_tokenizer
@@ -367,9 +372,15 @@ def measure_on_server(
                 warm = build_requests(DatasetConfig(num_requests=2, input_len=16, output_len=4, seed=99), tok)
                 asyncio.run(run_load(warm, cfg))
                 served: list[tuple[StepFeatures, float]] = []
+                inputs: list[tuple[int, int, int, int]] = []
                 if grid is not None:
-                    served = profile_served(url, trace, served_loads(grid, tok, max_len))
-                return overheads_on_server(url, profile, tok, reqs, out_len), served
+                    served, inputs = profile_served(url, trace, served_loads(grid, tok, max_len))
+                overheads = overheads_on_server(url, profile, tok, reqs, out_len)
+                try:
+                    overheads = measure_api_costs(url, trace, tok, overheads)
+                except (RuntimeError, OSError, AssertionError) as e:
+                    overheads = dataclasses.replace(overheads, how=overheads.how + f"; API costs not measured: {e}")
+                return overheads, served, inputs
         finally:
             if saved is None:
                 os.environ.pop(ENV, None)
@@ -408,19 +419,94 @@ def served_loads(grid: Grid, tok: Any, max_len: int, seed: int = 7) -> list[tupl
     return loads
 
 
-def profile_served(url: str, trace: Path, loads: list[tuple[list[Any], int]]) -> list[tuple[StepFeatures, float]]:
+def profile_served(
+    url: str, trace: Path, loads: list[tuple[list[Any], int]]
+) -> tuple[list[tuple[StepFeatures, float]], list[tuple[int, int, int, int]]]:
     """Serve `loads` one after another on the server at `url` (started with LMSERVE_STEP_TRACE=trace): the steps
-    its engine core took, each with its core-loop iteration's wall time (engine/step_trace.py)."""
+    its engine core took, each with its core-loop iteration's wall time (engine/step_trace.py), and per step the
+    inputs of the API work beside it (api_costs.stretch_inputs: the previous step's chunks, the requests sent while
+    it ran; empty for an old trace without end times)."""
     from lmserve.bench.loadgen import LoadConfig, run_load
+    from lmserve.engine.step_trace import OLD_COLUMNS
+    from lmserve.sim.api_costs import stretch_inputs
 
     before = len(_trace_rows(trace))  # (steps served before these loads: a warm-up's)
+    sends: list[float] = []
     for reqs, concurrency in loads:
         result = asyncio.run(run_load(reqs, LoadConfig(base_url=url, max_concurrency=concurrency, seed=0)))
         if result.fatal_error:
             raise RuntimeError(f"served profiling failed: {result.fatal_error}")
+        sends += [result.start_wall_time + r.send_s for r in result.raw if r.send_s is not None]
     time.sleep(0.2)  # the core writes a step's line after sending its outputs
+    rows = [r for r in _trace_rows(trace)[before:] if r[6] > 0]
+    inputs = stretch_inputs(rows, sends) if rows and len(rows[0]) > OLD_COLUMNS else []
+    # steps the core took with fewer threads than it has (its back-off: other processes were using the CPUs) time
+    # another machine; they are left out
+    full = max((int(r[7]) for r in rows), default=0)
+    keep = [i for i, r in enumerate(rows) if int(r[7]) == full]
+    if len(keep) < len(rows):
+        print(f"  (left out {len(rows) - len(keep)} of {len(rows)} served steps taken with fewer than {full} "
+              "threads: the core backed off while other processes used the CPUs)", flush=True)  # fmt: skip
+    samples = [(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4]), r[6]) for r in rows]
+    return [samples[i] for i in keep], [inputs[i] for i in keep] if inputs else []
+
+
+def measure_api_costs(url: str, trace: Path, tok: Any, base: Overheads, seed: int = 11) -> Overheads:
+    """The API process's costs on the server at `url` (sim/api_costs.py): requests one at a time give the chunk
+    latencies by position and the ingress latency (trace end times against the client's times); a load of one-token
+    requests and one of long streams give the CPU per request and per chunk of the API process (/proc) and of this
+    process (the load generator). RuntimeError where /proc or the trace's end times are missing."""
+    import dataclasses
+
+    from lmserve.bench.datasets import DatasetConfig, build_requests
+    from lmserve.bench.loadgen import LoadConfig, finalize_all, run_load
+    from lmserve.engine.step_trace import OLD_COLUMNS
+    from lmserve.sim.api_costs import chunk_latencies, cpu_costs, find_api_pid, overheads_from, process_cpu_s
+
+    pid = find_api_pid(url)
+    if pid is None:
+        raise RuntimeError(f"no lmserve serve process found for {url} in /proc")
+
+    def serve(reqs: list[Any], concurrency: int) -> tuple[Any, list[Any], int, float, float]:
+        cfg = LoadConfig(base_url=url, max_concurrency=concurrency, seed=0)
+        time.sleep(0.1)  # the previous load's last trace line and API writes
+        before, api0, own0 = len(_trace_rows(trace)), process_cpu_s(pid), time.process_time()
+        result = asyncio.run(run_load(reqs, cfg))
+        time.sleep(0.1)  # the core writes a step's line after sending its outputs; the API's last writes
+        cpu = process_cpu_s(pid) - api0 + time.process_time() - own0
+        if result.fatal_error:
+            raise RuntimeError(f"API cost measurement failed: {result.fatal_error}")
+        records = finalize_all(result, reqs, cfg, tok)
+        if not all(r.success for r in records):
+            raise RuntimeError("API cost measurement: a request failed")
+        return result, records, before, cpu, sum(len(r.chunk_times_s) for r in records)
+
+    single = [r for i, n in enumerate((24, 96)) for r in build_requests(
+        DatasetConfig(num_requests=6, input_len=n, output_len=16, seed=seed + i), tok)]  # fmt: skip
+    result, records, before, cpu1, chunks1 = serve(single, 1)
     rows = _trace_rows(trace)[before:]
-    return [(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4]), r[6]) for r in rows if r[6] > 0]
+    if not rows or len(rows[0]) <= OLD_COLUMNS:
+        raise RuntimeError("the step trace has no end times (an older engine core)")
+    wall0 = result.start_wall_time
+    lat = chunk_latencies(rows, [(wall0 + r.send_s, [wall0 + c for c in r.chunk_times_s]) for r in records])
+    short = build_requests(DatasetConfig(num_requests=80, input_len=16, output_len=1, seed=seed + 5), tok)
+    _, _, _, cpu2, chunks2 = serve(short, 4)
+    long = build_requests(DatasetConfig(num_requests=6, input_len=16, output_len=160, seed=seed + 6), tok)
+    _, _, _, cpu3, chunks3 = serve(long, 6)
+    loads = [(len(single), chunks1, cpu1), (len(short), chunks2, cpu2), (len(long), chunks3, cpu3)]
+    per_request, per_chunk = cpu_costs(loads)
+    fields = overheads_from(lat, per_request, per_chunk)
+    how = (
+        f"{base.how}; then from the step trace's end times and the client's ({lat.num_requests} requests one at a "
+        f"time): ingress {lat.ingress_s * 1e3:.2f} ms (send → the first step's start), chunk latency first "
+        f"{lat.first_s * 1e3:.2f} / middle {lat.middle_s * 1e3:.2f} / last {lat.last_s * 1e3:.2f} ms; CPU of the API "
+        f"process + the load generator over {sum(x[0] for x in loads)} requests and {sum(x[1] for x in loads)} "
+        f"chunks: {per_request * 1e3:.2f} ms per request, {per_chunk * 1e3:.3f} ms per chunk; so the API queue's "
+        f"costs: request {fields['api_request_s'] * 1e3:.2f}, chunk {fields['api_chunk_s'] * 1e3:.3f} (+ first "
+        f"{fields['api_first_chunk_s'] * 1e3:.2f}, + last {fields['api_last_chunk_s'] * 1e3:.2f}) ms, the way in "
+        f"{fields['ingress_s'] * 1e3:.2f} and out {fields['egress_s'] * 1e3:.2f} ms"
+    )
+    return dataclasses.replace(base, **fields, how=how)
 
 
 def overheads_on_server(url: str, profile: StepProfile, tok: Any, reqs: list[Any], out_len: int) -> Overheads:
@@ -562,7 +648,13 @@ def refit(path: str, out: str) -> int:
     except ValueError as e:
         print(f"lmserve simulate calibrate: error: {e}", file=sys.stderr)
         return 2
-    _fit_into(profile, samples, held, int(cal.get("decode_stack_rows") or 0), served)
+    inputs = [(int(c), int(f), int(e), int(a)) for c, f, e, a in cal.get("served_api_inputs") or []]
+    stretch = _fit_into(profile, samples, held, int(cal.get("decode_stack_rows") or 0), served, inputs,
+                        profile.overheads)  # fmt: skip
+    if profile.overheads.api_queue:
+        import dataclasses
+
+        profile.overheads = dataclasses.replace(profile.overheads, api_step_stretch=stretch)
     profile.calibration = {**cal, "refit_of": path, "refit_time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out_path = profile.save(out)
     print(format_profile(profile))
@@ -579,19 +671,39 @@ def _fit_into(
     held: list[tuple[StepFeatures, float]],
     stack_rows: int = 0,
     served: list[tuple[StepFeatures, float]] | None = None,
-) -> None:
+    inputs: list[tuple[int, int, int, int]] | None = None,
+    overheads: Overheads | None = None,
+) -> float:
     """Fit the profile's linear model: on the served steps (core-loop iterations of a real server) when there are
-    MIN_SERVED_STEPS of them, else on the in-process grid; the other sets are scored against it."""
+    MIN_SERVED_STEPS of them, else on the in-process grid; the other sets are scored against it. With the served
+    steps' API-work inputs (api_costs.stretch_inputs) and measured API costs (`overheads`), the model and the API's
+    step stretch are fitted together (api_costs.fit_stretch). Returns the stretch (0 without)."""
+    from lmserve.sim.api_costs import api_work, fit_stretch
+
     on_served = served is not None and len(served) >= MIN_SERVED_STEPS
     train = served if on_served else samples
     assert train is not None
     linear, quality, comparison = choose_form(train, stack_rows=stack_rows)
     profile.kind, profile.linear = "linear", linear
-    correction = 1.0
+    correction, stretch = 1.0, 0.0
+    work = np.zeros(len(train))
+    if on_served and inputs and overheads is not None and overheads.api_queue and len(inputs) == len(train):
+        work = api_work(overheads, inputs)
+        terms, rows = linear.terms, linear.stack_rows  # the chosen form, refitted with the stretch beside it
+        x = np.array([[term_value(f, t, rows) for t in terms] for f, _ in train], dtype=np.float64)
+        c0, coefs, stretch = fit_stretch(x, work, np.array([t for _, t in train]))
+        profile.linear = linear = LinearStepModel(c0, dict(zip(terms, coefs, strict=True)), rows)
     if on_served:  # the fit follows the typical step; the served total has a tail (GC, first shapes) it misses
-        correction = sum(t for _, t in train) / sum(linear.step_time_s(f) for f, _ in train)
+        base = sum(linear.step_time_s(f) for f, _ in train)
+        correction = (sum(t for _, t in train) - stretch * float(work.sum())) / base
+        correction = correction if correction > 0 else 1.0
         profile.linear = linear = profile.scaled(correction).linear
-    profile.noise_quantiles = ratio_quantiles(linear, train)
+    if stretch:  # measured / (model + the stretch): the noise of what the simulator times
+        pred = np.array([linear.step_time_s(f) for f, _ in train]) + stretch * work
+        ratios = np.array([t for _, t in train]) / pred
+        profile.noise_quantiles = [float(v) for v in np.quantile(ratios, np.linspace(0, 1, 201))]
+    else:
+        profile.noise_quantiles = ratio_quantiles(linear, train)
     profile.fit = {
         **comparison,
         "fitted_on": "served" if on_served else "in-process grid",
@@ -599,6 +711,14 @@ def _fit_into(
         "heldout_workload": _quality(profile, held),
         "weighting": "least absolute relative error (IRLS), coefficients >= 0",
     }
+    if stretch:
+        profile.fit["api_step_stretch"] = stretch
+        profile.fit["why_api_stretch"] = (
+            "served steps ≈ model + f · (the API work beside the step: the previous step's chunks × api_chunk_s + "
+            "the requests sent while it ran × their API costs), the model's coefficients and f fitted together "
+            "(least absolute relative error, all >= 0); the simulator adds f × the API work it queues beside a "
+            "replica's step (Overheads.api_step_stretch)"
+        )
     if on_served:
         profile.fit["total_time_correction"] = correction
         profile.fit["why_correction"] = (
@@ -611,6 +731,7 @@ def _fit_into(
             "process taking turns on the step's cores and the loop's own work, which an in-process profile misses; "
             "the in-process grid's steps are scored against the fit (in_process_grid)"
         )
+    return stretch
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -687,17 +808,21 @@ def run_calibrate(args: argparse.Namespace) -> int:
     profile.calibration = {"counted_fraction": counted_fraction}
     overheads = Overheads()
     served: list[tuple[StepFeatures, float]] = []
+    inputs: list[tuple[int, int, int, int]] = []
     if args.server:
         flags = _server_flags(args)
         log(f"serving the calibration loads and measuring API/network overheads: lmserve serve {shlex.join(flags)}")
         try:
-            overheads, served = measure_on_server(
+            overheads, served, inputs = measure_on_server(
                 profile, model, flags, config.tokenizer, Path(args.out).resolve().parent, grid, max_len
             )
             log(f"served {len(served)} traced steps")
         except Exception as e:  # noqa: BLE001 - the fit is still worth saving
             log(f"warning: overheads not measured ({type(e).__name__}: {e}); they stay 0")
-    _fit_into(profile, samples, held, stack_rows, served)
+    stretch = _fit_into(profile, samples, held, stack_rows, served, inputs, overheads)
+    if overheads.api_queue:
+        overheads = dataclasses.replace(overheads, api_step_stretch=stretch)
+        log(f"API step stretch: {stretch:.2f} s of step per s of API work beside it")
     if profile.fit["fitted_on"] == "served":  # the fitted steps are whole core-loop iterations
         overheads = dataclasses.replace(
             overheads,
@@ -728,6 +853,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         "samples": [[*f.as_tuple(), t] for f, t in samples],
         "workload_samples": [[*f.as_tuple(), t] for f, t in held],
         "served_samples": [[*f.as_tuple(), t] for f, t in served],  # step_time_s: the core loop's iteration
+        # per served sample: the previous step's chunks, first chunks, finished requests, and the requests sent while
+        # it ran (api_costs.stretch_inputs)
+        "served_api_inputs": [list(x) for x in inputs],
         "sample_columns": [
             "prefill_tokens",
             "prefill_segments",
@@ -801,6 +929,12 @@ def format_profile(profile: StepProfile) -> str:
         f"  overheads: ingress {ov.ingress_s * 1e3:.2f} ms, egress {ov.egress_s * 1e3:.2f} ms, core loop "
         f"{ov.core_step_overhead_s * 1e3:.2f} ms/step ({'measured' if ov.measured else 'not measured'})"
     )
+    if ov.api_queue:
+        lines.append(
+            f"  API queue: request {ov.api_request_s * 1e3:.2f} ms, chunk {ov.api_chunk_s * 1e3:.3f} ms (+ first "
+            f"{ov.api_first_chunk_s * 1e3:.2f}, + last {ov.api_last_chunk_s * 1e3:.2f} ms); step stretch "
+            f"{ov.api_step_stretch:.2f} × the API work beside a step"
+        )
     if ov.kv_transfer_block_s is not None and ov.kv_transfer_latency_s is not None:
         lines.append(f"  KV transfer (disaggregation): {ov.kv_transfer_latency_s * 1e6:.0f} µs per pull + "
                      f"{ov.kv_transfer_block_s * 1e6:.1f} µs per block")  # fmt: skip

@@ -218,7 +218,7 @@ class _Replica:
     __slots__ = (
         "index", "kv", "scheduler", "inbox", "busy", "load", "kv_usage", "pending", "applied", "sched", "start_s",
         "stats", "now", "trace", "sampling", "waking", "output", "remote_inbox", "pulling", "pulled", "leased",
-        "lease_ended",
+        "lease_ended", "api_work",
     )  # fmt: skip
 
     def __init__(self, index: int, config: EngineConfig) -> None:
@@ -249,6 +249,7 @@ class _Replica:
         # prefill role: detached requests whose blocks are held (the lease), and those whose pull completed
         self.leased: dict[str, Request] = {}
         self.lease_ended: list[str] = []
+        self.api_work = 0.0  # API seconds of work that overlap this replica's current step (its next step's stretch)
 
     def _clock(self) -> float:
         return self.now
@@ -283,8 +284,15 @@ class Simulator:
         max_model_len = engine.scheduler.max_model_len
         vocab = engine.model.vocab_size
         block_size = engine.cache.block_size
-        ingress, egress = self.overheads.ingress_s, self.overheads.egress_s
-        core_overhead = self.overheads.core_step_overhead_s
+        ov = self.overheads
+        ingress, egress = ov.ingress_s, ov.egress_s
+        core_overhead = ov.core_step_overhead_s
+        # the API process as one FIFO server (Overheads.api_*): busy until api_free; its work stretches steps
+        api_queue = ov.api_queue
+        api_req, api_chunk = ov.api_request_s, ov.api_chunk_s
+        api_first, api_last = ov.api_first_chunk_s, ov.api_last_chunk_s
+        stretch = ov.api_step_stretch
+        api_free = 0.0
         step_time = self.step_time
         noise = self.noise
         facts = _Facts(engine)
@@ -335,10 +343,14 @@ class Simulator:
                 push(t, _WAKE, rep.index)
 
         def send(i: int, t: float) -> None:
-            nonlocal in_flight
+            nonlocal in_flight, api_free
             in_flight += 1
             records[i].send_s = t
-            push(t + ingress, _DELIVER, i)
+            if api_queue:  # the API process takes the request when it is free, then it travels on
+                api_free = (api_free if api_free > t else t) + api_req
+                push(api_free + ingress, _DELIVER, i)
+            else:
+                push(t + ingress, _DELIVER, i)
 
         def finish_client(i: int, t: float) -> None:
             nonlocal in_flight
@@ -374,6 +386,8 @@ class Simulator:
             rep.pending += 1
             rep.stats.num_requests += 1
             rep.inbox.append(req)
+            if rep.busy:  # the API's work for it ran beside this step: the next one is stretched
+                rep.api_work += api_req
             wake(rep, t)
 
         def hand_off(i: int, t: float) -> None:
@@ -468,6 +482,7 @@ class Simulator:
             sched = sch.schedule()
             if sched.is_empty:
                 rep.busy = False
+                rep.api_work = 0.0
                 assert not sch.running, f"replica {rep.index}: running requests but nothing scheduled"
                 return
             sampling: list[Request] = []
@@ -476,6 +491,9 @@ class Simulator:
             dt = step_time(prefill, segments, rows, context, pairs)
             if noise is not None:
                 dt *= noise()
+            if rep.api_work:  # the API process took turns on this step's cores
+                dt += stretch * rep.api_work
+                rep.api_work = 0.0
             rep.stats.step_s += dt
             dt += core_overhead
             assert dt > 0, f"step time must be positive, got {dt} for features {(prefill, segments, rows, context)}"
@@ -493,6 +511,14 @@ class Simulator:
                 steps.append(rep.trace)
             push(t + dt, _STEP_END, rep.index)
 
+        def finish_record(req: Request, rec: RequestRecord, end_s: float) -> None:
+            rec.chunk_num_tokens = [1] * len(rec.chunk_times_s)
+            rec.num_output_tokens = req.num_output_tokens
+            rec.end_s = end_s
+            rec.success = True
+            rec.output_tokens_source = rec.chunk_tokens_source = "simulator"
+            del prompt_hash[req.request_id]
+
         def end_step(rep: _Replica, t: float) -> None:
             sched = rep.sched
             assert sched is not None, f"replica {rep.index}: a step ended that never started"
@@ -503,26 +529,43 @@ class Simulator:
             }  # sim_token, inlined (the hot path)
             sch = rep.scheduler
             updated = sch.update_from_output(sched, out, max_model_len)
+            nonlocal api_free
             chunk_s = t + egress
             finished = []
-            for req in updated:
-                rec = record_of[req.request_id]
-                rec.chunk_times_s.append(chunk_s)
-                if req.status is FINISHED:
-                    rec.chunk_num_tokens = [1] * len(rec.chunk_times_s)
-                    rec.num_output_tokens = req.num_output_tokens
-                    rec.end_s = chunk_s
-                    rec.success = True
-                    rec.output_tokens_source = rec.chunk_tokens_source = "simulator"
-                    del prompt_hash[req.request_id]
-                    finished.append(req.request_id)
+            finished_s: list[float] | None = None  # with the API queue: each finished request's last chunk time
+            if api_queue and updated:  # the API process streams the step's chunks one after another, in order
+                finished_s = []
+                if api_free < t:
+                    api_free = t
+                busy_from = api_free
+                for req in updated:
+                    rec = record_of[req.request_id]
+                    api_free += api_chunk
+                    if not rec.chunk_times_s:
+                        api_free += api_first
+                    if req.status is FINISHED:
+                        api_free += api_last
+                        rec.chunk_times_s.append(api_free + egress)
+                        finish_record(req, rec, api_free + egress)
+                        finished.append(req.request_id)
+                        finished_s.append(api_free + egress)
+                    else:
+                        rec.chunk_times_s.append(api_free + egress)
+                rep.api_work += api_free - busy_from  # that work runs beside the next step
+            else:  # (the hot path of a run without API costs: as it was before they existed)
+                for req in updated:
+                    rec = record_of[req.request_id]
+                    rec.chunk_times_s.append(chunk_s)
+                    if req.status is FINISHED:
+                        finish_record(req, rec, chunk_s)
+                        finished.append(req.request_id)
             if decoders and rep.index < num_prefill:  # a prefill replica: hand off what got its first token
                 for req in updated:
                     if req.status is not FINISHED:
                         sch.detach(req)
                         rep.leased[req.request_id] = req
                         handoffs[int(req.request_id)] = (req, rep.index)
-                        push(chunk_s, _HANDOFF, int(req.request_id))
+                        push(record_of[req.request_id].chunk_times_s[-1], _HANDOFF, int(req.request_id))
             st = rep.stats
             st.num_steps += 1
             st.busy_s += t - rep.start_s
@@ -534,9 +577,9 @@ class Simulator:
             rep.pending -= rep.applied
             rep.applied = 0
             rep.sched = None
-            for rid in finished:
+            for k, rid in enumerate(finished):
                 del record_of[rid]
-                finish_client(int(rid), chunk_s)
+                finish_client(int(rid), chunk_s if finished_s is None else finished_s[k])
             start_step(rep, t)
 
         inf = math.inf

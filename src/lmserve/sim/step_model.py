@@ -57,7 +57,12 @@ QUADRATIC_TERM = "prefill_attention_pairs"
 # 1 for a pure-decode step with more rows than the one-call decode stack takes (LinearStepModel.stack_rows): such a
 # step runs the module path, with its Python between kernels, on every layer (a jump, not a slope, in step time)
 OFF_STACK_TERM = "decode_off_stack"
-TERMS = (*FEATURE_NAMES, OFF_STACK_TERM)
+# 1 for a mixed step (prefill segments beside decode rows): what such a step costs once, however many segments it
+# has (the decode rows leave the one-call decode stack for the module path): without it the per-segment
+# coefficient carried that fixed part for every segment, and a step of 32 new prompts beside decodes (a burst, a
+# closed-loop start) came out 1.4-1.5x the served one, while a lone prefill (no stack to leave) came out too slow
+PREFILL_STEP_TERM = "mixed_step"
+TERMS = (*FEATURE_NAMES, OFF_STACK_TERM, PREFILL_STEP_TERM)
 DEFAULT_TP_EFFICIENCY = 0.85  # assumed for fitted profiles (calibrate runs one process; no TP to time)
 
 StepTimeFn = Callable[[int, int, int, int, float], float]  # (prefill, segments, rows, context, pairs) → s
@@ -97,9 +102,29 @@ class Overheads:
     # geometry and dtype) = kv_transfer_latency_s + blocks × kv_transfer_block_s; None: not measured
     kv_transfer_latency_s: float | None = None
     kv_transfer_block_s: float | None = None
+    # The API process (and, on a benchmark machine, the load generator beside it) as one FIFO server of measured CPU
+    # costs: a request's arrival occupies it api_request_s before the request travels on (ingress_s is then only the
+    # rest of the way), each streamed chunk api_chunk_s (+ api_first_chunk_s for a request's first, the response's
+    # start; + api_last_chunk_s for its last, the finish and usage) before it travels egress_s to the client. On
+    # cores it shares with an engine core's OpenMP team that work also stretches the engine's steps: a replica's step
+    # is longer by api_step_stretch × the API work beside it, the service of its previous step's chunks (with their
+    # first / last extras) and the api_request_s of the requests routed to it while that step ran. All 0 (the
+    # default, and an older step model's): no queue, no stretch.
+    api_request_s: float = 0.0
+    api_chunk_s: float = 0.0
+    api_first_chunk_s: float = 0.0
+    api_last_chunk_s: float = 0.0
+    api_step_stretch: float = 0.0  # dimensionless: step seconds per second of API work
+
+    @property
+    def api_queue(self) -> bool:
+        """Whether the API process is modelled as a queue (any of its CPU costs measured)."""
+        return bool(self.api_request_s or self.api_chunk_s or self.api_first_chunk_s or self.api_last_chunk_s)
 
     def __post_init__(self) -> None:
-        for name in ("ingress_s", "egress_s", "core_step_overhead_s", "kv_transfer_latency_s", "kv_transfer_block_s"):
+        for name in ("ingress_s", "egress_s", "core_step_overhead_s", "kv_transfer_latency_s", "kv_transfer_block_s",
+                     "api_request_s", "api_chunk_s", "api_first_chunk_s", "api_last_chunk_s",
+                     "api_step_stretch"):  # fmt: skip
             value = getattr(self, name)
             if value is None and name.startswith("kv_"):
                 continue
@@ -151,10 +176,20 @@ class LinearStepModel:
         )
         c3, c4 = c.get("decode_context_tokens", 0.0) * scale, c.get("prefill_attention_pairs", 0.0) * scale
         c5, stack = c.get(OFF_STACK_TERM, 0.0) * scale, self.stack_rows
+        c6 = c.get(PREFILL_STEP_TERM, 0.0) * scale
 
         def step_time(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
             return c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
 
+        if c6:
+
+            def step_time_prefill(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
+                t = c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
+                if segments:
+                    return t + c6 if rows else t
+                return t + c5 if stack and rows > stack else t
+
+            return step_time_prefill
         if not (c5 and stack):
             return step_time
 
@@ -189,6 +224,8 @@ def term_value(f: StepFeatures, term: str, stack_rows: int = 0) -> float:
     """The value a LinearStepModel multiplies `term`'s coefficient by for a step with features f."""
     if term == OFF_STACK_TERM:
         return float(stack_rows > 0 and f.prefill_segments == 0 and f.decode_rows > stack_rows)
+    if term == PREFILL_STEP_TERM:
+        return float(f.prefill_segments > 0 and f.decode_rows > 0)
     return float(getattr(f, term))
 
 
@@ -281,13 +318,16 @@ def choose_form(
     """Fit the base form and the form with the quadratic prefill-attention term; keep the quadratic one only if
     its held-out median relative error is lower by at least min_gain_pct percent (relative) and its coefficient
     survives the non-negativity. Both forms have the decode-off-stack term when the model has a decode stack
-    (stack_rows > 0) and the samples hold pure-decode steps on both sides of it. Returns (model, its quality, the
-    comparison for the JSON)."""
+    (stack_rows > 0) and the samples hold pure-decode steps on both sides of it, and the mixed-step term when
+    some mixed steps hold several prefill segments (else it cannot be told from the per-segment one). Returns
+    (model, its quality, the comparison for the JSON)."""
     decode_rows = {f.decode_rows for f, _ in samples if f.prefill_segments == 0 and f.decode_rows}
     both_sides = (
         stack_rows > 0 and any(r <= stack_rows for r in decode_rows) and any(r > stack_rows for r in decode_rows)
     )
     base_terms = (*LINEAR_TERMS, OFF_STACK_TERM) if both_sides else LINEAR_TERMS
+    if sum(f.prefill_segments > 1 and f.decode_rows > 0 for f, _ in samples) >= 5:
+        base_terms = (*base_terms, PREFILL_STEP_TERM)
     rows = stack_rows if both_sides else 0
     base, base_q = fit_linear(samples, base_terms, seed=seed, stack_rows=rows)
     quad, quad_q = fit_linear(samples, (*base_terms, QUADRATIC_TERM), seed=seed, stack_rows=rows)

@@ -1,0 +1,193 @@
+"""The API process's costs, measured on a served engine (calibrate): what the simulator's API queue and step stretch
+(step_model.Overheads.api_*) are made of.
+
+On a small machine the API process (HTTP, tokenizing, SSE) and the load generator share the cores of the engine
+core's OpenMP team. Two effects, both from their CPU work:
+
+    a queue      the API process is one thread of work: a request's arrival, and each chunk a step streams, wait
+                 for it; a step of 32 rows sends its 32 chunks one after another (the last one 31 chunks later)
+    a stretch    when that work runs it takes turns on the engine's cores, and a team of N threads on N cores waits
+                 at every barrier for the member the kernel handed to it: the step being run is longer
+
+Measured (all from one served engine core tracing its steps, engine/step_trace.py, and the client's records):
+
+* per chunk and per request latency: requests sent one at a time; a chunk's latency is its arrival at the client −
+  the end of the step that sampled it (the trace's end_time: the outputs exist; on a busy machine the chunk can
+  reach the client before the core's iteration around the step is over), by position: the first chunk (the
+  response's start), the middle ones, the last (the finish, usage); the ingress latency is the send → the start
+  of the request's first iteration, less the part of that iteration after its step (end_time − loop_s − send), so
+  that the simulator's TTFT of a lone request, ingress + its iteration + the first chunk's latency, is the
+  measured one. The middle chunks' latency is the per-chunk cost plus the way to the client.
+* CPU per request and per chunk: the API process's (/proc/<pid>/stat) and the load generator's (this process's)
+  CPU time over three loads (the one-at-a-time requests, many one-token requests, a few long streams): least
+  squares on cpu = per request · requests + per chunk · chunks.
+* the stretch: served steps ≈ model(features) + f · W, W = the API work beside the step (the previous step's
+  chunks × the per-chunk cost, + its first chunks × the first's extra, + the requests it finished × the last's
+  extra, + the requests sent while it ran × the arrival's cost), the model's coefficients and f fitted together
+  by least absolute relative error, all >= 0 (f: step seconds per second of API work).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# a step that starts this long after the previous one ended followed an idle core: the API work of the previous
+# step ran while the core idled (it stretched nothing)
+IDLE_GAP_S = 0.001
+
+
+@dataclass(frozen=True)
+class ChunkLatencies:
+    """Medians over requests sent one at a time (seconds)."""
+
+    ingress_s: float  # send → the start of the request's first core-loop iteration
+    first_s: float  # the end of the step that sampled the first token → the chunk at the client
+    middle_s: float  # the same for the chunks between the first and the last
+    last_s: float  # and for the last
+    num_requests: int
+
+
+def find_api_pid(url: str) -> int | None:
+    """The pid of the `lmserve serve` listening on url's port (its command line names the port), None if not found
+    (not Linux, or another kind of server)."""
+    port = url.rstrip("/").rsplit(":", 1)[-1]
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(b"lmserve" in a for a in argv) and b"serve" in argv and b"--port" in argv:
+            i = argv.index(b"--port")
+            if i + 1 < len(argv) and argv[i + 1].decode(errors="replace") == port:
+                return int(name)
+    return None
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a process, in seconds (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def chunk_latencies(rows: list[tuple[float, ...]], requests: list[tuple[float, list[float]]]) -> ChunkLatencies:
+    """Requests served one at a time: `requests` are (send, chunk arrival times) in wall-clock seconds, in the
+    order they were sent; `rows` the trace's rows (engine/step_trace.COLUMNS, with end_time) of the core's
+    iterations over them, in order. Each request has one iteration per chunk: its prefill (where the request's rows
+    start: a stray row before it, another load's last, is skipped), then its decodes."""
+    ingress, first, middle, last = [], [], [], []
+    k = 0
+    for send, chunks in requests:
+        n = len(chunks)
+        while k < len(rows) and (rows[k][1] < 1 or rows[k][10] < send):  # its prefill, after its send
+            k += 1
+        steps = rows[k : k + n]
+        assert len(steps) == n, f"the trace has {len(rows)} iterations; request {len(ingress)} needs {k + n}"
+        assert all(int(r[8]) == 1 for r in steps), "one request at a time: every iteration samples one token"
+        ends = [r[10] for r in steps]
+        ingress.append(steps[0][10] - steps[0][6] - send)
+        lat = [c - e for c, e in zip(chunks, ends, strict=True)]
+        first.append(lat[0])
+        if n > 2:
+            middle.extend(lat[1:-1])
+        if n > 1:
+            last.append(lat[-1])
+        k += n
+    med = lambda xs: float(np.median(xs)) if xs else math.nan  # noqa: E731
+    return ChunkLatencies(med(ingress), med(first), med(middle), med(last), len(requests))
+
+
+def cpu_costs(loads: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(CPU seconds per request, per chunk) from loads of (requests, chunks, CPU seconds): least squares on
+    cpu = per_request · requests + per_chunk · chunks, both clamped at 0."""
+    a = np.array([[r, c] for r, c, _ in loads], dtype=np.float64)
+    y = np.array([s for _, _, s in loads], dtype=np.float64)
+    (per_request, per_chunk), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if per_chunk < 0:
+        per_chunk, per_request = 0.0, float(y.sum() / a[:, 0].sum())
+    if per_request < 0:
+        per_request, per_chunk = 0.0, float(y.sum() / a[:, 1].sum())
+    return max(0.0, float(per_request)), max(0.0, float(per_chunk))
+
+
+def stretch_inputs(rows: list[tuple[float, ...]], sends: list[float]) -> list[tuple[int, int, int, int]]:
+    """Per trace row, what its API work beside it is made of: (the chunks the previous iteration sampled, of those
+    the requests' first ones (sampled − decode rows), the requests it finished, the requests sent while it ran),
+    all 0 after an idle core (a gap over IDLE_GAP_S before the iteration). `sends`: the requests' send times, wall
+    clock. An iteration runs [end_time − step_s, that + loop_s] (its drain is put after its step: the same
+    length)."""
+    s = np.sort(np.asarray(sends, dtype=np.float64))
+    out = []
+    prev: tuple[float, float] | None = None  # the previous iteration's (start, end)
+    chunks = (0, 0, 0)  # and its (sampled, first chunks, finished)
+    for r in rows:
+        start = r[10] - r[5]
+        if prev is None or start - prev[1] > IDLE_GAP_S:
+            out.append((0, 0, 0, 0))
+        else:
+            arrived = int(np.searchsorted(s, prev[1]) - np.searchsorted(s, prev[0]))
+            out.append((*chunks, arrived))
+        prev, chunks = (start, start + r[6]), (int(r[8]), max(0, int(r[8]) - int(r[2])), int(r[9]))
+    return out
+
+
+def api_work(ov: Any, inputs: list[tuple[int, int, int, int]]) -> np.ndarray:
+    """The API seconds beside each step (Overheads `ov`'s costs on stretch_inputs), as the simulator counts them."""
+    cost = np.array([ov.api_chunk_s, ov.api_first_chunk_s, ov.api_last_chunk_s, ov.api_request_s])
+    return np.array(inputs, dtype=np.float64).reshape(-1, 4) @ cost
+
+
+def fit_stretch(
+    x: np.ndarray, work: np.ndarray, measured: np.ndarray, iterations: int = 40
+) -> tuple[float, list[float], float]:
+    """The step model's coefficients and the stretch fitted together: measured ≈ c0 + x · c + f · work, least
+    absolute relative error (IRLS, as the step model's own fit), every coefficient >= 0 (the most negative one
+    dropped and the fit redone; f = 0 when no step had API work beside it). x: (steps, terms) term values.
+    Returns (c0, c, f)."""
+    n, k = x.shape
+    full = np.column_stack([np.ones(n), x, work]) / measured[:, None]
+    active = list(range(k + 2)) if (work > 0).any() else list(range(k + 1))
+    while True:
+        design = full[:, active]
+        w = np.ones(n)
+        coef = np.zeros(len(active))
+        for _ in range(iterations):
+            coef, *_ = np.linalg.lstsq(design * w[:, None], w, rcond=None)
+            w = 1.0 / np.sqrt(np.maximum(np.abs(design @ coef - 1.0), 1e-4))
+        negative = [i for i, c in enumerate(coef) if c < 0 and active[i] != 0]
+        if not negative:
+            break
+        del active[min(negative, key=lambda i: coef[i])]
+    values = dict(zip(active, coef, strict=True))
+    return (max(0.0, float(values.get(0, 0.0))), [float(values.get(1 + j, 0.0)) for j in range(k)],
+            float(values.get(k + 1, 0.0)))  # fmt: skip
+
+
+def overheads_from(lat: ChunkLatencies, per_request_s: float, per_chunk_s: float) -> dict[str, Any]:
+    """The Overheads fields: the middle chunks' latency is the per-chunk CPU + the way on (egress_s); the first and
+    the last chunk's extra latency are their own costs; the per-request CPU beyond those is the request's arrival
+    (api_request_s), and the ingress latency beyond it the way in (ingress_s)."""
+    chunk = max(0.0, min(per_chunk_s, lat.middle_s))
+    first = max(0.0, lat.first_s - lat.middle_s)
+    last = max(0.0, lat.last_s - lat.middle_s)
+    request = min(max(0.0, per_request_s - first - last), max(0.0, lat.ingress_s))
+    return {
+        "ingress_s": max(0.0, lat.ingress_s - request),
+        "egress_s": max(0.0, lat.middle_s - chunk),
+        "api_request_s": request,
+        "api_chunk_s": chunk,
+        "api_first_chunk_s": first,
+        "api_last_chunk_s": last,
+    }

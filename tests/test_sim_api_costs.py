@@ -1,0 +1,108 @@
+"""lmserve.sim.api_costs: the API process's costs read back from a synthetic step trace and client records with
+known latencies, CPU costs and step stretch; and calibrate's fit of the model with the stretch on such steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lmserve.sim.api_costs import api_work, chunk_latencies, cpu_costs, fit_stretch, overheads_from, stretch_inputs
+from lmserve.sim.calibrate import _fit_into
+from lmserve.sim.step_model import LinearStepModel, Overheads, StepFeatures, StepProfile
+
+MS = 1e-3
+
+
+def _row(features, step_s, loop_s, sampled, end_time, threads=2, finished=0):
+    return (*features, step_s, loop_s, threads, sampled, finished, end_time)
+
+
+def test_chunk_latencies_by_position() -> None:
+    """Two requests one at a time, 4 tokens each: steps of 10 ms (prefill) and 2 ms (decodes) inside iterations
+    0.5 ms longer; the client gets the first chunk 1.5 ms after its step, the middle ones 0.3 ms, the last 0.9 ms;
+    each request's first iteration starts 2 ms after its send. A stray row (another load's) comes first."""
+    rows = [_row((0, 0, 1, 40, 0), 0.002, 0.0025, 1, 99.0)]
+    requests = []
+    t = 100.0
+    for _ in range(2):
+        send = t
+        start = send + 2 * MS  # its first iteration starts 2 ms after the send
+        chunks = []
+        for k, (step, feats) in enumerate([(10 * MS, (16, 1, 0, 0, 136))] + [(2 * MS, (0, 0, 1, 17, 0))] * 3):
+            end = start + step  # LLMEngine.step() returns: the trace's end_time (its iteration goes on 0.5 ms)
+            rows.append(_row(feats, step, step + 0.5 * MS, 1, end))
+            chunks.append(end + (1.5, 0.3, 0.3, 0.9)[k] * MS)
+            start = end + 0.5 * MS
+        requests.append((send, chunks))
+        t = chunks[-1] + 0.05
+    lat = chunk_latencies(rows, requests)
+    assert lat.num_requests == 2
+    # ingress: send → the end of its first step (12 ms) − that iteration (10.5 ms): 1.5 ms, so that ingress + the
+    # iteration + the first chunk's latency = 1.5 + 10.5 + 1.5 = 13.5 ms, the TTFT (2 + 10 + 1.5)
+    assert (lat.ingress_s, lat.first_s, lat.middle_s, lat.last_s) == pytest.approx((1.5 * MS, 1.5 * MS, 0.3 * MS,
+                                                                                    0.9 * MS))  # fmt: skip
+    # CPU: 1.9 ms per request (0.2 of it the arrival, 1.2 the first chunk's extra, 0.6 the last's), 0.1 per chunk
+    loads = [(n, c, n * 1.9 * MS + c * 0.1 * MS) for n, c in ((12, 192), (80, 80), (6, 960))]
+    per_request, per_chunk = cpu_costs(loads)
+    assert (per_request, per_chunk) == pytest.approx((1.9 * MS, 0.1 * MS))
+    f = overheads_from(lat, per_request, per_chunk)
+    assert f == pytest.approx({"ingress_s": 1.4 * MS, "egress_s": 0.2 * MS, "api_request_s": 0.1 * MS,
+                               "api_chunk_s": 0.1 * MS, "api_first_chunk_s": 1.2 * MS,
+                               "api_last_chunk_s": 0.6 * MS})  # fmt: skip
+    assert Overheads(**f).api_queue
+
+
+def test_stretch_inputs_and_fit() -> None:
+    """Iterations back to back, each the model's 2 ms + 1.0 × the API work beside it (0.1 ms per chunk of the
+    previous iteration, + 0.4 ms per first chunk, + 0.3 ms per request it finished, + 1 ms per request sent while it
+    ran); after an idle gap nothing counts."""
+    ov = Overheads(api_request_s=1.0 * MS, api_chunk_s=0.1 * MS, api_first_chunk_s=0.4 * MS,
+                   api_last_chunk_s=0.3 * MS)  # fmt: skip
+    rng = np.random.default_rng(0)
+    # per iteration: (decode rows, prefill segments that sample, requests it finishes, requests sent while it runs)
+    plan = [tuple(int(rng.integers(0, k)) for k in (8, 3, 2, 3)) for _ in range(200)]
+    out, sends, t, last = [], [], 10.0, None
+    for i, (decodes, prefills, finished, arrivals) in enumerate(plan):
+        if i == 100:
+            t += 0.05  # the core idles
+            last = None
+        inputs = (0, 0, 0, 0) if last is None else last
+        loop = 2 * MS + float(api_work(ov, [inputs])[0])
+        out.append(_row((16 * prefills, prefills, decodes, 10 * decodes, 0), loop, loop, decodes + prefills, t + loop,
+                        finished=finished))  # fmt: skip
+        sends += list(t + loop * (np.arange(arrivals) + 0.5) / max(arrivals, 1))
+        last = (decodes + prefills, prefills, finished, arrivals)
+        t += loop
+    got = stretch_inputs(out, sends)
+    expected = [(0, 0, 0, 0)] + [(d + p, p, f, a) for d, p, f, a in plan[:-1]]
+    expected[100] = (0, 0, 0, 0)  # after the idle gap
+    assert got == expected
+    work = api_work(ov, got)
+    measured = np.array([r[6] for r in out])
+    c0, coefs, f = fit_stretch(np.zeros((len(out), 0)), work, measured)
+    assert (c0, f) == pytest.approx((2 * MS, 1.0), rel=1e-3) and coefs == []
+    c0, coefs, f = fit_stretch(np.ones((3, 1)), np.zeros(3), np.full(3, 4 * MS))  # no work beside: f = 0
+    assert c0 + coefs[0] == pytest.approx(4 * MS) and f == 0.0
+
+
+def test_calibrate_fits_the_model_and_the_stretch_together() -> None:
+    """Served steps t = 1 ms + 0.2 ms/row + 0.5 × API work: _fit_into recovers the model and the stretch."""
+    rng = np.random.default_rng(1)
+    ov = Overheads(api_request_s=0.5 * MS, api_chunk_s=0.1 * MS, api_first_chunk_s=0.2 * MS,
+                   api_last_chunk_s=0.3 * MS)  # fmt: skip
+    served, inputs = [], []
+    for _ in range(300):
+        rows = int(rng.integers(1, 8))
+        c, a = int(rng.integers(0, 8)), int(rng.integers(0, 3))
+        first, done = int(rng.integers(0, c + 1)), int(rng.integers(0, 2))
+        work = float(api_work(ov, [(c, first, done, a)])[0])
+        context = int(rng.integers(rows, 40 * rows))
+        served.append((StepFeatures(0, 0, rows, context, 0.0), 1 * MS + 0.2 * MS * rows + 0.5 * work))
+        inputs.append((c, first, done, a))
+    profile = StepProfile("linear", {}, "float32", "float32", None, None, "cpu", {}, linear=LinearStepModel(0.0, {}))
+    stretch = _fit_into(profile, served[:50], [], 0, served, inputs, ov)
+    assert stretch == pytest.approx(0.5, rel=1e-3)
+    lin = profile.linear
+    assert lin is not None and lin.intercept_s == pytest.approx(1 * MS, rel=1e-3)
+    assert lin.coefficients_s["decode_rows"] == pytest.approx(0.2 * MS, rel=1e-3)
+    assert profile.fit["api_step_stretch"] == stretch
