@@ -143,9 +143,12 @@ def _linear(m: Linear) -> tuple[_Linear, int]:
 
 def _row_tables(model: torch.nn.Module) -> tuple[Any, Any, Any] | None:
     """numpy views of model's (a DecoderModel) token embedding and rotary cos / sin tables, when a decode step's
-    rows are plain copies of their rows (float32 CPU tables, no embedding scale, no quantized embedding)."""
+    rows are plain copies of their rows (float32 CPU tables, no embedding scale, no quantized embedding, no hook on
+    the embedding: a tensor-parallel rank's is a vocabulary slice, all-reduced by one)."""
     e, r = model.embed_tokens, model.rotary
     if model.embed_scale is not None or e.kq_type is not None or e._head is not None or e.weight is None:
+        return None
+    if model.tensor_parallel_size != 1 or e._forward_hooks or e._forward_pre_hooks:  # (TP: a vocabulary slice)
         return None
     tables = (e.weight, r.cos, r.sin)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tables):
