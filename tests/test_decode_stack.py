@@ -14,7 +14,7 @@ import torch
 from lmserve import LLM, SamplingParams, kernels
 from lmserve.model.decode_stack import W4A8_STACK_MAX_ROWS
 from lmserve.model.layers import choose_small_m_paths
-from lmserve.model.llama import DecoderModel
+from lmserve.model.llama import CausalLM, DecoderModel
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: kernels not built")
 
@@ -109,6 +109,37 @@ def test_w4a8_batched_decode_stays_in_one_call(model_dirs: dict[str, Path], comp
     llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
     assert compared and all(same for _, same in compared), compared
     assert max(rows for rows, _ in compared) == 32, "the decodes of all 32 streams in one call"
+
+
+HEAD_CASES = [({}, 1), ({"quantization": "int8"}, 2), ({"quantization": "int4"}, 1), ({"quantization": "int4"}, 4)]
+
+
+HEAD_IDS = [f"{c[0].get('quantization', 'fp32')}-{c[1]}" for c in HEAD_CASES]
+
+
+@pytest.mark.parametrize(("kw", "n"), HEAD_CASES, ids=HEAD_IDS)
+def test_stack_logits_are_the_heads(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, kw: dict, n: int
+) -> None:
+    """A step the stack runs with the LM head (its few-row kernel: "kernel" keeps the float32 head off oneDNN):
+    compute_logits hands out those logits, bit-identical to the head's Linear.forward on the same hidden states."""
+    monkeypatch.setenv("LMSERVE_SMALL_M_LINEAR", "kernel")
+    seen: list[bool] = []
+    orig = CausalLM.compute_logits
+
+    def check(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        stack = self.model._decode_stack
+        fused = None if stack is None else stack.step_logits
+        out = orig(self, hidden)
+        if fused is not None and fused[0] is hidden:
+            assert out is fused[1]
+            seen.append(torch.equal(out, self.lm_head(hidden)))
+        return out
+
+    monkeypatch.setattr(CausalLM, "compute_logits", check)
+    llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64, block_size=4, **kw)
+    _generate(llm, n, max_tokens=8)
+    assert seen and all(seen), seen
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "olmo2", "phi3-longrope-partial"])
@@ -264,9 +295,9 @@ def test_lora_in_the_stack_matches_peft(model_dirs: dict[str, Path], lora_dirs: 
     stack_cls = type(decoder.decode_stack(engine.runner.kv_caches))
     orig_run = stack_cls.run
 
-    def run(self, h, cos, sin, meta, lora=None):
+    def run(self, h, cos, sin, meta, lora=None, **kw):
         taken.append(lora is not None and bool(lora.groups))
-        return orig_run(self, h, cos, sin, meta, lora)
+        return orig_run(self, h, cos, sin, meta, lora, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stack_cls, "run", run)

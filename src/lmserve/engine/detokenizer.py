@@ -104,6 +104,31 @@ def _decode_kwargs(tokenizer: Any, params: SamplingParams) -> dict[str, Any]:
     return kwargs
 
 
+_CLEANUP_KW = "clean_up_tokenization_spaces"
+
+
+def _backend_decoder(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
+    """The `tokenizers` decode that tokenizer.decode(ids, **kwargs) comes down to, or None: for a transformers
+    TokenizersBackend whose decode and _decode are the library's own and that applies no cleanup for these kwargs,
+    decode(ids) is backend.decode(ids, skip_special_tokens=...) after two Python layers (to_py_obj and the
+    cleanup checks), ~20 µs a call with the caches cold as a decode step leaves them, twice a step."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or set(kwargs) - {"skip_special_tokens", _CLEANUP_KW}:
+        return None
+    if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode:
+        return None
+    cleanup = kwargs.get(_CLEANUP_KW)
+    if cleanup if cleanup is not None else tokenizer.clean_up_tokenization_spaces:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return None if backend is None else backend.decode
+
+
 _CLEANS_UP: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
@@ -157,6 +182,8 @@ class IncrementalDetokenizer:
         )
         if self._cleanup:
             self._decode_kwargs["clean_up_tokenization_spaces"] = False  # done here, in streaming form
+        self._backend_decode = _backend_decoder(tokenizer, self._decode_kwargs)
+        self._skip_special = bool(params.skip_special_tokens)
         self._stops: list[str] = list(params.stop or [])
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
 
@@ -199,6 +226,8 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ stages
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self._skip_special)
         return self.tokenizer.decode(ids, **self._decode_kwargs)
 
     def _read_new_text(self, final: bool) -> tuple[str, int]:

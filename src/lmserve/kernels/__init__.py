@@ -127,7 +127,7 @@ def _load() -> ctypes.CDLL | None:
     lib.rope_write_kv_q.restype = None
     _declare_quantized(lib)
     _declare_kquant(lib)
-    lib.decode_stack.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int]
+    lib.decode_stack.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, ctypes.c_int]
     lib.decode_stack.restype = ctypes.c_int
     lib.shm_all_reduce_f32.argtypes, lib.shm_all_reduce_f32.restype = [_P, _P, _I], ctypes.c_int
     lib.shm_wait.argtypes, lib.shm_wait.restype = [_P, _I], ctypes.c_int
@@ -607,10 +607,12 @@ def decode_stack(
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    logits: torch.Tensor | None = None,
 ) -> int:
     """Every layer of a decoder and its final norm for B decode tokens (cpu_kernels.c: decode_stack): model
     points at the C description lmserve.model.decode_stack builds; h (B, hidden) embeddings in, out (B, hidden)
     written; cos, sin (B, head_dim); slot_mapping (B,), block_tables (B, max_blocks), context_lens (B,) int64.
+    logits (B, vocab) float32: also the LM head model.head describes, on out (the model's head must be set).
     Returns 0, -1 if the kernel's scratch memory could not be allocated, or (a tensor-parallel rank's stack,
     model.allreduce set) SHM_ABORTED / SHM_TIMEOUT from its all-reduce."""
     assert _lib is not None, "kernels not loaded: call available() first"
@@ -621,9 +623,13 @@ def decode_stack(
         _check(t, n, torch.int64)
     assert out.shape == h.shape and cos.shape == sin.shape and cos.shape[0] == b, "one row per token"
     assert slot_mapping.shape == (b,) and context_lens.shape == (b,) and block_tables.shape[0] == b, "per token"
+    if logits is not None:
+        _check(logits, "logits")
+        assert logits.dim() == 2 and logits.shape[0] == b, "one logits row per token"
     return _lib.decode_stack(
         model, h.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
-        block_tables.data_ptr(), context_lens.data_ptr(), b, block_tables.shape[1], torch.get_num_threads(),
+        block_tables.data_ptr(), context_lens.data_ptr(), b, block_tables.shape[1], _ptr(logits),
+        torch.get_num_threads(),
     )  # fmt: skip
 
 

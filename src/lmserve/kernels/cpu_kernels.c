@@ -2098,6 +2098,7 @@ typedef struct {
     const float *final_norm;
     const struct ls_lora *lora;           /* NULL: no LoRA row in the step */
     const struct ls_allreduce *allreduce; /* NULL: one rank; else the sum after o and down (tensor parallel) */
+    const ls_linear *head;                /* NULL: none; else the LM head, run on the final norm when asked */
 } ls_model;
 
 /* y (B, O) += the LoRA delta of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l for x (B, K); -1: no memory */
@@ -2137,11 +2138,13 @@ static int ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M
  * residual stream. cos, sin (B, head_dim); slots (B,); tables (B, max_blocks); lens (B,): as the kernels
  * above take them. With m->allreduce (a rank of a tensor-parallel group: o and down are row-parallel), the
  * outputs of o and down are summed over the ranks where the module path's hooks all-reduce them.
+ * With logits (B, head's O) and m->head, the LM head's kernel then runs on out into logits, as the module path's
+ * Linear runs it.
  * Returns 0, -1 when the scratch memory could not be allocated (out may be partly written), or the all-reduce's
  * LS_AR_ABORTED / LS_AR_TIMEOUT. */
 int decode_stack(const ls_model *m, const float *h, float *out, const float *cos, const float *sin,
                  const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t B, int64_t max_blocks,
-                 int nthreads) {
+                 float *logits, int nthreads) {
     const int64_t Hd = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->inter;
     const int64_t qs = NH * D, kvs = KVH * D, qkvw = qs + 2 * kvs;
     const float eps = (float)m->eps, scale = (float)m->scale;
@@ -2187,6 +2190,7 @@ int decode_stack(const ls_model *m, const float *h, float *out, const float *cos
     }
     rmsnorm_f32(hb, res, m->final_norm, out, B, Hd, eps, nthreads);
     free(buf);
+    if (logits && m->head && ls_linear_run(m->head, out, logits, B, nthreads)) return -1;
     return 0;
 fail:
     free(buf);

@@ -72,6 +72,7 @@ class _Model(ctypes.Structure):
     _fields_ += [("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
     _fields_ += [("lora", ctypes.c_void_p)]  # NULL, or a _LoRA for a step with LoRA rows
     _fields_ += [("allreduce", ctypes.c_void_p)]  # NULL, or a tensor-parallel rank's ShmAllReduce.desc
+    _fields_ += [("head", ctypes.c_void_p)]  # NULL, or a _Linear: the LM head run after the final norm
 
 
 class _LoRALinear(ctypes.Structure):  # ls_lora_linear: one projection's slot-stacked A, B and columns in use
@@ -140,6 +141,21 @@ def _linear(m: Linear) -> tuple[_Linear, int]:
     return desc, W4A8_STACK_MAX_ROWS if m._w4a8 is not None else kernel_max_rows(m)
 
 
+def _row_tables(model: torch.nn.Module) -> tuple[Any, Any, Any] | None:
+    """numpy views of model's (a DecoderModel) token embedding and rotary cos / sin tables, when a decode step's
+    rows are plain copies of their rows (float32 CPU tables, no embedding scale, no quantized embedding, no hook on
+    the embedding: a tensor-parallel rank's is a vocabulary slice, all-reduced by one)."""
+    e, r = model.embed_tokens, model.rotary
+    if model.embed_scale is not None or e.kq_type is not None or e._head is not None or e.weight is None:
+        return None
+    if model.tensor_parallel_size != 1 or e._forward_hooks or e._forward_pre_hooks:  # (TP: a vocabulary slice)
+        return None
+    tables = (e.weight, r.cos, r.sin)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tables):
+        return None
+    return tuple(t.detach().numpy() for t in tables)
+
+
 def _kernel_linear(m: Linear) -> bool:
     """Whether m's few-row input runs through its C kernel on the module path (so the stack computes the same)."""
     if m._small_m_path is not None:
@@ -156,10 +172,17 @@ class DecodeStack:
     """The C description of one model's layers over one set of KV caches (built once, reused every step)."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[KVCache], all_reduce: ShmAllReduce | None = None
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[KVCache],
+        all_reduce: ShmAllReduce | None = None,
+        head: Linear | None = None,
     ) -> None:
         """model: a DecoderModel for which supports() holds. all_reduce: a tensor-parallel rank's shared-memory
-        group (its C description set: the kernels are loaded), whose sum the stack takes after o and down."""
+        group (its C description set: the kernels are loaded), whose sum the stack takes after o and down.
+        head: the LM head (one rank's whole vocabulary, no soft-capping), which run(..., with_logits=True) also
+        applies to the final norm in the same call, when its few-row input runs through its C kernel (the same
+        kernel on the same arguments as Linear.forward: the same logits) and the step has at most head_rows rows."""
         layers = list(model.layers)
         attn = layers[0].self_attn
         self._layers = (_Layer * len(layers))()
@@ -186,6 +209,13 @@ class DecodeStack:
             self._all_reduce_desc = all_reduce.desc  # (kept alive with the pointer to it)
             self._model.allreduce = ctypes.addressof(all_reduce.desc)
         self._lora: _LoRADesc | None = None
+        self._tables = _row_tables(model)
+        self.step_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # (out, logits) of the last run's head
+        self.head_rows = 0  # steps of up to this many rows can have the LM head's logits too (0: none)
+        if head is not None and _kernel_linear(head):
+            self._head, rows = _linear(head)
+            self.head_rows, self._vocab = min(rows, self.max_rows), head.out_features
+            self._model.head = ctypes.addressof(self._head)
 
     @staticmethod
     def cache_key(kv_caches: list[KVCache]) -> tuple[int, ...]:
@@ -228,16 +258,26 @@ class DecodeStack:
                 return False
         return True
 
+    def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether a step of num_tokens tokens with this metadata is a pure decode of at most max_rows tokens."""
+        return not meta.prefills and meta.num_decode_tokens == num_tokens and 0 < num_tokens <= self.max_rows
+
     def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step (embeddings h, its metadata) is a pure decode of at most max_rows tokens."""
-        n = h.shape[0]
-        return (
-            not meta.prefills
-            and meta.num_decode_tokens == n
-            and 0 < n <= self.max_rows
-            and h.dtype == torch.float32
-            and h.device.type == "cpu"
-        )
+        return self.takes(h.shape[0], meta) and h.dtype == torch.float32 and h.device.type == "cpu"
+
+    def table_rows(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The step's embeddings and (B, head_dim) cos / sin rows, copied out of the tables by numpy: the values
+        embed_tokens and rotary return, without their three torch indexing ops (~130 µs a step with the caches
+        cold, as a decode step leaves them). None unless the tables are plain float32 CPU tensors (no embedding
+        scale, no quantized embedding)."""
+        if self._tables is None or input_ids.device.type != "cpu":
+            return None
+        w, cos, sin = self._tables
+        ids, pos = input_ids.numpy(), positions.numpy()
+        return torch.from_numpy(w[ids]), torch.from_numpy(cos[pos]), torch.from_numpy(sin[pos])
 
     def _lora_desc(self, hooks: Any) -> _LoRADesc:
         if self._lora is None or self._lora.hooks is not hooks:
@@ -251,15 +291,26 @@ class DecodeStack:
         return runs_fit and self._lora_desc(hooks).ok
 
     def run(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, lora: Any = None
-    ) -> torch.Tensor:
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: Any = None,
+        with_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The final norm of the residual stream after every layer, (B, hidden): what DecoderModel.forward
-        returns on the module path. cos, sin: (B, head_dim) rows of the step's positions. lora: the installed
+        returns on the module path; and with with_logits (B <= head_rows) the LM head's (B, vocab) float32 logits
+        of it, else None. cos, sin: (B, head_dim) rows of the step's positions. lora: the installed
         LoRAHooks (takes_lora holds), whose groups' rows get their slot's delta after each projection, as the
         hooks add it; None: no LoRA (the model's lora pointer stays NULL)."""
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None, "decode metadata"
         h, cos, sin = h.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty_like(h)
+        logits = self.step_logits = None
+        if with_logits:
+            assert 0 < h.shape[0] <= self.head_rows, f"{h.shape[0]} rows for a head that takes {self.head_rows}"
+            logits = torch.empty(h.shape[0], self._vocab, dtype=torch.float32)
         groups = None
         if lora is not None and lora.groups:
             desc = self._lora_desc(lora)
@@ -272,7 +323,7 @@ class DecodeStack:
         try:
             rc = kernels.decode_stack(
                 ctypes.byref(self._model), h, out, cos, sin, meta.slot_mapping, meta.decode_block_tables,
-                meta.decode_context_lens,
+                meta.decode_context_lens, logits,
             )  # fmt: skip
         finally:
             self._model.lora = None
@@ -280,4 +331,6 @@ class DecodeStack:
         if rc != 0:
             assert self._all_reduce is not None, f"decode_stack: return {rc} without an all-reduce"
             self._all_reduce.raise_for(rc)  # a peer died or never came: the reason, raised
-        return out
+        if logits is not None:
+            self.step_logits = (out, logits)
+        return out, logits

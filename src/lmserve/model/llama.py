@@ -137,6 +137,8 @@ class DecoderModel(nn.Module):
     tensor_parallel_size = 1  # > 1 (model/parallel.py): the decode stack only with a shared-memory all-reduce
     tp_all_reduce: Any = None  # that all-reduce (worker/shm_allreduce.ShmAllReduce, its C description set)
     _decode_stack_checked: tuple | None = None  # the KV caches supports() was last asked about
+    _decode_stack_caches: list[KVCache] | None = None  # the list they came in (its caches are not replaced)
+    stack_head: tuple[Linear] | None = None  # (the LM head,) the stack may run after the final norm (CausalLM sets it)
 
     def decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
         """The C description of this decoder over kv_caches, when DecodeStack.supports it (built once per
@@ -144,11 +146,15 @@ class DecoderModel(nn.Module):
         rank has one when its group's all-reduce is the shared memory's, which the C stack calls itself."""
         if not self._stack_possible():
             return None
+        if kv_caches is self._decode_stack_caches:  # (the runner passes the same list every step)
+            return self._decode_stack
+        self._decode_stack_caches = kv_caches
         key = DecodeStack.cache_key(kv_caches)
         if key != self._decode_stack_checked:
             self._decode_stack_checked = key
             ok = DecodeStack.supports(self, kv_caches)
-            self._decode_stack = DecodeStack(self, kv_caches, self.tp_all_reduce) if ok else None
+            head = self.stack_head[0] if self.stack_head is not None and self.tensor_parallel_size == 1 else None
+            self._decode_stack = DecodeStack(self, kv_caches, self.tp_all_reduce, head) if ok else None
         return self._decode_stack
 
     def _stack_possible(self) -> bool:
@@ -163,8 +169,24 @@ class DecoderModel(nn.Module):
             return []
         return [m for layer in self.layers for m in DecodeStack.layer_linears(layer)]
 
+    def _run_stack(self, stack: DecodeStack, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, lora: Any) -> torch.Tensor:
+        """The stack's hidden states; when it takes the LM head for these rows, it computes their logits in the
+        same call (kept for take_logits: no second crossing into C for the head, no Python around it)."""
+        return stack.run(h, cos, sin, meta, lora, with_logits=h.shape[0] <= stack.head_rows)[0]
+
+    def take_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head's logits of hidden when the decode stack computed them with it (hidden is that step's
+        output tensor itself, every row), else None."""
+        stack = self._decode_stack
+        step = None if stack is None else stack.step_logits
+        if step is None or step[0] is not hidden:
+            return None
+        stack.step_logits = None
+        return step[1]
+
     def reset_decode_stack(self) -> None:
-        self._decode_stack = self._decode_stack_checked = None
+        self._decode_stack = self._decode_stack_checked = self._decode_stack_caches = None
 
     def forward(
         self,
@@ -173,16 +195,20 @@ class DecoderModel(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # (T, hidden)
-        if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the dtype first, as HF
-        cos, sin = self.rotary(positions, h.dtype)
         stack = self.decode_stack(kv_caches)
         # the whole stack in one C call, same arithmetic (with LoRA rows, the hooks' deltas added in C, when the
         # slots are float32 CPU tensors; else the module path runs the hooks)
         lora = self.lora_hooks if self.lora_active else None
-        if stack is not None and stack.applies(h, meta) and (lora is None or stack.takes_lora(lora)):
-            return stack.run(h, cos.squeeze(1), sin.squeeze(1), meta, lora)
+        takes = stack is not None and stack.takes(input_ids.shape[0], meta) and (lora is None or stack.takes_lora(lora))
+        rows = stack.table_rows(input_ids, positions) if takes else None
+        if rows is not None:
+            return self._run_stack(stack, *rows, meta, lora)
+        h = self.embed_tokens(input_ids)  # (T, hidden)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the dtype first, as HF
+        cos, sin = self.rotary(positions, h.dtype)
+        if takes and stack.applies(h, meta):
+            return self._run_stack(stack, h, cos.squeeze(1), sin.squeeze(1), meta, lora)
         local = None if self.rotary_local is None else self.rotary_local(positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -199,6 +225,8 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.final_logit_softcap is None:  # the decode stack may run the head too (compute_logits takes its logits)
+            self.model.stack_head = (self.lm_head,)
 
     def forward(
         self,
@@ -213,6 +241,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(rows, hidden) → (rows, vocab) float32. For several rows the vocabulary is covered in slices:
         on CPU BLAS, one (32 × 576) @ (576 × 49152) product runs at half the speed of 2048-wide slices."""
+        fused = self.model.take_logits(hidden)
+        if fused is not None:
+            return fused
         cap = self.config.final_logit_softcap
         if cap is not None:  # Gemma 2
             return torch.tanh(self._logits(hidden) / cap) * cap

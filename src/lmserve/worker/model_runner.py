@@ -11,7 +11,7 @@ from lmserve import kernels
 from lmserve.config import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.lora.slots import LoRASlotPool
-from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment
+from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment, long_tensor
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import (
     I8_KERNEL_MAX_ROWS,
@@ -186,7 +186,7 @@ class ModelRunner:
             positions += pos
             slots += sl
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        meta = AttentionMetadata(slot_mapping=long_tensor(slots, dev))
         if decodes:
             lens = [s.start + 1 + i for s in decodes for i in range(s.num_new_tokens)]
             tables = [s.block_ids for s in decodes for _ in range(s.num_new_tokens)]
@@ -198,12 +198,7 @@ class ModelRunner:
             )
         if self.lora is not None:
             self.lora.begin_step(ordered)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-        )
+        hidden = self.model(long_tensor(input_ids, dev), long_tensor(positions, dev), self.kv_caches, meta)
         if self.lora is not None:
             self.lora.end_step()
         # Only the last token of each request that reaches the end of its known tokens is sampled; a request
@@ -217,8 +212,9 @@ class ModelRunner:
             sample_rows += range(last - s.num_spec_tokens - 1, last)
         if not sample_rows:
             return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
-        all_logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        logits = all_logits[: len(sampling)]
+        every_row = sample_rows == list(range(hidden.shape[0]))  # (a decode step: no gather, no slice)
+        all_logits = self.model.compute_logits(hidden if every_row else hidden[long_tensor(sample_rows, dev)])
+        logits = all_logits if len(sampling) == len(sample_rows) else all_logits[: len(sampling)]
         out = ModelRunnerOutput({}, logits, prompt_logprobs=prompt_logprobs)
         if sampling:
             sampled = self.sampler(logits, self._sampling_metadata(sampling))

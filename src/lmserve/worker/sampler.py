@@ -95,6 +95,13 @@ def _flat_index(
     return row, tok
 
 
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """torch.argmax(logits, dim=-1).tolist() of CPU float32 logits, through numpy: the same indices (the first
+    maximum of a row; a NaN counts as its maximum, the first NaN wins) in ~3 µs instead of ~45 µs for one
+    49152-wide row (torch's reduction kernel), the single-stream step's whole sampler."""
+    return logits.numpy().argmax(axis=-1).tolist()
+
+
 class Sampler:
     """Stateless: all per-request state arrives in SamplingMetadata each step."""
 
@@ -105,6 +112,8 @@ class Sampler:
 
         greedy = [p.temperature < _SAMPLING_EPS for p in metadata.params]
         if all(greedy) and not self._needs_processing(metadata):
+            if not logprobs and raw.device.type == "cpu":
+                return SamplerOutput(_argmax_rows(raw))
             sampled = raw.argmax(dim=-1)
         else:
             processed = self.apply_logits_processors(raw, metadata)
