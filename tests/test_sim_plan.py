@@ -246,7 +246,7 @@ def test_mixed_step_term_separates_a_mixed_steps_fixed_cost() -> None:
     fixed part apart, so 32 segments beside decodes cost 3 + 32 × 0.2 ms, not 32 × 3.2, and a lone prefill 0.2."""
     import numpy as np
 
-    from lmserve.sim.step_model import PREFILL_STEP_TERM, StepFeatures, choose_form
+    from lmserve.sim.step_model import MIXED_STEP_TERM, StepFeatures, choose_form
 
     rng = np.random.default_rng(3)
     samples = []
@@ -258,7 +258,7 @@ def test_mixed_step_term_separates_a_mixed_steps_fixed_cost() -> None:
         samples.append((StepFeatures(tokens, segments, rows, int(rng.integers(rows, 50 * rows + 1)), 0.0), t))
     model, _, _ = choose_form(samples)
     c = model.coefficients_s
-    assert c[PREFILL_STEP_TERM] == pytest.approx(3e-3, rel=1e-3)
+    assert c[MIXED_STEP_TERM] == pytest.approx(3e-3, rel=1e-3)
     assert c["prefill_segments"] == pytest.approx(2e-4, rel=1e-2)
     f = StepFeatures(32 * 32, 32, 4, 100, 0.0)
     assert model.step_time_s(f) == pytest.approx(1e-3 + 5e-5 * 1024 + 3e-3 + 32 * 2e-4 + 4e-4, rel=1e-3)
@@ -266,4 +266,4 @@ def test_mixed_step_term_separates_a_mixed_steps_fixed_cost() -> None:
     lone = StepFeatures(32, 1, 0, 0, 0.0)
     assert model.step_time_s(lone) == pytest.approx(1e-3 + 5e-5 * 32 + 2e-4, rel=1e-3)
     old = LinearStepModel(1e-3, {"prefill_tokens": 5e-5, "prefill_segments": 3e-3})  # an older model: no such term
-    assert PREFILL_STEP_TERM not in old.terms and old.step_time_s(f) == pytest.approx(1e-3 + 5e-5 * 1024 + 0.096)
+    assert MIXED_STEP_TERM not in old.terms and old.step_time_s(f) == pytest.approx(1e-3 + 5e-5 * 1024 + 0.096)

@@ -138,7 +138,8 @@ class DecoderModel(nn.Module):
     tp_all_reduce: Any = None  # that all-reduce (worker/shm_allreduce.ShmAllReduce, its C description set)
     _decode_stack_checked: tuple | None = None  # the KV caches supports() was last asked about
     _decode_stack_caches: list[KVCache] | None = None  # the list they came in (its caches are not replaced)
-    stack_head: tuple[Linear] | None = None  # (the LM head,) the stack may run after the final norm (CausalLM sets it)
+    # (the LM head,) the stack may run after the final norm (CausalLM sets it; a tuple, so not a submodule here)
+    stack_head: tuple[Linear] | None = None
 
     def decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
         """The C description of this decoder over kv_caches, when DecodeStack.supports it (built once per

@@ -61,8 +61,8 @@ OFF_STACK_TERM = "decode_off_stack"
 # has (the decode rows leave the one-call decode stack for the module path): without it the per-segment
 # coefficient carried that fixed part for every segment, and a step of 32 new prompts beside decodes (a burst, a
 # closed-loop start) came out 1.4-1.5x the served one, while a lone prefill (no stack to leave) came out too slow
-PREFILL_STEP_TERM = "mixed_step"
-TERMS = (*FEATURE_NAMES, OFF_STACK_TERM, PREFILL_STEP_TERM)
+MIXED_STEP_TERM = "mixed_step"
+TERMS = (*FEATURE_NAMES, OFF_STACK_TERM, MIXED_STEP_TERM)
 DEFAULT_TP_EFFICIENCY = 0.85  # assumed for fitted profiles (calibrate runs one process; no TP to time)
 
 StepTimeFn = Callable[[int, int, int, int, float], float]  # (prefill, segments, rows, context, pairs) → s
@@ -176,20 +176,20 @@ class LinearStepModel:
         )
         c3, c4 = c.get("decode_context_tokens", 0.0) * scale, c.get("prefill_attention_pairs", 0.0) * scale
         c5, stack = c.get(OFF_STACK_TERM, 0.0) * scale, self.stack_rows
-        c6 = c.get(PREFILL_STEP_TERM, 0.0) * scale
+        c6 = c.get(MIXED_STEP_TERM, 0.0) * scale
 
         def step_time(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
             return c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
 
         if c6:
 
-            def step_time_prefill(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
+            def step_time_mixed(prefill: int, segments: int, rows: int, context: int, pairs: float) -> float:
                 t = c0 + c1 * prefill + cs * segments + c2 * rows + c3 * context + c4 * pairs
                 if segments:
                     return t + c6 if rows else t
                 return t + c5 if stack and rows > stack else t
 
-            return step_time_prefill
+            return step_time_mixed
         if not (c5 and stack):
             return step_time
 
@@ -224,7 +224,7 @@ def term_value(f: StepFeatures, term: str, stack_rows: int = 0) -> float:
     """The value a LinearStepModel multiplies `term`'s coefficient by for a step with features f."""
     if term == OFF_STACK_TERM:
         return float(stack_rows > 0 and f.prefill_segments == 0 and f.decode_rows > stack_rows)
-    if term == PREFILL_STEP_TERM:
+    if term == MIXED_STEP_TERM:
         return float(f.prefill_segments > 0 and f.decode_rows > 0)
     return float(getattr(f, term))
 
@@ -327,7 +327,7 @@ def choose_form(
     )
     base_terms = (*LINEAR_TERMS, OFF_STACK_TERM) if both_sides else LINEAR_TERMS
     if sum(f.prefill_segments > 1 and f.decode_rows > 0 for f, _ in samples) >= 5:
-        base_terms = (*base_terms, PREFILL_STEP_TERM)
+        base_terms = (*base_terms, MIXED_STEP_TERM)
     rows = stack_rows if both_sides else 0
     base, base_q = fit_linear(samples, base_terms, seed=seed, stack_rows=rows)
     quad, quad_q = fit_linear(samples, (*base_terms, QUADRATIC_TERM), seed=seed, stack_rows=rows)
