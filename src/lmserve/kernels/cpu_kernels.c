@@ -19,6 +19,7 @@
  * All tensors are contiguous float32 (int64 for indices); the Python side asserts it.
  */
 #include <math.h>
+#include <omp.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -786,6 +787,36 @@ void quantize_rows_i8(const float *x, int8_t *q, float *scales, int64_t M, int64
     for (int64_t m = 0; m < M; m++) quantize_row_i8(x + m * K, q + m * K, scales + m, K);
 }
 
+/* Memory streams the int8 kernel reads a thread's share of the weight rows in (set_kernel_streams). A thread walks
+ * its contiguous share as ls_streams interleaved runs: row a, then a + run, a + 2 run, then a + 1, ... Measured on
+ * the Zen 4 guest of the benchmarks (2 threads, benchmarks/bench_streams.py: one process switching the setting every
+ * 16 single-stream decode steps of the benchmark model; docs/performance.md "int8 rows in three streams"): 1 run
+ * 5.48-5.50 ms a step, 2 runs
+ * 5.06-5.15, 3 runs 4.87, 4 runs 5.47, 5 runs 5.88. The same walk did nothing for the float32 rows (14.99 / 14.97 /
+ * 14.90 ms at 1 / 2 / 3) and slowed the W4A8 panels (3.94 / 4.04 / 4.41 ms), which keep schedule(static). Only the
+ * order of the rows changes, never a row's arithmetic: outputs are bit-identical for every setting. */
+static int ls_streams = 3;
+void set_kernel_streams(int n) { ls_streams = n < 1 ? 1 : n > 16 ? 16 : n; }
+int kernel_streams(void) { return ls_streams; }
+
+/* The calling thread's share of n items inside a parallel region: contiguous, as schedule(static) splits them,
+ * walked by ls_share_item in `streams` runs of `run` items. */
+typedef struct {
+    int64_t begin, count, run, streams;
+} ls_share;
+
+static inline ls_share ls_thread_share(int64_t n, int64_t streams) {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num(), base = n / nt, extra = n % nt;
+    const int64_t count = base + (t < extra), s = streams < count ? streams : (count ? count : 1);
+    return (ls_share){t * base + (t < extra ? t : extra), count, (count + s - 1) / s, s};
+}
+
+/* Item i (0 <= i < run * streams) of the share: the (i / streams)-th item of run i % streams; -1 past the end. */
+static inline int64_t ls_share_item(ls_share s, int64_t i) {
+    const int64_t j = (i % s.streams) * s.run + i / s.streams;
+    return j < s.count ? s.begin + j : -1;
+}
+
 /* sum_i xu[i] * w[i] with xu = x_q + 128 as unsigned bytes (vnni paths) or sum_i x_q[i] * w[i] (portable). */
 static inline int32_t dot_i8(const uint8_t *xu, const int8_t *xq, const int8_t *w, int64_t K) {
     int32_t s = 0;
@@ -818,7 +849,8 @@ static inline int32_t dot_i8(const uint8_t *xu, const int8_t *xq, const int8_t *
 }
 
 /* x (M, K) float32 -> quantized per row here; w (O, K) int8; w_scale (O,); w_sum (O,) = sum of each w row;
- * b (O,) or NULL; y (M, O). Threads split the output features, each streaming its weight rows once. */
+ * b (O,) or NULL; y (M, O). Threads split the output features, each streaming its weight rows once (in
+ * ls_streams runs). */
 void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_sum, const float *b,
                    float *y, int64_t M, int64_t O, int64_t K, int nthreads) {
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
@@ -829,14 +861,19 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
         for (int64_t i = 0; i < K; i++) xu[m * K + i] = (uint8_t)((int32_t)xq[m * K + i] + 128);
     }
     int shifted = i8_kernel_isa() > 0;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t o = 0; o < O; o++) {
-        const int8_t *wr = w + o * K;
-        float bias = b ? b[o] : 0.f;
-        int32_t corr = shifted ? 128 * w_sum[o] : 0;
-        for (int64_t m = 0; m < M; m++) {
-            int32_t acc = dot_i8(xu + m * K, xq + m * K, wr, K) - corr;
-            y[m * O + o] = (float)acc * (xs[m] * w_scale[o]) + bias;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const ls_share sh = ls_thread_share(O, ls_streams);
+        for (int64_t i = 0; i < sh.run * sh.streams; i++) {
+            const int64_t o = ls_share_item(sh, i);
+            if (o < 0) continue;
+            const int8_t *wr = w + o * K;
+            float bias = b ? b[o] : 0.f;
+            int32_t corr = shifted ? 128 * w_sum[o] : 0;
+            for (int64_t m = 0; m < M; m++) {
+                int32_t acc = dot_i8(xu + m * K, xq + m * K, wr, K) - corr;
+                y[m * O + o] = (float)acc * (xs[m] * w_scale[o]) + bias;
+            }
         }
     }
     free(xq);
