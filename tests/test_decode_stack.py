@@ -59,6 +59,7 @@ CASES = [
     ("qwen2-swa", {}, 2),  # one sliding layer, one full
     ("llama-gqa", {"weight_dtype": "bfloat16"}, 2),
     ("llama-gqa", {"quantization": "int8"}, 2),
+    ("llama-gqa", {"quantization": "int8"}, 4),  # int8 kernels take up to 8 rows too
     ("llama-gqa", {"quantization": "int4"}, 4),  # int4 kernels take up to 8 rows: four decodes in one call
     ("qwen2", {"quantization": "int4"}, 3),
     ("llama-gqa", {"kv_cache_dtype": "bfloat16"}, 2),
@@ -83,14 +84,15 @@ def test_stack_is_bit_identical_to_the_module_path(
 
 
 def test_rows_beyond_the_kernels_take_the_module_path(model_dirs: dict[str, Path], compared: list) -> None:
-    """int8 W8A8 projections take their C kernel for at most 2 rows: 3 decodes run layer by layer. float32
-    takes up to kernels.f32_max_rows() (8 with AVX-512), int4 up to I4_MAX_ROWS."""
+    """int8 W8A8 projections take their C kernel for at most I8_MAX_ROWS rows: one more decode runs layer by layer.
+    float32 takes up to kernels.f32_max_rows() (8 with AVX-512), int4 up to I4_MAX_ROWS."""
     llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64, quantization="int8")
     runner = llm.engine.runner
-    _generate(llm, 3)
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] for i in range(kernels.I8_MAX_ROWS + 1)]
+    llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
     stack = runner.model.model.decode_stack(runner.kv_caches)
-    assert stack is not None and stack.max_rows == 2
-    assert compared == [], "no step of 3 decodes may take the stack"
+    assert stack is not None and stack.max_rows == kernels.I8_MAX_ROWS
+    assert compared == [], f"no step of {kernels.I8_MAX_ROWS + 1} decodes may take the stack"
     fp32 = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64).engine.runner
     assert fp32.model.model.decode_stack(fp32.kv_caches).max_rows == kernels.f32_max_rows()
     kw = dict(num_kv_blocks=64, quantization="int4")

@@ -89,6 +89,23 @@ def test_int8_kernel_rows_in_any_number_of_streams_are_the_same_bits(o: int) -> 
             kernels.set_streams(bad)
 
 
+@needs_kernels
+@pytest.mark.parametrize("k", [64, 100, 576, 1536])
+def test_int8_kernel_batches_rows_bit_identically(k: int) -> None:
+    """1-17 rows of x (runs of I8_MAX_ROWS, a short last run; the 64-byte chunks interleaved, a tail past them):
+    every row's output is the reference's bits, the same as that row alone."""
+    torch.manual_seed(k)
+    x, w = torch.randn(2 * kernels.I8_MAX_ROWS + 1, k) * 2, torch.randn(40, k)
+    x[3] = 0.0
+    qw, s = Q.quantize_int8(w)
+    sums, bias = Q.int8_row_sums(qw), torch.randn(40)
+    expected = _int8_reference(x, qw, s)
+    for m in range(1, x.shape[0] + 1):
+        assert torch.equal(kernels.linear_i8(x[:m], qw, s, sums, None), expected[:m]), f"{m} rows"
+    torch.testing.assert_close(kernels.linear_i8(x, qw, s, sums, bias), expected + bias)  # (one fused rounding)
+    assert kernels.I8_MAX_ROWS == kernels._lib.i8_kernel_max_rows()
+
+
 def test_kernel_streams_env_must_be_a_small_integer() -> None:
     assert kernels._streams_from_env(" 3 ") == 3
     for bad in ("0", "17", "three", "2.5"):
@@ -161,7 +178,8 @@ def portable_kernels(tmp_path: Path) -> Iterator[ctypes.CDLL]:
 def test_portable_fallback_without_vnni_is_exact(portable_kernels: ctypes.CDLL) -> None:
     # the W4A8 kernels pick their path by cpuid at run time, whatever the build targeted
     best = kernels.w4a8_isa_name(kernels.w4a8_isa("auto"))
-    names = {"int8": f"portable C (no VNNI), {kernels.streams()} runs a thread", "int4": "portable C", "int8w": "portable C", "w4a8": best}
+    int8 = f"portable C (no VNNI), {kernels.streams()} runs a thread"
+    names = {"int8": int8, "int4": "portable C", "int8w": "portable C", "w4a8": best}
     assert kernels.quantized_kernel_names() == names
     for m, k, o in SHAPES:
         torch.manual_seed(o)
@@ -262,7 +280,7 @@ def test_gguf_block_linear_paths_agree(type_name: str, kernels_on: bool) -> None
 @needs_kernels
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_linear_paths_agree(method: str) -> None:
-    """The 1-2 row kernel and the batched path of one quantized Linear compute the same model."""
+    """The few-row kernel (1-8 rows) and the batched path of one quantized Linear compute the same model."""
     torch.manual_seed(1)
     lin = Linear(128, 48, bias=True)
     lin.quantize(method, 32)
@@ -439,8 +457,10 @@ def test_int8_quantizes_the_lm_head_and_keeps_a_tied_embedding_float32(llama_dir
     assert head.quant_method == "int8" and head.weight is None and head.qweight.dtype == torch.int8
     assert embed.dtype == torch.float32
     torch.testing.assert_close(head.dequantized_weight(), embed, atol=float(head.scales.max()) / 2 + 1e-7, rtol=0)
-    hidden = torch.randn(3, model.config.hidden_size)
+    rows = kernels.I8_MAX_ROWS + 1
+    hidden = torch.randn(rows, model.config.hidden_size)
     assert head.fast_path(hidden[:1]) == "int8_kernel" or not kernels.available()
+    assert head.fast_path(hidden[: rows - 1]) == "int8_kernel" or not kernels.available()
     assert head.fast_path(hidden) == "int8_gemm"
     ref = Q.fake_quantize_activations(hidden) @ head.dequantized_weight().t()
     torch.testing.assert_close(model.compute_logits(hidden), ref, atol=1e-4, rtol=1e-5)
@@ -625,7 +645,7 @@ def test_server_serves_the_quantized_model(llama_dir: Path, tmp_path: Path) -> N
         served = r.json()["choices"][0]["text"]
     finally:
         srv.stop()
-    assert "int8 weights: 1-2 row kernel" in srv.log(), "the server logs which int8 kernel runs"
+    assert "int8 weights: 1-8 row kernel" in srv.log(), "the server logs which int8 kernel runs"
     offline = LLM(str(llama_dir), num_kv_blocks=64, quantization="int8")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert served == offline.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text

@@ -374,11 +374,13 @@ def rope_write_kv(
 # ---- cpu_kernels.c. Tensor layouts are lmserve.model.quantization's.
 
 I4_MAX_ROWS = 8  # rows linear_i4 takes in one pass over the weights (I4_MAX_ROWS in the C source)
+I8_MAX_ROWS = 8  # rows linear_i8 serves in one pass over the weights (I8_MAX_ROWS in the C source)
 I8_KERNEL_NAMES = {2: "AVX512-VNNI (vpdpbusd, 512-bit)", 1: "AVX-VNNI (vpdpbusd, 256-bit)", 0: "portable C (no VNNI)"}
 
 
 def _declare_quantized(lib: ctypes.CDLL) -> None:
     lib.i8_kernel_isa.argtypes, lib.i8_kernel_isa.restype = [], ctypes.c_int
+    lib.i8_kernel_max_rows.argtypes, lib.i8_kernel_max_rows.restype = [], ctypes.c_int
     lib.i4_kernel_isa.argtypes, lib.i4_kernel_isa.restype = [], ctypes.c_int
     lib.quantize_rows_i8.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int]
     lib.quantize_rows_i8.restype = None

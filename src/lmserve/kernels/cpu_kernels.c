@@ -817,48 +817,103 @@ static inline int64_t ls_share_item(ls_share s, int64_t i) {
     return j < s.count ? s.begin + j : -1;
 }
 
-/* sum_i xu[i] * w[i] with xu = x_q + 128 as unsigned bytes (vnni paths) or sum_i x_q[i] * w[i] (portable). */
-static inline int32_t dot_i8(const uint8_t *xu, const int8_t *xq, const int8_t *w, int64_t K) {
-    int32_t s = 0;
+#define I8_MAX_ROWS 8 /* rows of x one pass over an int8 weight row serves in registers (more: in runs of 8) */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* The 8 lane sums of a[0..7] (a[m]'s 16 lanes summed into lane m): the unpack / shuffle tree of a transposed
+ * reduction, 7 + 7 + 2 adds instead of 8 separate horizontal sums. */
+static inline __m256i i8_sum8(const __m512i *a) {
+    __m512i c[4], d[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(c[2 * i], c[2 * i + 1]),
+                                _mm512_unpackhi_epi64(c[2 * i], c[2 * i + 1]));
+    /* d[0]'s 128-bit lanes: partial sums of rows 0-3, d[1]'s of rows 4-7 */
+    const __m512i e = _mm512_add_epi32(_mm512_shuffle_i32x4(d[0], d[1], 0x88), _mm512_shuffle_i32x4(d[0], d[1], 0xDD));
+    const __m512i f = _mm512_add_epi32(e, _mm512_shuffle_i32x4(e, e, 0xB1)); /* lane 0: rows 0-3, lane 2: 4-7 */
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_castsi512_si128(f)), _mm512_extracti32x4_epi32(f, 2),
+                                   1);
+}
+#endif
+
+/* s[m] = sum_i xu[m K + i] * w[i] with xu = x_q + 128 as unsigned bytes (VNNI paths), or sum_i x_q * w
+ * (portable), for the N (constant after inlining) rows of x against one weight row: each load of the weight row
+ * meets every row of x (in L1), one accumulator a row. xt (AVX512-VNNI, N > 1): the same rows' whole 64-byte
+ * chunks interleaved, chunk c of row m at xt + (c N + m) 64, so one pointer walks them. Exact in int32, so a row's
+ * sum is the same whatever N is: a row computes bit-identically alone or in a batch, and as torch._int_mm does. */
+static inline __attribute__((always_inline)) void dot_i8_rows(const uint8_t *xu, const int8_t *xq, const uint8_t *xt,
+                                                              const int8_t *w, int64_t K, int N, int32_t *s) {
     int64_t i = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    __m512i acc = _mm512_setzero_si512();
-    for (; i + 64 <= K; i += 64)
-        acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512((const void *)(xu + i)),
-                                  _mm512_loadu_si512((const void *)(w + i)));
-    s = _mm512_reduce_add_epi32(acc);
-    for (; i < K; i++) s += (int32_t)xu[i] * (int32_t)w[i];
+    __m512i acc[I8_MAX_ROWS];
+    for (int m = 0; m < I8_MAX_ROWS; m++) acc[m] = _mm512_setzero_si512();
+    if (N == 1) {
+        for (; i + 64 <= K; i += 64)
+            acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_loadu_si512((const void *)(xu + i)),
+                                         _mm512_loadu_si512((const void *)(w + i)));
+        s[0] = _mm512_reduce_add_epi32(acc[0]);
+    } else {
+        for (const uint8_t *xp = xt; i + 64 <= K; i += 64, xp += N * 64) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(w + i));
+            for (int m = 0; m < N; m++)
+                acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512((const void *)(xp + m * 64)), wv);
+        }
+        _mm256_storeu_si256((__m256i *)s, i8_sum8(acc)); /* (s holds I8_MAX_ROWS) */
+    }
     (void)xq;
 #elif defined(__AVXVNNI__)
-    __m256i acc = _mm256_setzero_si256();
-    for (; i + 32 <= K; i += 32)
-        acc = _mm256_dpbusd_avx_epi32(acc, _mm256_loadu_si256((const __m256i *)(xu + i)),
-                                      _mm256_loadu_si256((const __m256i *)(w + i)));
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-    s = _mm_cvtsi128_si32(h);
-    for (; i < K; i++) s += (int32_t)xu[i] * (int32_t)w[i];
+    (void)xt;
+    __m256i acc[I8_MAX_ROWS];
+    for (int m = 0; m < N; m++) acc[m] = _mm256_setzero_si256();
+    for (; i + 32 <= K; i += 32) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
+        for (int m = 0; m < N; m++)
+            acc[m] = _mm256_dpbusd_avx_epi32(acc[m], _mm256_loadu_si256((const __m256i *)(xu + m * K + i)), wv);
+    }
+    for (int m = 0; m < N; m++) {
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[m]), _mm256_extracti128_si256(acc[m], 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+        s[m] = _mm_cvtsi128_si32(h);
+    }
     (void)xq;
 #else
     (void)xu;
-#pragma omp simd reduction(+ : s)
-    for (i = 0; i < K; i++) s += (int32_t)xq[i] * (int32_t)w[i];
+    (void)xt;
+    for (int m = 0; m < N; m++) {
+        int32_t a = 0;
+        const int8_t *xm = xq + m * K;
+#pragma omp simd reduction(+ : a)
+        for (int64_t j = 0; j < K; j++) a += (int32_t)xm[j] * (int32_t)w[j];
+        s[m] = a;
+    }
+    i = K;
 #endif
-    return s;
+    for (; i < K; i++) /* the tail past the last whole vector */
+        for (int m = 0; m < N; m++) s[m] += (int32_t)xu[m * K + i] * (int32_t)w[i];
 }
 
 /* x (M, K) float32 -> quantized per row here; w (O, K) int8; w_scale (O,); w_sum (O,) = sum of each w row;
  * b (O,) or NULL; y (M, O). Threads split the output features, each streaming its weight rows once (in
- * ls_streams runs). */
+ * ls_streams runs), every row of x meeting a weight row while it is in L1 (I8_MAX_ROWS at a time). */
 void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_sum, const float *b,
                    float *y, int64_t M, int64_t O, int64_t K, int nthreads) {
+    const int64_t KC = K / 64 * 64; /* bytes of a row in whole 64-byte chunks (the interleaved copy's) */
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     uint8_t *xu = (uint8_t *)malloc((size_t)(M * K));
+    uint8_t *xt = M > 1 ? (uint8_t *)malloc((size_t)(M * KC) + 1) : NULL;
     float *xs = (float *)malloc(sizeof(float) * (size_t)M);
     for (int64_t m = 0; m < M; m++) {
         quantize_row_i8(x + m * K, xq + m * K, xs + m, K);
         for (int64_t i = 0; i < K; i++) xu[m * K + i] = (uint8_t)((int32_t)xq[m * K + i] + 128);
+    }
+    for (int64_t m0 = 0; xt && m0 < M; m0 += I8_MAX_ROWS) { /* each run of rows: chunk c of row m at (c n + m) 64 */
+        const int64_t n = M - m0 < I8_MAX_ROWS ? M - m0 : I8_MAX_ROWS;
+        for (int64_t m = 0; m < n; m++)
+            for (int64_t c = 0; c < KC / 64; c++)
+                memcpy(xt + m0 * KC + (c * n + m) * 64, xu + (m0 + m) * K + c * 64, 64);
     }
     int shifted = i8_kernel_isa() > 0;
 #pragma omp parallel num_threads(nthreads)
@@ -869,17 +924,34 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
             if (o < 0) continue;
             const int8_t *wr = w + o * K;
             float bias = b ? b[o] : 0.f;
-            int32_t corr = shifted ? 128 * w_sum[o] : 0;
-            for (int64_t m = 0; m < M; m++) {
-                int32_t acc = dot_i8(xu + m * K, xq + m * K, wr, K) - corr;
-                y[m * O + o] = (float)acc * (xs[m] * w_scale[o]) + bias;
+            int32_t corr = shifted ? 128 * w_sum[o] : 0, acc[I8_MAX_ROWS];
+            for (int64_t m0 = 0; m0 < M; m0 += I8_MAX_ROWS) {
+                const int64_t n = M - m0 < I8_MAX_ROWS ? M - m0 : I8_MAX_ROWS;
+                const uint8_t *xum = xu + m0 * K, *xtm = xt ? xt + m0 * KC : NULL;
+                const int8_t *xqm = xq + m0 * K;
+                switch (n) {
+                case 1: dot_i8_rows(xum, xqm, xtm, wr, K, 1, acc); break;
+                case 2: dot_i8_rows(xum, xqm, xtm, wr, K, 2, acc); break;
+                case 3: dot_i8_rows(xum, xqm, xtm, wr, K, 3, acc); break;
+                case 4: dot_i8_rows(xum, xqm, xtm, wr, K, 4, acc); break;
+                case 5: dot_i8_rows(xum, xqm, xtm, wr, K, 5, acc); break;
+                case 6: dot_i8_rows(xum, xqm, xtm, wr, K, 6, acc); break;
+                case 7: dot_i8_rows(xum, xqm, xtm, wr, K, 7, acc); break;
+                default: dot_i8_rows(xum, xqm, xtm, wr, K, 8, acc);
+                }
+                for (int64_t m = 0; m < n; m++)
+                    y[(m0 + m) * O + o] = (float)(acc[m] - corr) * (xs[m0 + m] * w_scale[o]) + bias;
             }
         }
     }
     free(xq);
     free(xu);
+    free(xt);
     free(xs);
 }
+
+/* The most rows linear_i8_f32 serves in one pass over its weights (longer x: a pass per I8_MAX_ROWS rows). */
+int i8_kernel_max_rows(void) { return I8_MAX_ROWS; }
 
 /* float16 bits -> float32 (exact): the F16C instruction where the CPU has it, else the bit manipulation. */
 #if defined(__F16C__) && (defined(__AVX512F__) || defined(__AVX2__) || defined(__AVXVNNI__)) /* immintrin.h */

@@ -8,7 +8,7 @@ removes the Python in between.
 
 Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per
 request, no prefill segment), at most `max_rows` of them (what each projection's few-row kernel serves,
-`layers.kernel_max_rows`: 8 for float32 / bf16-stored weights with AVX-512 (else 2), 2 for int8 W8A8, 8 for
+`layers.kernel_max_rows`: 8 for float32 / bf16-stored weights with AVX-512 (else 2), 8 for int8 W8A8, 8 for
 weight-only int4 and GGUF Q4 / Q8_0 blocks; W4A8_STACK_MAX_ROWS where every projection is on W4A8 panels (int4,
 GGUF Q4 / Q5 / Q8_0 with int4_compute="w4a8"): linear_w4a8_f32 computes each row the same whatever the row count,
 and the stack's other kernels (norms, RoPE, attention, SiLU) are the module path's at any row count, so batched

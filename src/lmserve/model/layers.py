@@ -14,7 +14,7 @@ from lmserve import kernels
 from lmserve.config import QuantizationConfig, RopeConfig
 from lmserve.model import quantization as quant
 
-I8_KERNEL_MAX_ROWS = 2  # int8 W8A8: up to this many rows the VNNI kernel (weight streamed once) beats torch._int_mm
+I8_KERNEL_MAX_ROWS = kernels.I8_MAX_ROWS  # int8 W8A8: rows the VNNI kernel serves in one pass over the weights
 PACK_HINT_ROWS = 32  # batch size oneDNN lays the packed weights out for (any row count works)
 SMALL_M_ENV = "LMSERVE_SMALL_M_LINEAR"  # few-row (decode) linears: auto (measured per weight shape) | kernel | torch
 SMALL_M_MODES = ("auto", "kernel", "torch")
