@@ -140,7 +140,6 @@ class EngineCore:
             self._backoff = ThreadBackoff(launch.num_threads, CpuShare(os.sched_getaffinity(0), pids))
         path = trace_path(self.index)
         self._trace = StepTrace(engine, path) if path else None  # LMSERVE_STEP_TRACE: calibrate's served steps
-        self._step = self._trace.step if self._trace is not None else engine.step
 
     def run(self) -> None:
         try:
@@ -182,6 +181,11 @@ class EngineCore:
             self._added, self._failed, self._changed = [], [], False
             if self._trace is not None:
                 self._trace.end_iteration()
+
+    def _step(self) -> list:
+        """engine.step(), timed into the trace when there is one. Looked up on the engine at every call, never bound
+        once: a test that holds the engine's steps (tests/helpers.steps_held_after_first) patches engine.step."""
+        return self._trace.step() if self._trace is not None else self.engine.step()
 
     def _kv_transfer(self) -> list:
         """Disaggregation: the handoffs of a prefill core (those requests are no longer its), the KV failures of a
