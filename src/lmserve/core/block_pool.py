@@ -96,10 +96,9 @@ class BlockPool:
         """Register a full block under its key. If an identical block is already indexed, keep that one."""
         if not self.enable_caching or block.key is not None:
             return
-        if key in self._index:
-            return
-        block.key = key
-        self._index[key] = block
+        # one lookup (the key hashed once): an unkeyed block is in no index entry, so `is block` means it was absent
+        if self._index.setdefault(key, block) is block:
+            block.key = key
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._index.values()):

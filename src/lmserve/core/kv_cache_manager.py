@@ -155,12 +155,12 @@ class KVCacheManager:
             return
         root = root_hash(request.lora_int_id)
         request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, root)
+        hashes, token_ids, size = request.block_hashes, request.all_token_ids, self.block_size
+        cache_block = self.pool.cache_block
         for i in range(start, num_full):
             # blocks are freed out of the window only after they were computed, hence cached here
             assert table[i] is not NULL_BLOCK, f"request {request.request_id}: block {i} freed before it was cached"
-            parent = request.block_hashes[i - 1] if i else root
-            tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
-            self.pool.cache_block(table[i], block_key(parent, tokens))
+            cache_block(table[i], block_key(hashes[i - 1] if i else root, token_ids[i * size : (i + 1) * size]))
         self._num_cached_blocks[request.request_id] = num_full
 
     def trim(self, request: Request, num_tokens: int) -> None:

@@ -342,9 +342,11 @@ class Simulator:
         arrivals = workload.arrivals_s
         next_arrival = 0
 
+        heappush = heapq.heappush
+
         def push(t: float, kind: int, payload: int) -> None:
             nonlocal seq
-            heapq.heappush(heap, (t, kind, seq, payload))
+            heappush(heap, (t, kind, seq, payload))
             seq += 1
 
         def wake(rep: _Replica, t: float) -> None:
@@ -524,7 +526,9 @@ class Simulator:
                     rep.index, rep.stats.num_steps, t, t + dt, scheduled, admitted, list(sched.preempted_ids), []
                 )
                 steps.append(rep.trace)
-            push(t + dt, _STEP_END, rep.index)
+            nonlocal seq
+            heappush(heap, (t + dt, _STEP_END, seq, rep.index))  # push(), inlined: every step
+            seq += 1
 
         def finish_record(req: Request, rec: RequestRecord, end_s: float) -> None:
             rec.chunk_num_tokens = [1] * len(rec.chunk_times_s)
