@@ -274,6 +274,20 @@ def test_a_request_that_cannot_fit_fails_like_a_400(llama_dir: Path) -> None:
     assert good.success and good.num_output_tokens == 2
 
 
+def test_token_ids_outside_the_vocabulary_fail_like_a_400(llama_dir: Path) -> None:
+    import numpy as np
+
+    config = _config(llama_dir)
+    vocab = config.model.vocab_size
+    profile = _profile(config, 1.0, decode_rows=1.0)
+    prompts = [[1, vocab], np.array([2, -1], dtype=np.int32), np.array([3, vocab - 1], dtype=np.int32)]
+    result = Simulator(profile, SimConfig(config)).run(Workload(prompts, [2, 2, 2], [0.0, 0.1, 0.2]))
+    past, negative, good = result.records
+    assert not past.success and f"out of range [0, {vocab}): [{vocab}]" in (past.error or "")
+    assert not negative.success and "out of range" in (negative.error or "") and "[-1]" in negative.error
+    assert good.success and good.num_output_tokens == 2
+
+
 # ---- the fit ---------------------------------------------------------------------------------------------------
 
 

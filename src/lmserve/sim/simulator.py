@@ -330,7 +330,7 @@ class Simulator:
             for i in range(n)
         ]
         prompt_hash: dict[str, int] = {}
-        ints = list(range(max(vocab, 1 + max((int(max(p)) for p in workload.prompt_token_ids if len(p)), default=0))))
+        ints = list(range(vocab))  # the shared int object of each token id (deliver)
         record_of: dict[str, RequestRecord] = {}  # requests in an engine → their records
         params_by_len: dict[int, SamplingParams] = {}
         steps: list[StepTrace] = []
@@ -378,7 +378,13 @@ class Simulator:
             # (an int32 array's tolist() first: indexing with numpy scalars cost 40 µs a 256-token prompt)
             prompt = workload.prompt_token_ids[i]
             tolist = getattr(prompt, "tolist", None)
-            ids = list(map(ints.__getitem__, prompt if tolist is None else tolist()))
+            raw = prompt if tolist is None else tolist()
+            try:
+                ids = list(map(ints.__getitem__, raw))
+            except IndexError:  # an id past the vocabulary: LLMEngine.validate refuses it below, with its message
+                ids = list(raw)
+            if raw and min(raw) < 0:  # (ints[-1] would read as a valid id): validate refuses it too
+                ids = list(raw)
             out_len = workload.output_lens[i]
             params = params_by_len.get(out_len)
             if params is None:
