@@ -423,6 +423,39 @@ def _in_flight(records) -> list[int]:
     return out
 
 
+def test_one_pass_features_and_tokens_equal_step_features_and_sim_token() -> None:
+    """The simulator's fused pass against core's step_features and sim_token, on a real scheduler's steps with
+    chunked prefills, prefix hits (a shared first block), decodes and a step that mixes them."""
+    from lmserve.config import SchedulerConfig
+    from lmserve.core.kv_cache_manager import KVCacheManager
+    from lmserve.core.outputs import step_features
+    from lmserve.core.scheduler import Scheduler
+    from lmserve.request import Request
+    from lmserve.sim.simulator import step_features_and_tokens
+
+    sch = Scheduler(SchedulerConfig(8, 24, 256, True, "continuous"), KVCacheManager(64, 4))
+    vocab = 97
+    prompts = {str(i): [1, 2, 3, 4] + [10 * i + k for k in range(3 + 5 * i)] for i in range(4)}
+    prompt_hash = {rid: hash(tuple(p)) for rid, p in prompts.items()}
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    seen = set()
+    for step in range(40):
+        if step % 3 == 0 and len(seen) < len(prompts):
+            rid = str(len(seen))
+            seen.add(rid)
+            sch.add_request(Request(rid, prompts[rid], params, 3))
+        sched = sch.schedule()
+        if not sched.scheduled:
+            continue
+        sampling: list = []
+        expected = step_features(sched, sampling)
+        tokens = {r.request_id: sim_token(prompt_hash[r.request_id], r.num_tokens, vocab) for r in sampling}
+        *features, sampled = step_features_and_tokens(sched, prompt_hash, vocab)
+        assert tuple(features) == expected and sampled == tokens, f"step {step}"
+        sch.update_from_output(sched, ModelRunnerOutput(sampled), 256)
+    assert not sch.has_unfinished_requests() and len(seen) == 4
+
+
 def test_lazy_block_pool_hands_out_blocks_as_the_real_one() -> None:
     import random
 

@@ -48,7 +48,7 @@ from typing import Any
 from lmserve.bench.metrics import RequestRecord
 from lmserve.config import EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
-from lmserve.core.outputs import ModelRunnerOutput, SchedulerOutput, step_features
+from lmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.core.scheduler import Scheduler
 from lmserve.engine.router import choose_core
 from lmserve.request import Request, RequestStatus
@@ -73,6 +73,33 @@ DEFAULT_KV_TRANSFER_BLOCK_S = 20e-6
 def sim_token(prompt_hash: int, position: int, vocab_size: int) -> int:
     """The token a simulated request 'samples' at `position`: a function of its prompt, as greedy decoding is."""
     return (prompt_hash + 7919 * position) % vocab_size
+
+
+def step_features_and_tokens(
+    sched: SchedulerOutput, prompt_hash: dict[str, int], vocab_size: int
+) -> tuple[int, int, int, int, float, dict[str, int]]:
+    """core.outputs.step_features of a step and, in the same pass, the token each request that samples after it
+    gets (sim_token of its prompt's hash at its position, which the step does not move): the simulator's hot path,
+    one loop where step_features and then its sampling list took two. tests/test_sim_simulator.py checks it against
+    step_features and sim_token on a real scheduler's steps."""
+    prefill = segments = rows = context = 0
+    pairs = 0.0
+    sampled: dict[str, int] = {}
+    for s in sched.scheduled:
+        req = s.request
+        start, n = req.num_computed_tokens, s.num_new_tokens
+        num_tokens = len(req.all_token_ids)
+        if start >= num_tokens - 1:
+            rows += 1
+            context += start + n
+        else:
+            prefill += n
+            segments += 1
+            pairs += n * start + n * (n + 1) / 2
+        if start + n == num_tokens:
+            rid = req.request_id
+            sampled[rid] = (prompt_hash[rid] + 7919 * num_tokens) % vocab_size  # sim_token, inlined
+    return prefill, segments, rows, context, pairs, sampled
 
 
 @dataclass(frozen=True)
@@ -228,7 +255,7 @@ class _Facts:
 class _Replica:
     __slots__ = (
         "index", "kv", "scheduler", "inbox", "busy", "load", "kv_usage", "pending", "applied", "sched", "start_s",
-        "stats", "now", "trace", "sampling", "waking", "output", "remote_inbox", "pulling", "pulled", "leased",
+        "stats", "now", "trace", "waking", "output", "remote_inbox", "pulling", "pulled", "leased",
         "lease_ended", "api_work",
     )  # fmt: skip
 
@@ -253,8 +280,7 @@ class _Replica:
         self.start_s = 0.0
         self.stats = ReplicaStats()
         self.trace: StepTrace | None = None  # the current step's, when steps are recorded
-        self.sampling: list[Request] = []  # the current step's requests that sample a token
-        self.output = ModelRunnerOutput({})  # reused: the scheduler only reads it (sampled ids set per step)
+        self.output = ModelRunnerOutput({})  # reused: the scheduler only reads it (its ids set at each step start)
         # disaggregation, decode role: handoffs not yet parked, pulls in flight (id → its missing blocks), done
         self.remote_inbox: deque[Request] = deque()
         self.pulling: dict[str, int] = {}
@@ -508,9 +534,10 @@ class Simulator:
                 rep.api_work = 0.0
                 assert not sch.running, f"replica {rep.index}: running requests but nothing scheduled"
                 return
-            sampling: list[Request] = []
-            prefill, segments, rows, context, pairs = step_features(sched, sampling)
-            rep.sampling = sampling
+            # the step's features, and the tokens its sampling requests get at its end (read by update_from_output)
+            prefill, segments, rows, context, pairs, rep.output.sampled_token_ids = step_features_and_tokens(
+                sched, prompt_hash, vocab
+            )
             dt = step_time(prefill, segments, rows, context, pairs)
             if noise is not None:
                 dt *= noise()
@@ -548,12 +575,8 @@ class Simulator:
             sched = rep.sched
             assert sched is not None, f"replica {rep.index}: a step ended that never started"
             rep.now[0] = t
-            out = rep.output
-            out.sampled_token_ids = {
-                r.request_id: (prompt_hash[r.request_id] + 7919 * len(r.all_token_ids)) % vocab for r in rep.sampling
-            }  # sim_token, inlined (the hot path)
             sch = rep.scheduler
-            updated = sch.update_from_output(sched, out, max_model_len)
+            updated = sch.update_from_output(sched, rep.output, max_model_len)  # its tokens: set at the step's start
             nonlocal api_free
             chunk_s = t + egress
             finished = []
