@@ -246,12 +246,16 @@ def served_fit(profile: StepProfile, rows: list[tuple[float, ...]], sends: list[
     API work beside each (api_costs.stretch_inputs: the previous step's chunks, the requests sent while it ran)."""
     from lmserve.engine.step_trace import OLD_COLUMNS
     from lmserve.sim.api_costs import api_work, stretch_inputs
-    from lmserve.sim.step_model import StepFeatures
+    from lmserve.sim.step_model import StepFeatures, mark_decode_after_prefill
 
     ov = profile.overheads
     inputs = stretch_inputs(rows, sends) if len(rows[0]) > OLD_COLUMNS else [(0, 0, 0, 0)] * len(rows)
     work = api_work(ov, inputs)
-    fitted = sum(profile.step_time_s(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4])) for r in rows)
+    after = mark_decode_after_prefill(rows)  # (the post-prefill decode term; 0 s in a model without it)
+    fitted = sum(
+        profile.step_time_s(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4], a))
+        for r, a in zip(rows, after, strict=True)
+    )
     return sum(r[6] for r in rows) / (fitted + ov.api_step_stretch * float(work.sum()))
 
 

@@ -255,7 +255,7 @@ class _Facts:
 class _Replica:
     __slots__ = (
         "index", "kv", "scheduler", "inbox", "busy", "load", "kv_usage", "pending", "applied", "sched", "start_s",
-        "stats", "now", "trace", "waking", "output", "remote_inbox", "pulling", "pulled", "leased",
+        "stats", "now", "trace", "waking", "prev_prefill", "output", "remote_inbox", "pulling", "pulled", "leased",
         "lease_ended", "api_work",
     )  # fmt: skip
 
@@ -288,6 +288,7 @@ class _Replica:
         # prefill role: detached requests whose blocks are held (the lease), and those whose pull completed
         self.leased: dict[str, Request] = {}
         self.lease_ended: list[str] = []
+        self.prev_prefill = False  # whether its latest step computed prompt tokens (the post-prefill decode term)
         self.api_work = 0.0  # API seconds of work that overlap this replica's current step (its next step's stretch)
 
 
@@ -300,6 +301,7 @@ class Simulator:
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.step_time: StepTimeFn = profile.step_time_fn(config.tensor_parallel_size)
+        self.post_prefill_s = profile.post_prefill_s(config.tensor_parallel_size)  # 0: a model without the term
         self.overheads: Overheads = profile.overheads
         self.noise = profile.noise_sampler(config.seed) if config.step_noise else None
         if config.step_noise and self.noise is None:
@@ -330,6 +332,7 @@ class Simulator:
         stretch = ov.api_step_stretch
         api_free = 0.0
         step_time = self.step_time
+        post_prefill = self.post_prefill_s
         noise = self.noise
         record_steps = cfg.record_steps
         facts = _Facts(engine)
@@ -539,6 +542,10 @@ class Simulator:
                 sched, prompt_hash, vocab
             )
             dt = step_time(prefill, segments, rows, context, pairs)
+            if post_prefill:  # the first pure decode after a prefill (POST_PREFILL_TERM)
+                if rep.prev_prefill and not prefill and rows:
+                    dt += post_prefill
+                rep.prev_prefill = prefill > 0
             if noise is not None:
                 dt *= noise()
             if rep.api_work:  # the API process took turns on this step's cores
