@@ -431,7 +431,8 @@ class Simulator:
                 rep = replicas[choose_core(loads, affinity, ids, block_size)]
             rid = str(i)
             req = Request(rid, ids, params, max_tokens, self.eos_token_ids, arrival_time=t)
-            prompt_hash[rid] = hash(tuple(ids))
+            # (reduced mod the vocabulary once: sim_token's sum then stays a small int, the same token)
+            prompt_hash[rid] = hash(tuple(ids)) % vocab
             record_of[rid] = rec
             rec.server_prompt_len = len(ids)
             rep.pending += 1
@@ -639,21 +640,22 @@ class Simulator:
                 finish_client(int(rid), chunk_s if finished_s is None else finished_s[k])
             start_step(rep, t)
 
-        inf = math.inf
+        heappop = heapq.heappop
+        next_t = arrivals[0] if n else math.inf  # the next client arrival's time
         while next_arrival < n or heap:
             if next_arrival < n and (
-                arrivals[next_arrival] < (heap[0][0] if heap else inf)
-                or (arrivals[next_arrival] == heap[0][0] and heap[0][1] > _ARRIVE)
+                not heap or next_t < (top := heap[0])[0] or (next_t == top[0] and top[1] > _ARRIVE)
             ):
                 i = next_arrival
                 next_arrival += 1
-                t = arrivals[i]
+                if next_arrival < n:
+                    next_t = arrivals[next_arrival]
                 if cap is not None and in_flight >= cap:
                     waiting_client.append(i)
                 else:
-                    send(i, t)
+                    send(i, arrivals[i])
                 continue
-            t, kind, _, payload = heapq.heappop(heap)
+            t, kind, _, payload = heappop(heap)
             if kind == _STEP_END:
                 end_step(replicas[payload], t)
             elif kind == _DELIVER:
