@@ -115,9 +115,7 @@ class BlockPool:
         request's block table, ref counts equal the number of tables holding each block."""
         for block in self.blocks:
             in_free = block.block_id in self._free
-            assert in_free == (block.ref_cnt == 0), (
-                f"block {block.block_id}: ref_cnt={block.ref_cnt}, free={in_free}"
-            )
+            assert in_free == (block.ref_cnt == 0), f"block {block.block_id}: ref_cnt={block.ref_cnt}, free={in_free}"
             assert block.ref_cnt >= 0, f"block {block.block_id} has negative ref_cnt"
             if block.key is not None:
                 assert self._index.get(block.key) is block, f"block {block.block_id} keyed but not indexed"
