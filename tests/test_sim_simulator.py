@@ -123,6 +123,83 @@ def test_no_api_costs_no_queue(llama_dir: Path) -> None:
         Overheads(api_chunk_s=-1.0)
 
 
+def test_post_prefill_decode_term_hand_checked(llama_dir: Path) -> None:
+    """t = 10 ms + 0.1 ms/prefill token + 1 ms/decode row + 4 ms for the first pure decode after a prefill step.
+    A: 100-token prompt, 4 tokens, at 0; B: 50-token prompt, 2 tokens, at 40 ms (during A's third step):
+
+        step 1  [0, 20]    prefill A: 10 + 10                     → A token 1 at 20
+        step 2  [20, 35]   decode A, right after a prefill: 10 + 1 + 4 → A token 2 at 35
+        step 3  [35, 46]   decode A: 10 + 1                        → A token 3 at 46
+        step 4  [46, 62]   decode A + prefill B (mixed): 10 + 1 + 5 → A token 4 (done), B token 1 at 62
+        step 5  [62, 77]   decode B, right after a prefill: 10 + 1 + 4 → B token 2 (done) at 77
+    """
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0, decode_after_prefill=4.0)
+    assert profile.post_prefill_s() == pytest.approx(0.004)
+    workload = Workload([list(range(1, 101)), list(range(200, 250))], [4, 2], [0.0, 0.040])
+    a, b = Simulator(profile, SimConfig(config)).run(workload).records
+    assert a.chunk_times_s == pytest.approx([0.020, 0.035, 0.046, 0.062])
+    assert b.chunk_times_s == pytest.approx([0.062, 0.077])
+    assert request_latency(a).tpot_s == pytest.approx(0.014) and request_latency(b).tpot_s == pytest.approx(0.015)
+    # StepProfile.step_time_s (calibrate's scores, validation's served/model) counts it the same way
+    assert profile.step_time_s(StepFeatures(0, 0, 1, 101, 0.0, 1)) == pytest.approx(0.015)
+    assert profile.step_time_s(StepFeatures(0, 0, 1, 101, 0.0, 0)) == pytest.approx(0.011)
+
+
+def test_a_step_model_without_the_post_prefill_term_simulates_as_before(llama_dir: Path, tmp_path: Path) -> None:
+    """A file from before the term (no decode_after_prefill key) loads with it 0: the timeline of
+    test_post_prefill_decode_term_hand_checked without the 4 ms, and every step as the plain linear model gives."""
+    config = _config(llama_dir, num_kv_blocks=64)
+    doc = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0).to_dict()
+    assert "decode_after_prefill" not in json.dumps(doc)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    old = StepProfile.load(path)
+    assert old.post_prefill_s() == 0.0
+    workload = Workload([list(range(1, 101)), list(range(200, 250))], [4, 2], [0.0, 0.040])
+    a, b = Simulator(old, SimConfig(config)).run(workload).records
+    assert a.chunk_times_s == pytest.approx([0.020, 0.031, 0.042, 0.058])
+    assert b.chunk_times_s == pytest.approx([0.058, 0.069])
+
+
+def test_decode_after_prefill_marks_the_first_pure_decode_after_a_prefill_step() -> None:
+    from lmserve.sim.calibrate import _sample
+    from lmserve.sim.step_model import mark_decode_after_prefill
+
+    # (prefill tokens, segments, decode rows, ...) of one core's steps in order
+    steps = [(100, 1, 0), (0, 0, 1), (0, 0, 1), (50, 1, 1), (0, 0, 2), (30, 1, 0), (20, 1, 0), (0, 0, 1), (0, 0, 0)]
+    assert mark_decode_after_prefill(steps) == [0, 1, 0, 0, 1, 0, 0, 1, 0]
+    assert _sample([0, 0, 1, 10, 0.0, 0.002]) == (StepFeatures(0, 0, 1, 10, 0.0, 0), 0.002)  # an older file's row
+    assert _sample([0, 0, 1, 10, 0.0, 0.002, 1]) == (StepFeatures(0, 0, 1, 10, 0.0, 1), 0.002)
+
+
+def test_fit_finds_the_post_prefill_jump() -> None:
+    """Steps of a known model with a 0.8 ms jump on the first decode after a prefill: choose_form adds the term
+    and recovers it; the same steps without the jump (and unmarked) fit without the term."""
+    import random
+
+    from lmserve.sim.step_model import choose_form
+
+    rng = random.Random(1)
+    truth = LinearStepModel(
+        0.0012, {"prefill_tokens": 4e-5, "prefill_segments": 1e-3, "decode_rows": 2e-4, "decode_after_prefill": 8e-4}
+    )
+    steps, prev_prefill = [], False
+    for _ in range(400):
+        prefill = rng.choice([0, 0, 0, 0, 64, 512])
+        rows = rng.randrange(1, 8)
+        after = int(prev_prefill and not prefill)
+        f = StepFeatures(prefill, int(prefill > 0), rows if not prefill else 0, 0, 0.0, after)
+        prev_prefill = prefill > 0
+        steps.append((f, truth.step_time_s(f) * (1 + rng.uniform(-0.01, 0.01))))
+    model, _, _ = choose_form(steps)
+    assert model.coefficients_s["decode_after_prefill"] == pytest.approx(8e-4, rel=0.1)
+    assert model.coefficients_s["decode_rows"] == pytest.approx(2e-4, rel=0.1)
+    plain = [(StepFeatures(*f.as_tuple()), t - 8e-4 * f.decode_after_prefill) for f, t in steps]
+    model, _, _ = choose_form(plain)
+    assert "decode_after_prefill" not in model.coefficients_s
+
+
 # ---- the simulator decides as the engine does ---------------------------------------------------------------
 
 
@@ -274,6 +351,20 @@ def test_a_request_that_cannot_fit_fails_like_a_400(llama_dir: Path) -> None:
     assert good.success and good.num_output_tokens == 2
 
 
+def test_token_ids_outside_the_vocabulary_fail_like_a_400(llama_dir: Path) -> None:
+    import numpy as np
+
+    config = _config(llama_dir)
+    vocab = config.model.vocab_size
+    profile = _profile(config, 1.0, decode_rows=1.0)
+    prompts = [[1, vocab], np.array([2, -1], dtype=np.int32), np.array([3, vocab - 1], dtype=np.int32)]
+    result = Simulator(profile, SimConfig(config)).run(Workload(prompts, [2, 2, 2], [0.0, 0.1, 0.2]))
+    past, negative, good = result.records
+    assert not past.success and f"out of range [0, {vocab}): [{vocab}]" in (past.error or "")
+    assert not negative.success and "out of range" in (negative.error or "") and "[-1]" in negative.error
+    assert good.success and good.num_output_tokens == 2
+
+
 # ---- the fit ---------------------------------------------------------------------------------------------------
 
 
@@ -407,6 +498,39 @@ def _in_flight(records) -> list[int]:
         level += d
         out.append(level)
     return out
+
+
+def test_one_pass_features_and_tokens_equal_step_features_and_sim_token() -> None:
+    """The simulator's fused pass against core's step_features and sim_token, on a real scheduler's steps with
+    chunked prefills, prefix hits (a shared first block), decodes and a step that mixes them."""
+    from lmserve.config import SchedulerConfig
+    from lmserve.core.kv_cache_manager import KVCacheManager
+    from lmserve.core.outputs import step_features
+    from lmserve.core.scheduler import Scheduler
+    from lmserve.request import Request
+    from lmserve.sim.simulator import step_features_and_tokens
+
+    sch = Scheduler(SchedulerConfig(8, 24, 256, True, "continuous"), KVCacheManager(64, 4))
+    vocab = 97
+    prompts = {str(i): [1, 2, 3, 4] + [10 * i + k for k in range(3 + 5 * i)] for i in range(4)}
+    prompt_hash = {rid: hash(tuple(p)) for rid, p in prompts.items()}
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    seen = set()
+    for step in range(40):
+        if step % 3 == 0 and len(seen) < len(prompts):
+            rid = str(len(seen))
+            seen.add(rid)
+            sch.add_request(Request(rid, prompts[rid], params, 3))
+        sched = sch.schedule()
+        if not sched.scheduled:
+            continue
+        sampling: list = []
+        expected = step_features(sched, sampling)
+        tokens = {r.request_id: sim_token(prompt_hash[r.request_id], r.num_tokens, vocab) for r in sampling}
+        *features, sampled = step_features_and_tokens(sched, prompt_hash, vocab)
+        assert tuple(features) == expected and sampled == tokens, f"step {step}"
+        sch.update_from_output(sched, ModelRunnerOutput(sampled), 256)
+    assert not sch.has_unfinished_requests() and len(seen) == 4
 
 
 def test_lazy_block_pool_hands_out_blocks_as_the_real_one() -> None:

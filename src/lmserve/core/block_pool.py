@@ -96,10 +96,9 @@ class BlockPool:
         """Register a full block under its key. If an identical block is already indexed, keep that one."""
         if not self.enable_caching or block.key is not None:
             return
-        if key in self._index:
-            return
-        block.key = key
-        self._index[key] = block
+        # one lookup (the key hashed once): an unkeyed block is in no index entry, so `is block` means it was absent
+        if self._index.setdefault(key, block) is block:
+            block.key = key
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._index.values()):
@@ -116,9 +115,7 @@ class BlockPool:
         request's block table, ref counts equal the number of tables holding each block."""
         for block in self.blocks:
             in_free = block.block_id in self._free
-            assert in_free == (block.ref_cnt == 0), (
-                f"block {block.block_id}: ref_cnt={block.ref_cnt}, free={in_free}"
-            )
+            assert in_free == (block.ref_cnt == 0), f"block {block.block_id}: ref_cnt={block.ref_cnt}, free={in_free}"
             assert block.ref_cnt >= 0, f"block {block.block_id} has negative ref_cnt"
             if block.key is not None:
                 assert self._index.get(block.key) is block, f"block {block.block_id} keyed but not indexed"

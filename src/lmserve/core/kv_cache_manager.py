@@ -94,14 +94,15 @@ class KVCacheManager:
             [ b0 ][ b1 ][ b2 ][ b3 ]              ...  [ bN ]   ← blocks, block_size tokens each
             existing + computed_blocks  ────────  + fresh blocks from the pool
         """
-        computed_blocks = computed_blocks or []
         rid = request.request_id
-        table = self.req_to_blocks.get(rid, [])
-        if table and not computed_blocks and self.sliding_window is None:
+        if not computed_blocks and self.sliding_window is None:
             # the common decode step: room left in the table, no hits, nothing to free: the table as it is (what the
             # general path below returns too, rebuilt; every running request takes this path every step)
-            if -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(table):
+            table = self.req_to_blocks.get(rid)
+            if table and -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(table):
                 return table
+        computed_blocks = computed_blocks or []
+        table = self.req_to_blocks.get(rid, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         table = self._free_outside_window(rid, table, num_computed)  # before taking new blocks: reusable now
         num_needed = self.num_blocks_for(num_computed + num_new_tokens)
@@ -154,12 +155,12 @@ class KVCacheManager:
             return
         root = root_hash(request.lora_int_id)
         request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, root)
+        hashes, token_ids, size = request.block_hashes, request.all_token_ids, self.block_size
+        cache_block = self.pool.cache_block
         for i in range(start, num_full):
             # blocks are freed out of the window only after they were computed, hence cached here
             assert table[i] is not NULL_BLOCK, f"request {request.request_id}: block {i} freed before it was cached"
-            parent = request.block_hashes[i - 1] if i else root
-            tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
-            self.pool.cache_block(table[i], block_key(parent, tokens))
+            cache_block(table[i], block_key(hashes[i - 1] if i else root, token_ids[i * size : (i + 1) * size]))
         self._num_cached_blocks[request.request_id] = num_full
 
     def trim(self, request: Request, num_tokens: int) -> None:

@@ -21,6 +21,8 @@ from lmserve.core.lora_slots import NO_SLOT, LoRASlotTable
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from lmserve.request import FinishReason, Request, RequestStatus
 
+FINISHED = RequestStatus.FINISHED
+
 
 class Scheduler:
     def __init__(
@@ -129,66 +131,84 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        max_num_batched_tokens = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        budget = self._schedule_running(budget, scheduled, preempted)
+        budget, num_decode = self._schedule_running(max_num_batched_tokens, scheduled, preempted)
         if not preempted and self.waiting:
-            self._schedule_waiting(budget, scheduled)
+            budget, num_waiting_decode = self._schedule_waiting(budget, scheduled)
+            num_decode += num_waiting_decode
         now = self.clock()
-        num_tokens = num_decode = 0
-        for s in scheduled:  # one pass (the simulator runs millions of steps)
-            request = s.request
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-            num_tokens += s.num_new_tokens
-            if request.num_computed_tokens >= len(request.all_token_ids) - 1:  # s.start: a decode row
-                num_decode += s.num_new_tokens
-        assert num_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
+        for s in scheduled:
+            metrics = s.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        assert budget >= 0, "token budget exceeded"
+        num_tokens = max_num_batched_tokens - budget  # every scheduled token was taken from the budget
         self._last_num_batched_tokens, self._last_num_decode_tokens = num_tokens, num_decode
         return SchedulerOutput(scheduled, num_tokens, preempted, num_decode)
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
+    ) -> tuple[int, int]:
+        """Schedule the running requests in order; returns (budget left, decode tokens scheduled). A request is
+        decoding when its step starts at its last token (at most one unverified token, as step_features counts).
+        The hot path of the simulator (lmserve.sim runs millions of steps): the loop reads what it needs once."""
         i = 0
         chunked = self.config.enable_chunked_prefill
+        share = self.config.share_prefix_in_step
+        block_size = self.kv.block_size
+        allocate_slots = self.kv.allocate_slots
+        emit_block_ids = self.emit_block_ids
+        num_lookahead = self.num_lookahead_tokens
+        num_decode = 0
         running = self.running
         while i < len(running) and budget > 0:
             request = running[i]
-            num_unverified = len(request.all_token_ids) - request.num_computed_tokens
-            if request.spec_token_ids:
-                num_new = min(num_unverified + len(request.spec_token_ids), budget)
-                del request.spec_token_ids[max(0, num_new - num_unverified) :]  # proposals past the budget
+            computed = request.num_computed_tokens
+            num_unverified = len(request.all_token_ids) - computed
+            spec = request.spec_token_ids
+            if spec:
+                num_new = min(num_unverified + len(spec), budget)
+                del spec[max(0, num_new - num_unverified) :]  # proposals past the budget
             else:
-                num_new = min(num_unverified, budget)
+                num_new = num_unverified if num_unverified < budget else budget
             if not chunked and num_new < num_unverified:
                 break  # whole prompt must fit one step: wait for a step with budget
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            num_slots = num_new + self._num_lookahead(request, num_new) if self.num_lookahead_tokens else num_new
-            table = self.kv.allocate_slots(request, num_slots)
+            num_slots = num_new + self._num_lookahead(request, num_new) if num_lookahead else num_new
+            table = allocate_slots(request, num_slots)
             while table is None:
-                victim = self.running.pop()  # the most recently admitted
+                victim = running.pop()  # the most recently admitted (never one scheduled before it in this step)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
-                    assert self.running, (
+                    assert running, (
                         f"request {request.request_id} alone needs more KV blocks than the pool has "
                         "(the engine's validation should have refused it)"
                     )
                     break
-                table = self.kv.allocate_slots(request, num_slots)
+                table = allocate_slots(request, num_slots)
             if table is None:
                 break
-            ids = [b.block_id for b in table] if self.emit_block_ids else []
-            scheduled.append(ScheduledRequest(request, num_new, ids, len(request.spec_token_ids)))
-            self._share_in_step(request, num_new)
+            ids = [b.block_id for b in table] if emit_block_ids else []
+            scheduled.append(ScheduledRequest(request, num_new, ids, len(spec)))
+            # _share_in_step has something to do only for a step that completes a block (most decodes do not)
+            if share and (computed + num_new) // block_size > computed // block_size:
+                self._share_in_step(request, num_new)
+            if num_unverified <= 1:
+                num_decode += num_new
             budget -= num_new
             i += 1
-        return budget
+        return budget, num_decode
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> tuple[int, int]:
+        """Admit waiting requests FCFS; returns (budget left, decode tokens scheduled: a recomputed request whose
+        prefix hits cover all but its last token decodes)."""
         static = self.config.scheduling_policy == "static"
+        num_decode = 0
         if static and self.running:
-            return  # a static batch admits no newcomers until it has drained
+            return budget, num_decode  # a static batch admits no newcomers until it has drained
         # grammar not ready yet, or its LoRA adapter has no compute slot: stay queued, in order, without blocking others
         compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -207,6 +227,8 @@ class Scheduler:
             ids = [b.block_id for b in table] if self.emit_block_ids else []
             scheduled.append(ScheduledRequest(request, num_new, ids))
             self._share_in_step(request, num_new)
+            if num_hit_tokens >= request.num_tokens - 1:
+                num_decode += num_new
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
         if static:
@@ -222,6 +244,7 @@ class Scheduler:
                 table = self.kv.allocate_slots(request, 0, hits)
                 assert table is not None, f"request {request.request_id}: its prefix hits could not be held"
                 self._admit(request, num_hit_tokens)
+        return budget, num_decode
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         """Move the head of the waiting queue to running, its first num_hit_tokens found in the prefix cache."""
@@ -238,8 +261,8 @@ class Scheduler:
         self.running.append(request)
 
     def _lora_slot_ready(self, request: Request) -> bool:
-        return request.lora_request is None or self.lora_slots is None or self.lora_slots.can_acquire(
-            request.lora_int_id
+        return (
+            request.lora_request is None or self.lora_slots is None or self.lora_slots.can_acquire(request.lora_int_id)
         )
 
     def _release_lora_slot(self, request: Request) -> None:
@@ -287,19 +310,25 @@ class Scheduler:
         got a new token (finished ones included) and those that finished without one (max_tokens 0)."""
         updated: list[Request] = []
         now = self.clock()
+        sampled_token_ids = output.sampled_token_ids
+        kv = self.kv
         for s in sched.scheduled:
             request = s.request
-            if request.is_finished:
+            if request.status is FINISHED:
                 continue  # aborted while the step ran
             rid = request.request_id
-            accepted = output.accepted_token_ids.get(rid, []) if s.num_spec_tokens else []
-            # Rejected proposals are rolled back: their positions do not count as computed.
-            request.num_computed_tokens += s.num_new_tokens - (s.num_spec_tokens - len(accepted))
+            num_spec = s.num_spec_tokens
+            if num_spec:
+                accepted = output.accepted_token_ids.get(rid, [])
+                # Rejected proposals are rolled back: their positions do not count as computed.
+                request.num_computed_tokens += s.num_new_tokens - (num_spec - len(accepted))
+            else:
+                request.num_computed_tokens += s.num_new_tokens
             if request.spec_token_ids or request.spec_draft_probs is not None:
                 request.spec_token_ids, request.spec_draft_probs = [], None
-            token = output.sampled_token_ids.get(rid)
+            token = sampled_token_ids.get(rid)
             if token is None:
-                self.kv.cache_blocks(request)
+                kv.cache_blocks(request)
                 # max_tokens 0 (scoring): the prompt is computed and nothing is generated, so it is done
                 if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                     request.finish_reason = FinishReason.LENGTH
@@ -307,13 +336,19 @@ class Scheduler:
                     self._finish(request)
                     updated.append(request)
                 continue  # else a prefill chunk that did not reach the end of the prompt
-            if s.num_spec_tokens:
-                self._count_spec(s.num_spec_tokens, len(accepted))
-            stopped = self._append_tokens(request, accepted + [token], max_model_len)
-            self.kv.cache_blocks(request)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
+            if num_spec:
+                self._count_spec(num_spec, len(accepted))
+                stopped = self._append_tokens(request, accepted + [token], max_model_len)
+            else:  # _append_tokens of the one sampled token (every step of every request: the hot path)
+                request.append_output_token(token)
+                stopped = request.check_stop(max_model_len)
+                if stopped:
+                    request.num_computed_tokens = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
+            kv.cache_blocks(request)
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             if stopped:
                 self.running.remove(request)
                 self._finish(request)
@@ -321,7 +356,7 @@ class Scheduler:
                 if output.spec_token_ids:
                     request.spec_token_ids = list(output.spec_token_ids.get(rid, []))
                     request.spec_draft_probs = output.spec_draft_probs.get(rid)
-                self.kv.trim(request, request.num_tokens + len(request.spec_token_ids))
+                kv.trim(request, len(request.all_token_ids) + len(request.spec_token_ids))
             updated.append(request)
         return updated
 

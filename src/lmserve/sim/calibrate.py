@@ -38,6 +38,7 @@ from lmserve.sim.step_model import (
     StepFeatures,
     StepProfile,
     choose_form,
+    mark_decode_after_prefill,
     model_description,
     ratio_quantiles,
     term_value,
@@ -106,6 +107,16 @@ def machine_description(device: str) -> dict[str, Any]:
     return info
 
 
+def _row(f: StepFeatures) -> tuple[Any, ...]:
+    """A sample's features as sent from the profiling process (StepFeatures(*row) rebuilds it)."""
+    return (*f.as_tuple(), f.decode_after_prefill)
+
+
+def _sample(row: list[float]) -> tuple[StepFeatures, float]:
+    """A saved sample: [five features, time, decode_after_prefill] (older files: without the flag)."""
+    return StepFeatures(*row[:5], int(row[6]) if len(row) > 6 else 0), row[5]
+
+
 class _StepRecorder:
     """Keeps each step's features and wall time (engine/step_trace.StepTimer). Between steps it applies the served
     engine core's thread back-off (engine/cpu_share.py), as the core's loop does."""
@@ -119,6 +130,7 @@ class _StepRecorder:
         self.counted: list[float] = []  # per sample, the part the engine's own step counter times (execute + update)
         self.threads_used: dict[int, int] = {}  # torch threads → steps taken with them
         self._timer = StepTimer(engine)
+        self._prev_prefill = False  # whether the engine's latest step computed prompt tokens (kept or not)
 
     def step(self, keep: bool = True) -> float:
         import torch
@@ -127,8 +139,11 @@ class _StepRecorder:
             torch.set_num_threads(threads)
         counted = self.engine.counters.step_time_s_total
         _, features, dt = self._timer.step()
+        if features is not None:  # mark_decode_after_prefill's rule, one step at a time
+            after_prefill = int(self._prev_prefill and features[0] == 0 and features[2] > 0)
+            self._prev_prefill = features[0] > 0
         if keep and features is not None and dt > 0:
-            self.samples.append((StepFeatures(*features), dt))
+            self.samples.append((StepFeatures(*features, decode_after_prefill=after_prefill), dt))
             self.counted.append(self.engine.counters.step_time_s_total - counted)
             n = torch.get_num_threads()
             self.threads_used[n] = self.threads_used.get(n, 0) + 1
@@ -232,7 +247,7 @@ def _profile_child(config: Any, grid: Grid, num_threads: int, backoff: bool, con
         grid_samples = list(profile_grid(rec, grid, log=lambda m: conn.send(("log", m))))
         counted = [c / t for c, (_, t) in zip(rec.counted, grid_samples, strict=True)]
         held = list(profile_workload(rec, grid.workload_requests))
-        conn.send(("done", ([(f.as_tuple(), t) for f, t in grid_samples], [(f.as_tuple(), t) for f, t in held],
+        conn.send(("done", ([(_row(f), t) for f, t in grid_samples], [(_row(f), t) for f, t in held],
                             rec.threads_used, float(np.median(counted)) if counted else 1.0,
                             decode_stack_rows(engine))))  # fmt: skip
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -438,7 +453,10 @@ def profile_served(
             raise RuntimeError(f"served profiling failed: {result.fatal_error}")
         sends += [result.start_wall_time + r.send_s for r in result.raw if r.send_s is not None]
     time.sleep(0.2)  # the core writes a step's line after sending its outputs
-    rows = [r for r in _trace_rows(trace)[before:] if r[6] > 0]
+    served = _trace_rows(trace)[before:]
+    after_prefill = mark_decode_after_prefill(served)  # one core's steps in order (the flag: its previous step's)
+    rows = [r for r in served if r[6] > 0]
+    after_prefill = [a for a, r in zip(after_prefill, served, strict=True) if r[6] > 0]
     inputs = stretch_inputs(rows, sends) if rows and len(rows[0]) > OLD_COLUMNS else []
     # steps the core took with fewer threads than it has (its back-off: other processes were using the CPUs) time
     # another machine; they are left out
@@ -447,7 +465,10 @@ def profile_served(
     if len(keep) < len(rows):
         print(f"  (left out {len(rows) - len(keep)} of {len(rows)} served steps taken with fewer than {full} "
               "threads: the core backed off while other processes used the CPUs)", flush=True)  # fmt: skip
-    samples = [(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4]), r[6]) for r in rows]
+    samples = [
+        (StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4], a), r[6])
+        for r, a in zip(rows, after_prefill, strict=True)
+    ]
     return [samples[i] for i in keep], [inputs[i] for i in keep] if inputs else []
 
 
@@ -640,9 +661,9 @@ def refit(path: str, out: str) -> int:
     try:
         profile = StepProfile.load(path)
         cal = profile.calibration
-        samples = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("samples") or []]
-        held = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("workload_samples") or []]
-        served = [(StepFeatures(*row[:5]), row[5]) for row in cal.get("served_samples") or []]
+        samples = [_sample(row) for row in cal.get("samples") or []]
+        held = [_sample(row) for row in cal.get("workload_samples") or []]
+        served = [_sample(row) for row in cal.get("served_samples") or []]
         if len(samples) < 10:
             raise ValueError(f"--refit: {path} holds {len(samples)} profiled steps; at least 10 are needed")
     except ValueError as e:
@@ -850,9 +871,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         "elapsed_s": time.perf_counter() - t0,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "decode_stack_rows": stack_rows,
-        "samples": [[*f.as_tuple(), t] for f, t in samples],
-        "workload_samples": [[*f.as_tuple(), t] for f, t in held],
-        "served_samples": [[*f.as_tuple(), t] for f, t in served],  # step_time_s: the core loop's iteration
+        # a sample: the five features, the time, then decode_after_prefill (older files: six numbers, flag 0)
+        "samples": [[*f.as_tuple(), t, f.decode_after_prefill] for f, t in samples],
+        "workload_samples": [[*f.as_tuple(), t, f.decode_after_prefill] for f, t in held],
+        # (a served sample's time: the core loop's iteration)
+        "served_samples": [[*f.as_tuple(), t, f.decode_after_prefill] for f, t in served],
         # per served sample: the previous step's chunks, first chunks, finished requests, and the requests sent while
         # it ran (api_costs.stretch_inputs)
         "served_api_inputs": [list(x) for x in inputs],

@@ -34,9 +34,11 @@ max_queued_requests (429s), a dying core, KV transfers that fail.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import heapq
 import math
+import operator
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
@@ -46,7 +48,7 @@ from typing import Any
 from lmserve.bench.metrics import RequestRecord
 from lmserve.config import EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
-from lmserve.core.outputs import ModelRunnerOutput, SchedulerOutput, step_features
+from lmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.core.scheduler import Scheduler
 from lmserve.engine.router import choose_core
 from lmserve.request import Request, RequestStatus
@@ -71,6 +73,33 @@ DEFAULT_KV_TRANSFER_BLOCK_S = 20e-6
 def sim_token(prompt_hash: int, position: int, vocab_size: int) -> int:
     """The token a simulated request 'samples' at `position`: a function of its prompt, as greedy decoding is."""
     return (prompt_hash + 7919 * position) % vocab_size
+
+
+def step_features_and_tokens(
+    sched: SchedulerOutput, prompt_hash: dict[str, int], vocab_size: int
+) -> tuple[int, int, int, int, float, dict[str, int]]:
+    """core.outputs.step_features of a step and, in the same pass, the token each request that samples after it
+    gets (sim_token of its prompt's hash at its position, which the step does not move): the simulator's hot path,
+    one loop where step_features and then its sampling list took two. tests/test_sim_simulator.py checks it against
+    step_features and sim_token on a real scheduler's steps."""
+    prefill = segments = rows = context = 0
+    pairs = 0.0
+    sampled: dict[str, int] = {}
+    for s in sched.scheduled:
+        req = s.request
+        start, n = req.num_computed_tokens, s.num_new_tokens
+        num_tokens = len(req.all_token_ids)
+        if start >= num_tokens - 1:
+            rows += 1
+            context += start + n
+        else:
+            prefill += n
+            segments += 1
+            pairs += n * start + n * (n + 1) / 2
+        if start + n == num_tokens:
+            rid = req.request_id
+            sampled[rid] = (prompt_hash[rid] + 7919 * num_tokens) % vocab_size  # sim_token, inlined
+    return prefill, segments, rows, context, pairs, sampled
 
 
 @dataclass(frozen=True)
@@ -196,13 +225,22 @@ class SimResult:
 def paused_gc() -> Iterator[None]:
     """The cyclic garbage collector off for a block: a simulation allocates millions of long-lived objects
     (requests, blocks, records, chunk times) and nothing cyclic that needs collecting; its full collections cost a
-    fifth of a 64-replica run, and as much again in summarize() over the records afterwards."""
+    fifth of a 64-replica run, and as much again in summarize() over the records afterwards.
+
+    On the way out, what the block allocated and kept (the records) goes straight to the oldest generation
+    (gc.freeze, then gc.unfreeze: no scan): re-enabled as it was, the collector's next young collection would scan
+    every one of those objects first (1.2 s after 25,000 requests on 64 replicas; the young generation's count is
+    what was allocated while paused). Nothing is kept from collection: a full collection scans them as it scans
+    every old object. The simulation itself leaves no cycles behind (a replica's clock is not one of its bound
+    methods), so its replicas, pools and requests are freed by reference counting when it returns."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 
@@ -217,7 +255,7 @@ class _Facts:
 class _Replica:
     __slots__ = (
         "index", "kv", "scheduler", "inbox", "busy", "load", "kv_usage", "pending", "applied", "sched", "start_s",
-        "stats", "now", "trace", "sampling", "waking", "output", "remote_inbox", "pulling", "pulled", "leased",
+        "stats", "now", "trace", "waking", "prev_prefill", "output", "remote_inbox", "pulling", "pulled", "leased",
         "lease_ended", "api_work",
     )  # fmt: skip
 
@@ -226,8 +264,10 @@ class _Replica:
         self.index = index
         self.kv = KVCacheManager(1, cc.block_size, cc.enable_prefix_caching, cc.sliding_window)
         self.kv.pool = LazyBlockPool(cc.num_blocks, cc.enable_prefix_caching)  # the same order, built on first use
-        self.now = 0.0
-        self.scheduler = Scheduler(config.scheduler, self.kv, clock=self._clock)
+        # the replica's simulated time, the scheduler's clock: a C-level read of this list (no Python frame per
+        # call, and no reference back to the replica, which would make a cycle of every replica)
+        self.now = [0.0]
+        self.scheduler = Scheduler(config.scheduler, self.kv, clock=functools.partial(operator.getitem, self.now, 0))
         self.scheduler.emit_block_ids = False  # no model runner reads them
         self.inbox: deque[Request] = deque()
         self.busy = False
@@ -240,8 +280,7 @@ class _Replica:
         self.start_s = 0.0
         self.stats = ReplicaStats()
         self.trace: StepTrace | None = None  # the current step's, when steps are recorded
-        self.sampling: list[Request] = []  # the current step's requests that sample a token
-        self.output = ModelRunnerOutput({})  # reused: the scheduler only reads it (sampled ids set per step)
+        self.output = ModelRunnerOutput({})  # reused: the scheduler only reads it (its ids set at each step start)
         # disaggregation, decode role: handoffs not yet parked, pulls in flight (id → its missing blocks), done
         self.remote_inbox: deque[Request] = deque()
         self.pulling: dict[str, int] = {}
@@ -249,10 +288,8 @@ class _Replica:
         # prefill role: detached requests whose blocks are held (the lease), and those whose pull completed
         self.leased: dict[str, Request] = {}
         self.lease_ended: list[str] = []
+        self.prev_prefill = False  # whether its latest step computed prompt tokens (the post-prefill decode term)
         self.api_work = 0.0  # API seconds of work that overlap this replica's current step (its next step's stretch)
-
-    def _clock(self) -> float:
-        return self.now
 
 
 class Simulator:
@@ -264,6 +301,7 @@ class Simulator:
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.step_time: StepTimeFn = profile.step_time_fn(config.tensor_parallel_size)
+        self.post_prefill_s = profile.post_prefill_s(config.tensor_parallel_size)  # 0: a model without the term
         self.overheads: Overheads = profile.overheads
         self.noise = profile.noise_sampler(config.seed) if config.step_noise else None
         if config.step_noise and self.noise is None:
@@ -294,7 +332,9 @@ class Simulator:
         stretch = ov.api_step_stretch
         api_free = 0.0
         step_time = self.step_time
+        post_prefill = self.post_prefill_s
         noise = self.noise
+        record_steps = cfg.record_steps
         facts = _Facts(engine)
         num_prefill, num_decode = (
             check_disaggregation(cfg.disaggregation) if cfg.disaggregation else (cfg.data_parallel_size, 0)
@@ -319,7 +359,7 @@ class Simulator:
             for i in range(n)
         ]
         prompt_hash: dict[str, int] = {}
-        ints = list(range(max(vocab, 1 + max((int(max(p)) for p in workload.prompt_token_ids if len(p)), default=0))))
+        ints = list(range(vocab))  # the shared int object of each token id (deliver)
         record_of: dict[str, RequestRecord] = {}  # requests in an engine → their records
         params_by_len: dict[int, SamplingParams] = {}
         steps: list[StepTrace] = []
@@ -331,9 +371,11 @@ class Simulator:
         arrivals = workload.arrivals_s
         next_arrival = 0
 
+        heappush = heapq.heappush
+
         def push(t: float, kind: int, payload: int) -> None:
             nonlocal seq
-            heapq.heappush(heap, (t, kind, seq, payload))
+            heappush(heap, (t, kind, seq, payload))
             seq += 1
 
         def wake(rep: _Replica, t: float) -> None:
@@ -362,7 +404,16 @@ class Simulator:
             rec = records[i]
             # one shared int object per token id (not one per position, as tolist() makes): the requests of 64
             # replicas then fit the CPU caches much better (measured: 1.6x faster at 64 replicas)
-            ids = [ints[t] for t in workload.prompt_token_ids[i]]
+            # (an int32 array's tolist() first: indexing with numpy scalars cost 40 µs a 256-token prompt)
+            prompt = workload.prompt_token_ids[i]
+            tolist = getattr(prompt, "tolist", None)
+            raw = prompt if tolist is None else tolist()
+            try:
+                ids = list(map(ints.__getitem__, raw))
+            except IndexError:  # an id past the vocabulary: LLMEngine.validate refuses it below, with its message
+                ids = list(raw)
+            if raw and min(raw) < 0:  # (ints[-1] would read as a valid id): validate refuses it too
+                ids = list(raw)
             out_len = workload.output_lens[i]
             params = params_by_len.get(out_len)
             if params is None:
@@ -380,7 +431,8 @@ class Simulator:
                 rep = replicas[choose_core(loads, affinity, ids, block_size)]
             rid = str(i)
             req = Request(rid, ids, params, max_tokens, self.eos_token_ids, arrival_time=t)
-            prompt_hash[rid] = hash(tuple(ids))
+            # (reduced mod the vocabulary once: sim_token's sum then stays a small int, the same token)
+            prompt_hash[rid] = hash(tuple(ids)) % vocab
             record_of[rid] = rec
             rec.server_prompt_len = len(ids)
             rep.pending += 1
@@ -434,6 +486,7 @@ class Simulator:
             while rep.remote_inbox:
                 sch.add_remote(rep.remote_inbox.popleft())
                 rep.applied += 1
+
             def loaded(req: Request, num_hit_tokens: int) -> None:  # its prompt's KV is here: it decodes
                 sch.remote_kv_loaded(req, num_hit_tokens)
                 kv.cache_blocks(req)
@@ -470,7 +523,7 @@ class Simulator:
 
         def start_step(rep: _Replica, t: float) -> None:
             sch = rep.scheduler
-            rep.now = t
+            rep.now[0] = t
             while rep.inbox:
                 sch.add_request(rep.inbox.popleft())
                 rep.applied += 1
@@ -478,17 +531,22 @@ class Simulator:
                 free_leases(rep)
             if sch.remote_kv or rep.remote_inbox:
                 resolve_remote(rep, t)
-            before = {r.request_id for r in sch.running} if cfg.record_steps else None
+            before = {r.request_id for r in sch.running} if record_steps else None
             sched = sch.schedule()
-            if sched.is_empty:
+            if not sched.scheduled:
                 rep.busy = False
                 rep.api_work = 0.0
                 assert not sch.running, f"replica {rep.index}: running requests but nothing scheduled"
                 return
-            sampling: list[Request] = []
-            prefill, segments, rows, context, pairs = step_features(sched, sampling)
-            rep.sampling = sampling
+            # the step's features, and the tokens its sampling requests get at its end (read by update_from_output)
+            prefill, segments, rows, context, pairs, rep.output.sampled_token_ids = step_features_and_tokens(
+                sched, prompt_hash, vocab
+            )
             dt = step_time(prefill, segments, rows, context, pairs)
+            if post_prefill:  # the first pure decode after a prefill (POST_PREFILL_TERM)
+                if rep.prev_prefill and not prefill and rows:
+                    dt += post_prefill
+                rep.prev_prefill = prefill > 0
             if noise is not None:
                 dt *= noise()
             if rep.api_work:  # the API process took turns on this step's cores
@@ -509,7 +567,9 @@ class Simulator:
                     rep.index, rep.stats.num_steps, t, t + dt, scheduled, admitted, list(sched.preempted_ids), []
                 )
                 steps.append(rep.trace)
-            push(t + dt, _STEP_END, rep.index)
+            nonlocal seq
+            heappush(heap, (t + dt, _STEP_END, seq, rep.index))  # push(), inlined: every step
+            seq += 1
 
         def finish_record(req: Request, rec: RequestRecord, end_s: float) -> None:
             rec.chunk_num_tokens = [1] * len(rec.chunk_times_s)
@@ -522,13 +582,9 @@ class Simulator:
         def end_step(rep: _Replica, t: float) -> None:
             sched = rep.sched
             assert sched is not None, f"replica {rep.index}: a step ended that never started"
-            rep.now = t
-            out = rep.output
-            out.sampled_token_ids = {
-                r.request_id: (prompt_hash[r.request_id] + 7919 * len(r.all_token_ids)) % vocab for r in rep.sampling
-            }  # sim_token, inlined (the hot path)
+            rep.now[0] = t
             sch = rep.scheduler
-            updated = sch.update_from_output(sched, out, max_model_len)
+            updated = sch.update_from_output(sched, rep.output, max_model_len)  # its tokens: set at the step's start
             nonlocal api_free
             chunk_s = t + egress
             finished = []
@@ -569,11 +625,13 @@ class Simulator:
             st = rep.stats
             st.num_steps += 1
             st.busy_s += t - rep.start_s
-            st.max_running = max(st.max_running, len(sch.running) + len(finished))
+            num_running = len(sch.running) + len(finished)
+            if num_running > st.max_running:
+                st.max_running = num_running
             if rep.trace is not None:
                 rep.trace.finished = finished
             rep.load = len(sch.running) + len(sch.waiting) + len(sch.remote_kv)
-            rep.kv_usage = rep.kv.usage
+            rep.kv_usage = rep.kv.pool.usage
             rep.pending -= rep.applied
             rep.applied = 0
             rep.sched = None
@@ -582,21 +640,22 @@ class Simulator:
                 finish_client(int(rid), chunk_s if finished_s is None else finished_s[k])
             start_step(rep, t)
 
-        inf = math.inf
+        heappop = heapq.heappop
+        next_t = arrivals[0] if n else math.inf  # the next client arrival's time
         while next_arrival < n or heap:
             if next_arrival < n and (
-                arrivals[next_arrival] < (heap[0][0] if heap else inf)
-                or (arrivals[next_arrival] == heap[0][0] and heap[0][1] > _ARRIVE)
+                not heap or next_t < (top := heap[0])[0] or (next_t == top[0] and top[1] > _ARRIVE)
             ):
                 i = next_arrival
                 next_arrival += 1
-                t = arrivals[i]
+                if next_arrival < n:
+                    next_t = arrivals[next_arrival]
                 if cap is not None and in_flight >= cap:
                     waiting_client.append(i)
                 else:
-                    send(i, t)
+                    send(i, arrivals[i])
                 continue
-            t, kind, _, payload = heapq.heappop(heap)
+            t, kind, _, payload = heappop(heap)
             if kind == _STEP_END:
                 end_step(replicas[payload], t)
             elif kind == _DELIVER:

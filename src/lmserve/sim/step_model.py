@@ -62,7 +62,14 @@ OFF_STACK_TERM = "decode_off_stack"
 # coefficient carried that fixed part for every segment, and a step of 32 new prompts beside decodes (a burst, a
 # closed-loop start) came out 1.4-1.5x the served one, while a lone prefill (no stack to leave) came out too slow
 MIXED_STEP_TERM = "mixed_step"
-TERMS = (*FEATURE_NAMES, OFF_STACK_TERM, MIXED_STEP_TERM)
+# 1 for a pure-decode step whose core's previous step computed prompt tokens: the first decode after a prefill runs
+# slower than steady ones (single streams on the 2-core development machine, after a 512-token prompt: 2.07, 1.60,
+# 1.34 ms for the first three decodes against 1.25 ms steady), the prefill's activations having pushed the weights
+# and KV out of the caches. One step's jump: the first decode carries about two thirds of the excess, the next ones
+# less (not modelled). Not a feature of one SchedulerOutput: the simulator and calibrate set it from the same core's
+# previous step (mark_decode_after_prefill). A step model without it (older files, a roofline) has it 0.
+POST_PREFILL_TERM = "decode_after_prefill"
+TERMS = (*FEATURE_NAMES, OFF_STACK_TERM, MIXED_STEP_TERM, POST_PREFILL_TERM)
 DEFAULT_TP_EFFICIENCY = 0.85  # assumed for fitted profiles (calibrate runs one process; no TP to time)
 
 StepTimeFn = Callable[[int, int, int, int, float], float]  # (prefill, segments, rows, context, pairs) → s
@@ -75,8 +82,10 @@ class StepFeatures:
     decode_rows: int = 0
     decode_context_tokens: int = 0
     prefill_attention_pairs: float = 0.0
+    decode_after_prefill: int = 0  # POST_PREFILL_TERM: 1 for a pure decode right after the core's prefill step
 
     def as_tuple(self) -> tuple[int, int, int, int, float]:
+        """The five features of the step itself (StepTimeFn's arguments; decode_after_prefill is the core's)."""
         return (
             self.prefill_tokens,
             self.prefill_segments,
@@ -84,6 +93,17 @@ class StepFeatures:
             self.decode_context_tokens,
             self.prefill_attention_pairs,
         )
+
+
+def mark_decode_after_prefill(features: list[tuple[Any, ...]]) -> list[int]:
+    """decode_after_prefill of each step of one engine core, in the order it took them (each a feature tuple:
+    prefill_tokens first, decode_rows third): 1 for a pure-decode step whose previous step computed prompt tokens."""
+    flags = []
+    prev_prefill = False
+    for f in features:
+        flags.append(int(prev_prefill and f[0] == 0 and f[2] > 0))
+        prev_prefill = f[0] > 0
+    return flags
 
 
 # ---- overheads outside the step ------------------------------------------------------------------------
@@ -159,16 +179,26 @@ class LinearStepModel:
         return tuple(t for t in TERMS if t in self.coefficients_s)
 
     def step_time_s(self, f: StepFeatures) -> float:
-        return self.fast()(*f.as_tuple())
+        return self.fast()(*f.as_tuple()) + self.post_prefill_s() * f.decode_after_prefill
+
+    @staticmethod
+    def _tp_scale(tp: int, tp_efficiency: float, timed_tp: int) -> float:
+        ratio = timed_tp / tp
+        return 1.0 if ratio == 1 else ratio / tp_efficiency if ratio < 1 else ratio * tp_efficiency
+
+    def post_prefill_s(self, tp: int = 1, tp_efficiency: float = DEFAULT_TP_EFFICIENCY, timed_tp: int = 1) -> float:
+        """POST_PREFILL_TERM's seconds at tensor-parallel size tp (scaled as fast() scales the variable part): what
+        the simulator adds to a pure decode right after the core's prefill step (0 without the term)."""
+        return self.coefficients_s.get(POST_PREFILL_TERM, 0.0) * self._tp_scale(tp, tp_efficiency, timed_tp)
 
     def fast(self, tp: int = 1, tp_efficiency: float = DEFAULT_TP_EFFICIENCY, timed_tp: int = 1) -> StepTimeFn:
         """The model as a plain function of the feature tuple (the simulator's hot path), at tensor-parallel size
         tp for a model timed at timed_tp: the variable part × (timed_tp / tp), divided by tp_efficiency when tp is
-        larger (the collectives' cost) and multiplied by it when smaller."""
+        larger (the collectives' cost) and multiplied by it when smaller. POST_PREFILL_TERM is not a feature of the
+        step alone: post_prefill_s() gives it."""
         c = self.coefficients_s
         c0 = self.intercept_s
-        ratio = timed_tp / tp
-        scale = 1.0 if ratio == 1 else ratio / tp_efficiency if ratio < 1 else ratio * tp_efficiency
+        scale = self._tp_scale(tp, tp_efficiency, timed_tp)
         c1, cs, c2 = (
             c.get("prefill_tokens", 0.0) * scale,
             c.get("prefill_segments", 0.0) * scale,
@@ -328,6 +358,8 @@ def choose_form(
     base_terms = (*LINEAR_TERMS, OFF_STACK_TERM) if both_sides else LINEAR_TERMS
     if sum(f.prefill_segments > 1 and f.decode_rows > 0 for f, _ in samples) >= 5:
         base_terms = (*base_terms, MIXED_STEP_TERM)
+    if sum(f.decode_after_prefill for f, _ in samples) >= 5:  # decodes right after a prefill: their own jump
+        base_terms = (*base_terms, POST_PREFILL_TERM)
     rows = stack_rows if both_sides else 0
     base, base_q = fit_linear(samples, base_terms, seed=seed, stack_rows=rows)
     quad, quad_q = fit_linear(samples, (*base_terms, QUADRATIC_TERM), seed=seed, stack_rows=rows)
@@ -522,8 +554,15 @@ class StepProfile:
         another size)."""
         return self.estimate or tp != self.tensor_parallel_size
 
+    def post_prefill_s(self, tp: int = 1) -> float:
+        """POST_PREFILL_TERM's seconds at tensor-parallel size tp: 0 for a roofline and for a fitted model without
+        the term (every step model from before it)."""
+        if self.linear is None:
+            return 0.0
+        return self.linear.post_prefill_s(tp, self.tp_efficiency, self.tensor_parallel_size)
+
     def step_time_s(self, f: StepFeatures, tp: int = 1) -> float:
-        return self.step_time_fn(tp)(*f.as_tuple())
+        return self.step_time_fn(tp)(*f.as_tuple()) + self.post_prefill_s(tp) * f.decode_after_prefill
 
     def scaled(self, factor: float) -> StepProfile:
         """A copy whose fitted step times are `factor` times longer (validation: the machine's drift since the

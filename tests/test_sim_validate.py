@@ -1,0 +1,57 @@
+"""benchmarks/validate_sim.py's judging of the simulator against the server's own repeats (--poisson-repeats)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_sim.py"
+_spec = importlib.util.spec_from_file_location("validate_sim", _PATH)
+assert _spec is not None and _spec.loader is not None
+validate_sim = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("validate_sim", validate_sim)  # (its dataclasses look their module up)
+_spec.loader.exec_module(validate_sim)
+
+
+def _summary(ttft_mean: float, ttft_p99: float, tpot_mean: float, tpot_p99: float, tok_s: float) -> SimpleNamespace:
+    return SimpleNamespace(
+        ttft_ms=SimpleNamespace(mean=ttft_mean, p99=ttft_p99),
+        tpot_ms=SimpleNamespace(mean=tpot_mean, p99=tpot_p99),
+        output_throughput_tok_s=tok_s,
+    )
+
+
+def test_outside_pct_is_zero_inside_and_relative_to_the_nearer_end() -> None:
+    f = validate_sim.outside_pct
+    assert f(30.0, 28.0, 45.0) == 0.0 and f(28.0, 28.0, 45.0) == 0.0 and f(45.0, 28.0, 45.0) == 0.0
+    assert f(54.0, 28.0, 45.0) == pytest.approx(20.0)  # 9 ms above 45
+    assert f(21.0, 28.0, 45.0) == pytest.approx(-25.0)  # 7 ms below 28
+    assert f(None, 1.0, 2.0) is None and f(1.0, None, None) is None
+    assert f(1.0, 0.0, 0.0) == math.inf
+
+
+def test_repeats_table_shows_the_servers_spread_beside_the_simulated_value() -> None:
+    p = validate_sim.Point("Poisson 90 % of saturation (9.00 req/s)", "default", [], rate_rps=9.0)
+    p.repeats = [_summary(28.0, 80.0, 10.1, 20.0, 300.0), _summary(45.4, 120.0, 17.3, 40.0, 296.0)]
+    p.real = p.repeats[0]
+    p.sim = _summary(35.0, 130.0, 9.0, 30.0, 298.0)
+    assert validate_sim.spread(p, "ttft_ms", "mean") == (28.0, 45.4)
+    lines = validate_sim.format_repeats([p]).splitlines()
+    assert len(lines) == 2 + len(validate_sim.METRICS)  # head, rule, one row per metric
+
+    def row(metric: str) -> str:
+        return next(line for line in lines[2:] if metric in line)
+
+    ttft = row("TTFT mean")
+    assert ttft.startswith(p.name) and "28.0 – 45.4" in ttft and "35.0" in ttft and "inside" in ttft
+    assert "10.1 – 17.3" in row("TPOT mean") and f"{100 * (9.0 - 10.1) / 10.1:+.1f}%" in row("TPOT mean")
+    assert f"{100 * (130.0 - 120.0) / 120.0:+.1f}%" in row("TTFT P99")
+    assert "296.0 – 300.0" in row("out tok/s") and "inside" in row("out tok/s")
+    single = validate_sim.Point("one run", "default", [], rate_rps=9.0)
+    single.repeats, single.sim = [p.real], p.sim
+    assert len(validate_sim.format_repeats([single]).splitlines()) == 2  # one run: no spread, no row
