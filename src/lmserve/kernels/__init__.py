@@ -174,7 +174,7 @@ def set_enabled(enabled: bool) -> None:
 
 def set_streams(n: int) -> None:
     """How many interleaved runs (memory streams, 1-16) the int8 kernel reads a thread's share of the weight rows in;
-    the same output bits for every n (cpu_kernels.c's ls_streams: why 3 by default)."""
+    the same output bits for every n (cpu_kernels.c's ls_streams: why 1 by default)."""
     if not 1 <= n <= 16:
         raise ValueError(f"kernel streams must be 1 to 16, got {n}")
     assert available(), "kernels not loaded"

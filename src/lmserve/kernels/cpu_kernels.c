@@ -787,15 +787,14 @@ void quantize_rows_i8(const float *x, int8_t *q, float *scales, int64_t M, int64
     for (int64_t m = 0; m < M; m++) quantize_row_i8(x + m * K, q + m * K, scales + m, K);
 }
 
-/* Memory streams the int8 kernel reads a thread's share of the weight rows in (set_kernel_streams). A thread walks
- * its contiguous share as ls_streams interleaved runs: row a, then a + run, a + 2 run, then a + 1, ... Measured on
- * the Zen 4 guest of the benchmarks (2 threads, benchmarks/bench_streams.py: one process switching the setting every
- * 16 single-stream decode steps of the benchmark model; docs/performance.md "int8 rows in three streams"): 1 run
- * 5.48-5.50 ms a step, 2 runs
- * 5.06-5.15, 3 runs 4.87, 4 runs 5.47, 5 runs 5.88. The same walk did nothing for the float32 rows (14.99 / 14.97 /
- * 14.90 ms at 1 / 2 / 3) and slowed the W4A8 panels (3.94 / 4.04 / 4.41 ms), which keep schedule(static). Only the
- * order of the rows changes, never a row's arithmetic: outputs are bit-identical for every setting. */
-static int ls_streams = 3;
+/* Memory streams the int8 kernel reads a thread's share of the weight rows in (set_kernel_streams; default 1, the
+ * plain schedule(static) walk). With n > 1 a thread walks its contiguous share as n interleaved runs: row a, then
+ * a + run, a + 2 run, then a + 1, ... Measured on the Zen 4 guest of the benchmarks (docs/performance.md "The int8
+ * kernel"): 3 runs took a single-stream int8 step from 5.48 to 4.87 ms in one engine process switching the setting
+ * every 16 steps (benchmarks/bench_streams.py), yet the benchmark's own setting (an engine that first served a
+ * batch) measured 7 % slower with it, process against process; so it stays off by default. Only the order of
+ * the rows changes, never a row's arithmetic: outputs are bit-identical for every setting. */
+static int ls_streams = 1;
 void set_kernel_streams(int n) { ls_streams = n < 1 ? 1 : n > 16 ? 16 : n; }
 int kernel_streams(void) { return ls_streams; }
 
@@ -901,9 +900,11 @@ static inline __attribute__((always_inline)) void dot_i8_rows(const uint8_t *xu,
 void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_sum, const float *b,
                    float *y, int64_t M, int64_t O, int64_t K, int nthreads) {
     const int64_t KC = K / 64 * 64; /* bytes of a row in whole 64-byte chunks (the interleaved copy's) */
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    uint8_t *xu = (uint8_t *)malloc((size_t)(M * K));
-    uint8_t *xt = M > 1 ? (uint8_t *)malloc((size_t)(M * KC) + 1) : NULL;
+    /* 64-byte aligned: a row's vector loads never straddle two cache lines, whatever the heap handed out before */
+    const size_t xbytes = (size_t)((M * K + 63) / 64 * 64);
+    int8_t *xq = (int8_t *)aligned_alloc(64, xbytes);
+    uint8_t *xu = (uint8_t *)aligned_alloc(64, xbytes);
+    uint8_t *xt = M > 1 ? (uint8_t *)aligned_alloc(64, (size_t)(M * KC) + 64) : NULL;
     float *xs = (float *)malloc(sizeof(float) * (size_t)M);
     for (int64_t m = 0; m < M; m++) {
         quantize_row_i8(x + m * K, xq + m * K, xs + m, K);
@@ -916,6 +917,14 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
                 memcpy(xt + m0 * KC + (c * n + m) * 64, xu + (m0 + m) * K + c * 64, 64);
     }
     int shifted = i8_kernel_isa() > 0;
+    if (M == 1 && ls_streams == 1) { /* single-stream decode: one row of x, one accumulator a weight row */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t o = 0; o < O; o++) {
+            int32_t acc;
+            dot_i8_rows(xu, xq, NULL, w + o * K, K, 1, &acc);
+            y[o] = (float)(acc - (shifted ? 128 * w_sum[o] : 0)) * (xs[0] * w_scale[o]) + (b ? b[o] : 0.f);
+        }
+    } else {
 #pragma omp parallel num_threads(nthreads)
     {
         const ls_share sh = ls_thread_share(O, ls_streams);
@@ -943,6 +952,7 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
                     y[(m0 + m) * O + o] = (float)(acc[m] - corr) * (xs[m0 + m] * w_scale[o]) + bias;
             }
         }
+    }
     }
     free(xq);
     free(xu);
