@@ -178,7 +178,7 @@ def portable_kernels(tmp_path: Path) -> Iterator[ctypes.CDLL]:
 def test_portable_fallback_without_vnni_is_exact(portable_kernels: ctypes.CDLL) -> None:
     # the W4A8 kernels pick their path by cpuid at run time, whatever the build targeted
     best = kernels.w4a8_isa_name(kernels.w4a8_isa("auto"))
-    int8 = f"portable C (no VNNI), {kernels.streams()} runs a thread"
+    int8 = f"portable C (no VNNI), {'1 run' if kernels.streams() == 1 else f'{kernels.streams()} runs'} a thread"
     names = {"int8": int8, "int4": "portable C", "int8w": "portable C", "w4a8": best}
     assert kernels.quantized_kernel_names() == names
     for m, k, o in SHAPES:

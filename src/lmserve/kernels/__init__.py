@@ -143,6 +143,10 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
+def _streams_phrase(n: int) -> str:
+    return f"{n} run{'' if n == 1 else 's'} a thread"
+
+
 def _streams_from_env(value: str) -> int:
     try:
         n = int(value)
@@ -418,7 +422,7 @@ def quantized_kernel_names() -> dict[str, str]:
     """Which instructions the loaded int8 / int4 kernels use (what the runner logs)."""
     assert _lib is not None, "kernels not loaded: call available() first"
     return {
-        "int8": f"{I8_KERNEL_NAMES[_lib.i8_kernel_isa()]}, {_lib.kernel_streams()} runs a thread",
+        "int8": f"{I8_KERNEL_NAMES[_lib.i8_kernel_isa()]}, {_streams_phrase(_lib.kernel_streams())}",
         "int4": "AVX-512" if _lib.i4_kernel_isa() else "portable C",
         "int8w": "AVX-512" if _lib.i4_kernel_isa() else "portable C",  # compiled with the int4 kernel's paths
         "w4a8": w4a8_isa_name(w4a8_isa()),

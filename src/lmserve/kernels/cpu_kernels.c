@@ -792,8 +792,10 @@ void quantize_rows_i8(const float *x, int8_t *q, float *scales, int64_t M, int64
  * a + run, a + 2 run, then a + 1, ... Measured on the Zen 4 guest of the benchmarks (docs/performance.md "The int8
  * kernel"): 3 runs took a single-stream int8 step from 5.48 to 4.87 ms in one engine process switching the setting
  * every 16 steps (benchmarks/bench_streams.py), yet the benchmark's own setting (an engine that first served a
- * batch) measured 7 % slower with it, process against process; so it stays off by default. Only the order of
- * the rows changes, never a row's arithmetic: outputs are bit-identical for every setting. */
+ * batch) measured 7 % slower with it, process against process; so it stays off by default, and a one-row input
+ * with it on takes the 8-row loop, slower at one row than the plain one (12.2-13.5 against 7.6 ms a step in the
+ * last measurement). Only the order of the rows changes, never a row's arithmetic: outputs are bit-identical for
+ * every setting. */
 static int ls_streams = 1;
 void set_kernel_streams(int n) { ls_streams = n < 1 ? 1 : n > 16 ? 16 : n; }
 int kernel_streams(void) { return ls_streams; }
