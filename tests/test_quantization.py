@@ -67,29 +67,6 @@ def test_int8_kernel_exact_in_int32(m: int, k: int, o: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("o", [1, 2, 5, 37, 96, 577])
-def test_int8_kernel_rows_in_any_number_of_streams_are_the_same_bits(o: int) -> None:
-    """The int8 kernel walks a thread's rows in kernels.streams() interleaved runs: every row count, shares shorter
-    than the runs included, gives every output exactly once with the reference's bits."""
-    torch.manual_seed(o)
-    x, w = torch.randn(2, 192), torch.randn(o, 192)
-    qw, s = Q.quantize_int8(w)
-    expected = _int8_reference(x, qw, s)
-    default = kernels.streams()
-    try:
-        for n in (1, 2, 3, 4, 7, 16):
-            kernels.set_streams(n)
-            assert kernels.streams() == n
-            assert torch.equal(kernels.linear_i8(x, qw, s, Q.int8_row_sums(qw), None), expected), f"{n} streams"
-            assert torch.equal(kernels.linear_i8(x[:1], qw, s, Q.int8_row_sums(qw), None), expected[:1])
-    finally:
-        kernels.set_streams(default)
-    for bad in (0, 17):
-        with pytest.raises(ValueError, match="1 to 16"):
-            kernels.set_streams(bad)
-
-
-@needs_kernels
 @pytest.mark.parametrize("k", [64, 100, 576, 1536])
 def test_int8_kernel_batches_rows_bit_identically(k: int) -> None:
     """1-17 rows of x (runs of I8_MAX_ROWS, a short last run; the 64-byte chunks interleaved, a tail past them):
@@ -104,13 +81,6 @@ def test_int8_kernel_batches_rows_bit_identically(k: int) -> None:
         assert torch.equal(kernels.linear_i8(x[:m], qw, s, sums, None), expected[:m]), f"{m} rows"
     torch.testing.assert_close(kernels.linear_i8(x, qw, s, sums, bias), expected + bias)  # (one fused rounding)
     assert kernels.I8_MAX_ROWS == kernels._lib.i8_kernel_max_rows()
-
-
-def test_kernel_streams_env_must_be_a_small_integer() -> None:
-    assert kernels._streams_from_env(" 3 ") == 3
-    for bad in ("0", "17", "three", "2.5"):
-        with pytest.raises(ValueError, match=kernels.STREAMS_ENV):
-            kernels._streams_from_env(bad)
 
 
 def test_int8_weight_quantization_is_symmetric_per_channel() -> None:
@@ -178,8 +148,7 @@ def portable_kernels(tmp_path: Path) -> Iterator[ctypes.CDLL]:
 def test_portable_fallback_without_vnni_is_exact(portable_kernels: ctypes.CDLL) -> None:
     # the W4A8 kernels pick their path by cpuid at run time, whatever the build targeted
     best = kernels.w4a8_isa_name(kernels.w4a8_isa("auto"))
-    int8 = f"portable C (no VNNI), {'1 run' if kernels.streams() == 1 else f'{kernels.streams()} runs'} a thread"
-    names = {"int8": int8, "int4": "portable C", "int8w": "portable C", "w4a8": best}
+    names = {"int8": "portable C (no VNNI)", "int4": "portable C", "int8w": "portable C", "w4a8": best}
     assert kernels.quantized_kernel_names() == names
     for m, k, o in SHAPES:
         torch.manual_seed(o)

@@ -33,8 +33,6 @@ MAX_HEADS = 256  # query heads the attention kernel's stack arrays hold (MAX_GRO
 # float32 takes the original kernels). int8 and fp8 come with a float32 scale per (slot, KV head).
 KV_CACHE_DTYPES = {torch.float32: -1, torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
 
-STREAMS_ENV = "LMSERVE_KERNEL_STREAMS"  # runs the int8 kernel reads a thread's weight rows in (ls_streams)
-
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -136,25 +134,7 @@ def _load() -> ctypes.CDLL | None:
     lib.shm_post.argtypes, lib.shm_post.restype = [_P, _I], None
     lib.lora_delta_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int]
     lib.lora_delta_f32.restype = ctypes.c_int
-    lib.set_kernel_streams.argtypes, lib.set_kernel_streams.restype = [ctypes.c_int], None
-    lib.kernel_streams.argtypes, lib.kernel_streams.restype = [], ctypes.c_int
-    if os.environ.get(STREAMS_ENV, "").strip():
-        lib.set_kernel_streams(_streams_from_env(os.environ[STREAMS_ENV]))
     return lib
-
-
-def _streams_phrase(n: int) -> str:
-    return f"{n} run{'' if n == 1 else 's'} a thread"
-
-
-def _streams_from_env(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 16:
-        raise ValueError(f"{STREAMS_ENV} must be an integer from 1 to 16, got {value!r}")
-    return n
 
 
 def available() -> bool:
@@ -174,20 +154,6 @@ def set_enabled(enabled: bool) -> None:
         available()
     else:
         _lib, _tried = None, True
-
-
-def set_streams(n: int) -> None:
-    """How many interleaved runs (memory streams, 1-16) the int8 kernel reads a thread's share of the weight rows in;
-    the same output bits for every n (cpu_kernels.c's ls_streams: why 1 by default)."""
-    if not 1 <= n <= 16:
-        raise ValueError(f"kernel streams must be 1 to 16, got {n}")
-    assert available(), "kernels not loaded"
-    _lib.set_kernel_streams(n)
-
-
-def streams() -> int:
-    """The int8 kernel's current runs per thread (set_streams; 0 without the kernels)."""
-    return int(_lib.kernel_streams()) if available() else 0
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -422,7 +388,7 @@ def quantized_kernel_names() -> dict[str, str]:
     """Which instructions the loaded int8 / int4 kernels use (what the runner logs)."""
     assert _lib is not None, "kernels not loaded: call available() first"
     return {
-        "int8": f"{I8_KERNEL_NAMES[_lib.i8_kernel_isa()]}, {_streams_phrase(_lib.kernel_streams())}",
+        "int8": I8_KERNEL_NAMES[_lib.i8_kernel_isa()],
         "int4": "AVX-512" if _lib.i4_kernel_isa() else "portable C",
         "int8w": "AVX-512" if _lib.i4_kernel_isa() else "portable C",  # compiled with the int4 kernel's paths
         "w4a8": w4a8_isa_name(w4a8_isa()),

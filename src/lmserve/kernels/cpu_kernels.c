@@ -19,7 +19,6 @@
  * All tensors are contiguous float32 (int64 for indices); the Python side asserts it.
  */
 #include <math.h>
-#include <omp.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -787,37 +786,6 @@ void quantize_rows_i8(const float *x, int8_t *q, float *scales, int64_t M, int64
     for (int64_t m = 0; m < M; m++) quantize_row_i8(x + m * K, q + m * K, scales + m, K);
 }
 
-/* Memory streams the int8 kernel reads a thread's share of the weight rows in (set_kernel_streams; default 1, the
- * plain schedule(static) walk). With n > 1 a thread walks its contiguous share as n interleaved runs: row a, then
- * a + run, a + 2 run, then a + 1, ... Measured on the Zen 4 guest of the benchmarks (docs/performance.md "The int8
- * kernel"): 3 runs took a single-stream int8 step from 5.48 to 4.87 ms in one engine process switching the setting
- * every 16 steps (benchmarks/bench_streams.py), yet the benchmark's own setting (an engine that first served a
- * batch) measured 7 % slower with it, process against process; so it stays off by default, and a one-row input
- * with it on takes the 8-row loop, slower at one row than the plain one (12.2-13.5 against 7.6 ms a step in the
- * last measurement). Only the order of the rows changes, never a row's arithmetic: outputs are bit-identical for
- * every setting. */
-static int ls_streams = 1;
-void set_kernel_streams(int n) { ls_streams = n < 1 ? 1 : n > 16 ? 16 : n; }
-int kernel_streams(void) { return ls_streams; }
-
-/* The calling thread's share of n items inside a parallel region: contiguous, as schedule(static) splits them,
- * walked by ls_share_item in `streams` runs of `run` items. */
-typedef struct {
-    int64_t begin, count, run, streams;
-} ls_share;
-
-static inline ls_share ls_thread_share(int64_t n, int64_t streams) {
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num(), base = n / nt, extra = n % nt;
-    const int64_t count = base + (t < extra), s = streams < count ? streams : (count ? count : 1);
-    return (ls_share){t * base + (t < extra ? t : extra), count, (count + s - 1) / s, s};
-}
-
-/* Item i (0 <= i < run * streams) of the share: the (i / streams)-th item of run i % streams; -1 past the end. */
-static inline int64_t ls_share_item(ls_share s, int64_t i) {
-    const int64_t j = (i % s.streams) * s.run + i / s.streams;
-    return j < s.count ? s.begin + j : -1;
-}
-
 #define I8_MAX_ROWS 8 /* rows of x one pass over an int8 weight row serves in registers (more: in runs of 8) */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -897,8 +865,8 @@ static inline __attribute__((always_inline)) void dot_i8_rows(const uint8_t *xu,
 }
 
 /* x (M, K) float32 -> quantized per row here; w (O, K) int8; w_scale (O,); w_sum (O,) = sum of each w row;
- * b (O,) or NULL; y (M, O). Threads split the output features, each streaming its weight rows once (in
- * ls_streams runs), every row of x meeting a weight row while it is in L1 (I8_MAX_ROWS at a time). */
+ * b (O,) or NULL; y (M, O). Threads split the output features, each streaming its weight rows once, every row
+ * of x meeting a weight row while it is in L1 (I8_MAX_ROWS at a time). */
 void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_sum, const float *b,
                    float *y, int64_t M, int64_t O, int64_t K, int nthreads) {
     const int64_t KC = K / 64 * 64; /* bytes of a row in whole 64-byte chunks (the interleaved copy's) */
@@ -919,26 +887,22 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
                 memcpy(xt + m0 * KC + (c * n + m) * 64, xu + (m0 + m) * K + c * 64, 64);
     }
     int shifted = i8_kernel_isa() > 0;
-    if (M == 1 && ls_streams == 1) { /* single-stream decode: one row of x, one accumulator a weight row */
+    if (M == 1) { /* single-stream decode: one row of x, one accumulator a weight row */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t o = 0; o < O; o++) {
             int32_t acc;
             dot_i8_rows(xu, xq, NULL, w + o * K, K, 1, &acc);
             y[o] = (float)(acc - (shifted ? 128 * w_sum[o] : 0)) * (xs[0] * w_scale[o]) + (b ? b[o] : 0.f);
         }
-    } else {
-#pragma omp parallel num_threads(nthreads)
-    {
-        const ls_share sh = ls_thread_share(O, ls_streams);
-        for (int64_t i = 0; i < sh.run * sh.streams; i++) {
-            const int64_t o = ls_share_item(sh, i);
-            if (o < 0) continue;
+    } else { /* (the run loop below, with M = 1, measured ~1.6x slower than the loop above) */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t o = 0; o < O; o++) {
             const int8_t *wr = w + o * K;
             float bias = b ? b[o] : 0.f;
             int32_t corr = shifted ? 128 * w_sum[o] : 0, acc[I8_MAX_ROWS];
             for (int64_t m0 = 0; m0 < M; m0 += I8_MAX_ROWS) {
                 const int64_t n = M - m0 < I8_MAX_ROWS ? M - m0 : I8_MAX_ROWS;
-                const uint8_t *xum = xu + m0 * K, *xtm = xt ? xt + m0 * KC : NULL;
+                const uint8_t *xum = xu + m0 * K, *xtm = xt + m0 * KC;
                 const int8_t *xqm = xq + m0 * K;
                 switch (n) {
                 case 1: dot_i8_rows(xum, xqm, xtm, wr, K, 1, acc); break;
@@ -954,7 +918,6 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
                     y[(m0 + m) * O + o] = (float)(acc[m] - corr) * (xs[m0 + m] * w_scale[o]) + bias;
             }
         }
-    }
     }
     free(xq);
     free(xu);
