@@ -669,6 +669,21 @@ def test_disaggregated_decode_replica_never_runs_a_prompt_and_hits_its_own_cache
     assert stats["kv_blocks_pulled"] == 6 + 3 * 3
 
 
+def test_a_prefill_replica_that_idled_for_leased_blocks_steps_again_when_they_free(llama_dir: Path) -> None:
+    """1P1D on a pool of 8 blocks and two 6-block prompts at once: the prefill replica prefills the first, whose
+    lease holds its blocks, and idles (no room for the second); when the decode replica's pull ends the lease, the
+    freed blocks must restart it (it had stopped: the run used to end with the second request in flight)."""
+    config = _config(llama_dir, num_kv_blocks=8, block_size=16, max_model_len=128)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
+    prompts = [list(range(100 + 88 * i, 188 + 88 * i)) for i in range(2)]  # 88 tokens: 6 blocks each
+    sim = SimConfig(config, disaggregation="1P1D", record_steps=True)
+    result = Simulator(profile, sim).run(Workload(prompts, [4, 4], [0.0, 0.0]))
+    assert all(r.success and r.num_output_tokens == 4 for r in result.records)
+    prefill_steps = [s for s in result.steps if s.replica == 0]
+    assert [s.admitted for s in prefill_steps] == [["0"], ["1"]]  # one prompt a step: no room for both at once
+    assert prefill_steps[1].start_s > result.records[0].chunk_times_s[0]  # after the first's handoff
+
+
 def test_disaggregated_tokens_and_records_match_colocated(llama_dir: Path) -> None:
     """2P2D and colocated DP=1 on the same Poisson workload: every request succeeds with its tokens; the prefill
     replicas share the prompts, the decode replicas the handoffs, and no lease or pull is left (the simulator

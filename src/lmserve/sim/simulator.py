@@ -472,12 +472,14 @@ class Simulator:
                 rep.kv.free(rep.leased.pop(rid))
             rep.lease_ended = []
 
-        def end_lease(i: int) -> None:
+        def end_lease(i: int, t: float) -> None:
             prefill = replicas[handoffs.pop(i)[1]]
             prefill.lease_ended.append(str(i))
             if not prefill.busy:  # an idle core frees it at once (it polls while it holds leases)
                 free_leases(prefill)
                 prefill.kv_usage = prefill.kv.usage
+                if prefill.scheduler.waiting:  # it idled for want of the blocks the leases held: it steps again
+                    wake(prefill, t)
 
         def resolve_remote(rep: _Replica, t: float) -> None:
             """Decode replica, between steps (KVConsumer.resolve): park new handoffs, let the completed pulls run,
@@ -508,7 +510,7 @@ class Simulator:
                 rep.stats.num_blocks_hit += len(hits)
                 rep.stats.num_blocks_pulled += missing
                 if missing == 0:  # all cached here: the lease is released, nothing travels
-                    end_lease(int(rid))
+                    end_lease(int(rid), t)
                     loaded(req, num_hit_tokens)
                     continue
                 rep.pulling[rid] = num_hit_tokens
@@ -518,7 +520,7 @@ class Simulator:
         def pull_done(i: int, t: float) -> None:
             rep = replicas[pull_target.pop(i)]
             rep.pulled.append(str(i))
-            end_lease(i)
+            end_lease(i, t)
             wake(rep, t)
 
         def start_step(rep: _Replica, t: float) -> None:
