@@ -262,6 +262,18 @@ def _open_reader(path: Path):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
     class CheckedReader(GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            """gguf's own `_get`, slicing a plain ndarray view of the file's memmap: a memmap slice runs numpy's
+            Python-level `memmap.__array_finalize__`, and a tokenizer's fields take ~10^6 slices (a 49k-token
+            vocabulary: 2.5 s a file against 0.7 s). The views share the same mapped bytes."""
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            dt = np.dtype(dtype)
+            arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             file_bytes = len(self.data)
             for field in fields:
