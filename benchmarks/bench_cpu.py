@@ -201,11 +201,23 @@ def run_hf(
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
 
-    def gen(prompts: list[list[int]], n: int) -> float:
+    class _Clock:
+        """A generate() streamer that only notes when each put() came: the prompt's first, then each new token."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def gen(prompts: list[list[int]], n: int, clock: _Clock | None = None) -> float:
         """Seconds for a static batch of `prompts` (all the same length: no padding) to produce n tokens each."""
         ids = torch.tensor(prompts, device=device)
         t0 = time.perf_counter()
-        out = model.generate(ids, do_sample=False, min_new_tokens=n, max_new_tokens=n, pad_token_id=0)
+        out = model.generate(ids, do_sample=False, min_new_tokens=n, max_new_tokens=n, pad_token_id=0, streamer=clock)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -218,10 +230,13 @@ def run_hf(
     n = w.output_len
     if single:
         ttft = gen([w.single], 1)
-        full = gen([w.single], n)
+        clock = _Clock()
+        full = gen([w.single], n, clock)
         samples = [gen([p], 1) for p in w.ttft[1:]]
-        prefill = statistics.median([ttft, *samples])  # one TTFT run alone is too noisy to subtract
-        decode = (n - 1) / (full - prefill) if full > prefill else None  # None: noise swamped a tiny run
+        # decode from the same run's own token times (put 0: the prompt, put 1: the first token), not from a
+        # difference of two runs' walls, which noise can make negative on a tiny model
+        assert len(clock.times) == n + 1, f"the streamer saw {len(clock.times)} puts for {n} tokens"
+        decode = (n - 1) / (clock.times[-1] - clock.times[1]) if n > 1 else None
         res["single"] = {"ttft_s": ttft, "wall_s": full, "decode_tok_s": decode, "e2e_tok_s": n / full}
         res["ttft"] = {"samples_s": samples, "median_s": statistics.median(samples)}
     if concurrent:
