@@ -40,6 +40,7 @@ def test_repeats_table_shows_the_servers_spread_beside_the_simulated_value() -> 
     p.repeats = [_summary(28.0, 80.0, 10.1, 20.0, 300.0), _summary(45.4, 120.0, 17.3, 40.0, 296.0)]
     p.real = p.repeats[0]
     p.sim = _summary(35.0, 130.0, 9.0, 30.0, 298.0)
+    p.sim_noise = _summary(30.0, 100.0, 12.0, 25.0, 310.0)  # all within: 310 tok/s is 3.3 % past 300 (target 5 %)
     assert validate_sim.spread(p, "ttft_ms", "mean") == (28.0, 45.4)
     lines = validate_sim.format_repeats([p]).splitlines()
     assert len(lines) == 3 + len(validate_sim.METRICS)  # head, rule, one row per metric, the count
@@ -56,7 +57,7 @@ def test_repeats_table_shows_the_servers_spread_beside_the_simulated_value() -> 
     # 8.3 % above the slowest is within its 20 %; nothing rescaled
     assert "%!" in row("TPOT mean")
     assert "%!" not in row("TTFT P99") and "%!" not in ttft
-    assert lines[-1].endswith("deterministic 4 of 5, rescaled 0 of 0")
+    assert lines[-1].endswith("deterministic 4 of 5, with the step noise 5 of 5, rescaled 0 of 0")
     single = validate_sim.Point("one run", "default", [], rate_rps=9.0)
     single.repeats, single.sim = [p.real], p.sim
     assert len(validate_sim.format_repeats([single]).splitlines()) == 3  # one run: no spread, no row
