@@ -223,3 +223,31 @@ def test_graph_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     assert {frozenset(c) for c in circles(graph)} == {
         frozenset({"lmserve", "lmserve.a", "lmserve.sub.b", "lmserve.sub.c"})
     }
+
+
+def test_the_package_cli_and_bench_client_load_without_torch() -> None:
+    """`import lmserve` loads its public names on first use, so the CLI's parser and the load generator (what
+    `lmserve --help` and `lmserve bench serve` need) import neither torch nor transformers; every public name
+    still resolves."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lmserve, lmserve.entrypoints.cli, lmserve.bench.loadgen, lmserve.bench.metrics\n"
+        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "from lmserve import *\n"
+        "import lmserve as L\n"
+        "assert [getattr(L, n).__name__ for n in L.__all__] == L.__all__\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import lmserve
+
+    try:
+        lmserve.NoSuchName  # noqa: B018
+    except AttributeError as e:
+        assert "NoSuchName" in str(e)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
