@@ -6,6 +6,7 @@ import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ from safetensors import safe_open
 from lmserve.config import ModelConfig, QuantizationConfig
 from lmserve.model.llama import CausalLM
 from lmserve.model.parallel import TPShard, local_config, shard_tensor
+
+if TYPE_CHECKING:
+    from lmserve.model.gguf import GGUFCheckpoint
 
 # HF checkpoint name fragment → (our fused parameter fragment, shard index within the fused output)
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -56,8 +60,10 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     kept = None  # GGUF: HF weight name → the block-32 / K-quant tensor kept as it is
+    gguf = _open_gguf(cfg)  # (parsed once for the blocks and the tensors: ~0.7 s a parse for a 49k vocabulary)
     if quantization is not None and quantization.method == "gguf":
-        kept = _prepare_gguf_blocks(model, cfg)
+        assert gguf is not None, f"GGUF quantization needs a .gguf checkpoint, got {cfg.path}"
+        kept = _prepare_gguf_blocks(model, cfg, gguf)
     elif quantization is not None and quantization.prequantized:
         from lmserve.model.layers import quantizable_linears
 
@@ -81,7 +87,7 @@ def load_model(
     params.update((n, b) for n, b in model.named_buffers() if n.endswith((".qweight", ".scales", ".mins")))
     kquant = {f"{n}.qweight": m for n, m in model.named_modules() if _is_kquant(m)}  # GGUF K-quant modules
     loaded: set[str] = set()
-    for file_name, name, tensor in _checkpoint_tensors(cfg, kept):
+    for file_name, name, tensor in _checkpoint_tensors(cfg, kept, gguf):
         if name.endswith(IGNORED_SUFFIXES):
             continue
         target, shard = _map_name(name)
@@ -107,17 +113,26 @@ def load_model(
     return model.eval()
 
 
-def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig) -> dict:
+def _open_gguf(cfg: ModelConfig) -> GGUFCheckpoint | None:
+    """The GGUF checkpoint of a .gguf model (model/gguf.GGUFCheckpoint), else None."""
+    if not cfg.path.endswith(".gguf"):
+        return None
+    from lmserve.model.gguf import GGUFCheckpoint
+
+    return GGUFCheckpoint(cfg.path)
+
+
+def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig, ckpt: GGUFCheckpoint) -> dict:
     """Give every module whose GGUF tensors are kept as blocks (gguf.kept_quantized) the empty buffers of its
     layout (Q8_0 → int8w, Q4_0 → int4, Q4_1 → int4 with mins, Q5_0 / Q5_1 → int5, group 32, or the layout of the
     type a fused mix is held as; Q4_K / Q5_K / Q6_K → kquant, the fused parts' types in their order); returns the
     kept tensors."""
-    from lmserve.model.gguf import KQUANT_TYPES, GGUFCheckpoint, held_block32_types, kept_quantized, log_kept
+    from lmserve.model.gguf import KQUANT_TYPES, held_block32_types, kept_quantized, log_kept
     from lmserve.model.layers import Embedding
     from lmserve.model.quantization import GGUF_GROUP_SIZE, GGUF_LAYOUTS
 
     assert TORCH_DTYPES[cfg.dtype] == torch.float32, "GGUF blocks compute in float32"
-    kept = kept_quantized(GGUFCheckpoint(cfg.path), cfg.tie_word_embeddings)
+    kept = kept_quantized(ckpt, cfg.tie_word_embeddings)
     held = held_block32_types(kept)
     modules = dict(model.named_modules())
     kquant_parts: dict[str, list[tuple[int, str, int]]] = {}  # module → (shard, type, rows) of its parts
@@ -143,7 +158,9 @@ def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig) -> dict:
     return kept
 
 
-def _checkpoint_tensors(cfg: ModelConfig, kept: dict | None = None) -> Iterator[tuple[str, str, torch.Tensor]]:
+def _checkpoint_tensors(
+    cfg: ModelConfig, kept: dict | None = None, ckpt: GGUFCheckpoint | None = None
+) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(file name, HF tensor name, tensor) for every tensor of the checkpoint, read lazily. GGUF tensors in
     `kept` come as their layout's buffers (`<name>.qweight`, `.scales`, `.mins`) instead of `<name>.weight`
     (K-quants: `<name>.qweight`, the file's (rows, row bytes) block view itself, copied once into the model)."""
@@ -152,7 +169,7 @@ def _checkpoint_tensors(cfg: ModelConfig, kept: dict | None = None) -> Iterator[
         from lmserve.model.quantization import GGUF_LAYOUTS, gguf_block32_tensors
 
         file_name = Path(cfg.path).name
-        ckpt = GGUFCheckpoint(cfg.path)
+        ckpt = ckpt if ckpt is not None else GGUFCheckpoint(cfg.path)
         dtype_bytes = TORCH_DTYPES[cfg.dtype].itemsize
         kept = kept or {}
         claimed = {t.gguf_name for name, t in kept.items() if name == t.hf_name}  # (not the tied head's copy)
