@@ -159,17 +159,17 @@ def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig, ckpt: GGUFCheckpoint
 
 
 def _checkpoint_tensors(
-    cfg: ModelConfig, kept: dict | None = None, ckpt: GGUFCheckpoint | None = None
+    cfg: ModelConfig, kept: dict | None, ckpt: GGUFCheckpoint | None
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(file name, HF tensor name, tensor) for every tensor of the checkpoint, read lazily. GGUF tensors in
     `kept` come as their layout's buffers (`<name>.qweight`, `.scales`, `.mins`) instead of `<name>.weight`
     (K-quants: `<name>.qweight`, the file's (rows, row bytes) block view itself, copied once into the model)."""
     if cfg.path.endswith(".gguf"):
-        from lmserve.model.gguf import KQUANT_TYPES, GGUFCheckpoint, held_block32_types, iter_hf_tensors
+        from lmserve.model.gguf import KQUANT_TYPES, held_block32_types, iter_hf_tensors
         from lmserve.model.quantization import GGUF_LAYOUTS, gguf_block32_tensors
 
+        assert ckpt is not None, f"{cfg.path}: the GGUF checkpoint load_model opened (_open_gguf)"
         file_name = Path(cfg.path).name
-        ckpt = ckpt if ckpt is not None else GGUFCheckpoint(cfg.path)
         dtype_bytes = TORCH_DTYPES[cfg.dtype].itemsize
         kept = kept or {}
         claimed = {t.gguf_name for name, t in kept.items() if name == t.hf_name}  # (not the tied head's copy)
