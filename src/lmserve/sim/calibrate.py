@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -414,7 +415,9 @@ def served_loads(grid: Grid, tok: Any, max_len: int, seed: int = 7) -> list[tupl
     of short prompts and D of long ones (up to the grid's largest prefill; so that the decode rows' context varies
     at every row count, not with it), giving D-row decodes with prefills joining them as streams end and start; and
     one stream of prompts sharing a prefix of the grid's largest cached context (prefills over cached blocks).
-    (requests, client concurrency) each."""
+    (requests, client concurrency) each, in a seeded shuffled order: the machine's speed drifts over the minute
+    they take, and served in order of batch size that drift would read as a cost of the rows (the decode-row
+    coefficient); shuffled, it is noise the fit averages."""
     from lmserve.bench.datasets import DatasetConfig, build_requests
 
     longest = min(max(grid.prefills), max_len // 2)
@@ -431,6 +434,7 @@ def served_loads(grid: Grid, tok: Any, max_len: int, seed: int = 7) -> list[tupl
         cfg = DatasetConfig(name="prefix", num_requests=6 if grid.repeats < 3 else 12, input_len=max(8, longest // 2),
                             output_len=8, range_ratio=0.9, prefix_len=cached, seed=seed + 100)  # fmt: skip
         loads.append((build_requests(cfg, tok), 1))
+    random.Random(seed).shuffle(loads)
     return loads
 
 
