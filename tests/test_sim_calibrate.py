@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from lmserve.bench.datasets import load_tokenizer
 from lmserve.default_model import default_model_path
 from lmserve.sim.calibrate import Grid, served_loads
@@ -18,8 +20,8 @@ def test_served_loads_cover_every_batch_size_in_a_seeded_shuffled_order() -> Non
     for reqs, d in loads:
         assert len(reqs) >= 2 * d  # each stream serves more than one request: joins beside running decodes
     # not in order of batch size: served so, the machine's drift over the minute would read as a cost of the rows
-    descents = sum(a > b for a, b in zip(sizes, sizes[1:]))
-    ascents = sum(a < b for a, b in zip(sizes, sizes[1:]))
+    descents = sum(a > b for a, b in pairwise(sizes))
+    ascents = sum(a < b for a, b in pairwise(sizes))
     assert descents >= 4 and ascents >= 4, sizes
     again = served_loads(grid, tok, max_len=1024)
     assert [(d, [r.prompt_token_ids for r in reqs]) for reqs, d in again] == [
