@@ -261,20 +261,21 @@ def trace_rows(trace: Path) -> list[tuple[float, ...]]:
 
 def served_fit(profile: StepProfile, rows: list[tuple[float, ...]], sends: list[float]) -> float:
     """The served iterations' total time / the step model's on their features, with the model's API stretch on the
-    API work beside each (api_costs.stretch_inputs: the previous step's chunks, the requests sent while it ran)."""
+    API work beside each (api_costs.stretch_inputs: the previous step's chunks, the requests sent while it ran) and
+    the arrival's stall on each (the requests sent while it runs)."""
     from lmserve.engine.step_trace import OLD_COLUMNS
-    from lmserve.sim.api_costs import api_work, stretch_inputs
+    from lmserve.sim.api_costs import api_work, sends_during, stretch_inputs
     from lmserve.sim.step_model import StepFeatures, mark_decode_after_prefill
 
     ov = profile.overheads
-    inputs = stretch_inputs(rows, sends) if len(rows[0]) > OLD_COLUMNS else [(0, 0, 0, 0)] * len(rows)
-    work = api_work(ov, inputs)
+    inputs = stretch_inputs(rows, sends) if len(rows[0]) > OLD_COLUMNS else [(0, 0, 0, 0, 0)] * len(rows)
+    work = api_work(ov, inputs) * ov.api_step_stretch + sends_during(inputs) * ov.api_arrival_stall_s
     after = mark_decode_after_prefill(rows)  # (the post-prefill decode term; 0 s in a model without it)
     fitted = sum(
         profile.step_time_s(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4], a))
         for r, a in zip(rows, after, strict=True)
     )
-    return sum(r[6] for r in rows) / (fitted + ov.api_step_stretch * float(work.sum()))
+    return sum(r[6] for r in rows) / (fitted + float(work.sum()))
 
 
 def format_table(points: list[Point], which: str) -> str:

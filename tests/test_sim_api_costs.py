@@ -6,7 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lmserve.sim.api_costs import api_work, chunk_latencies, cpu_costs, fit_stretch, overheads_from, stretch_inputs
+from lmserve.sim.api_costs import (
+    api_work,
+    chunk_latencies,
+    cpu_costs,
+    fit_stretch,
+    mean_excess_per_send,
+    overheads_from,
+    sends_during,
+    stretch_inputs,
+)
 from lmserve.sim.calibrate import _fit_into
 from lmserve.sim.step_model import LinearStepModel, Overheads, StepFeatures, StepProfile
 
@@ -55,7 +64,7 @@ def test_chunk_latencies_by_position() -> None:
 def test_stretch_inputs_and_fit() -> None:
     """Iterations back to back, each the model's 2 ms + 1.0 × the API work beside it (0.1 ms per chunk of the
     previous iteration, + 0.4 ms per first chunk, + 0.3 ms per request it finished, + 1 ms per request sent while it
-    ran); after an idle gap nothing counts."""
+    ran) + a 3 ms stall per request sent while it runs; after an idle gap only the stall counts."""
     ov = Overheads(api_request_s=1.0 * MS, api_chunk_s=0.1 * MS, api_first_chunk_s=0.4 * MS,
                    api_last_chunk_s=0.3 * MS)  # fmt: skip
     rng = np.random.default_rng(0)
@@ -67,7 +76,7 @@ def test_stretch_inputs_and_fit() -> None:
             t += 0.05  # the core idles
             last = None
         inputs = (0, 0, 0, 0) if last is None else last
-        loop = 2 * MS + float(api_work(ov, [inputs])[0])
+        loop = 2 * MS + float(api_work(ov, [inputs])[0]) + 3 * MS * arrivals
         out.append(_row((16 * prefills, prefills, decodes, 10 * decodes, 0), loop, loop, decodes + prefills, t + loop,
                         finished=finished))  # fmt: skip
         sends += list(t + loop * (np.arange(arrivals) + 0.5) / max(arrivals, 1))
@@ -76,13 +85,31 @@ def test_stretch_inputs_and_fit() -> None:
     got = stretch_inputs(out, sends)
     expected = [(0, 0, 0, 0)] + [(d + p, p, f, a) for d, p, f, a in plan[:-1]]
     expected[100] = (0, 0, 0, 0)  # after the idle gap
-    assert got == expected
+    assert got == [(*e, step[3]) for e, step in zip(expected, plan, strict=True)]  # fifth: sent while it runs
     work = api_work(ov, got)
     measured = np.array([r[6] for r in out])
-    c0, coefs, f = fit_stretch(np.zeros((len(out), 0)), work, measured)
-    assert (c0, f) == pytest.approx((2 * MS, 1.0), rel=1e-3) and coefs == []
-    c0, coefs, f = fit_stretch(np.ones((3, 1)), np.zeros(3), np.full(3, 4 * MS))  # no work beside: f = 0
-    assert c0 + coefs[0] == pytest.approx(4 * MS) and f == 0.0
+    c0, coefs, f, g = fit_stretch(np.zeros((len(out), 0)), work, measured, sent=sends_during(got))
+    assert (c0, f, g) == pytest.approx((2 * MS, 1.0, 3 * MS), rel=1e-3) and coefs == []
+    c0, coefs, f, g = fit_stretch(np.ones((3, 1)), np.zeros(3), np.full(3, 4 * MS))  # nothing beside: f = g = 0
+    assert c0 + coefs[0] == pytest.approx(4 * MS) and f == 0.0 and g == 0.0
+
+
+def test_the_stall_is_the_mean_excess_per_send_not_the_median() -> None:
+    """Sends stall a step by 1 ms in most steps and by 21 ms in one of five (mean 5 ms): the fit's stall is the
+    mean, 5 ms, which sums of steps need (a least-absolute fit alone follows the median, 1 ms); steps without a
+    send do not move it."""
+    rng = np.random.default_rng(2)
+    n = 2000
+    rows = rng.integers(1, 9, n).astype(np.float64)
+    sent = (rng.random(n) < 0.2).astype(np.float64) * rng.integers(1, 3, n)
+    tail = np.where(rng.random(n) < 0.2, 21 * MS, 1 * MS)
+    measured = 1 * MS + 0.2 * MS * rows + sent * tail
+    c0, (c1,), f, g = fit_stretch(rows[:, None], np.zeros(n), measured, sent=sent)
+    assert (c0, c1, f) == pytest.approx((1 * MS, 0.2 * MS, 0.0), abs=1e-6)
+    expected = float((sent * tail).sum() / sent.sum())  # the sample's own mean stall per send (~5 ms)
+    assert g == pytest.approx(expected, rel=1e-3) and 4 * MS < g < 6 * MS
+    assert mean_excess_per_send(np.zeros(4), np.zeros(4)) == 0.0  # no sends
+    assert mean_excess_per_send(np.array([1.0, -3.0]), np.array([0.0, 1.0])) == 0.0  # never negative
 
 
 def test_calibrate_fits_the_model_and_the_stretch_together() -> None:
@@ -100,8 +127,8 @@ def test_calibrate_fits_the_model_and_the_stretch_together() -> None:
         served.append((StepFeatures(0, 0, rows, context, 0.0), 1 * MS + 0.2 * MS * rows + 0.5 * work))
         inputs.append((c, first, done, a))
     profile = StepProfile("linear", {}, "float32", "float32", None, None, "cpu", {}, linear=LinearStepModel(0.0, {}))
-    stretch = _fit_into(profile, served[:50], [], 0, served, inputs, ov)
-    assert stretch == pytest.approx(0.5, rel=1e-3)
+    stretch, stall = _fit_into(profile, served[:50], [], 0, served, inputs, ov)
+    assert stretch == pytest.approx(0.5, rel=1e-3) and stall == 0.0  # (four-number inputs: no sends counted)
     lin = profile.linear
     assert lin is not None and lin.intercept_s == pytest.approx(1 * MS, rel=1e-3)
     assert lin.coefficients_s["decode_rows"] == pytest.approx(0.2 * MS, rel=1e-3)

@@ -109,6 +109,34 @@ def test_api_queue_and_step_stretch_hand_checked(llama_dir: Path) -> None:
     assert result.duration_s == pytest.approx(0.07125)
 
 
+def test_a_send_stalls_the_step_in_progress_hand_checked(llama_dir: Path) -> None:
+    """test_api_queue_and_step_stretch_hand_checked's requests and costs, with a send stalling the step in progress
+    by 4 ms (Overheads.api_arrival_stall_s). A is sent to an idle core (nothing stalls); B is sent at 25 during
+    step 2, which ends 4 ms later than there, and so does everything after it:
+
+        step 1  [1.5, 21.5]     prefill A                             API [21.5, 24.5] A's first chunk → 26.5
+        step 2  [21.5, 38]      decode A: 12.5 + 4 (B sent at 25)     API [38, 39] A's 2nd chunk → 41
+        step 3  [38, 54.75]     A + prefill B: 16.75                  A's last → 60.75, B's first → 63.75
+        step 4  [54.75, 69.25]  decode B: 14.5                        B's last → 75.25
+    """
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
+    profile.overheads = Overheads(ingress_s=0.001, egress_s=0.002, api_request_s=0.0005, api_chunk_s=0.001,
+                                  api_first_chunk_s=0.002, api_last_chunk_s=0.003, api_step_stretch=0.5,
+                                  api_arrival_stall_s=0.004)  # fmt: skip
+    workload = Workload([list(range(1, 101)), list(range(200, 250))], [3, 2], [0.0, 0.025])
+    result = Simulator(profile, SimConfig(config, record_steps=True)).run(workload)
+    a, b = result.records
+    assert [t for s in result.steps for t in (s.start_s, s.end_s)] == pytest.approx(
+        [0.0015, 0.0215, 0.0215, 0.038, 0.038, 0.05475, 0.05475, 0.06925]
+    )
+    assert result.num_steps == 4  # the stalled step's first end event was stale: no step ended twice
+    assert result.replicas[0].step_s == pytest.approx(0.020 + 0.0165 + 0.01675 + 0.0145)
+    assert a.chunk_times_s == pytest.approx([0.0265, 0.041, 0.06075])
+    assert b.chunk_times_s == pytest.approx([0.06375, 0.07525])
+    assert result.duration_s == pytest.approx(0.07525)
+
+
 def test_no_api_costs_no_queue(llama_dir: Path) -> None:
     """An older step model (no api_* keys) loads with the API costs 0: chunks exactly as before."""
     config = _config(llama_dir, num_kv_blocks=64)

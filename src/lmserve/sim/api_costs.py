@@ -21,10 +21,13 @@ Measured (all from one served engine core tracing its steps, engine/step_trace.p
 * CPU per request and per chunk: the API process's (/proc/<pid>/stat) and the load generator's (this process's)
   CPU time over three loads (the one-at-a-time requests, many one-token requests, a few long streams): least
   squares on cpu = per request · requests + per chunk · chunks.
-* the stretch: served steps ≈ model(features) + f · W, W = the API work beside the step (the previous step's
-  chunks × the per-chunk cost, + its first chunks × the first's extra, + the requests it finished × the last's
-  extra, + the requests sent while it ran × the arrival's cost), the model's coefficients and f fitted together
-  by least absolute relative error, all >= 0 (f: step seconds per second of API work).
+* the stretch: served steps ≈ model(features) + f · W + g · S, W = the API work beside the step (the previous
+  step's chunks × the per-chunk cost, + its first chunks × the first's extra, + the requests it finished × the
+  last's extra, + the requests sent while it ran × the arrival's cost), S = the requests sent while this step runs;
+  the model's coefficients, f and g fitted together by least absolute relative error, all >= 0 (f: step seconds per
+  second of API work), then g again as the mean excess of the steps with sends (g: the arrival's stall, seconds a
+  send; heavy-tailed: traced on the 2-core machine a send stalls the step it lands in by 5-6.5 ms on average and
+  2-3.5 ms at the median, and a least-absolute fit follows the median where sums of steps need the mean).
 """
 
 from __future__ import annotations
@@ -122,43 +125,64 @@ def cpu_costs(loads: list[tuple[int, int, float]]) -> tuple[float, float]:
     return max(0.0, float(per_request)), max(0.0, float(per_chunk))
 
 
-def stretch_inputs(rows: list[tuple[float, ...]], sends: list[float]) -> list[tuple[int, int, int, int]]:
+def stretch_inputs(rows: list[tuple[float, ...]], sends: list[float]) -> list[tuple[int, ...]]:
     """Per trace row, what its API work beside it is made of: (the chunks the previous iteration sampled, of those
     the requests' first ones (sampled − decode rows), the requests it finished, the requests sent while it ran),
-    all 0 after an idle core (a gap over IDLE_GAP_S before the iteration). `sends`: the requests' send times, wall
+    all 0 after an idle core (a gap over IDLE_GAP_S before the iteration); and, fifth, the requests sent while this
+    iteration runs (the arrival's stall), counted after an idle gap too. `sends`: the requests' send times, wall
     clock. An iteration runs [end_time − step_s, that + loop_s] (its drain is put after its step: the same
     length)."""
     s = np.sort(np.asarray(sends, dtype=np.float64))
-    out = []
+    out: list[tuple[int, ...]] = []
     prev: tuple[float, float] | None = None  # the previous iteration's (start, end)
     chunks = (0, 0, 0)  # and its (sampled, first chunks, finished)
     for r in rows:
         start = r[10] - r[5]
+        sent = int(np.searchsorted(s, start + r[6]) - np.searchsorted(s, start))
         if prev is None or start - prev[1] > IDLE_GAP_S:
-            out.append((0, 0, 0, 0))
+            out.append((0, 0, 0, 0, sent))
         else:
             arrived = int(np.searchsorted(s, prev[1]) - np.searchsorted(s, prev[0]))
-            out.append((*chunks, arrived))
+            out.append((*chunks, arrived, sent))
         prev, chunks = (start, start + r[6]), (int(r[8]), max(0, int(r[8]) - int(r[2])), int(r[9]))
     return out
 
 
-def api_work(ov: Any, inputs: list[tuple[int, int, int, int]]) -> np.ndarray:
-    """The API seconds beside each step (Overheads `ov`'s costs on stretch_inputs), as the simulator counts them."""
+def api_work(ov: Any, inputs: list[tuple[int, ...]]) -> np.ndarray:
+    """The API seconds beside each step (Overheads `ov`'s costs on stretch_inputs' first four columns), as the
+    simulator counts them."""
     cost = np.array([ov.api_chunk_s, ov.api_first_chunk_s, ov.api_last_chunk_s, ov.api_request_s])
-    return np.array(inputs, dtype=np.float64).reshape(-1, 4) @ cost
+    return np.array([x[:4] for x in inputs], dtype=np.float64).reshape(-1, 4) @ cost
+
+
+def sends_during(inputs: list[tuple[int, ...]]) -> np.ndarray:
+    """Per step, the requests sent while it ran (stretch_inputs' fifth column; 0 for an older four-column row)."""
+    return np.array([x[4] if len(x) > 4 else 0 for x in inputs], dtype=np.float64)
+
+
+def mean_excess_per_send(residual: np.ndarray, sent: np.ndarray) -> float:
+    """Seconds per send: the residuals' excess over those of the steps without a send (their mean), summed over the
+    steps with sends, per send (0 when none; never negative)."""
+    has = sent > 0
+    if not has.any() or has.all():
+        return 0.0
+    excess = float((residual[has] - residual[~has].mean()).sum()) / float(sent[has].sum())
+    return max(0.0, excess)
 
 
 def fit_stretch(
-    x: np.ndarray, work: np.ndarray, measured: np.ndarray, iterations: int = 40
-) -> tuple[float, list[float], float]:
-    """The step model's coefficients and the stretch fitted together: measured ≈ c0 + x · c + f · work, least
-    absolute relative error (IRLS, as the step model's own fit), every coefficient >= 0 (the most negative one
-    dropped and the fit redone; f = 0 when no step had API work beside it). x: (steps, terms) term values.
-    Returns (c0, c, f)."""
+    x: np.ndarray, work: np.ndarray, measured: np.ndarray, iterations: int = 40, sent: np.ndarray | None = None
+) -> tuple[float, list[float], float, float]:
+    """The step model's coefficients and the stretch fitted together: measured ≈ c0 + x · c + f · work + g · sent,
+    least absolute relative error (IRLS, as the step model's own fit), every coefficient >= 0 (the most negative one
+    dropped and the fit redone; f = 0 when no step had API work beside it, g = 0 when no step had a send). g is then
+    taken again as the mean excess per send of the steps with sends over the others (mean_excess_per_send), the
+    rest of the fit kept: the stall is heavy-tailed, and the fit follows the median. x: (steps, terms) term values.
+    Returns (c0, c, f, g)."""
     n, k = x.shape
-    full = np.column_stack([np.ones(n), x, work]) / measured[:, None]
-    active = list(range(k + 2)) if (work > 0).any() else list(range(k + 1))
+    sent = np.zeros(n) if sent is None else np.asarray(sent, dtype=np.float64)
+    full = np.column_stack([np.ones(n), x, work, sent]) / measured[:, None]
+    active = [*range(k + 1), *([k + 1] if (work > 0).any() else []), *([k + 2] if (sent > 0).any() else [])]
     while True:
         design = full[:, active]
         w = np.ones(n)
@@ -171,8 +195,10 @@ def fit_stretch(
             break
         del active[min(negative, key=lambda i: coef[i])]
     values = dict(zip(active, coef, strict=True))
-    return (max(0.0, float(values.get(0, 0.0))), [float(values.get(1 + j, 0.0)) for j in range(k)],
-            float(values.get(k + 1, 0.0)))  # fmt: skip
+    c0, c, f = max(0.0, float(values.get(0, 0.0))), [float(values.get(1 + j, 0.0)) for j in range(k)], float(
+        values.get(k + 1, 0.0))  # fmt: skip
+    g = mean_excess_per_send(measured - (c0 + x @ np.array(c) + f * work), sent) if (sent > 0).any() else 0.0
+    return c0, c, f, g
 
 
 def overheads_from(lat: ChunkLatencies, per_request_s: float, per_chunk_s: float) -> dict[str, Any]:

@@ -353,7 +353,7 @@ def measure_on_server(
     grid: Grid | None = None,
     max_len: int = 0,
     num_requests: int = 6,
-) -> tuple[Overheads, list[tuple[StepFeatures, float]], list[tuple[int, int, int, int]]]:
+) -> tuple[Overheads, list[tuple[StepFeatures, float]], list[tuple[int, ...]]]:
     """`lmserve serve` on the same flags, started with its engine core tracing its steps (engine/step_trace.py).
     With a grid: its served_loads first, giving the served steps (each with its core-loop iteration's time). Then
     requests one at a time; around each, the engine's own step-time counters (/metrics) give its prefill step and
@@ -388,7 +388,7 @@ def measure_on_server(
                 warm = build_requests(DatasetConfig(num_requests=2, input_len=16, output_len=4, seed=99), tok)
                 asyncio.run(run_load(warm, cfg))
                 served: list[tuple[StepFeatures, float]] = []
-                inputs: list[tuple[int, int, int, int]] = []
+                inputs: list[tuple[int, ...]] = []
                 if grid is not None:
                     served, inputs = profile_served(url, trace, served_loads(grid, tok, max_len))
                 overheads = overheads_on_server(url, profile, tok, reqs, out_len)
@@ -440,7 +440,7 @@ def served_loads(grid: Grid, tok: Any, max_len: int, seed: int = 7) -> list[tupl
 
 def profile_served(
     url: str, trace: Path, loads: list[tuple[list[Any], int]]
-) -> tuple[list[tuple[StepFeatures, float]], list[tuple[int, int, int, int]]]:
+) -> tuple[list[tuple[StepFeatures, float]], list[tuple[int, ...]]]:
     """Serve `loads` one after another on the server at `url` (started with LMSERVE_STEP_TRACE=trace): the steps
     its engine core took, each with its core-loop iteration's wall time (engine/step_trace.py), and per step the
     inputs of the API work beside it (api_costs.stretch_inputs: the previous step's chunks, the requests sent while
@@ -673,13 +673,14 @@ def refit(path: str, out: str) -> int:
     except ValueError as e:
         print(f"lmserve simulate calibrate: error: {e}", file=sys.stderr)
         return 2
-    inputs = [(int(c), int(f), int(e), int(a)) for c, f, e, a in cal.get("served_api_inputs") or []]
-    stretch = _fit_into(profile, samples, held, int(cal.get("decode_stack_rows") or 0), served, inputs,
-                        profile.overheads)  # fmt: skip
+    # (four numbers a row in a file from before the arrival's stall: no sends counted, the stall fits to 0)
+    inputs = [tuple(int(v) for v in x) for x in cal.get("served_api_inputs") or []]
+    stretch, stall = _fit_into(profile, samples, held, int(cal.get("decode_stack_rows") or 0), served, inputs,
+                               profile.overheads)  # fmt: skip
     if profile.overheads.api_queue:
         import dataclasses
 
-        profile.overheads = dataclasses.replace(profile.overheads, api_step_stretch=stretch)
+        profile.overheads = dataclasses.replace(profile.overheads, api_step_stretch=stretch, api_arrival_stall_s=stall)
     profile.calibration = {**cal, "refit_of": path, "refit_time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out_path = profile.save(out)
     print(format_profile(profile))
@@ -696,35 +697,37 @@ def _fit_into(
     held: list[tuple[StepFeatures, float]],
     stack_rows: int = 0,
     served: list[tuple[StepFeatures, float]] | None = None,
-    inputs: list[tuple[int, int, int, int]] | None = None,
+    inputs: list[tuple[int, ...]] | None = None,
     overheads: Overheads | None = None,
-) -> float:
+) -> tuple[float, float]:
     """Fit the profile's linear model: on the served steps (core-loop iterations of a real server) when there are
     MIN_SERVED_STEPS of them, else on the in-process grid; the other sets are scored against it. With the served
-    steps' API-work inputs (api_costs.stretch_inputs) and measured API costs (`overheads`), the model and the API's
-    step stretch are fitted together (api_costs.fit_stretch). Returns the stretch (0 without)."""
-    from lmserve.sim.api_costs import api_work, fit_stretch
+    steps' API-work inputs (api_costs.stretch_inputs) and measured API costs (`overheads`), the model, the API's
+    step stretch and the arrival's stall are fitted together (api_costs.fit_stretch). Returns (the stretch, the
+    stall in seconds a send), 0 without."""
+    from lmserve.sim.api_costs import api_work, fit_stretch, sends_during
 
     on_served = served is not None and len(served) >= MIN_SERVED_STEPS
     train = served if on_served else samples
     assert train is not None
     linear, quality, comparison = choose_form(train, stack_rows=stack_rows)
     profile.kind, profile.linear = "linear", linear
-    correction, stretch = 1.0, 0.0
-    work = np.zeros(len(train))
+    correction, stretch, stall = 1.0, 0.0, 0.0
+    work, sent = np.zeros(len(train)), np.zeros(len(train))
     if on_served and inputs and overheads is not None and overheads.api_queue and len(inputs) == len(train):
-        work = api_work(overheads, inputs)
+        work, sent = api_work(overheads, inputs), sends_during(inputs)
         terms, rows = linear.terms, linear.stack_rows  # the chosen form, refitted with the stretch beside it
         x = np.array([[term_value(f, t, rows) for t in terms] for f, _ in train], dtype=np.float64)
-        c0, coefs, stretch = fit_stretch(x, work, np.array([t for _, t in train]))
+        c0, coefs, stretch, stall = fit_stretch(x, work, np.array([t for _, t in train]), sent=sent)
         profile.linear = linear = LinearStepModel(c0, dict(zip(terms, coefs, strict=True)), rows)
+    beside = stretch * work + stall * sent  # what the API's work adds to each step
     if on_served:  # the fit follows the typical step; the served total has a tail (GC, first shapes) it misses
         base = sum(linear.step_time_s(f) for f, _ in train)
-        correction = (sum(t for _, t in train) - stretch * float(work.sum())) / base
+        correction = (sum(t for _, t in train) - float(beside.sum())) / base
         correction = correction if correction > 0 else 1.0
         profile.linear = linear = profile.scaled(correction).linear
-    if stretch:  # measured / (model + the stretch): the noise of what the simulator times
-        pred = np.array([linear.step_time_s(f) for f, _ in train]) + stretch * work
+    if stretch or stall:  # measured / (model + the stretch + the stall): the noise of what the simulator times
+        pred = np.array([linear.step_time_s(f) for f, _ in train]) + beside
         ratios = np.array([t for _, t in train]) / pred
         profile.noise_quantiles = [float(v) for v in np.quantile(ratios, np.linspace(0, 1, 201))]
     else:
@@ -736,13 +739,16 @@ def _fit_into(
         "heldout_workload": _quality(profile, held),
         "weighting": "least absolute relative error (IRLS), coefficients >= 0",
     }
-    if stretch:
+    if stretch or stall:
         profile.fit["api_step_stretch"] = stretch
+        profile.fit["api_arrival_stall_s"] = stall
         profile.fit["why_api_stretch"] = (
             "served steps ≈ model + f · (the API work beside the step: the previous step's chunks × api_chunk_s + "
-            "the requests sent while it ran × their API costs), the model's coefficients and f fitted together "
-            "(least absolute relative error, all >= 0); the simulator adds f × the API work it queues beside a "
-            "replica's step (Overheads.api_step_stretch)"
+            "the requests sent while it ran × their API costs) + g · (the requests sent while this step runs), the "
+            "model's coefficients, f and g fitted together (least absolute relative error, all >= 0), then g as the "
+            "mean excess per send of the steps with sends over the others (the stall is heavy-tailed; the fit "
+            "follows the median); the simulator adds f × the API work it queues beside a replica's step "
+            "(Overheads.api_step_stretch) and g to the step in progress at each send (Overheads.api_arrival_stall_s)"
         )
     if on_served:
         profile.fit["total_time_correction"] = correction
@@ -756,7 +762,7 @@ def _fit_into(
             "process taking turns on the step's cores and the loop's own work, which an in-process profile misses; "
             "the in-process grid's steps are scored against the fit (in_process_grid)"
         )
-    return stretch
+    return stretch, stall
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -833,7 +839,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     profile.calibration = {"counted_fraction": counted_fraction}
     overheads = Overheads()
     served: list[tuple[StepFeatures, float]] = []
-    inputs: list[tuple[int, int, int, int]] = []
+    inputs: list[tuple[int, ...]] = []
     if args.server:
         flags = _server_flags(args)
         log(f"serving the calibration loads and measuring API/network overheads: lmserve serve {shlex.join(flags)}")
@@ -844,10 +850,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
             log(f"served {len(served)} traced steps")
         except Exception as e:  # noqa: BLE001 - the fit is still worth saving
             log(f"warning: overheads not measured ({type(e).__name__}: {e}); they stay 0")
-    stretch = _fit_into(profile, samples, held, stack_rows, served, inputs, overheads)
+    stretch, stall = _fit_into(profile, samples, held, stack_rows, served, inputs, overheads)
     if overheads.api_queue:
-        overheads = dataclasses.replace(overheads, api_step_stretch=stretch)
-        log(f"API step stretch: {stretch:.2f} s of step per s of API work beside it")
+        overheads = dataclasses.replace(overheads, api_step_stretch=stretch, api_arrival_stall_s=stall)
+        log(f"API step stretch: {stretch:.2f} s of step per s of API work beside it; a send stalls the step in "
+            f"progress {stall * 1e3:.2f} ms")  # fmt: skip
     if profile.fit["fitted_on"] == "served":  # the fitted steps are whole core-loop iterations
         overheads = dataclasses.replace(
             overheads,
@@ -880,8 +887,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         "workload_samples": [[*f.as_tuple(), t, f.decode_after_prefill] for f, t in held],
         # (a served sample's time: the core loop's iteration)
         "served_samples": [[*f.as_tuple(), t, f.decode_after_prefill] for f, t in served],
-        # per served sample: the previous step's chunks, first chunks, finished requests, and the requests sent while
-        # it ran (api_costs.stretch_inputs)
+        # per served sample: the previous step's chunks, first chunks, finished requests, the requests sent while
+        # it ran, and those sent while this one ran (api_costs.stretch_inputs)
         "served_api_inputs": [list(x) for x in inputs],
         "sample_columns": [
             "prefill_tokens",
@@ -960,7 +967,8 @@ def format_profile(profile: StepProfile) -> str:
         lines.append(
             f"  API queue: request {ov.api_request_s * 1e3:.2f} ms, chunk {ov.api_chunk_s * 1e3:.3f} ms (+ first "
             f"{ov.api_first_chunk_s * 1e3:.2f}, + last {ov.api_last_chunk_s * 1e3:.2f} ms); step stretch "
-            f"{ov.api_step_stretch:.2f} × the API work beside a step"
+            f"{ov.api_step_stretch:.2f} × the API work beside a step; a send stalls the step in progress "
+            f"{ov.api_arrival_stall_s * 1e3:.2f} ms"
         )
     if ov.kv_transfer_block_s is not None and ov.kv_transfer_latency_s is not None:
         lines.append(f"  KV transfer (disaggregation): {ov.kv_transfer_latency_s * 1e6:.0f} µs per pull + "

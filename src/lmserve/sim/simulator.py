@@ -256,7 +256,7 @@ class _Replica:
     __slots__ = (
         "index", "kv", "scheduler", "inbox", "busy", "load", "kv_usage", "pending", "applied", "sched", "start_s",
         "stats", "now", "trace", "waking", "prev_prefill", "output", "remote_inbox", "pulling", "pulled", "leased",
-        "lease_ended", "api_work",
+        "lease_ended", "api_work", "end_s", "end_seq",
     )  # fmt: skip
 
     def __init__(self, index: int, config: EngineConfig) -> None:
@@ -278,6 +278,8 @@ class _Replica:
         self.applied = 0  # of those, added to the scheduler at the current step's start
         self.sched: SchedulerOutput | None = None
         self.start_s = 0.0
+        self.end_s = 0.0  # the current step's end
+        self.end_seq = -1  # the heap sequence number of its live _STEP_END event (a stalled step's older one is stale)
         self.stats = ReplicaStats()
         self.trace: StepTrace | None = None  # the current step's, when steps are recorded
         self.output = ModelRunnerOutput({})  # reused: the scheduler only reads it (its ids set at each step start)
@@ -330,6 +332,7 @@ class Simulator:
         api_req, api_chunk = ov.api_request_s, ov.api_chunk_s
         api_first, api_last = ov.api_first_chunk_s, ov.api_last_chunk_s
         stretch = ov.api_step_stretch
+        stall = ov.api_arrival_stall_s  # a send stalls the step in progress (Overheads.api_arrival_stall_s)
         api_free = 0.0
         step_time = self.step_time
         post_prefill = self.post_prefill_s
@@ -341,6 +344,8 @@ class Simulator:
         )
         replicas = [_Replica(i, engine) for i in range(num_prefill + num_decode)]
         front = replicas[:num_prefill]  # where requests are routed: every replica, or the prefill ones
+        # the replica a send stalls at once: the only front one; with several, the one a request is routed to
+        stalled_at_send = front[0] if len(front) == 1 and stall else None
         decoders = replicas[num_prefill:]
         if decoders:
             for r in front:
@@ -384,10 +389,23 @@ class Simulator:
                 rep.waking = True
                 push(t, _WAKE, rep.index)
 
+        def stall_step(rep: _Replica) -> None:
+            """The replica's step in progress runs `stall` longer: its end event moves (the old one goes stale)."""
+            nonlocal seq
+            rep.end_s += stall
+            rep.stats.step_s += stall
+            if rep.trace is not None:
+                rep.trace.end_s = rep.end_s
+            rep.end_seq = seq
+            heappush(heap, (rep.end_s, _STEP_END, seq, rep.index))
+            seq += 1
+
         def send(i: int, t: float) -> None:
             nonlocal in_flight, api_free
             in_flight += 1
             records[i].send_s = t
+            if stalled_at_send is not None and stalled_at_send.busy:
+                stall_step(stalled_at_send)
             if api_queue:  # the API process takes the request when it is free, then it travels on
                 api_free = (api_free if api_free > t else t) + api_req
                 push(api_free + ingress, _DELIVER, i)
@@ -440,6 +458,8 @@ class Simulator:
             rep.inbox.append(req)
             if rep.busy:  # the API's work for it ran beside this step: the next one is stretched
                 rep.api_work += api_req
+                if stall and stalled_at_send is None:  # (several front replicas: the stall falls on this one's)
+                    stall_step(rep)
             wake(rep, t)
 
         def hand_off(i: int, t: float) -> None:
@@ -560,6 +580,7 @@ class Simulator:
             rep.busy = True
             rep.sched = sched
             rep.start_s = t
+            rep.end_s = t + dt
             if before is not None:
                 scheduled = [
                     (s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled
@@ -570,6 +591,7 @@ class Simulator:
                 )
                 steps.append(rep.trace)
             nonlocal seq
+            rep.end_seq = seq
             heappush(heap, (t + dt, _STEP_END, seq, rep.index))  # push(), inlined: every step
             seq += 1
 
@@ -657,9 +679,11 @@ class Simulator:
                 else:
                     send(i, arrivals[i])
                 continue
-            t, kind, _, payload = heappop(heap)
+            t, kind, number, payload = heappop(heap)
             if kind == _STEP_END:
-                end_step(replicas[payload], t)
+                rep = replicas[payload]
+                if number == rep.end_seq:  # (else a stalled step's stale end)
+                    end_step(rep, t)
             elif kind == _DELIVER:
                 deliver(payload, t)
             elif kind == _HANDOFF:
