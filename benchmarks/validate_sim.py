@@ -41,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from lmserve.bench.datasets import BenchRequest, DatasetConfig, build_requests, load_tokenizer
@@ -53,7 +54,7 @@ from lmserve.sim.api_costs import process_cpu_s
 from lmserve.sim.calibrate import overheads_on_server, scrape_step_counters
 from lmserve.sim.inputs import engine_config
 from lmserve.sim.simulator import SimConfig, Simulator
-from lmserve.sim.step_model import StepProfile
+from lmserve.sim.step_model import Overheads, StepProfile
 from lmserve.sim.workload import Workload
 
 METRICS = (
@@ -241,6 +242,70 @@ def others_cpu_s() -> tuple[float, float]:
     return busy, own
 
 
+def simulate_point(p: Point, profile: StepProfile, cfg: Any, seed: int, sim_overheads: Any, served: bool) -> None:
+    """The point on the simulator: deterministic, with the step noise, and (with the server's mean step,
+    p.server_step_s) each rescaled by the server's mean step / its own; `sim_overheads` for the rescaled runs (the
+    core-loop overhead dropped when the profile was fitted on served steps, which hold it)."""
+    p.sim, result = simulate(profile, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, False)
+    noisy = None
+    if profile.noise_quantiles:
+        p.sim_noise, noisy = simulate(profile, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, True)
+    if served:
+        sim_overheads = dataclasses.replace(sim_overheads, core_step_overhead_s=0.0)
+    p.sim_steps = result.num_steps
+    p.sim_step_s = mean_step_s(result)
+    if p.server_step_s and p.sim_step_s:
+        rescaled = dataclasses.replace(profile.scaled(p.server_step_s / p.sim_step_s), overheads=sim_overheads)
+        p.sim_rescaled, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, False)
+        noisy_step_s = mean_step_s(noisy) if noisy is not None else None
+        if noisy_step_s:  # the noisy run by its own mean step (the noise's mean is not 1)
+            rescaled = dataclasses.replace(profile.scaled(p.server_step_s / noisy_step_s), overheads=sim_overheads)
+            p.sim_rescaled_noise, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, True)
+
+
+def _namespace(x: Any) -> Any:
+    """A JSON object as attributes (a BenchSummary as validate_sim reads one), recursively."""
+    if isinstance(x, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in x.items()})
+    return [_namespace(v) for v in x] if isinstance(x, list) else x
+
+
+def _plain(x: Any) -> Any:
+    """_namespace's inverse (a rescored run's measurements back to JSON); anything else as it is."""
+    if isinstance(x, SimpleNamespace):
+        return {k: _plain(v) for k, v in vars(x).items()}
+    return [_plain(v) for v in x] if isinstance(x, list) else x
+
+
+def load_measured(path: str, points: list[Point]) -> dict[str, Overheads]:
+    """--rescore: an earlier run's measurements (its JSON) onto `points`, matched by name (a Poisson point's by its
+    fraction of saturation, taking the run's rate: it depends on the step model that run had); the overheads it read
+    on each server, by server name."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("benchmark") != "validate_sim":
+        raise ValueError(f"--rescore: {path} is not a validate_sim JSON")
+    by_key = {x["name"].split(" (")[0] if x["name"].startswith("Poisson") else x["name"]: x for x in doc["points"]}
+    for p in points:
+        x = by_key.get(p.name.split(" (")[0] if p.name.startswith("Poisson") else p.name)
+        if x is None or x.get("measured") is None:
+            p.notes.append(f"not measured in {path}")
+            continue
+        if p.name.startswith("Poisson"):
+            p.name, p.rate_rps = x["name"], float(x["rate_rps"])
+        if len(p.requests) != x["num_requests"]:
+            raise ValueError(f"--rescore: {p.name} has {x['num_requests']} requests in {path}, {len(p.requests)} here "
+                             "(another --seed or --quick?)")  # fmt: skip
+        p.real = _namespace(x["measured"])
+        p.repeats = [_namespace(r) for r in x.get("measured_repeats") or [x["measured"]]]
+        p.server_steps = (x.get("engine_steps") or {}).get("measured")
+        p.server_step_s = (x.get("mean_step_s") or {}).get("measured")
+        noise = x.get("measured_noise_pct") or {}
+        p.noise_pct = (noise.get("ttft_mean"), noise.get("tpot_mean"))
+        p.one_thread_pct, p.served_fit_ratio = x.get("served_steps_one_thread_pct"), None  # (its model's, not ours)
+        p.others_cores, p.notes = x.get("others_cores"), [f"rescored from {path}"]
+    return {k: Overheads(**v) for k, v in (doc.get("overheads_at_validation") or {}).items()}
+
+
 def mean_step_s(result: Any) -> float:
     """A simulated run's mean engine step (its replicas' step time / its steps)."""
     return sum(r.step_s for r in result.replicas) / max(1, result.num_steps)
@@ -419,6 +484,9 @@ def main() -> int:
     ap.add_argument("--keep-trace", default=None, metavar="DIR",
                     help="keep the servers' step traces here (<server>.0), with each point's first and last row in "
                     "the JSON, to score other step models on the same served steps")  # fmt: skip
+    ap.add_argument("--rescore", default=None, metavar="JSON",
+                    help="no server: judge the step model against the measurements of an earlier run's JSON "
+                    "(validate-sim-*.json; same --seed and --quick): every table, the simulator alone")  # fmt: skip
     args = ap.parse_args()
     for name in ("repeats", "poisson_repeats"):
         if getattr(args, name) < 1:
@@ -446,7 +514,13 @@ def main() -> int:
     trace_base = Path(args.keep_trace or trace_dir.name)
     saved_trace = os.environ.get(ENV)
     served = profile.fit.get("fitted_on") == "served"  # (calibrate's served steps: whole core-loop iterations)
-    for server in SERVERS:
+    if args.rescore:  # the measurements of an earlier run, this step model on the simulator
+        fresh_overheads.update(load_measured(args.rescore, points))
+        for p in points:
+            if p.real is not None:
+                ov = profile.overheads if profile.overheads.api_queue else fresh_overheads.get(p.server, Overheads())
+                simulate_point(p, profile, configs[p.server], args.seed, ov, served)
+    for server in SERVERS if not args.rescore else ():
         todo = [p for p in points if p.server == server]
         if not todo:
             continue
@@ -495,12 +569,6 @@ def main() -> int:
                 if p.name not in counters_of:
                     continue
                 runs = counters_of[p.name]
-                cfg = configs[server]
-                p.sim, result = simulate(profile, cfg, p.requests, p.rate_rps, p.max_concurrency, args.seed, False)
-                noisy = None
-                if profile.noise_quantiles:
-                    p.sim_noise, noisy = simulate(profile, cfg, p.requests, p.rate_rps, p.max_concurrency, args.seed,
-                                                  True)  # fmt: skip
                 p.server_steps = int(runs[0]["steps"])
                 frac = float(profile.calibration.get("counted_fraction") or 1.0)  # counters: execute + update only
                 # the mean step over all the point's runs (its repeats lie minutes apart: the machine's speed over
@@ -512,20 +580,7 @@ def main() -> int:
                 sim_overheads = profile.overheads if profile.overheads.api_queue else fresh
                 if served and p.server_step_s:  # the fitted steps are core-loop iterations: compare those
                     p.server_step_s += fresh.core_step_overhead_s
-                    sim_overheads = dataclasses.replace(sim_overheads, core_step_overhead_s=0.0)
-                p.sim_steps = result.num_steps
-                p.sim_step_s = mean_step_s(result)
-                if p.server_step_s and p.sim_step_s:
-                    drift = p.server_step_s / p.sim_step_s
-                    rescaled = dataclasses.replace(profile.scaled(drift), overheads=sim_overheads)
-                    p.sim_rescaled, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, args.seed,
-                                                 False)  # fmt: skip
-                    noisy_step_s = mean_step_s(noisy) if noisy is not None else None
-                    if noisy_step_s:  # the noisy run by its own mean step (the noise's mean is not 1)
-                        rescaled = dataclasses.replace(profile.scaled(p.server_step_s / noisy_step_s),
-                                                       overheads=sim_overheads)  # fmt: skip
-                        p.sim_rescaled_noise, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency,
-                                                           args.seed, True)  # fmt: skip
+                simulate_point(p, profile, configs[server], args.seed, sim_overheads, served)
                 e = error_pct(p.sim, p.real, "ttft_ms", "mean")
                 print(f"  {p.name}: measured TTFT {_f(p.real.ttft_ms.mean)} ms, TPOT {_f(p.real.tpot_ms.mean)} ms; "
                       f"simulated {_f(p.sim.ttft_ms.mean)} / {_f(p.sim.tpot_ms.mean)} ms"
@@ -539,7 +594,9 @@ def main() -> int:
     trace_dir.cleanup()
     load_end = os.getloadavg()[0]
     text = [
-        f"# simulator vs lmserve serve ({'quick, ' if args.quick else ''}load average {load_start:.2f} → "
+        (f"# simulator vs the measurements of {args.rescore} (rescored: no server ran) " if args.rescore else
+         "# simulator vs lmserve serve ")  # fmt: skip
+        + f"({'quick, ' if args.quick else ''}load average {load_start:.2f} → "
         f"{load_end:.2f} on {os.cpu_count()} CPUs; {time.perf_counter() - t0:.0f} s)",
         f"step model: {profile.source} — {profile.label}",
         "",
@@ -596,7 +653,7 @@ def main() -> int:
                 "num_requests": len(p.requests),
                 "rate_rps": p.rate_rps,
                 "max_concurrency": p.max_concurrency,
-                "measured": p.real,
+                "measured": _plain(p.real),
                 "simulated": p.sim,
                 "simulated_with_noise": p.sim_noise,
                 "simulated_rescaled": p.sim_rescaled,
@@ -616,7 +673,7 @@ def main() -> int:
                     else None
                 ),
                 "notes": p.notes,
-                "measured_repeats": p.repeats if len(p.repeats) > 1 else None,
+                "measured_repeats": [_plain(r) for r in p.repeats] if len(p.repeats) > 1 else None,
                 "outside_repeats_pct": (
                     {m: outside_pct(_value(p.sim, a, q), *spread(p, a, q)) for m, a, q in METRICS}
                     if len(p.repeats) > 1 and p.sim

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -65,3 +66,41 @@ def test_repeats_table_shows_the_servers_spread_beside_the_simulated_value() -> 
     single = validate_sim.Point("one run", "default", [], rate_rps=9.0)
     single.repeats, single.sim = [p.real], p.sim
     assert len(validate_sim.format_repeats([single]).splitlines()) == 3  # one run: no spread, no row
+
+
+def _measured(ttft_mean: float) -> dict:
+    return {"ttft_ms": {"mean": ttft_mean, "p99": 2 * ttft_mean}, "tpot_ms": {"mean": 1.0, "p99": 2.0},
+            "output_throughput_tok_s": 100.0}  # fmt: skip
+
+
+def test_rescore_reads_an_earlier_runs_measurements(tmp_path: Path) -> None:
+    """--rescore: the measured figures, repeats, mean server step and overheads of an earlier run's JSON onto the
+    points, matched by name (a Poisson point by its fraction, with that run's rate); nothing runs a server."""
+    one, poisson, missing = (
+        validate_sim.Point("1 prompt 32, one at a time", "default", [object()] * 2, max_concurrency=1),
+        validate_sim.Point("Poisson 30% of saturation (9.00 req/s)", "default", [object()] * 3, rate_rps=9.0),
+        validate_sim.Point("6 prefix cache off", "no-prefix-cache", [object()] * 2, max_concurrency=1),
+    )
+    doc = {"benchmark": "validate_sim", "overheads_at_validation": {"default": {"ingress_s": 0.001}}, "points": [
+        {"name": one.name, "num_requests": 2, "rate_rps": math.inf, "measured": _measured(10.0),
+         "measured_repeats": [_measured(10.0), _measured(12.0)], "mean_step_s": {"measured": 0.002},
+         "engine_steps": {"measured": 96}, "measured_noise_pct": {"ttft_mean": 5.0, "tpot_mean": 7.0}},
+        {"name": "Poisson 30% of saturation (7.50 req/s)", "num_requests": 3, "rate_rps": 7.5,
+         "measured": _measured(20.0), "measured_repeats": None, "mean_step_s": {"measured": 0.003}},
+    ]}  # fmt: skip
+    path = tmp_path / "validate-sim-x.json"
+    path.write_text(json.dumps(doc))
+    overheads = validate_sim.load_measured(str(path), [one, poisson, missing])
+    assert overheads["default"].ingress_s == 0.001
+    assert one.real.ttft_ms.mean == 10.0 and [r.ttft_ms.mean for r in one.repeats] == [10.0, 12.0]
+    assert validate_sim.spread(one, "ttft_ms", "p99") == (20.0, 24.0)
+    assert one.server_step_s == 0.002 and one.server_steps == 96 and one.noise_pct == (5.0, 7.0)
+    assert poisson.rate_rps == 7.5 and poisson.name.endswith("(7.50 req/s)") and len(poisson.repeats) == 1
+    assert missing.real is None and missing.notes == [f"not measured in {path}"]
+    assert validate_sim._plain(one.real) == _measured(10.0)  # back to JSON as it came
+    poisson.requests = [object()] * 4  # another --seed / --quick: refused
+    with pytest.raises(ValueError, match="3 requests"):
+        validate_sim.load_measured(str(path), [poisson])
+    path.write_text(json.dumps({"benchmark": "bench_cpu"}))
+    with pytest.raises(ValueError, match="not a validate_sim JSON"):
+        validate_sim.load_measured(str(path), [one])
