@@ -64,7 +64,7 @@ def main() -> None:
 
         profile.overheads = dataclasses.replace(profile.overheads, api_request_s=1e-6, api_chunk_s=1e-8,
                                                 api_first_chunk_s=1e-7, api_last_chunk_s=1e-7,
-                                                api_step_stretch=1.0)  # fmt: skip
+                                                api_step_stretch=1.0, api_arrival_stall_s=1e-7)  # fmt: skip
     tok = load_tokenizer(config.tokenizer)
     load_start = os.getloadavg()[0]
 

@@ -62,7 +62,8 @@ from lmserve.sim.workload import Workload
 # so that requests arriving together start together (the core drains every queued message before it steps)
 # (disaggregation: a completed KV pull comes first, so the step starting at the same instant sees it; a handoff the
 # API process routes, and its arrival at the decode replica, are deliveries)
-_PULL_DONE, _STEP_END, _HANDOFF, _DELIVER_REMOTE, _DELIVER, _ARRIVE, _WAKE = 0, 1, 2, 3, 4, 5, 6
+# (a send's stall before a delivery or a wake-up at the same time: a step they start was not in progress at the send)
+_PULL_DONE, _STEP_END, _STALL, _HANDOFF, _DELIVER_REMOTE, _DELIVER, _ARRIVE, _WAKE = 0, 1, 2, 3, 4, 5, 6, 7
 FINISHED = RequestStatus.FINISHED
 # the KV transfer's cost when the config gives none: a ZeroMQ round trip on one host, and a 16-token block of a
 # small model copied at memory speed (calibrate measures both into the step model; --kv-transfer-*-us set them)
@@ -404,8 +405,8 @@ class Simulator:
             nonlocal in_flight, api_free
             in_flight += 1
             records[i].send_s = t
-            if stalled_at_send is not None and stalled_at_send.busy:
-                stall_step(stalled_at_send)
+            if stalled_at_send is not None:  # (an event: a closed loop's next send is timed at a later chunk)
+                push(t, _STALL, stalled_at_send.index)
             if api_queue:  # the API process takes the request when it is free, then it travels on
                 api_free = (api_free if api_free > t else t) + api_req
                 push(api_free + ingress, _DELIVER, i)
@@ -692,6 +693,10 @@ class Simulator:
                 deliver_remote(payload, t)
             elif kind == _PULL_DONE:
                 pull_done(payload, t)
+            elif kind == _STALL:
+                rep = replicas[payload]
+                if rep.busy:  # a step is in progress at the send
+                    stall_step(rep)
             else:
                 rep = replicas[payload]
                 rep.waking = False
