@@ -8,17 +8,19 @@ the bundled model, through the bench load generator) and to `lmserve.sim` with t
 six seed experiments' configurations (bench/experiments.py: prompt sweep and output sweep one at a time, the
 concurrency sweep, the burst the HF comparison uses, static vs continuous batching, prefix cache on vs off), plus
 Poisson arrivals at three rates up to saturation (the saturation throughput is the simulator's own estimate for the
-workload sent all at once). Errors are (simulated − measured) / measured of mean and P99 TTFT and TPOT and of the
-output throughput; the simulator runs deterministic, with the step model's measured step noise, and with the step
-model rescaled per point by the server's measured mean step time over the simulated one (its /metrics step counters
-read around the point) and the API / core-loop overheads read again on each server before its points (calibrate's
-procedure): that takes the machine's drift since calibration out, leaving the scheduling / queueing model's own
-error. The engine step counts of both sides are printed too, and per point: its own noise (2 standard errors of the
-measured mean TTFT and TPOT over its requests: the points have enough requests that it is below the 10 % judged,
-except the 8-request burst), the server's traced steps (LMSERVE_STEP_TRACE) against the step model on the same
-steps (their total time / the model's with its API stretch: 1.00 when the model fits what the server ran, so
-that the rest of an error is batching and queueing) and the share of them the engine core ran with one torch
-thread (its CPU back-off: other processes were using the CPUs, and the point measured the machine's load).
+workload sent all at once: what batching sustains; the engine is busy far more of the time than that fraction, and
+the busy fractions of both sides are printed: on the 2-core machine the server's read 70 / 94 / 99 % at 30 / 60 / 90
+%). Errors are (simulated − measured) / measured of mean and P99 TTFT and TPOT and of the output throughput; the
+simulator runs deterministic, with the step model's measured step noise, and with the step model rescaled per point
+by the server's measured mean step time over the simulated one (its /metrics step counters read around the point)
+and the API / core-loop overheads read again on each server before its points (calibrate's procedure): that takes
+the machine's drift since calibration out, leaving the scheduling / queueing model's own error. The engine step
+counts of both sides are printed too, and per point: its own noise (2 standard errors of the measured mean TTFT and
+TPOT over its requests: the points have enough requests that it is below the 10 % judged, except the 8-request
+burst), the server's traced steps (LMSERVE_STEP_TRACE) against the step model on the same steps (their total time /
+the model's with its API stretch: 1.00 when the model fits what the server ran, so that the rest of an error is
+batching and queueing) and the share of them the engine core ran with one torch thread (its CPU back-off: other
+processes were using the CPUs, and the point measured the machine's load).
 
 `--poisson-repeats N` measures each Poisson point N times on the server (the same requests and arrivals) and judges
 the simulator against the server's own spread: per metric the measured min – max over the N runs beside the
@@ -103,6 +105,10 @@ class Point:
     # stretch) on the same steps: 1 when the model fits the served steps, whatever the batching
     one_thread_pct: float | None = None
     served_fit_ratio: float | None = None
+    # the engine's busy fraction over the point (its traced iterations' time / first send → last step end) and the
+    # simulator's (its steps' time / the run's duration)
+    server_busy: float | None = None
+    sim_busy: float | None = None
     trace_rows: tuple[int, int] = (0, 0)  # the point's rows in its server's step trace
     send_times: list[float] = field(default_factory=list)
     # cores' worth of CPU other processes (not this one, not its servers) used while the point ran: another
@@ -170,6 +176,11 @@ def poisson_points(tok: Any, profile: StepProfile, config: Any, quick: bool, see
     return pts
 
 
+def busy_fraction(result: Any) -> float:
+    """The simulated engines' busy time over the run's duration (their mean, with several)."""
+    return float(result.stats_dict()["mean_replica_utilization"])
+
+
 def simulate(profile: StepProfile, config: Any, requests: list[BenchRequest], rate: float, cap: int | None,
              seed: int, noise: bool) -> tuple[BenchSummary, Any]:  # fmt: skip
     arrivals = arrival_offsets_s(len(requests), rate, 1.0, seed)
@@ -210,6 +221,8 @@ def measure(
         if rows:
             p.one_thread_pct = 100.0 * sum(r[7] == 1 for r in rows) / len(rows)
             p.served_fit_ratio = served_fit(profile, rows, p.send_times)
+            span = rows[-1][10] - min(p.send_times, default=rows[0][10] - rows[0][6])
+            p.server_busy = sum(r[6] for r in rows) / span if span > 0 else None
     return summarize(records, result.duration_s or None, p.rate_rps, p.max_concurrency), {
         k: after[k] - before[k] for k in after
     }
@@ -254,6 +267,7 @@ def simulate_point(p: Point, profile: StepProfile, cfg: Any, seed: int, sim_over
         sim_overheads = dataclasses.replace(sim_overheads, core_step_overhead_s=0.0)
     p.sim_steps = result.num_steps
     p.sim_step_s = mean_step_s(result)
+    p.sim_busy = busy_fraction(result)
     if p.server_step_s and p.sim_step_s:
         rescaled = dataclasses.replace(profile.scaled(p.server_step_s / p.sim_step_s), overheads=sim_overheads)
         p.sim_rescaled, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, False)
@@ -302,6 +316,7 @@ def load_measured(path: str, points: list[Point]) -> dict[str, Overheads]:
         noise = x.get("measured_noise_pct") or {}
         p.noise_pct = (noise.get("ttft_mean"), noise.get("tpot_mean"))
         p.one_thread_pct, p.served_fit_ratio = x.get("served_steps_one_thread_pct"), None  # (its model's, not ours)
+        p.server_busy = (x.get("busy_fraction") or {}).get("measured")
         p.others_cores, p.notes = x.get("others_cores"), [f"rescored from {path}"]
     return {k: Overheads(**v) for k, v in (doc.get("overheads_at_validation") or {}).items()}
 
@@ -445,7 +460,8 @@ def format_values(points: list[Point]) -> str:
 
 def format_steps(points: list[Point]) -> str:
     head = (f"{'point':<48}{'engine steps measured / simulated':>36}{'mean step (ms) measured / simulated':>38}"
-            f"{'served/model':>14}{'1-thread':>10}{'others':>8}{'noise TTFT/TPOT':>17}")  # fmt: skip
+            f"{'served/model':>14}{'busy meas. / sim.':>19}{'1-thread':>10}{'others':>8}"
+            f"{'noise TTFT/TPOT':>17}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for p in points:
         if p.server_steps is None:
@@ -455,8 +471,10 @@ def format_steps(points: list[Point]) -> str:
         one = "-" if p.one_thread_pct is None else f"{p.one_thread_pct:.0f}%"
         noise = " / ".join("-" if x is None else f"±{x:.0f}%" for x in p.noise_pct)
         others = "-" if p.others_cores is None else f"{p.others_cores:.2f}"
+        busy = " / ".join("-" if x is None else f"{100 * x:.0f}%" for x in (p.server_busy, p.sim_busy))
         lines.append(f"{p.name:<48}{p.server_steps:>24} / {p.sim_steps:<9}{ms:>26} / "
-                     f"{1e3 * (p.sim_step_s or 0):<10.2f}{fit:>12}{one:>10}{others:>8}{noise:>17}")  # fmt: skip
+                     f"{1e3 * (p.sim_step_s or 0):<10.2f}{fit:>12}{busy:>19}{one:>10}{others:>8}"
+                     f"{noise:>17}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -663,6 +681,7 @@ def main() -> int:
                 "measured_noise_pct": {"ttft_mean": p.noise_pct[0], "tpot_mean": p.noise_pct[1]},
                 "served_steps_one_thread_pct": p.one_thread_pct,
                 "served_steps_over_model": p.served_fit_ratio,
+                "busy_fraction": {"measured": p.server_busy, "simulated": p.sim_busy},
                 "others_cores": p.others_cores,
                 "trace_rows": p.trace_rows,
                 "send_times": p.send_times if args.keep_trace else None,
