@@ -46,13 +46,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from lmserve.bench.datasets import BenchRequest, DatasetConfig, build_requests, load_tokenizer
 from lmserve.bench.experiments import lmserve_server
 from lmserve.bench.loadgen import LoadConfig, arrival_offsets_s, finalize_all, run_load
 from lmserve.bench.metrics import BenchSummary, request_latency, summarize
 from lmserve.bench.report import json_safe
 from lmserve.engine.step_trace import ENV
-from lmserve.sim.api_costs import process_cpu_s
+from lmserve.sim.api_costs import held_sends, process_cpu_s
 from lmserve.sim.calibrate import overheads_on_server, scrape_step_counters
 from lmserve.sim.inputs import engine_config
 from lmserve.sim.simulator import SimConfig, Simulator
@@ -218,9 +220,10 @@ def measure(
         p.trace_rows = (first_row, len(all_rows))
         rows = [r for r in all_rows[first_row:] if r[6] > 0]
         p.send_times = [result.start_wall_time + r.send_s for r in result.raw if r.send_s is not None]
+        held = held_sends(result.raw, result.start_wall_time, p.max_concurrency is not None)
         if rows:
             p.one_thread_pct = 100.0 * sum(r[7] == 1 for r in rows) / len(rows)
-            p.served_fit_ratio = served_fit(profile, rows, p.send_times)
+            p.served_fit_ratio = served_fit(profile, rows, p.send_times, held)
             span = rows[-1][10] - min(p.send_times, default=rows[0][10] - rows[0][6])
             p.server_busy = sum(r[6] for r in rows) / span if span > 0 else None
     return summarize(records, result.duration_s or None, p.rate_rps, p.max_concurrency), {
@@ -339,17 +342,20 @@ def trace_rows(trace: Path) -> list[tuple[float, ...]]:
     return [row for path in sorted(trace.parent.glob(trace.name + ".*")) for row in read_trace(str(path))]
 
 
-def served_fit(profile: StepProfile, rows: list[tuple[float, ...]], sends: list[float]) -> float:
+def served_fit(
+    profile: StepProfile, rows: list[tuple[float, ...]], sends: list[float], held: list[float] | None = None
+) -> float:
     """The served iterations' total time / the step model's on their features, with the model's API stretch on the
     API work beside each (api_costs.stretch_inputs: the previous step's chunks, the requests sent while it ran) and
-    the arrival's stall on each (the requests sent while it runs)."""
+    the sends' stalls on each (the requests sent while it runs; `held`: those a concurrency cap had held)."""
     from lmserve.engine.step_trace import OLD_COLUMNS
     from lmserve.sim.api_costs import api_work, sends_during, stretch_inputs
     from lmserve.sim.step_model import StepFeatures, mark_decode_after_prefill
 
     ov = profile.overheads
-    inputs = stretch_inputs(rows, sends) if len(rows[0]) > OLD_COLUMNS else [(0, 0, 0, 0, 0)] * len(rows)
-    work = api_work(ov, inputs) * ov.api_step_stretch + sends_during(inputs) * ov.api_arrival_stall_s
+    inputs = stretch_inputs(rows, sends, held or []) if len(rows[0]) > OLD_COLUMNS else [(0,) * 6] * len(rows)
+    stalls = np.array([ov.api_arrival_stall_s, ov.api_held_send_stall_s])
+    work = api_work(ov, inputs) * ov.api_step_stretch + sends_during(inputs) @ stalls
     after = mark_decode_after_prefill(rows)  # (the post-prefill decode term; 0 s in a model without it)
     fitted = sum(
         profile.step_time_s(StepFeatures(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4], a))

@@ -11,9 +11,9 @@ from lmserve.sim.api_costs import (
     chunk_latencies,
     cpu_costs,
     fit_stretch,
-    mean_excess_per_send,
     overheads_from,
     sends_during,
+    stall_per_send,
     stretch_inputs,
 )
 from lmserve.sim.calibrate import _fit_into
@@ -85,31 +85,37 @@ def test_stretch_inputs_and_fit() -> None:
     got = stretch_inputs(out, sends)
     expected = [(0, 0, 0, 0)] + [(d + p, p, f, a) for d, p, f, a in plan[:-1]]
     expected[100] = (0, 0, 0, 0)  # after the idle gap
-    assert got == [(*e, step[3]) for e, step in zip(expected, plan, strict=True)]  # fifth: sent while it runs
+    # fifth and sixth: sent while it runs, on their own schedule / held by a cap (none held here)
+    assert got == [(*e, step[3], 0) for e, step in zip(expected, plan, strict=True)]
     work = api_work(ov, got)
     measured = np.array([r[6] for r in out])
     c0, coefs, f, g = fit_stretch(np.zeros((len(out), 0)), work, measured, sent=sends_during(got))
-    assert (c0, f, g) == pytest.approx((2 * MS, 1.0, 3 * MS), rel=1e-3) and coefs == []
+    assert (c0, f, g[0]) == pytest.approx((2 * MS, 1.0, 3 * MS), rel=1e-3) and coefs == [] and g[1] == 0.0
     c0, coefs, f, g = fit_stretch(np.ones((3, 1)), np.zeros(3), np.full(3, 4 * MS))  # nothing beside: f = g = 0
-    assert c0 + coefs[0] == pytest.approx(4 * MS) and f == 0.0 and g == 0.0
+    assert c0 + coefs[0] == pytest.approx(4 * MS) and f == 0.0 and g == [0.0, 0.0]
+    # the same sends, every other one held by a cap: counted in the sixth column
+    held = sends[1::2]
+    split = stretch_inputs(out, sends, held)
+    assert [x[4] + x[5] for x in split] == [x[4] for x in got] and sum(x[5] for x in split) == len(held)
 
 
-def test_the_stall_is_the_mean_excess_per_send_not_the_median() -> None:
-    """Sends stall a step by 1 ms in most steps and by 21 ms in one of five (mean 5 ms): the fit's stall is the
-    mean, 5 ms, which sums of steps need (a least-absolute fit alone follows the median, 1 ms); steps without a
-    send do not move it."""
+def test_the_stalls_are_means_per_send_not_medians() -> None:
+    """Arrivals stall a step by 1 ms in most steps and by 21 ms in one of five (mean 5 ms), held sends by 2 ms: the
+    fit's stalls are the means, ~5 and 2 ms, which sums of steps need (a least-absolute fit alone follows the
+    median, 1 ms); steps without a send do not move them."""
     rng = np.random.default_rng(2)
-    n = 2000
+    n = 4000
     rows = rng.integers(1, 9, n).astype(np.float64)
-    sent = (rng.random(n) < 0.2).astype(np.float64) * rng.integers(1, 3, n)
+    arrivals = (rng.random(n) < 0.2).astype(np.float64)
+    held = (rng.random(n) < 0.1).astype(np.float64) * (1 - arrivals)
     tail = np.where(rng.random(n) < 0.2, 21 * MS, 1 * MS)
-    measured = 1 * MS + 0.2 * MS * rows + sent * tail
-    c0, (c1,), f, g = fit_stretch(rows[:, None], np.zeros(n), measured, sent=sent)
+    measured = 1 * MS + 0.2 * MS * rows + arrivals * tail + held * 2 * MS
+    c0, (c1,), f, g = fit_stretch(rows[:, None], np.zeros(n), measured, sent=np.column_stack([arrivals, held]))
     assert (c0, c1, f) == pytest.approx((1 * MS, 0.2 * MS, 0.0), abs=1e-6)
-    expected = float((sent * tail).sum() / sent.sum())  # the sample's own mean stall per send (~5 ms)
-    assert g == pytest.approx(expected, rel=1e-3) and 4 * MS < g < 6 * MS
-    assert mean_excess_per_send(np.zeros(4), np.zeros(4)) == 0.0  # no sends
-    assert mean_excess_per_send(np.array([1.0, -3.0]), np.array([0.0, 1.0])) == 0.0  # never negative
+    expected = float((arrivals * tail).sum() / arrivals.sum())  # the sample's own mean stall per arrival (~5 ms)
+    assert g == pytest.approx([expected, 2 * MS], rel=1e-3) and 4 * MS < g[0] < 6 * MS
+    assert stall_per_send(np.zeros(4), np.zeros((4, 2))) == [0.0, 0.0]  # no sends
+    assert stall_per_send(np.array([1.0, -3.0]), np.array([[0.0, 0.0], [1.0, 0.0]])) == [0.0, 0.0]  # never < 0
 
 
 def test_calibrate_fits_the_model_and_the_stretch_together() -> None:
@@ -127,8 +133,8 @@ def test_calibrate_fits_the_model_and_the_stretch_together() -> None:
         served.append((StepFeatures(0, 0, rows, context, 0.0), 1 * MS + 0.2 * MS * rows + 0.5 * work))
         inputs.append((c, first, done, a))
     profile = StepProfile("linear", {}, "float32", "float32", None, None, "cpu", {}, linear=LinearStepModel(0.0, {}))
-    stretch, stall = _fit_into(profile, served[:50], [], 0, served, inputs, ov)
-    assert stretch == pytest.approx(0.5, rel=1e-3) and stall == 0.0  # (four-number inputs: no sends counted)
+    stretch, stalls = _fit_into(profile, served[:50], [], 0, served, inputs, ov)
+    assert stretch == pytest.approx(0.5, rel=1e-3) and stalls == (0.0, 0.0)  # (four-number inputs: no sends counted)
     lin = profile.linear
     assert lin is not None and lin.intercept_s == pytest.approx(1 * MS, rel=1e-3)
     assert lin.coefficients_s["decode_rows"] == pytest.approx(0.2 * MS, rel=1e-3)

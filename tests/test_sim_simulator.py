@@ -138,9 +138,10 @@ def test_a_send_stalls_the_step_in_progress_hand_checked(llama_dir: Path) -> Non
 
 
 def test_a_closed_loop_send_stalls_the_step_in_progress_at_its_time(llama_dir: Path) -> None:
-    """Client concurrency 2, a 4 ms stall a send, no other overheads; t = 10 ms + 0.1 ms/prefill token + 1 ms/row.
-    A (100 tokens, 2 out) and B (100, 6 out) are sent at 0 to an idle core (nothing stalls); C (50, 2 out) is sent
-    when A ends, at 42, which is when step 3 starts: that step, not the one that just ended, is stalled.
+    """Client concurrency 2, a 4 ms stall a send the cap held (10 ms an arrival's), no other overheads; t = 10 ms +
+    0.1 ms/prefill token + 1 ms/row. A (100 tokens, 2 out) and B (100, 6 out) are sent at 0 to an idle core (nothing
+    stalls); C (50, 2 out), held by the cap, is sent when A ends, at 42, which is when step 3 starts: that step, not
+    the one that just ended, is stalled, by a held send's 4 ms.
 
         step 1 [0, 30]   prefill A, B    step 2 [30, 42]  decode A, B (A done: C sent at 42)
         step 3 [42, 57]  decode B: 11 + 4 (C's send)       step 4 [57, 73]  B + prefill C: 16
@@ -148,7 +149,7 @@ def test_a_closed_loop_send_stalls_the_step_in_progress_at_its_time(llama_dir: P
     """
     config = _config(llama_dir, num_kv_blocks=64)
     profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
-    profile.overheads = Overheads(api_arrival_stall_s=0.004)
+    profile.overheads = Overheads(api_arrival_stall_s=0.010, api_held_send_stall_s=0.004)
     workload = Workload([list(range(1, 101)), list(range(101, 201)), list(range(300, 350))], [2, 6, 2], [0.0] * 3)
     result = Simulator(profile, SimConfig(config, max_concurrency=2, record_steps=True)).run(workload)
     assert [t for s in result.steps for t in (s.start_s, s.end_s)] == pytest.approx(

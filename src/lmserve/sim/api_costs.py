@@ -21,13 +21,16 @@ Measured (all from one served engine core tracing its steps, engine/step_trace.p
 * CPU per request and per chunk: the API process's (/proc/<pid>/stat) and the load generator's (this process's)
   CPU time over three loads (the one-at-a-time requests, many one-token requests, a few long streams): least
   squares on cpu = per request · requests + per chunk · chunks.
-* the stretch: served steps ≈ model(features) + f · W + g · S, W = the API work beside the step (the previous
-  step's chunks × the per-chunk cost, + its first chunks × the first's extra, + the requests it finished × the
-  last's extra, + the requests sent while it ran × the arrival's cost), S = the requests sent while this step runs;
-  the model's coefficients, f and g fitted together by least absolute relative error, all >= 0 (f: step seconds per
-  second of API work), then g again as the mean excess of the steps with sends (g: the arrival's stall, seconds a
-  send; heavy-tailed: traced on the 2-core machine a send stalls the step it lands in by 5-6.5 ms on average and
-  2-3.5 ms at the median, and a least-absolute fit follows the median where sums of steps need the mean).
+* the stretch: served steps ≈ model(features) + f · W + g · S + h · H, W = the API work beside the step (the
+  previous step's chunks × the per-chunk cost, + its first chunks × the first's extra, + the requests it finished ×
+  the last's extra, + the requests sent while it ran × the arrival's cost), S = the requests sent while this step
+  runs on their own schedule (an open loop's arrivals: the load generator wakes to send), H = those sent while it
+  runs that the client's concurrency cap had held until another finished (a closed loop: the client is awake,
+  reading that last chunk); the model's coefficients, f, g and h fitted together by least absolute relative error,
+  all >= 0 (f: step seconds per second of API work), then g and h again by least squares on the excess of the steps
+  with sends over the others (the stalls, seconds a send; heavy-tailed: traced on the 2-core machine an arrival
+  stalls the step it lands in by 5-6.5 ms on average and 2-3.5 ms at the median, a held send by 1.3-2.5 ms, and a
+  least-absolute fit follows the median where sums of steps need the mean).
 """
 
 from __future__ import annotations
@@ -125,27 +128,44 @@ def cpu_costs(loads: list[tuple[int, int, float]]) -> tuple[float, float]:
     return max(0.0, float(per_request)), max(0.0, float(per_chunk))
 
 
-def stretch_inputs(rows: list[tuple[float, ...]], sends: list[float]) -> list[tuple[int, ...]]:
+def stretch_inputs(
+    rows: list[tuple[float, ...]], sends: list[float], held: list[float] | tuple[float, ...] = ()
+) -> list[tuple[int, ...]]:
     """Per trace row, what its API work beside it is made of: (the chunks the previous iteration sampled, of those
     the requests' first ones (sampled − decode rows), the requests it finished, the requests sent while it ran),
-    all 0 after an idle core (a gap over IDLE_GAP_S before the iteration); and, fifth, the requests sent while this
-    iteration runs (the arrival's stall), counted after an idle gap too. `sends`: the requests' send times, wall
-    clock. An iteration runs [end_time − step_s, that + loop_s] (its drain is put after its step: the same
-    length)."""
+    all 0 after an idle core (a gap over IDLE_GAP_S before the iteration); then the requests sent while this
+    iteration runs, fifth those sent on their own schedule and sixth those the client's concurrency cap had held
+    (the stalls), counted after an idle gap too. `sends`: every request's send time, wall clock; `held`: the send
+    times among them that the cap had held (held_sends). An iteration runs [end_time − step_s, that + loop_s] (its
+    drain is put after its step: the same length)."""
     s = np.sort(np.asarray(sends, dtype=np.float64))
+    h = np.sort(np.asarray(held, dtype=np.float64))
     out: list[tuple[int, ...]] = []
     prev: tuple[float, float] | None = None  # the previous iteration's (start, end)
     chunks = (0, 0, 0)  # and its (sampled, first chunks, finished)
     for r in rows:
         start = r[10] - r[5]
         sent = int(np.searchsorted(s, start + r[6]) - np.searchsorted(s, start))
+        sent_held = int(np.searchsorted(h, start + r[6]) - np.searchsorted(h, start))
         if prev is None or start - prev[1] > IDLE_GAP_S:
-            out.append((0, 0, 0, 0, sent))
+            out.append((0, 0, 0, 0, sent - sent_held, sent_held))
         else:
             arrived = int(np.searchsorted(s, prev[1]) - np.searchsorted(s, prev[0]))
-            out.append((*chunks, arrived, sent))
+            out.append((*chunks, arrived, sent - sent_held, sent_held))
         prev, chunks = (start, start + r[6]), (int(r[8]), max(0, int(r[8]) - int(r[2])), int(r[9]))
     return out
+
+
+HELD_AFTER_S = 0.001  # a send this much later than its scheduled time, with a concurrency cap: the cap held it
+
+
+def held_sends(records: list[Any], start_wall: float, capped: bool) -> list[float]:
+    """The wall-clock send times of the requests a client's concurrency cap held until another finished (sent over
+    HELD_AFTER_S after their scheduled time; none without a cap: a late send there is the client's own lag).
+    `records`: the load generator's RawResponses (scheduled_s, send_s from the run's start)."""
+    if not capped:
+        return []
+    return [start_wall + r.send_s for r in records if r.send_s is not None and r.send_s - r.scheduled_s > HELD_AFTER_S]
 
 
 def api_work(ov: Any, inputs: list[tuple[int, ...]]) -> np.ndarray:
@@ -156,33 +176,48 @@ def api_work(ov: Any, inputs: list[tuple[int, ...]]) -> np.ndarray:
 
 
 def sends_during(inputs: list[tuple[int, ...]]) -> np.ndarray:
-    """Per step, the requests sent while it ran (stretch_inputs' fifth column; 0 for an older four-column row)."""
-    return np.array([x[4] if len(x) > 4 else 0 for x in inputs], dtype=np.float64)
+    """Per step, the requests sent while it ran: (steps, 2), on their own schedule and held by the cap
+    (stretch_inputs' fifth and sixth columns; 0 where a row is older and shorter)."""
+    return np.array([[x[4] if len(x) > 4 else 0, x[5] if len(x) > 5 else 0] for x in inputs],
+                    dtype=np.float64).reshape(-1, 2)  # fmt: skip
 
 
-def mean_excess_per_send(residual: np.ndarray, sent: np.ndarray) -> float:
-    """Seconds per send: the residuals' excess over those of the steps without a send (their mean), summed over the
-    steps with sends, per send (0 when none; never negative)."""
-    has = sent > 0
+def stall_per_send(residual: np.ndarray, sent: np.ndarray) -> list[float]:
+    """Seconds per send of each kind (sent's columns): least squares of the steps' excess over the mean residual
+    of the steps without a send, on the steps with sends; a kind no step has, or one fitted below 0, is 0 (and the
+    others fitted again without it). Means, not medians: sums of steps need them."""
+    sent = sent.reshape(len(residual), -1)
+    has = sent.sum(axis=1) > 0
+    out = [0.0] * sent.shape[1]
     if not has.any() or has.all():
-        return 0.0
-    excess = float((residual[has] - residual[~has].mean()).sum()) / float(sent[has].sum())
-    return max(0.0, excess)
+        return out
+    y = residual[has] - residual[~has].mean()
+    active = [k for k in range(sent.shape[1]) if sent[has, k].any()]
+    while active:
+        coef, *_ = np.linalg.lstsq(sent[has][:, active], y, rcond=None)
+        if (coef >= 0).all():
+            for k, c in zip(active, coef, strict=True):
+                out[k] = float(c)
+            break
+        del active[int(np.argmin(coef))]
+    return out
 
 
 def fit_stretch(
     x: np.ndarray, work: np.ndarray, measured: np.ndarray, iterations: int = 40, sent: np.ndarray | None = None
-) -> tuple[float, list[float], float, float]:
-    """The step model's coefficients and the stretch fitted together: measured ≈ c0 + x · c + f · work + g · sent,
+) -> tuple[float, list[float], float, list[float]]:
+    """The step model's coefficients and the stretch fitted together: measured ≈ c0 + x · c + f · work + sent · g,
     least absolute relative error (IRLS, as the step model's own fit), every coefficient >= 0 (the most negative one
-    dropped and the fit redone; f = 0 when no step had API work beside it, g = 0 when no step had a send). g is then
-    taken again as the mean excess per send of the steps with sends over the others (mean_excess_per_send), the
-    rest of the fit kept: the stall is heavy-tailed, and the fit follows the median. x: (steps, terms) term values.
+    dropped and the fit redone; f = 0 when no step had API work beside it, a g = 0 when no step had such a send).
+    g (one per column of sent: sends_during's kinds) is then taken again by stall_per_send on the residual of the
+    rest of the fit: the stall is heavy-tailed, and the fit follows the median. x: (steps, terms) term values.
     Returns (c0, c, f, g)."""
     n, k = x.shape
-    sent = np.zeros(n) if sent is None else np.asarray(sent, dtype=np.float64)
+    sent = np.zeros((n, 2)) if sent is None else np.asarray(sent, dtype=np.float64).reshape(n, -1)
+    m = sent.shape[1]
     full = np.column_stack([np.ones(n), x, work, sent]) / measured[:, None]
-    active = [*range(k + 1), *([k + 1] if (work > 0).any() else []), *([k + 2] if (sent > 0).any() else [])]
+    active = [*range(k + 1), *([k + 1] if (work > 0).any() else []),
+              *(k + 2 + j for j in range(m) if (sent[:, j] > 0).any())]  # fmt: skip
     while True:
         design = full[:, active]
         w = np.ones(n)
@@ -197,8 +232,7 @@ def fit_stretch(
     values = dict(zip(active, coef, strict=True))
     c0, c, f = max(0.0, float(values.get(0, 0.0))), [float(values.get(1 + j, 0.0)) for j in range(k)], float(
         values.get(k + 1, 0.0))  # fmt: skip
-    g = mean_excess_per_send(measured - (c0 + x @ np.array(c) + f * work), sent) if (sent > 0).any() else 0.0
-    return c0, c, f, g
+    return c0, c, f, stall_per_send(measured - (c0 + x @ np.array(c) + f * work), sent)
 
 
 def overheads_from(lat: ChunkLatencies, per_request_s: float, per_chunk_s: float) -> dict[str, Any]:

@@ -389,8 +389,10 @@ def measure_on_server(
                 asyncio.run(run_load(warm, cfg))
                 served: list[tuple[StepFeatures, float]] = []
                 inputs: list[tuple[int, ...]] = []
-                if grid is not None:
-                    served, inputs = profile_served(url, trace, served_loads(grid, tok, max_len))
+                if grid is not None:  # (the in-process fit's time of a 64-token prompt's 32-token request alone)
+                    alone = profile.step_time_s(StepFeatures(64, 1, 0, 0, 64 * 65 / 2)) + sum(
+                        profile.step_time_s(StepFeatures(0, 0, 1, 64 + k, 0.0)) for k in range(31))  # fmt: skip
+                    served, inputs = profile_served(url, trace, served_loads(grid, tok, max_len, request_s=alone))
                 overheads = overheads_on_server(url, profile, tok, reqs, out_len)
                 try:
                     overheads = measure_api_costs(url, trace, tok, overheads)
@@ -410,36 +412,46 @@ def _trace_rows(trace: Path) -> list[tuple[float, ...]]:
     return [row for path in sorted(trace.parent.glob(trace.name + ".*")) for row in read_trace(str(path))]
 
 
-def served_loads(grid: Grid, tok: Any, max_len: int, seed: int = 7) -> list[tuple[list[Any], int]]:
+def served_loads(
+    grid: Grid, tok: Any, max_len: int, seed: int = 7, request_s: float | None = None
+) -> list[tuple[list[Any], int | None, float]]:
     """The loads calibrate serves to time served steps: for every decode batch D of the grid, D concurrent streams
     of short prompts and D of long ones (up to the grid's largest prefill; so that the decode rows' context varies
     at every row count, not with it), giving D-row decodes with prefills joining them as streams end and start; and
     one stream of prompts sharing a prefix of the grid's largest cached context (prefills over cached blocks).
-    (requests, client concurrency) each, in a seeded shuffled order: the machine's speed drifts over the minute
-    they take, and served in order of batch size that drift would read as a cost of the rows (the decode-row
-    coefficient); shuffled, it is noise the fit averages."""
+    With `request_s` (a 64-token prompt's 32-token request alone, by the in-process fit): two open loops of Poisson
+    arrivals, at 1 and 2 such requests per request_s, whose sends land in steps independently of the steps' own
+    requests (a closed loop sends as one finishes: its sends and its prefills come together) and stall them more
+    (api_costs). (requests, client concurrency or None, arrival rate) each, in a seeded shuffled order: the
+    machine's speed drifts over the minute they take, and served in order of batch size that drift would read as a
+    cost of the rows (the decode-row coefficient); shuffled, it is noise the fit averages."""
     from lmserve.bench.datasets import DatasetConfig, build_requests
 
     longest = min(max(grid.prefills), max_len // 2)
     out_len = 32 if grid.repeats < 3 else 48
-    loads = []
+    loads: list[tuple[list[Any], int | None, float]] = []
     for i, d in enumerate(b for b in grid.decode_batches if b > 0):
         num = max(2 * d, 6 if grid.repeats < 3 else 12)
         for j, input_len in enumerate((min(32, longest), longest)):
             cfg = DatasetConfig(num_requests=num, input_len=max(8, input_len * 3 // 4), output_len=out_len,
                                 range_ratio=0.25, seed=seed + 2 * i + j)  # fmt: skip
-            loads.append((build_requests(cfg, tok), d))
+            loads.append((build_requests(cfg, tok), d, math.inf))
     cached = max(grid.prefill_contexts)
     if cached > 0 and cached + longest < max_len:
         cfg = DatasetConfig(name="prefix", num_requests=6 if grid.repeats < 3 else 12, input_len=max(8, longest // 2),
                             output_len=8, range_ratio=0.9, prefix_len=cached, seed=seed + 100)  # fmt: skip
-        loads.append((build_requests(cfg, tok), 1))
+        loads.append((build_requests(cfg, tok), 1, math.inf))
+    if request_s:
+        for k, per in enumerate((1.0, 2.0)):
+            cfg = DatasetConfig(num_requests=40 * grid.repeats, input_len=min(64, max_len // 4), output_len=32,
+                                seed=seed + 200 + k)  # fmt: skip
+            loads.append((build_requests(cfg, tok), None, per / request_s))
     random.Random(seed).shuffle(loads)
     return loads
 
 
 def profile_served(
-    url: str, trace: Path, loads: list[tuple[list[Any], int]]
+    url: str, trace: Path, loads: list[tuple[list[Any], int | None, float]]
 ) -> tuple[list[tuple[StepFeatures, float]], list[tuple[int, ...]]]:
     """Serve `loads` one after another on the server at `url` (started with LMSERVE_STEP_TRACE=trace): the steps
     its engine core took, each with its core-loop iteration's wall time (engine/step_trace.py), and per step the
@@ -447,21 +459,24 @@ def profile_served(
     it ran; empty for an old trace without end times)."""
     from lmserve.bench.loadgen import LoadConfig, run_load
     from lmserve.engine.step_trace import OLD_COLUMNS
-    from lmserve.sim.api_costs import stretch_inputs
+    from lmserve.sim.api_costs import held_sends, stretch_inputs
 
     before = len(_trace_rows(trace))  # (steps served before these loads: a warm-up's)
     sends: list[float] = []
-    for reqs, concurrency in loads:
-        result = asyncio.run(run_load(reqs, LoadConfig(base_url=url, max_concurrency=concurrency, seed=0)))
+    held: list[float] = []  # of those, the sends a concurrency cap held until another request finished
+    for reqs, concurrency, rate in loads:
+        cfg = LoadConfig(base_url=url, max_concurrency=concurrency, request_rate_rps=rate, seed=0)
+        result = asyncio.run(run_load(reqs, cfg))
         if result.fatal_error:
             raise RuntimeError(f"served profiling failed: {result.fatal_error}")
         sends += [result.start_wall_time + r.send_s for r in result.raw if r.send_s is not None]
+        held += held_sends(result.raw, result.start_wall_time, concurrency is not None)
     time.sleep(0.2)  # the core writes a step's line after sending its outputs
     served = _trace_rows(trace)[before:]
     after_prefill = mark_decode_after_prefill(served)  # one core's steps in order (the flag: its previous step's)
     rows = [r for r in served if r[6] > 0]
     after_prefill = [a for a, r in zip(after_prefill, served, strict=True) if r[6] > 0]
-    inputs = stretch_inputs(rows, sends) if rows and len(rows[0]) > OLD_COLUMNS else []
+    inputs = stretch_inputs(rows, sends, held) if rows and len(rows[0]) > OLD_COLUMNS else []
     # steps the core took with fewer threads than it has (its back-off: other processes were using the CPUs) time
     # another machine; they are left out
     full = max((int(r[7]) for r in rows), default=0)
@@ -675,12 +690,13 @@ def refit(path: str, out: str) -> int:
         return 2
     # (four numbers a row in a file from before the arrival's stall: no sends counted, the stall fits to 0)
     inputs = [tuple(int(v) for v in x) for x in cal.get("served_api_inputs") or []]
-    stretch, stall = _fit_into(profile, samples, held, int(cal.get("decode_stack_rows") or 0), served, inputs,
-                               profile.overheads)  # fmt: skip
+    stretch, (stall, held_stall) = _fit_into(profile, samples, held, int(cal.get("decode_stack_rows") or 0), served,
+                                             inputs, profile.overheads)  # fmt: skip
     if profile.overheads.api_queue:
         import dataclasses
 
-        profile.overheads = dataclasses.replace(profile.overheads, api_step_stretch=stretch, api_arrival_stall_s=stall)
+        profile.overheads = dataclasses.replace(profile.overheads, api_step_stretch=stretch, api_arrival_stall_s=stall,
+                                                api_held_send_stall_s=held_stall)  # fmt: skip
     profile.calibration = {**cal, "refit_of": path, "refit_time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out_path = profile.save(out)
     print(format_profile(profile))
@@ -699,12 +715,12 @@ def _fit_into(
     served: list[tuple[StepFeatures, float]] | None = None,
     inputs: list[tuple[int, ...]] | None = None,
     overheads: Overheads | None = None,
-) -> tuple[float, float]:
+) -> tuple[float, tuple[float, float]]:
     """Fit the profile's linear model: on the served steps (core-loop iterations of a real server) when there are
     MIN_SERVED_STEPS of them, else on the in-process grid; the other sets are scored against it. With the served
     steps' API-work inputs (api_costs.stretch_inputs) and measured API costs (`overheads`), the model, the API's
-    step stretch and the arrival's stall are fitted together (api_costs.fit_stretch). Returns (the stretch, the
-    stall in seconds a send), 0 without."""
+    step stretch and the sends' stalls are fitted together (api_costs.fit_stretch). Returns (the stretch, (the stall
+    of a send on its own schedule, of one the client's cap held), seconds a send), 0 without."""
     from lmserve.sim.api_costs import api_work, fit_stretch, sends_during
 
     on_served = served is not None and len(served) >= MIN_SERVED_STEPS
@@ -712,21 +728,21 @@ def _fit_into(
     assert train is not None
     linear, quality, comparison = choose_form(train, stack_rows=stack_rows)
     profile.kind, profile.linear = "linear", linear
-    correction, stretch, stall = 1.0, 0.0, 0.0
-    work, sent = np.zeros(len(train)), np.zeros(len(train))
+    correction, stretch, stalls = 1.0, 0.0, [0.0, 0.0]
+    work, sent = np.zeros(len(train)), np.zeros((len(train), 2))
     if on_served and inputs and overheads is not None and overheads.api_queue and len(inputs) == len(train):
         work, sent = api_work(overheads, inputs), sends_during(inputs)
         terms, rows = linear.terms, linear.stack_rows  # the chosen form, refitted with the stretch beside it
         x = np.array([[term_value(f, t, rows) for t in terms] for f, _ in train], dtype=np.float64)
-        c0, coefs, stretch, stall = fit_stretch(x, work, np.array([t for _, t in train]), sent=sent)
+        c0, coefs, stretch, stalls = fit_stretch(x, work, np.array([t for _, t in train]), sent=sent)
         profile.linear = linear = LinearStepModel(c0, dict(zip(terms, coefs, strict=True)), rows)
-    beside = stretch * work + stall * sent  # what the API's work adds to each step
+    beside = stretch * work + sent @ np.array(stalls)  # what the API's work adds to each step
     if on_served:  # the fit follows the typical step; the served total has a tail (GC, first shapes) it misses
         base = sum(linear.step_time_s(f) for f, _ in train)
         correction = (sum(t for _, t in train) - float(beside.sum())) / base
         correction = correction if correction > 0 else 1.0
         profile.linear = linear = profile.scaled(correction).linear
-    if stretch or stall:  # measured / (model + the stretch + the stall): the noise of what the simulator times
+    if stretch or any(stalls):  # measured / (model + the stretch + the stalls): the noise of what the simulator times
         pred = np.array([linear.step_time_s(f) for f, _ in train]) + beside
         ratios = np.array([t for _, t in train]) / pred
         profile.noise_quantiles = [float(v) for v in np.quantile(ratios, np.linspace(0, 1, 201))]
@@ -739,16 +755,18 @@ def _fit_into(
         "heldout_workload": _quality(profile, held),
         "weighting": "least absolute relative error (IRLS), coefficients >= 0",
     }
-    if stretch or stall:
+    if stretch or any(stalls):
         profile.fit["api_step_stretch"] = stretch
-        profile.fit["api_arrival_stall_s"] = stall
+        profile.fit["api_arrival_stall_s"], profile.fit["api_held_send_stall_s"] = stalls
         profile.fit["why_api_stretch"] = (
             "served steps ≈ model + f · (the API work beside the step: the previous step's chunks × api_chunk_s + "
-            "the requests sent while it ran × their API costs) + g · (the requests sent while this step runs), the "
-            "model's coefficients, f and g fitted together (least absolute relative error, all >= 0), then g as the "
-            "mean excess per send of the steps with sends over the others (the stall is heavy-tailed; the fit "
-            "follows the median); the simulator adds f × the API work it queues beside a replica's step "
-            "(Overheads.api_step_stretch) and g to the step in progress at each send (Overheads.api_arrival_stall_s)"
+            "the requests sent while it ran × their API costs) + g · (the requests sent on their own schedule while "
+            "this step runs) + h · (those the client's concurrency cap held until another finished), the model's "
+            "coefficients, f, g and h fitted together (least absolute relative error, all >= 0), then g and h by "
+            "least squares on the excess of the steps with sends over the others (the stalls are heavy-tailed; the "
+            "fit follows the median); the simulator adds f × the API work it queues beside a replica's step "
+            "(Overheads.api_step_stretch) and g or h to the step in progress at each send "
+            "(Overheads.api_arrival_stall_s, api_held_send_stall_s)"
         )
     if on_served:
         profile.fit["total_time_correction"] = correction
@@ -762,7 +780,7 @@ def _fit_into(
             "process taking turns on the step's cores and the loop's own work, which an in-process profile misses; "
             "the in-process grid's steps are scored against the fit (in_process_grid)"
         )
-    return stretch, stall
+    return stretch, (stalls[0], stalls[1])
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -850,11 +868,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
             log(f"served {len(served)} traced steps")
         except Exception as e:  # noqa: BLE001 - the fit is still worth saving
             log(f"warning: overheads not measured ({type(e).__name__}: {e}); they stay 0")
-    stretch, stall = _fit_into(profile, samples, held, stack_rows, served, inputs, overheads)
+    stretch, (stall, held_stall) = _fit_into(profile, samples, held, stack_rows, served, inputs, overheads)
     if overheads.api_queue:
-        overheads = dataclasses.replace(overheads, api_step_stretch=stretch, api_arrival_stall_s=stall)
+        overheads = dataclasses.replace(overheads, api_step_stretch=stretch, api_arrival_stall_s=stall,
+                                        api_held_send_stall_s=held_stall)  # fmt: skip
         log(f"API step stretch: {stretch:.2f} s of step per s of API work beside it; a send stalls the step in "
-            f"progress {stall * 1e3:.2f} ms")  # fmt: skip
+            f"progress {stall * 1e3:.2f} ms (one the client's cap held: {held_stall * 1e3:.2f} ms)")  # fmt: skip
     if profile.fit["fitted_on"] == "served":  # the fitted steps are whole core-loop iterations
         overheads = dataclasses.replace(
             overheads,
@@ -888,7 +907,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         # (a served sample's time: the core loop's iteration)
         "served_samples": [[*f.as_tuple(), t, f.decode_after_prefill] for f, t in served],
         # per served sample: the previous step's chunks, first chunks, finished requests, the requests sent while
-        # it ran, and those sent while this one ran (api_costs.stretch_inputs)
+        # it ran, and those sent while this one ran on their own schedule and held by the cap (stretch_inputs)
         "served_api_inputs": [list(x) for x in inputs],
         "sample_columns": [
             "prefill_tokens",
@@ -968,7 +987,7 @@ def format_profile(profile: StepProfile) -> str:
             f"  API queue: request {ov.api_request_s * 1e3:.2f} ms, chunk {ov.api_chunk_s * 1e3:.3f} ms (+ first "
             f"{ov.api_first_chunk_s * 1e3:.2f}, + last {ov.api_last_chunk_s * 1e3:.2f} ms); step stretch "
             f"{ov.api_step_stretch:.2f} × the API work beside a step; a send stalls the step in progress "
-            f"{ov.api_arrival_stall_s * 1e3:.2f} ms"
+            f"{ov.api_arrival_stall_s * 1e3:.2f} ms (one the client's cap held {ov.api_held_send_stall_s * 1e3:.2f})"
         )
     if ov.kv_transfer_block_s is not None and ov.kv_transfer_latency_s is not None:
         lines.append(f"  KV transfer (disaggregation): {ov.kv_transfer_latency_s * 1e6:.0f} µs per pull + "

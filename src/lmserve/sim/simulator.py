@@ -333,7 +333,9 @@ class Simulator:
         api_req, api_chunk = ov.api_request_s, ov.api_chunk_s
         api_first, api_last = ov.api_first_chunk_s, ov.api_last_chunk_s
         stretch = ov.api_step_stretch
-        stall = ov.api_arrival_stall_s  # a send stalls the step in progress (Overheads.api_arrival_stall_s)
+        # a send stalls the step in progress (Overheads.api_arrival_stall_s; api_held_send_stall_s for one the
+        # client's concurrency cap held until another finished)
+        arrival_stall, held_stall = ov.api_arrival_stall_s, ov.api_held_send_stall_s
         api_free = 0.0
         step_time = self.step_time
         post_prefill = self.post_prefill_s
@@ -346,7 +348,8 @@ class Simulator:
         replicas = [_Replica(i, engine) for i in range(num_prefill + num_decode)]
         front = replicas[:num_prefill]  # where requests are routed: every replica, or the prefill ones
         # the replica a send stalls at once: the only front one; with several, the one a request is routed to
-        stalled_at_send = front[0] if len(front) == 1 and stall else None
+        stalled_at_send = front[0] if len(front) == 1 else None
+        stall_of: dict[int, float] = {}  # a request's stall (several front replicas: applied at its delivery)
         decoders = replicas[num_prefill:]
         if decoders:
             for r in front:
@@ -390,7 +393,7 @@ class Simulator:
                 rep.waking = True
                 push(t, _WAKE, rep.index)
 
-        def stall_step(rep: _Replica) -> None:
+        def stall_step(rep: _Replica, stall: float) -> None:
             """The replica's step in progress runs `stall` longer: its end event moves (the old one goes stale)."""
             nonlocal seq
             rep.end_s += stall
@@ -401,12 +404,14 @@ class Simulator:
             heappush(heap, (rep.end_s, _STEP_END, seq, rep.index))
             seq += 1
 
-        def send(i: int, t: float) -> None:
+        def send(i: int, t: float, stall: float) -> None:
             nonlocal in_flight, api_free
             in_flight += 1
             records[i].send_s = t
-            if stalled_at_send is not None:  # (an event: a closed loop's next send is timed at a later chunk)
-                push(t, _STALL, stalled_at_send.index)
+            if stall:
+                stall_of[i] = stall
+                if stalled_at_send is not None:  # (an event: a closed loop's next send is timed at a later chunk)
+                    push(t, _STALL, i)
             if api_queue:  # the API process takes the request when it is free, then it travels on
                 api_free = (api_free if api_free > t else t) + api_req
                 push(api_free + ingress, _DELIVER, i)
@@ -417,10 +422,11 @@ class Simulator:
             nonlocal in_flight
             in_flight -= 1
             if waiting_client:
-                send(waiting_client.popleft(), t)
+                send(waiting_client.popleft(), t, held_stall)
 
         def deliver(i: int, t: float) -> None:
             rec = records[i]
+            stall = stall_of.pop(i, 0.0) if stall_of and stalled_at_send is None else 0.0
             # one shared int object per token id (not one per position, as tolist() makes): the requests of 64
             # replicas then fit the CPU caches much better (measured: 1.6x faster at 64 replicas)
             # (an int32 array's tolist() first: indexing with numpy scalars cost 40 µs a 256-token prompt)
@@ -459,8 +465,8 @@ class Simulator:
             rep.inbox.append(req)
             if rep.busy:  # the API's work for it ran beside this step: the next one is stretched
                 rep.api_work += api_req
-                if stall and stalled_at_send is None:  # (several front replicas: the stall falls on this one's)
-                    stall_step(rep)
+                if stall:  # (several front replicas: the send's stall falls on this one's step)
+                    stall_step(rep, stall)
             wake(rep, t)
 
         def hand_off(i: int, t: float) -> None:
@@ -678,7 +684,7 @@ class Simulator:
                 if cap is not None and in_flight >= cap:
                     waiting_client.append(i)
                 else:
-                    send(i, arrivals[i])
+                    send(i, arrivals[i], arrival_stall)
                 continue
             t, kind, number, payload = heappop(heap)
             if kind == _STEP_END:
@@ -693,10 +699,11 @@ class Simulator:
                 deliver_remote(payload, t)
             elif kind == _PULL_DONE:
                 pull_done(payload, t)
-            elif kind == _STALL:
-                rep = replicas[payload]
-                if rep.busy:  # a step is in progress at the send
-                    stall_step(rep)
+            elif kind == _STALL:  # (one front replica; payload: the request sent)
+                stall = stall_of.pop(payload)
+                assert stalled_at_send is not None, "a stall event needs the one front replica"
+                if stalled_at_send.busy:  # a step is in progress at the send
+                    stall_step(stalled_at_send, stall)
             else:
                 rep = replicas[payload]
                 rep.waking = False

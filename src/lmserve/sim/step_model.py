@@ -136,11 +136,15 @@ class Overheads:
     api_last_chunk_s: float = 0.0
     api_step_stretch: float = 0.0  # dimensionless: step seconds per second of API work
     # A request being sent (the load generator's and the API process's work for it) stalls the engine step in
-    # progress: that step runs api_arrival_stall_s longer per request sent while it runs (traced on the 2-core
-    # machine: 5-6.5 ms a send, median 2-3.5 ms: the OpenMP team waits at its barriers for the core the kernel gave
-    # to that work). The simulator adds it to the replica's step in progress at the send (one front replica) or at
-    # the delivery (several: to the one the request is routed to). 0: none (older step models).
+    # progress (the OpenMP team waits at its barriers for the core the kernel gave to that work): that step runs
+    # api_arrival_stall_s longer per request sent on its own schedule while it runs (an open loop's arrival: the
+    # load generator wakes to send; traced on the 2-core machine 5-6.5 ms a send, median 2-3.5 ms), and
+    # api_held_send_stall_s per request the client's concurrency cap held until another finished (a closed loop:
+    # the client is awake, reading that last chunk; traced 1.3-2.5 ms). The simulator adds it to the replica's step
+    # in progress at the send (one front replica) or at the delivery (several: to the one the request is routed
+    # to). 0: none (older step models).
     api_arrival_stall_s: float = 0.0
+    api_held_send_stall_s: float = 0.0
 
     @property
     def api_queue(self) -> bool:
@@ -150,7 +154,7 @@ class Overheads:
     def __post_init__(self) -> None:
         for name in ("ingress_s", "egress_s", "core_step_overhead_s", "kv_transfer_latency_s", "kv_transfer_block_s",
                      "api_request_s", "api_chunk_s", "api_first_chunk_s", "api_last_chunk_s",
-                     "api_step_stretch", "api_arrival_stall_s"):  # fmt: skip
+                     "api_step_stretch", "api_arrival_stall_s", "api_held_send_stall_s"):  # fmt: skip
             value = getattr(self, name)
             if value is None and name.startswith("kv_"):
                 continue
