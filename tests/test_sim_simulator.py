@@ -15,7 +15,7 @@ from lmserve.config import EngineArgs
 from lmserve.core.outputs import ModelRunnerOutput
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.sampling_params import SamplingParams
-from lmserve.sim.simulator import SimConfig, Simulator, check_disaggregation, sim_token
+from lmserve.sim.simulator import SimConfig, Simulator, StepTrace, check_disaggregation, sim_token
 from lmserve.sim.step_model import (
     LinearStepModel,
     Overheads,
@@ -159,6 +159,32 @@ def test_a_closed_loop_send_stalls_the_step_in_progress_at_its_time(llama_dir: P
     assert c.send_s == pytest.approx(0.042) and c.chunk_times_s == pytest.approx([0.073, 0.085])
     assert b.chunk_times_s == pytest.approx([0.030, 0.042, 0.057, 0.073, 0.085, 0.096])
     assert result.num_steps == 6
+
+
+def test_with_several_replicas_a_send_stalls_the_step_of_the_replica_it_is_routed_to(llama_dir: Path) -> None:
+    """Two replicas; A and B at 0 (one each, idle: no stall), C at 25 ms while both step: C's 4 ms stall lengthens
+    the step in progress on the replica C is routed to, and only that one; the other replica's steps are those of
+    the same run without stalls."""
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)
+    workload = Workload([list(range(1, 101)), list(range(101, 201)), list(range(300, 350))], [6, 6, 2],
+                        [0.0, 0.0, 0.025])  # fmt: skip
+
+    def steps(stall: float) -> list[StepTrace]:
+        profile.overheads = Overheads(api_arrival_stall_s=stall)
+        return Simulator(profile, SimConfig(config, data_parallel_size=2, record_steps=True)).run(workload).steps
+
+    plain, stalled = steps(0.0), steps(0.004)
+    (c_replica,) = {s.replica for s in stalled if "2" in s.admitted}
+    other = 1 - c_replica
+    assert [(s.start_s, s.end_s) for s in stalled if s.replica == other] == pytest.approx(
+        [(s.start_s, s.end_s) for s in plain if s.replica == other]
+    )
+    mine, before = [s for s in stalled if s.replica == c_replica], [s for s in plain if s.replica == c_replica]
+    k = next(i for i, s in enumerate(before) if s.start_s <= 0.025 < s.end_s)  # in progress at C's arrival
+    assert [(s.start_s, s.end_s) for s in mine[:k]] == pytest.approx([(s.start_s, s.end_s) for s in before[:k]])
+    assert mine[k].start_s == pytest.approx(before[k].start_s)
+    assert mine[k].end_s == pytest.approx(before[k].end_s + 0.004)
 
 
 def test_no_api_costs_no_queue(llama_dir: Path) -> None:
