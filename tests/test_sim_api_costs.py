@@ -90,7 +90,9 @@ def test_stretch_inputs_and_fit() -> None:
     work = api_work(ov, got)
     measured = np.array([r[6] for r in out])
     c0, coefs, f, g = fit_stretch(np.zeros((len(out), 0)), work, measured, sent=sends_during(got))
-    assert (c0, f, g[0]) == pytest.approx((2 * MS, 1.0, 3 * MS), rel=1e-3) and coefs == [] and g[1] == 0.0
+    assert (c0, f) == pytest.approx((2 * MS, 1.0), rel=1e-3) and coefs == [] and g[1] == 0.0
+    # (the stall from the sends' surprise, sent − λ · length: a few % low where lengths vary for modelled reasons)
+    assert g[0] == pytest.approx(3 * MS, rel=0.05)
     c0, coefs, f, g = fit_stretch(np.ones((3, 1)), np.zeros(3), np.full(3, 4 * MS))  # nothing beside: f = g = 0
     assert c0 + coefs[0] == pytest.approx(4 * MS) and f == 0.0 and g == [0.0, 0.0]
     # the same sends, every other one held by a cap: counted in the sixth column
@@ -99,23 +101,34 @@ def test_stretch_inputs_and_fit() -> None:
     assert [x[4] + x[5] for x in split] == [x[4] for x in got] and sum(x[5] for x in split) == len(held)
 
 
-def test_the_stalls_are_means_per_send_not_medians() -> None:
-    """Arrivals stall a step by 1 ms in most steps and by 21 ms in one of five (mean 5 ms), held sends by 2 ms: the
-    fit's stalls are the means, ~5 and 2 ms, which sums of steps need (a least-absolute fit alone follows the
-    median, 1 ms); steps without a send do not move them."""
-    rng = np.random.default_rng(2)
-    n = 4000
-    rows = rng.integers(1, 9, n).astype(np.float64)
-    arrivals = (rng.random(n) < 0.2).astype(np.float64)
-    held = (rng.random(n) < 0.1).astype(np.float64) * (1 - arrivals)
-    tail = np.where(rng.random(n) < 0.2, 21 * MS, 1 * MS)
-    measured = 1 * MS + 0.2 * MS * rows + arrivals * tail + held * 2 * MS
-    c0, (c1,), f, g = fit_stretch(rows[:, None], np.zeros(n), measured, sent=np.column_stack([arrivals, held]))
-    assert (c0, c1, f) == pytest.approx((1 * MS, 0.2 * MS, 0.0), abs=1e-6)
-    expected = float((arrivals * tail).sum() / arrivals.sum())  # the sample's own mean stall per arrival (~5 ms)
-    assert g == pytest.approx([expected, 2 * MS], rel=1e-3) and 4 * MS < g[0] < 6 * MS
+def _poisson_steps(stall: float, seed: int, n: int = 20000, rate: float = 40.0) -> tuple[np.ndarray, ...]:
+    """Steps of 1 ms + 0.2 ms/row, one in ten longer by an exponential 8 ms the model does not explain, with sends
+    at `rate` a second landing in them at random times (a step's count: Poisson in its length, the stall's own
+    lengthening included), each lengthening its step by `stall`. (residuals over the model, sends, lengths)."""
+    rng = np.random.default_rng(seed)
+    base = 1 * MS + 0.2 * MS * rng.integers(1, 9, n)
+    length = base + np.where(rng.random(n) < 0.1, rng.exponential(8 * MS, n), 0.0)
+    sent = extra = rng.poisson(rate * length)
+    for _ in range(8):  # sends that land in the time the stalls added
+        extra = rng.poisson(rate * stall * extra)
+        sent = sent + extra
+    length = length + stall * sent
+    return length - base, sent.astype(np.float64), length
+
+
+def test_the_stall_is_read_from_the_sends_surprise_not_from_long_steps() -> None:
+    """Sends at random times land in long steps more often: with no stall at all, steps with sends are longer than
+    the others by a few ms (the plain comparison reads a 3 ms stall); the sends' surprise (sent − λ · length)
+    reads 0. With a real 3 ms stall it reads 3 ms (within 10 %), where the plain comparison reads ~5.5 ms."""
+    residual, sent, length = _poisson_steps(0.0, 1)
+    kinds = np.column_stack([sent, np.zeros_like(sent)])
+    assert stall_per_send(residual, kinds)[0] > 2 * MS  # the length bias
+    assert stall_per_send(residual, kinds, length) == [0.0, 0.0]
+    residual, sent, length = _poisson_steps(3 * MS, 2)
+    kinds = np.column_stack([sent, np.zeros_like(sent)])
+    assert stall_per_send(residual, kinds, length)[0] == pytest.approx(3 * MS, rel=0.1)
+    assert stall_per_send(residual, kinds)[0] > 4.5 * MS
     assert stall_per_send(np.zeros(4), np.zeros((4, 2))) == [0.0, 0.0]  # no sends
-    assert stall_per_send(np.array([1.0, -3.0]), np.array([[0.0, 0.0], [1.0, 0.0]])) == [0.0, 0.0]  # never < 0
 
 
 def test_calibrate_fits_the_model_and_the_stretch_together() -> None:

@@ -27,10 +27,11 @@ Measured (all from one served engine core tracing its steps, engine/step_trace.p
   runs on their own schedule (an open loop's arrivals: the load generator wakes to send), H = those sent while it
   runs that the client's concurrency cap had held until another finished (a closed loop: the client is awake,
   reading that last chunk); the model's coefficients, f, g and h fitted together by least absolute relative error,
-  all >= 0 (f: step seconds per second of API work), then g and h again by least squares on the excess of the steps
-  with sends over the others (the stalls, seconds a send; heavy-tailed: traced on the 2-core machine an arrival
-  stalls the step it lands in by 5-6.5 ms on average and 2-3.5 ms at the median, a held send by 1.3-2.5 ms, and a
-  least-absolute fit follows the median where sums of steps need the mean).
+  all >= 0 (f: step seconds per second of API work), then g and h again by least squares on the sends' surprise
+  (stall_per_send: a send at a random time lands in a long step more often, and the steps with sends are longer by
+  that alone; means, where the least-absolute fit follows the median). Traced on the 2-core machine: the steps a
+  Poisson send lands in run 5-6.5 ms longer a send, of which ~2.2-3.9 ms is the send's own stall (the rest: long
+  steps collect sends), a closed loop's next request ~1.3-2.5 ms.
 """
 
 from __future__ import annotations
@@ -182,22 +183,32 @@ def sends_during(inputs: list[tuple[int, ...]]) -> np.ndarray:
                     dtype=np.float64).reshape(-1, 2)  # fmt: skip
 
 
-def stall_per_send(residual: np.ndarray, sent: np.ndarray) -> list[float]:
-    """Seconds per send of each kind (sent's columns): least squares of the steps' excess over the mean residual
-    of the steps without a send, on the steps with sends; a kind no step has, or one fitted below 0, is 0 (and the
-    others fitted again without it). Means, not medians: sums of steps need them."""
+def stall_per_send(residual: np.ndarray, sent: np.ndarray, lengths: np.ndarray | None = None) -> list[float]:
+    """Seconds per send of each kind (sent's columns), by least squares of the steps' residuals (centred) on their
+    sends; means, not medians: sums of steps need them. A kind no step has, or one fitted below 0, is 0 (and the
+    others fitted again without it).
+
+    With the steps' `lengths` (their measured time), on the sends' surprise instead: sent − λ · length, λ a kind's
+    sends per second of step. A send that lands at a random time lands in a step with a probability in proportion
+    to its length, so the steps that are long for any reason (the noise the model does not explain) hold more of
+    them, and a plain comparison reads that as a stall (traced on the 2-core machine: half of it). The surprise is
+    uncorrelated with the length, so only a send's own effect moves it; and since the stall itself lengthens the
+    step (slope = g / (1 − λ g)), g = slope / (1 + λ · slope)."""
     sent = sent.reshape(len(residual), -1)
-    has = sent.sum(axis=1) > 0
     out = [0.0] * sent.shape[1]
-    if not has.any() or has.all():
+    if not sent.any() or sent.sum(axis=1).all():
         return out
-    y = residual[has] - residual[~has].mean()
-    active = [k for k in range(sent.shape[1]) if sent[has, k].any()]
+    y = residual - residual.mean()
+    rate = np.zeros(sent.shape[1])
+    if lengths is not None:
+        rate = sent.sum(axis=0) / float(np.sum(lengths))
+        sent = sent - rate[None, :] * np.asarray(lengths, dtype=np.float64)[:, None]
+    active = [k for k in range(sent.shape[1]) if sent[:, k].any()]
     while active:
-        coef, *_ = np.linalg.lstsq(sent[has][:, active], y, rcond=None)
+        coef, *_ = np.linalg.lstsq(sent[:, active], y, rcond=None)
         if (coef >= 0).all():
             for k, c in zip(active, coef, strict=True):
-                out[k] = float(c)
+                out[k] = float(c / (1.0 + rate[k] * c))
             break
         del active[int(np.argmin(coef))]
     return out
@@ -232,7 +243,7 @@ def fit_stretch(
     values = dict(zip(active, coef, strict=True))
     c0, c, f = max(0.0, float(values.get(0, 0.0))), [float(values.get(1 + j, 0.0)) for j in range(k)], float(
         values.get(k + 1, 0.0))  # fmt: skip
-    return c0, c, f, stall_per_send(measured - (c0 + x @ np.array(c) + f * work), sent)
+    return c0, c, f, stall_per_send(measured - (c0 + x @ np.array(c) + f * work), sent, measured)
 
 
 def overheads_from(lat: ChunkLatencies, per_request_s: float, per_chunk_s: float) -> dict[str, Any]:

@@ -771,11 +771,12 @@ def _fit_into(
         profile.fit["why_send_stalls"] = (
             "a send stalls the engine step in progress (the load generator's and the API's work for it take a core "
             "from the OpenMP team): served steps ≈ model + f · W + g · (requests sent on their own schedule while the "
-            "step runs) + h · (those the client's concurrency cap held), g and h by least squares on the excess of "
-            "the steps with sends (api_costs.stall_per_send). Measured, not applied: added per send "
-            "(Overheads.api_arrival_stall_s / api_held_send_stall_s, which the simulator supports) they made the "
-            "validation's end-to-end figures worse on the 2-core machine (benchmarks/validate_sim.py --rescore, "
-            "docs/performance.md): the model fitted without them carries their mean in its other terms"
+            "step runs) + h · (those the client's concurrency cap held), g and h by least squares on the sends' "
+            "surprise, sent − λ · length (api_costs.stall_per_send: steps that are long for any reason collect more "
+            "sends). Measured, not applied: added per send (Overheads.api_arrival_stall_s / api_held_send_stall_s, "
+            "which the simulator supports) they left the validation's end-to-end figures no better on the 2-core "
+            "machine (benchmarks/validate_sim.py --rescore, docs/performance.md): the model fitted without them "
+            "carries their mean in its other terms"
         )
     if on_served:
         profile.fit["total_time_correction"] = correction

@@ -138,11 +138,11 @@ class Overheads:
     # A request being sent (the load generator's and the API process's work for it) stalls the engine step in
     # progress (the OpenMP team waits at its barriers for the core the kernel gave to that work): that step runs
     # api_arrival_stall_s longer per request sent on its own schedule while it runs (an open loop's arrival: the
-    # load generator wakes to send; traced on the 2-core machine 5-6.5 ms a send, median 2-3.5 ms), and
-    # api_held_send_stall_s per request the client's concurrency cap held until another finished (a closed loop:
-    # the client is awake, reading that last chunk; traced 1.3-2.5 ms). The simulator adds it to the replica's step
-    # in progress at the send (one front replica) or at the delivery (several: to the one the request is routed
-    # to). 0: none (older step models).
+    # load generator wakes to send; ~2.2-3.9 ms on the 2-core machine), and api_held_send_stall_s per request the
+    # client's concurrency cap held until another finished (a closed loop: the client is awake, reading that last
+    # chunk; ~1.3-2.5 ms). calibrate measures both, does not apply them (fit.why_send_stalls). The simulator adds
+    # it to the replica's step in progress at the send (one front replica) or at the delivery (several: to the one
+    # the request is routed to). 0: none (every calibrated and older step model).
     api_arrival_stall_s: float = 0.0
     api_held_send_stall_s: float = 0.0
 
