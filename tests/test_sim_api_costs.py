@@ -131,21 +131,33 @@ def test_the_stall_is_read_from_the_sends_surprise_not_from_long_steps() -> None
     assert stall_per_send(np.zeros(4), np.zeros((4, 2))) == [0.0, 0.0]  # no sends
 
 
-def test_calibrate_fits_the_model_and_the_stretch_together() -> None:
-    """Served steps t = 1 ms + 0.2 ms/row + 0.5 × API work: _fit_into recovers the model and the stretch."""
-    rng = np.random.default_rng(1)
+def _served(seed: int, n: int, stall: float = 0.0, send_share: float = 0.0) -> tuple[list, list, Overheads]:
+    """Served steps t = 1 ms + 0.2 ms/row + 0.5 × the API work beside them, + `stall` for the one in 1 / send_share
+    during which an arrival was sent: (steps, their API inputs (four numbers, six with sends), the API costs)."""
+    rng = np.random.default_rng(seed)
     ov = Overheads(api_request_s=0.5 * MS, api_chunk_s=0.1 * MS, api_first_chunk_s=0.2 * MS,
                    api_last_chunk_s=0.3 * MS)  # fmt: skip
     served, inputs = [], []
-    for _ in range(300):
+    for _ in range(n):
         rows = int(rng.integers(1, 8))
-        c, a = int(rng.integers(0, 8)), int(rng.integers(0, 3))
+        c, a, sent = int(rng.integers(0, 8)), int(rng.integers(0, 3)), int(rng.random() < send_share)
         first, done = int(rng.integers(0, c + 1)), int(rng.integers(0, 2))
         work = float(api_work(ov, [(c, first, done, a)])[0])
         context = int(rng.integers(rows, 40 * rows))
-        served.append((StepFeatures(0, 0, rows, context, 0.0), 1 * MS + 0.2 * MS * rows + 0.5 * work))
-        inputs.append((c, first, done, a))
-    profile = StepProfile("linear", {}, "float32", "float32", None, None, "cpu", {}, linear=LinearStepModel(0.0, {}))
+        t = 1 * MS + 0.2 * MS * rows + 0.5 * work + stall * sent
+        served.append((StepFeatures(0, 0, rows, context, 0.0), t))
+        inputs.append((c, first, done, a, sent, 0) if send_share else (c, first, done, a))
+    return served, inputs, ov
+
+
+def _empty_profile() -> StepProfile:
+    return StepProfile("linear", {}, "float32", "float32", None, None, "cpu", {}, linear=LinearStepModel(0.0, {}))
+
+
+def test_calibrate_fits_the_model_and_the_stretch_together() -> None:
+    """Served steps t = 1 ms + 0.2 ms/row + 0.5 × API work: _fit_into recovers the model and the stretch."""
+    served, inputs, ov = _served(1, 300)
+    profile = _empty_profile()
     stretch = _fit_into(profile, served[:50], [], 0, served, inputs, ov)
     assert stretch == pytest.approx(0.5, rel=1e-3)
     assert "send_stalls_measured_s" not in profile.fit  # (four-number inputs: no sends counted)
@@ -159,18 +171,8 @@ def test_calibrate_measures_the_send_stalls_beside_the_model_without_applying_th
     """The same served steps, one in ten stalled 3 ms by an arrival sent while it ran: _fit_into records the stall
     in profile.fit (measured ~3 ms) and returns the stretch alone; the model, fitted without the stall, keeps its
     time in the total (the served steps' sum equals the model's with the stretch)."""
-    rng = np.random.default_rng(3)
-    ov = Overheads(api_request_s=0.5 * MS, api_chunk_s=0.1 * MS, api_first_chunk_s=0.2 * MS,
-                   api_last_chunk_s=0.3 * MS)  # fmt: skip
-    served, inputs = [], []
-    for _ in range(400):
-        rows = int(rng.integers(1, 8))
-        c, a, sent = int(rng.integers(0, 8)), int(rng.integers(0, 3)), int(rng.random() < 0.1)
-        first, done = int(rng.integers(0, c + 1)), int(rng.integers(0, 2))
-        work = float(api_work(ov, [(c, first, done, a)])[0])
-        served.append((StepFeatures(0, 0, rows, 10 * rows, 0.0), 1 * MS + 0.2 * MS * rows + 0.5 * work + 3 * MS * sent))
-        inputs.append((c, first, done, a, sent, 0))
-    profile = StepProfile("linear", {}, "float32", "float32", None, None, "cpu", {}, linear=LinearStepModel(0.0, {}))
+    served, inputs, ov = _served(3, 400, stall=3 * MS, send_share=0.1)
+    profile = _empty_profile()
     stretch = _fit_into(profile, served[:50], [], 0, served, inputs, ov)
     stalls = profile.fit["send_stalls_measured_s"]
     assert stalls["arrival"] == pytest.approx(3 * MS, rel=0.05) and stalls["held_by_the_cap"] == 0.0
