@@ -696,6 +696,19 @@ def test_step_noise_is_seeded(llama_dir: Path, tmp_path: Path) -> None:
         Simulator(_profile(config, 5.0), SimConfig(config, step_noise=True))
 
 
+def test_step_noise_draws_have_mean_one(llama_dir: Path) -> None:
+    """The noise spreads steps around the model, not above it: ratios 0.5 .. 2.5 (mean 1.5) are drawn scaled to mean
+    1 (20,000 draws: standard error ~0.003; judged at 0.01), their shape kept (ranks: the same quantile)."""
+    config = _config(llama_dir, num_kv_blocks=64)
+    profile = _profile(config, 5.0, decode_rows=1.0)
+    profile.noise_quantiles = [0.5 + i / 100 for i in range(201)]
+    draw = profile.noise_sampler(7)
+    assert draw is not None
+    xs = [draw() for _ in range(20_000)]
+    assert abs(sum(xs) / len(xs) - 1.0) < 0.01
+    assert min(xs) >= 0.5 / 1.5 - 1e-12 and max(xs) <= 2.5 / 1.5 + 1e-12
+
+
 # ---- prefill/decode disaggregation ---------------------------------------------------------------------------
 
 
