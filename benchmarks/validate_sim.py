@@ -275,7 +275,7 @@ def simulate_point(p: Point, profile: StepProfile, cfg: Any, seed: int, sim_over
         rescaled = dataclasses.replace(profile.scaled(p.server_step_s / p.sim_step_s), overheads=sim_overheads)
         p.sim_rescaled, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, False)
         noisy_step_s = mean_step_s(noisy) if noisy is not None else None
-        if noisy_step_s:  # the noisy run by its own mean step (the noise's mean is not 1)
+        if noisy_step_s:  # the noisy run by its own mean step (its draws' sample mean is not exactly 1)
             rescaled = dataclasses.replace(profile.scaled(p.server_step_s / noisy_step_s), overheads=sim_overheads)
             p.sim_rescaled_noise, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, True)
 
@@ -301,9 +301,12 @@ def load_measured(path: str, points: list[Point]) -> dict[str, Overheads]:
     doc = json.loads(Path(path).read_text())
     if doc.get("benchmark") != "validate_sim":
         raise ValueError(f"--rescore: {path} is not a validate_sim JSON")
-    by_key = {x["name"].split(" (")[0] if x["name"].startswith("Poisson") else x["name"]: x for x in doc["points"]}
+    def key(name: str) -> str:  # (a Poisson point's name ends in its rate, which depends on the run's step model)
+        return name.split(" (")[0] if name.startswith("Poisson") else name
+
+    by_key = {key(x["name"]): x for x in doc["points"]}
     for p in points:
-        x = by_key.get(p.name.split(" (")[0] if p.name.startswith("Poisson") else p.name)
+        x = by_key.get(key(p.name))
         if x is None or x.get("measured") is None:
             p.notes.append(f"not measured in {path}")
             continue

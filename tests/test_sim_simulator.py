@@ -707,6 +707,11 @@ def test_step_noise_draws_have_mean_one(llama_dir: Path) -> None:
     xs = [draw() for _ in range(20_000)]
     assert abs(sum(xs) / len(xs) - 1.0) < 0.01
     assert min(xs) >= 0.5 / 1.5 - 1e-12 and max(xs) <= 2.5 / 1.5 + 1e-12
+    doc = profile.to_dict()
+    for bad in ([-1.0, 2.0], [0.0, 0.0], [1.0, float("nan")]):  # a hand-edited step model
+        doc["noise"]["ratio_quantiles"] = bad
+        with pytest.raises(ValueError, match="noise.ratio_quantiles"):
+            StepProfile.from_dict(doc)
 
 
 # ---- prefill/decode disaggregation ---------------------------------------------------------------------------

@@ -395,14 +395,12 @@ class Simulator:
 
         def stall_step(rep: _Replica, stall: float) -> None:
             """The replica's step in progress runs `stall` longer: its end event moves (the old one goes stale)."""
-            nonlocal seq
             rep.end_s += stall
             rep.stats.step_s += stall
             if rep.trace is not None:
                 rep.trace.end_s = rep.end_s
-            rep.end_seq = seq
-            heappush(heap, (rep.end_s, _STEP_END, seq, rep.index))
-            seq += 1
+            rep.end_seq = seq  # (the number push gives the new event)
+            push(rep.end_s, _STEP_END, rep.index)
 
         def send(i: int, t: float, stall: float) -> None:
             nonlocal in_flight, api_free

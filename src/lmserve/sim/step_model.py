@@ -542,6 +542,10 @@ class StepProfile:
             raise ValueError(f"tensor_parallel.efficiency must be in (0, 1], got {self.tp_efficiency!r}")
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
             raise ValueError(f"tensor_parallel.size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        q = self.noise_quantiles
+        if q and not (all(math.isfinite(v) and v >= 0 for v in q) and sum(q) > 0):
+            raise ValueError("noise.ratio_quantiles must be finite measured / fitted ratios >= 0, not all 0; got "
+                             f"{q[:5]}{' ...' if len(q) > 5 else ''}")  # fmt: skip
 
     @property
     def label(self) -> str:
