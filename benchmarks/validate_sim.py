@@ -300,7 +300,7 @@ def load_measured(path: str, points: list[Point]) -> dict[str, Overheads]:
     on each server, by server name."""
     doc = json.loads(Path(path).read_text())
     if doc.get("benchmark") != "validate_sim":
-        raise ValueError(f"--rescore: {path} is not a validate_sim JSON")
+        raise ValueError(f"{path} is not a validate_sim JSON")
     def key(name: str) -> str:  # (a Poisson point's name ends in its rate, which depends on the run's step model)
         return name.split(" (")[0] if name.startswith("Poisson") else name
 
@@ -313,7 +313,7 @@ def load_measured(path: str, points: list[Point]) -> dict[str, Overheads]:
         if p.name.startswith("Poisson"):
             p.name, p.rate_rps = x["name"], float(x["rate_rps"])
         if len(p.requests) != x["num_requests"]:
-            raise ValueError(f"--rescore: {p.name} has {x['num_requests']} requests in {path}, {len(p.requests)} here "
+            raise ValueError(f"{p.name} has {x['num_requests']} requests in {path}, {len(p.requests)} here "
                              "(another --seed or --quick?)")  # fmt: skip
         p.real = _namespace(x["measured"])
         p.repeats = [_namespace(r) for r in x.get("measured_repeats") or [x["measured"]]]
@@ -542,7 +542,10 @@ def main() -> int:
     saved_trace = os.environ.get(ENV)
     served = profile.fit.get("fitted_on") == "served"  # (calibrate's served steps: whole core-loop iterations)
     if args.rescore:  # the measurements of an earlier run, this step model on the simulator
-        fresh_overheads.update(load_measured(args.rescore, points))
+        try:
+            fresh_overheads.update(load_measured(args.rescore, points))
+        except (OSError, ValueError, KeyError) as e:  # (KeyError: a JSON without a field validate_sim writes)
+            ap.error(f"--rescore {args.rescore}: {e}")
         for p in points:
             if p.real is not None:
                 ov = profile.overheads if profile.overheads.api_queue else fresh_overheads.get(p.server, Overheads())
