@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import require_extra
+from tests.helpers import build_model, require_extra
 
 require_extra("grpc", "grpc", "google.protobuf", "grpc_health", "grpc_reflection")
 
@@ -28,18 +28,28 @@ from tests.test_server import MODEL_NAME, LiveServer, free_port, wait_until  # n
 from tests.test_server import metrics as http_metrics  # noqa: E402
 
 KEY = "sekrit-grpc"
-MAX_MODEL_LEN = 512  # the tiny model's positions: a long request runs ~500 steps
+# A long request holds its slot open by construction, not by hoping the engine is slow: 32k decode steps take
+# seconds on the fastest machine, and every test that starts one cancels it (or lets its deadline abort it).
+MAX_MODEL_LEN = 1 << 15
 AUTH = (("authorization", f"Bearer {KEY}"),)
 PROMPT = "The capital of France is"
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 4 + PROMPT  # > 2 KV blocks: prefix-cacheable
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def long_llama_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' tiny llama with MAX_MODEL_LEN positions (the shared one has 512)."""
+    out = tmp_path_factory.mktemp("llama-long")
+    return build_model(out, "llama", tokenizer_dir, max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     root = tmp_path_factory.mktemp("grpc-serve")
     srv = LiveServer(
-        llama_dir, root / "server.log", "--grpc-port", str(free_port()), "--api-key", KEY,
+        long_llama_dir, root / "server.log", "--grpc-port", str(free_port()), "--api-key", KEY,
         "--max-num-seqs", "2", "--max-queued-requests", "0", "--max-model-len", str(MAX_MODEL_LEN),
+        "--num-kv-blocks", str(2 * MAX_MODEL_LEN // 16 + 64),  # two whole long requests at once (16-token blocks)
     )  # fmt: skip
     try:
         srv.wait_healthy()
@@ -346,7 +356,7 @@ def test_cancel_frees_kv_and_full_queue_is_resource_exhausted(stub: pb_grpc.Gene
 def test_deadline_aborts_the_request(stub: pb_grpc.GenerationStub, server: LiveServer) -> None:
     wait_until(lambda: kv_free(server))
     before = metrics(server)["lmserve:num_aborted_requests_total"]
-    call = _long_stream(stub, timeout=0.2)  # the whole stream takes ~0.8 s here (496 steps)
+    call = _long_stream(stub, timeout=0.2)  # ~32k steps: the deadline comes first on any machine
     with pytest.raises(grpc.RpcError) as e:
         for _ in call:
             pass
