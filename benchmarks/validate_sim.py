@@ -68,6 +68,12 @@ METRICS = (
     ("TPOT P99", "tpot_ms", "p99"),
     ("out tok/s", "output_throughput_tok_s", None),
 )
+SIM_COLUMNS = (  # the simulated columns a point holds: (what the tables call them, the Point attribute)
+    ("deterministic", "sim"),
+    ("with the step noise", "sim_noise"),
+    ("rescaled", "sim_rescaled"),
+    ("rescaled with the step noise", "sim_rescaled_noise"),
+)
 # issue #37's targets: how far outside the server's own range (its repeats) a simulated value may lie
 TARGET_PCT = {"TTFT mean": 10.0, "TTFT P99": 20.0, "TPOT mean": 10.0, "TPOT P99": 20.0, "out tok/s": 5.0}
 BASE_FLAGS = ["--kv-cache-memory-gib", "0.25"]
@@ -405,6 +411,29 @@ def repeats_of(p: Point, args: argparse.Namespace) -> int:
     return max(args.repeats, args.poisson_repeats if math.isfinite(p.rate_rps) else 1)
 
 
+def against_run_pairs(points: list[Point], which: str | None) -> tuple[float, int] | None:
+    """Judged as format_repeats judges, but against the range of the point's runs less one, averaged over which
+    run is left out: the simulated values (`which`: a Point attribute, "sim" …) or, `which` None, the left-out run
+    itself. The server's figure is what a simulator that reproduced one run exactly would score: the ceiling the
+    machine's run-to-run drift sets on the counts; the simulator's, on the same ranges, compares with it. (count
+    within, metrics judged) over the points with three runs or more; None when there are none."""
+    within, judged = 0.0, 0
+    for p in points:
+        sim = getattr(p, which) if which else None
+        if len(p.repeats) < 3 or (which and sim is None):
+            continue
+        for m, attr, q in METRICS:
+            values = [_value(r, attr, q) for r in p.repeats]
+            if any(v is None for v in values):
+                continue
+            judged += 1
+            for i, v in enumerate(values):  # (each left-out run counts 1 / runs: the mean over runs)
+                others = values[:i] + values[i + 1 :]
+                out = outside_pct(_value(sim, attr, q) if which else v, min(others), max(others))  # type: ignore[arg-type]
+                within += (out is not None and abs(out) <= TARGET_PCT[m]) / len(values)
+    return (within, judged) if judged else None
+
+
 def format_repeats(points: list[Point]) -> str:
     """Per point and metric: the server's min – max over its repeats, the simulated values (deterministic; with
     the step model's measured step noise, which alone can give a tail; rescaled; rescaled with the noise), how far
@@ -420,7 +449,7 @@ def format_repeats(points: list[Point]) -> str:
         for m, attr, q in METRICS:
             lo, hi = spread(p, attr, q)
             cells = []
-            for k, which in enumerate((p.sim, p.sim_noise, p.sim_rescaled, p.sim_rescaled_noise)):
+            for k, which in enumerate(getattr(p, col) for _, col in SIM_COLUMNS):
                 v = None if which is None else _value(which, attr, q)
                 out, ok = outside_pct(v, lo, hi), False
                 if out is not None:
@@ -435,6 +464,12 @@ def format_repeats(points: list[Point]) -> str:
                  f"{', '.join(f'{m} {t:g} %' for m, t in TARGET_PCT.items())}): deterministic {within[0]} of "
                  f"{judged[0]}, with the step noise {within[1]} of {judged[1]}, rescaled {within[2]} of "
                  f"{judged[2]}, rescaled with the step noise {within[3]} of {judged[3]}")  # fmt: skip
+    own = against_run_pairs(points, None)
+    if own is not None:
+        sims = [(k, against_run_pairs(points, w)) for k, w in SIM_COLUMNS]
+        lines.append(f"against the runs less one (each left out in turn, averaged): the left-out run itself (what a "
+                     f"simulator that reproduced one run exactly would score) {own[0]:.1f} of {own[1]}; simulated "
+                     + ", ".join(f"{k} {c[0]:.1f} of {c[1]}" for k, c in sims if c is not None))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -675,6 +710,10 @@ def main() -> int:
         "step_model": {"source": profile.source, "label": profile.label, "machine": profile.machine},
         "load_avg_1m": [load_start, load_end],
         "overheads_at_validation": {k: dataclasses.asdict(v) for k, v in fresh_overheads.items()},
+        "against_run_pairs": {  # the counts within target against the runs less one: the server's own ceiling
+            k: None if (c := against_run_pairs(points, w)) is None else {"within": c[0], "judged": c[1]}
+            for k, w in (("the left-out run", None), *SIM_COLUMNS)
+        },
         "points": [
             {
                 "name": p.name,

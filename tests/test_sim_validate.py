@@ -104,3 +104,26 @@ def test_rescore_reads_an_earlier_runs_measurements(tmp_path: Path) -> None:
     path.write_text(json.dumps({"benchmark": "bench_cpu"}))
     with pytest.raises(ValueError, match="not a validate_sim JSON"):
         validate_sim.load_measured(str(path), [one])
+
+
+def test_against_the_runs_less_one_scores_the_server_and_the_simulator_on_the_same_ranges() -> None:
+    p = validate_sim.Point("concurrency 4", "default", [], rate_rps=math.inf)
+    # TTFT mean over three runs 100, 108, 125: each judged against the other two's range with the 10 % target
+    # 100 vs [108, 125]: 7.4 % below, within; 108 vs [100, 125]: inside; 125 vs [100, 108]: 15.7 % above, a miss
+    p.repeats = [_summary(100.0, 200, 1.0, 2.0, 50.0), _summary(108.0, 200, 1.0, 2.0, 50.0),
+                 _summary(125.0, 200, 1.0, 2.0, 50.0)]  # fmt: skip
+    p.real = p.repeats[0]
+    # the simulated 120 against [108, 125] inside, [100, 125] inside, [100, 108] 11.1 % above: a miss
+    p.sim = _summary(120.0, 200, 1.0, 2.0, 50.0)
+    own, sim = validate_sim.against_run_pairs([p], None), validate_sim.against_run_pairs([p], "sim")
+    assert own == (pytest.approx(4 + 2 / 3), 5) and sim == (pytest.approx(4 + 2 / 3), 5)  # 4 metrics always within
+    p.sim = _summary(90.0, 200, 1.0, 2.0, 50.0)  # 10 % below 100 is within, 16.7 % below 108 is not
+    assert validate_sim.against_run_pairs([p], "sim") == (pytest.approx(4 + 2 / 3), 5)
+    assert validate_sim.against_run_pairs([p], "sim_noise") is None  # no such column simulated
+    p.repeats = p.repeats[:2]
+    assert validate_sim.against_run_pairs([p], None) is None  # two runs: no range of the others
+    p.repeats = [*p.repeats, _summary(125.0, 200, 1.0, 2.0, 50.0)]
+    p.sim = p.repeats[2]
+    line = validate_sim.format_repeats([p]).splitlines()[-1]
+    assert line.startswith("against the runs less one") and "the left-out run itself" in line
+    assert f"{4 + 2 / 3:.1f} of 5; simulated deterministic" in line  # the run scores as a simulator equal to it
