@@ -46,6 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import numpy as np
 
 from lmserve.bench.datasets import BenchRequest, DatasetConfig, build_requests, load_tokenizer
@@ -202,7 +203,12 @@ def measure(
     profile: StepProfile | None = None,
 ) -> tuple[BenchSummary, dict[str, float]]:  # fmt: skip
     """The point on the server; with the change of its engine's step counters over the run, its own noise and,
-    with the server's step trace, its served steps against the step model (Point.one_thread_pct, served_fit_ratio)."""
+    with the server's step trace, its served steps against the step model (Point.one_thread_pct, served_fit_ratio).
+    The server's prefix cache is reset first: a repeat (or a retry) sends the same prompts, which would otherwise
+    be cached from the run before, where the simulator starts each run cold."""
+    r = httpx.post(url + "/reset_prefix_cache", timeout=timeout_s)
+    if r.status_code != 200:
+        raise RuntimeError(f"POST /reset_prefix_cache: HTTP {r.status_code} {r.text[:200]}")
     cfg = LoadConfig(base_url=url, request_rate_rps=p.rate_rps, max_concurrency=p.max_concurrency, seed=seed,
                      timeout_s=timeout_s)  # fmt: skip
     first_row = len(trace_rows(trace)) if trace is not None else 0
@@ -694,10 +700,10 @@ def main() -> int:
         text += [
             "",
             f"points against the server's own repeats (--repeats {args.repeats}, --poisson-repeats "
-            f"{args.poisson_repeats}: the same requests and arrivals each time, one round over the points after "
-            "another): the measured min – max, the simulated value (deterministic; with the step noise, which alone "
-            "gives steps a tail; rescaled; rescaled with the noise) and how far outside that range it lies, % of the "
-            "nearer end:",
+            f"{args.poisson_repeats}: the same requests and arrivals each time, the prefix cache reset before each, "
+            "one round over the points after another): the measured min – max, the simulated value (deterministic; "
+            "with the step noise, which alone gives steps a tail; rescaled; rescaled with the noise) and how far "
+            "outside that range it lies, % of the nearer end:",
             format_repeats(points),
         ]
     report = "\n".join(text)

@@ -201,6 +201,34 @@ def test_static_and_continuous_batching_use_the_prefix_cache_alike(llama_dir: Pa
     assert results["static"][2] == (65 + 3 * 80, 3 * 64)
 
 
+def test_reset_prefix_cache_forgets_prefixes_and_spares_running_requests(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), num_kv_blocks=32, block_size=16)
+    engine, pool = llm.engine, llm.engine.kv.pool
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]  # two full blocks and a partial one
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 32
+    engine.reset_prefix_cache()
+    pool.check_invariants()
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    # mid-generation (its prompt's blocks cached by `again`): the request keeps its blocks and its tokens
+    engine.add_request("running", prompt, params)
+    final = []
+    for k in range(64):
+        if k == 3:
+            assert engine.has_unfinished_requests() and pool.num_free_blocks < pool.num_blocks
+            engine.reset_prefix_cache()
+            pool.check_invariants([engine.kv.req_to_blocks["running"]])
+        final += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    assert [o.outputs[0].token_ids for o in final] == [first.outputs[0].token_ids]
+    assert final[0].num_cached_tokens == 32  # (hit before the reset)
+    pool.check_invariants()
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0  # its prompt blocks forgotten
+
+
 def test_streamed_deltas_concatenate_to_final_text(llm: LLM) -> None:
     engine = llm.engine
     engine.add_request("s", "The capital of France is", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))

@@ -269,6 +269,17 @@ def test_bad_input_gets_status_and_error_body(
     assert engine.is_running and engine.snapshot().metrics["num_requests_waiting"] == 0
 
 
+def test_reset_prefix_cache_in_process(app: FastAPI) -> None:
+    body = {"prompt": list(range(3, 38)), "max_tokens": 1, "temperature": 0}  # two full 16-token blocks
+    cached = [call(app, "POST", C, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for _ in range(2)]  # fmt: skip
+    assert cached[0] == 0 and cached[1] > 0
+    r = call(app, "POST", "/reset_prefix_cache")
+    assert r.status_code == 200 and r.content == b""
+    assert call(app, "POST", C, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert call(app, "GET", "/reset_prefix_cache").status_code == 405
+
+
 def test_routes_and_methods_that_do_not_exist(app: FastAPI) -> None:
     r = call(app, "GET", "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
@@ -306,6 +317,7 @@ def test_api_key(engine: AsyncEngine) -> None:
     assert call(app, "GET", "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
     assert call(app, "POST", C, json=body, headers={"Authorization": "Bearer sekrit"}).status_code == 200
     assert call(app, "POST", "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert call(app, "POST", "/reset_prefix_cache").status_code == 401
     for scheme in ("bearer sekrit", "BEARER sekrit", "Bearer  sekrit"):  # RFC 7235: the scheme in any case
         assert call(app, "POST", C, json=body, headers={"Authorization": scheme}).status_code == 200, scheme
     for bad in ("Basic sekrit", "Bearersekrit", "sekrit", "Bearer sekrit2", "Bearer"):

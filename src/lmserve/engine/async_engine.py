@@ -65,6 +65,11 @@ class _Watch:
     on: bool
 
 
+@dataclass
+class _ResetPrefixCache:
+    pass
+
+
 class AsyncEngine:
     """Runs LLMEngine.step() in a dedicated thread; add/abort are queued and applied between steps.
 
@@ -95,7 +100,7 @@ class AsyncEngine:
         # a GGUF tokenizer is converted from the file's metadata, which takes seconds.
         self.tokenizer = tokenizer or copy.deepcopy(engine.tokenizer)
         self.stat_loggers: list[StatLogger] = []
-        self._commands: deque[_Add | _Abort | _Watch] = deque()
+        self._commands: deque[_Add | _Abort | _Watch | _ResetPrefixCache] = deque()
         self._wakeup = threading.Event()
         self._lock = self._admission.lock  # guards the admission counters and _dead
         self._admission.room = self._measure_room()  # the scheduler as of the latest step or applied commands
@@ -203,6 +208,12 @@ class AsyncEngine:
         self._commands.append(_Watch(on))
         self._wakeup.set()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (LLMEngine.reset_prefix_cache) before the adds queued after this call.
+        Callable from any thread."""
+        self._commands.append(_ResetPrefixCache())
+        self._wakeup.set()
+
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -247,6 +258,9 @@ class AsyncEngine:
                 continue
             if isinstance(cmd, _Watch):
                 self._block_map_watch.watch(cmd.on)
+                continue
+            if isinstance(cmd, _ResetPrefixCache):
+                self.engine.reset_prefix_cache()
                 continue
             num_applied_seqs += cmd.num_seqs
             num_applied_blocks += cmd.num_blocks

@@ -34,6 +34,7 @@ from lmserve.engine.messages import (
     CoreFailed,
     CoreReady,
     LogprobTails,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
     WatchBlockMap,
@@ -233,6 +234,8 @@ class EngineCore:
                         self.engine.abort_request(rid)  # handed off: its KV leases end
             elif isinstance(msg, WatchBlockMap):
                 self._block_map_watch.watch(msg.on)
+            elif isinstance(msg, ResetPrefixCache):
+                self.engine.reset_prefix_cache()
             else:
                 assert isinstance(msg, Shutdown), f"unknown message {msg!r}"
                 return False

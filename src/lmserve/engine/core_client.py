@@ -64,6 +64,7 @@ from lmserve.engine.messages import (
     CoreFailed,
     CoreReady,
     LogprobTails,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
     WatchBlockMap,
@@ -347,6 +348,14 @@ class EngineCoreClient:
             cores = [c for c in self._cores if c.alive]
         for core in cores:
             self._send(core, WatchBlockMap(on))
+
+    def reset_prefix_cache(self) -> None:
+        """As AsyncEngine.reset_prefix_cache: every live core forgets its cached prefixes before the adds sent
+        after this call (one socket per core keeps the order)."""
+        with self._lock:
+            cores = [c for c in self._cores if c.alive]
+        for core in cores:
+            self._send(core, ResetPrefixCache())
 
     def _send(self, core: _Core, message: Any) -> None:
         with self._send_lock:

@@ -294,6 +294,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's reset_prefix_cache, SGLang's flush_cache): a request added after this
+        computes its whole prompt. Running requests keep their blocks; only the index forgets them."""
+        self.kv.pool.reset_prefix_cache()
+
     # ---- LoRA adapters ----------------------------------------------------------------------
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

@@ -1,6 +1,7 @@
 """The messages between the API process (EngineCoreClient) and its engine-core processes, and their encoding.
 
-    API process ── AddRequest / AbortRequests / WatchBlockMap / Shutdown ──▶ engine core i   (one PUSH socket per core)
+    API process ── AddRequest / AbortRequests / WatchBlockMap / ResetPrefixCache / Shutdown ──▶ engine core i
+                                                                         (one PUSH socket per core)
     API process ◀── CoreReady, then one StepOutputs per step ── every core    (one PULL socket for all cores)
 
 msgpack via msgspec with typed decoders: the engine's own dataclasses (SamplingParams, RequestOutput,
@@ -51,11 +52,15 @@ class WatchBlockMap(msgspec.Struct, tag=True):
     on: bool
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Forget every cached prefix (LLMEngine.reset_prefix_cache) before the adds sent after this message."""
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Finish at once: the core exits its loop (requests still running are dropped) and its process ends."""
 
 
-CoreInput = AddRequest | AbortRequests | WatchBlockMap | Shutdown
+CoreInput = AddRequest | AbortRequests | WatchBlockMap | ResetPrefixCache | Shutdown
 
 
 class AddFailure(msgspec.Struct):

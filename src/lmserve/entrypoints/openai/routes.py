@@ -1,6 +1,6 @@
-"""The API's routes: GET /health, GET /metrics, GET /v1/models, POST /tokenize, POST /detokenize, and the two
-generation endpoints, whose work is serving_completion's and serving_chat's (the web pages and the dashboard feed
-are dashboard.py's)."""
+"""The API's routes: GET /health, GET /metrics, GET /v1/models, POST /tokenize, POST /detokenize, POST
+/reset_prefix_cache, and the two generation endpoints, whose work is serving_completion's and serving_chat's (the
+web pages and the dashboard feed are dashboard.py's)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.ready_engine()
         inputs.check_model(state, body.model)
         return p.DetokenizeResponse(prompt=inputs.detokenize_tokens(engine, body.tokens))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Every engine forgets its cached prefixes before any request sent after the answer (vLLM's endpoint of
+        the name; benchmarks call it between runs of the same prompts). Running requests are not disturbed."""
+        state.ready_engine().reset_prefix_cache()
+        return Response(status_code=200)
 
     @app.post("/v1/completions", response_model=p.CompletionResponse)
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
