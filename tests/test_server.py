@@ -282,7 +282,7 @@ def test_min_tokens_holds_back_stop_strings(client: openai.OpenAI) -> None:
     assert streamed == choice.text
 
 
-def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI) -> None:
+def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI, server: LiveServer) -> None:
     prompt = "A unique prefix for the prefix cache test: " + " ".join(f"w{i}" for i in range(30))
     first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
     second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
@@ -291,7 +291,7 @@ def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI) -> None:
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached > 0 and cached % 16 == 0 and cached < second.usage.prompt_tokens
     # POST /reset_prefix_cache (vLLM's): the engine core forgets its prefixes before the next request
-    r = httpx.post(str(client.base_url).removesuffix("/v1/") + "/reset_prefix_cache", timeout=30)
+    r = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
     assert r.status_code == 200, r.text
     third = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
     assert third.usage.prompt_tokens_details.cached_tokens == 0 and third.choices[0].text == first.choices[0].text

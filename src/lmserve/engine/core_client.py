@@ -345,17 +345,19 @@ class EngineCoreClient:
             if not self._num_block_map_watchers:
                 for core in self._cores:
                     core.block_map = None
-            cores = [c for c in self._cores if c.alive]
-        for core in cores:
-            self._send(core, WatchBlockMap(on))
+        self._broadcast(WatchBlockMap(on))
 
     def reset_prefix_cache(self) -> None:
         """As AsyncEngine.reset_prefix_cache: every live core forgets its cached prefixes before the adds sent
         after this call (one socket per core keeps the order)."""
+        self._broadcast(ResetPrefixCache())
+
+    def _broadcast(self, message: Any) -> None:
+        """`message` to every live core."""
         with self._lock:
             cores = [c for c in self._cores if c.alive]
         for core in cores:
-            self._send(core, ResetPrefixCache())
+            self._send(core, message)
 
     def _send(self, core: _Core, message: Any) -> None:
         with self._send_lock:
