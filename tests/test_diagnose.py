@@ -159,7 +159,10 @@ def test_chunked_prefill_with_a_small_budget_interferes_less(rig_factory) -> Non
     rig = rig_factory(enable_chunked_prefill=True, max_num_batched_tokens=16)
     w = _window(rig, _decodes_with_long_prompts_mixed_in)
     per_step = w.counters["mixed_step_prefill_tokens"] / w.counters["mixed_steps"]
-    assert per_step <= 12  # 16 minus the four decodes: the budget is what bounds a mixed step's prompt work
+    # The budget is what bounds a mixed step's prompt work: 16 tokens minus at least one decode, on any machine.
+    # (Not 16 minus four: the four decodes start and finish a step apart, since the budget admits two 8-token
+    # prompts a step, so a prompt chunk computed beside two or three of them takes 13-14 tokens; CI read 12.009.)
+    assert per_step <= 15
     assert w.counters["mixed_steps"] >= 3  # enough for the rule to judge
     # Whether the rule fires is a judgement on wall-clock step times, which another process on the machine can
     # skew either way; what must hold on any machine is that it fires exactly when the measured ratio says so.
