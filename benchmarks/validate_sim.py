@@ -12,9 +12,12 @@ workload sent all at once: what batching sustains; the engine is busy far more o
 the busy fractions of both sides are printed: on the 2-core machine the server's read 70 / 94 / 99 % at 30 / 60 / 90
 %). Errors are (simulated − measured) / measured of mean and P99 TTFT and TPOT and of the output throughput; the
 simulator runs deterministic, with the step model's measured step noise, and with the step model rescaled per point
-by the server's measured mean step time over the simulated one (its /metrics step counters read around the point)
-and the API / core-loop overheads read again on each server before its points (calibrate's procedure): that takes
-the machine's drift since calibration out, leaving the scheduling / queueing model's own error. The engine step
+by the server's traced steps' total time over the step model's on those same steps (the mean over the point's runs;
+the server's mean step over the simulated one where no trace was read, e.g. rescoring another step model) and the
+API / core-loop overheads read again on each server before its points (calibrate's procedure): that takes the
+machine's drift since calibration out, leaving the scheduling / queueing model's own error. (A mean step over a
+mean step is not a speed: an open loop's server that batches into fewer, longer steps than the simulator reads
+slower by that alone, and near saturation the rescaled run then queues without end.) The engine step
 counts of both sides are printed too, and per point: its own noise (2 standard errors of the measured mean TTFT and
 TPOT over its requests: the points have enough requests that it is below the 10 % judged, except the 8-request
 burst), the server's traced steps (LMSERVE_STEP_TRACE) against the step model on the same steps (their total time /
@@ -98,7 +101,7 @@ class Point:
     real: BenchSummary | None = None
     sim: BenchSummary | None = None
     sim_noise: BenchSummary | None = None
-    sim_rescaled: BenchSummary | None = None  # the step model scaled by the server's measured / simulated step time
+    sim_rescaled: BenchSummary | None = None  # the step model scaled by `rescale_factor` (the machine's drift)
     # the same with the step noise: the noisy run scaled by the server's mean step / its own mean step (drift out,
     # the tail kept: a deterministic step model has none)
     sim_rescaled_noise: BenchSummary | None = None
@@ -114,6 +117,7 @@ class Point:
     # stretch) on the same steps: 1 when the model fits the served steps, whatever the batching
     one_thread_pct: float | None = None
     served_fit_ratio: float | None = None
+    served_fit_ratios: list[float] = field(default_factory=list)  # the same, each run of the point (its repeats)
     # the engine's busy fraction over the point (its traced iterations' time / first send → last step end) and the
     # simulator's (its steps' time / the run's duration)
     server_busy: float | None = None
@@ -283,13 +287,28 @@ def simulate_point(p: Point, profile: StepProfile, cfg: Any, seed: int, sim_over
     p.sim_steps = result.num_steps
     p.sim_step_s = mean_step_s(result)
     p.sim_busy = busy_fraction(result)
-    if p.server_step_s and p.sim_step_s:
-        rescaled = dataclasses.replace(profile.scaled(p.server_step_s / p.sim_step_s), overheads=sim_overheads)
+    factor, _ = rescale_factor(p, p.sim_step_s)
+    if factor:
+        rescaled = dataclasses.replace(profile.scaled(factor), overheads=sim_overheads)
         p.sim_rescaled, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, False)
-        noisy_step_s = mean_step_s(noisy) if noisy is not None else None
-        if noisy_step_s:  # the noisy run by its own mean step (its draws' sample mean is not exactly 1)
-            rescaled = dataclasses.replace(profile.scaled(p.server_step_s / noisy_step_s), overheads=sim_overheads)
+        noisy_factor, _ = rescale_factor(p, mean_step_s(noisy) if noisy is not None else None)
+        if noisy is not None and noisy_factor:
+            rescaled = dataclasses.replace(profile.scaled(noisy_factor), overheads=sim_overheads)
             p.sim_rescaled_noise, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, True)
+
+
+def rescale_factor(p: Point, sim_step_s: float | None) -> tuple[float | None, str]:
+    """How much slower the machine ran the point's steps than the step model says, and from what: the server's traced
+    steps over the model on the same steps, averaged over the point's runs (whatever the batching: each side's own
+    steps), else the server's mean step over the simulated run's (`sim_step_s`; where the two batch alike, as in a
+    closed loop, the same figure; in an open loop the server's fewer, longer steps read as a slower machine). The
+    noise sampler has mean 1, so the noisy run takes the traced figure as it is; by the mean step it is judged on its
+    own steps (its draws' sample mean is not exactly 1)."""
+    if p.served_fit_ratios:
+        return statistics.fmean(p.served_fit_ratios), "served steps / model"
+    if p.server_step_s and sim_step_s:
+        return p.server_step_s / sim_step_s, "mean step / simulated mean step"
+    return None, "no server steps"
 
 
 def _namespace(x: Any) -> Any:
@@ -306,10 +325,12 @@ def _plain(x: Any) -> Any:
     return [_plain(v) for v in x] if isinstance(x, list) else x
 
 
-def load_measured(path: str, points: list[Point]) -> dict[str, Overheads]:
+def load_measured(path: str, points: list[Point], step_model_source: str | None = None) -> dict[str, Overheads]:
     """--rescore: an earlier run's measurements (its JSON) onto `points`, matched by name (a Poisson point's by its
     fraction of saturation, taking the run's rate: it depends on the step model that run had); the overheads it read
-    on each server, by server name."""
+    on each server, by server name. The served steps over the model (the rescaled columns' factor) are the step
+    model's that run had: kept when `step_model_source` is that model's file, else the rescale falls back to the
+    mean steps."""
     doc = json.loads(Path(path).read_text())
     if doc.get("benchmark") != "validate_sim":
         raise ValueError(f"{path} is not a validate_sim JSON")
@@ -333,7 +354,13 @@ def load_measured(path: str, points: list[Point]) -> dict[str, Overheads]:
         p.server_step_s = (x.get("mean_step_s") or {}).get("measured")
         noise = x.get("measured_noise_pct") or {}
         p.noise_pct = (noise.get("ttft_mean"), noise.get("tpot_mean"))
-        p.one_thread_pct, p.served_fit_ratio = x.get("served_steps_one_thread_pct"), None  # (its model's, not ours)
+        p.one_thread_pct = x.get("served_steps_one_thread_pct")
+        # the served steps over the model are that run's step model's: kept only when rescoring with the same one
+        same_model = step_model_source is not None and (doc.get("step_model") or {}).get("source") == step_model_source
+        ratio = x.get("served_steps_over_model")
+        p.served_fit_ratio = ratio if same_model else None
+        runs = x.get("served_steps_over_model_runs") or ([] if ratio is None else [ratio])
+        p.served_fit_ratios = list(runs) if same_model else []
         p.server_busy = (x.get("busy_fraction") or {}).get("measured")
         p.others_cores, p.notes = x.get("others_cores"), [f"rescored from {path}"]
     return {k: Overheads(**v) for k, v in (doc.get("overheads_at_validation") or {}).items()}
@@ -584,7 +611,7 @@ def main() -> int:
     served = profile.fit.get("fitted_on") == "served"  # (calibrate's served steps: whole core-loop iterations)
     if args.rescore:  # the measurements of an earlier run, this step model on the simulator
         try:
-            fresh_overheads.update(load_measured(args.rescore, points))
+            fresh_overheads.update(load_measured(args.rescore, points, profile.source))
         except (OSError, ValueError, KeyError) as e:  # (KeyError: a JSON without a field validate_sim writes)
             ap.error(f"--rescore {args.rescore}: {e}")
         for p in points:
@@ -622,7 +649,7 @@ def main() -> int:
                 for p in todo:
                     if rnd >= repeats_of(p, args) or (rnd and p.name not in counters_of):
                         continue
-                    q = p if rnd == 0 else dataclasses.replace(p, notes=[])  # (per-run columns: the first run's)
+                    q = p if rnd == 0 else dataclasses.replace(p, notes=[], served_fit_ratio=None)  # (columns: run 1's)
                     try:
                         real, counters = measure_clean(url, q, tok, args, trace, profile)
                     except RuntimeError as e:
@@ -630,7 +657,10 @@ def main() -> int:
                         continue
                     if rnd == 0:
                         p.real, p.repeats, counters_of[p.name] = real, [real], [counters]
+                        p.served_fit_ratios = [] if p.served_fit_ratio is None else [p.served_fit_ratio]
                         continue
+                    if q.served_fit_ratio is not None:
+                        p.served_fit_ratios.append(q.served_fit_ratio)
                     p.repeats.append(real)
                     counters_of[p.name].append(counters)
                     p.notes += [f"repeat {rnd + 1}: {n}" for n in q.notes]
@@ -677,13 +707,13 @@ def main() -> int:
         "with the step model's measured step noise (--step-noise):",
         format_table(points, "sim_noise"),
         "",
-        "the step model rescaled, per point, by the server's measured mean step / the simulated mean step, and the "
-        "overheads read again on the server before its points (takes the machine's drift since calibration out; what "
-        "is left is the scheduling / queueing model's own error):",
+        "the step model rescaled, per point, by the server's traced steps / the model on those steps (mean over the "
+        "point's runs; where no trace was read, e.g. rescoring another step model, the server's mean step / the "
+        "simulated mean step), and the overheads read again on the server before its points (takes the machine's "
+        "drift since calibration out; what is left is the scheduling / queueing model's own error):",
         format_table(points, "sim_rescaled"),
         "",
-        "rescaled as above, with the step model's measured step noise (the noisy run scaled by the server's mean step "
-        "/ its own: the drift out, the steps' tail in):",
+        "rescaled as above, with the step model's measured step noise (the drift out, the steps' tail in):",
         format_table(points, "sim_rescaled_noise"),
         "",
         "served/model: the point's traced server steps' total time / the step model's (with its API stretch) on the "
@@ -738,6 +768,8 @@ def main() -> int:
                 "measured_noise_pct": {"ttft_mean": p.noise_pct[0], "tpot_mean": p.noise_pct[1]},
                 "served_steps_one_thread_pct": p.one_thread_pct,
                 "served_steps_over_model": p.served_fit_ratio,
+                "served_steps_over_model_runs": p.served_fit_ratios,
+                "rescaled_by": dict(zip(("factor", "from"), rescale_factor(p, p.sim_step_s), strict=True)),
                 "busy_fraction": {"measured": p.server_busy, "simulated": p.sim_busy},
                 "others_cores": p.others_cores,
                 "trace_rows": p.trace_rows,

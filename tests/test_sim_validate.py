@@ -127,3 +127,45 @@ def test_against_the_runs_less_one_scores_the_server_and_the_simulator_on_the_sa
     line = validate_sim.format_repeats([p]).splitlines()[-1]
     assert line.startswith("against the runs less one") and "the left-out run itself" in line
     assert f"{4 + 2 / 3:.1f} of 5; simulated deterministic" in line  # the run scores as a simulator equal to it
+
+
+def test_the_rescale_is_the_served_steps_over_the_model_not_a_mean_step_over_a_mean_step() -> None:
+    """An open loop near saturation: the server batched into fewer, longer steps than the simulator (mean step 15.5
+    against 5.9 ms, as measured at Poisson 90 % on the development machine) while its traced steps ran 1.05-1.09× the
+    model on the same steps. The machine's drift is the latter; the mean steps' 2.6× (the old rescale) would slow the
+    simulated engine past saturation. Without a trace (rescoring another step model) the mean steps are all there is."""
+    p = validate_sim.Point("Poisson 90% of saturation (58.55 req/s)", "default", [object()] * 3, rate_rps=58.55)
+    p.server_step_s, p.served_fit_ratios = 0.0155, [1.05, 1.09, 1.07]
+    factor, source = validate_sim.rescale_factor(p, 0.0059)
+    assert factor == pytest.approx(1.07) and source == "served steps / model"
+    p.served_fit_ratios = []
+    factor, source = validate_sim.rescale_factor(p, 0.0059)
+    assert factor == pytest.approx(0.0155 / 0.0059) and source.startswith("mean step")
+    p.server_step_s = None
+    assert validate_sim.rescale_factor(p, 0.0059) == (None, "no server steps")
+
+
+def test_rescore_keeps_the_served_steps_over_the_model_only_for_the_same_step_model(tmp_path: Path) -> None:
+    """Those ratios are the measured run's step model's: another model's rescore falls back to the mean steps."""
+    doc = {"benchmark": "validate_sim", "step_model": {"source": "s14.json"}, "points": [
+        {"name": "3 concurrency 4", "num_requests": 2, "rate_rps": math.inf, "measured": _measured(10.0),
+         "mean_step_s": {"measured": 0.003}, "served_steps_over_model": 1.2,
+         "served_steps_over_model_runs": [1.2, 1.4]},
+        {"name": "3 concurrency 16", "num_requests": 2, "rate_rps": math.inf, "measured": _measured(10.0),
+         "served_steps_over_model": 0.9},  # (an older JSON: the first run's only)
+    ]}  # fmt: skip
+    path = tmp_path / "validate-sim-y.json"
+    path.write_text(json.dumps(doc))
+
+    def points() -> list:
+        names = ("3 concurrency 4", "3 concurrency 16")
+        return [validate_sim.Point(n, "default", [object()] * 2, max_concurrency=4) for n in names]
+
+    same = points()
+    validate_sim.load_measured(str(path), same, "s14.json")
+    assert same[0].served_fit_ratios == [1.2, 1.4] and same[0].served_fit_ratio == 1.2
+    assert same[1].served_fit_ratios == [0.9]
+    other = points()
+    validate_sim.load_measured(str(path), other, "s13.json")
+    assert other[0].served_fit_ratios == [] and other[0].served_fit_ratio is None
+    assert validate_sim.rescale_factor(other[0], 0.002) == (pytest.approx(1.5), "mean step / simulated mean step")
