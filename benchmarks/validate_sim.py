@@ -102,8 +102,7 @@ class Point:
     sim: BenchSummary | None = None
     sim_noise: BenchSummary | None = None
     sim_rescaled: BenchSummary | None = None  # the step model scaled by `rescale_factor` (the machine's drift)
-    # the same with the step noise: the noisy run scaled by the server's mean step / its own mean step (drift out,
-    # the tail kept: a deterministic step model has none)
+    # the same with the step noise (drift out, the tail kept: a deterministic step model has none)
     sim_rescaled_noise: BenchSummary | None = None
     server_steps: int | None = None  # engine steps the server took for the point (its /metrics counters)
     server_step_s: float | None = None  # their mean wall time
@@ -291,10 +290,10 @@ def simulate_point(p: Point, profile: StepProfile, cfg: Any, seed: int, sim_over
     if factor:
         rescaled = dataclasses.replace(profile.scaled(factor), overheads=sim_overheads)
         p.sim_rescaled, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, False)
-        noisy_factor, _ = rescale_factor(p, mean_step_s(noisy) if noisy is not None else None)
-        if noisy is not None and noisy_factor:
-            rescaled = dataclasses.replace(profile.scaled(noisy_factor), overheads=sim_overheads)
-            p.sim_rescaled_noise, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, True)
+    noisy_factor = rescale_factor(p, mean_step_s(noisy))[0] if noisy is not None else None
+    if noisy_factor:
+        rescaled = dataclasses.replace(profile.scaled(noisy_factor), overheads=sim_overheads)
+        p.sim_rescaled_noise, _ = simulate(rescaled, cfg, p.requests, p.rate_rps, p.max_concurrency, seed, True)
 
 
 def rescale_factor(p: Point, sim_step_s: float | None) -> tuple[float | None, str]:
@@ -655,12 +654,11 @@ def main() -> int:
                     except RuntimeError as e:
                         p.notes.append(f"server{'' if rnd == 0 else f', repeat {rnd + 1}'}: {e}")
                         continue
+                    if q.served_fit_ratio is not None:  # (this run's: a repeat's q starts with None)
+                        p.served_fit_ratios.append(q.served_fit_ratio)
                     if rnd == 0:
                         p.real, p.repeats, counters_of[p.name] = real, [real], [counters]
-                        p.served_fit_ratios = [] if p.served_fit_ratio is None else [p.served_fit_ratio]
                         continue
-                    if q.served_fit_ratio is not None:
-                        p.served_fit_ratios.append(q.served_fit_ratio)
                     p.repeats.append(real)
                     counters_of[p.name].append(counters)
                     p.notes += [f"repeat {rnd + 1}: {n}" for n in q.notes]
