@@ -42,8 +42,8 @@ RECORDS = {
 
 
 def compile_times(engine, repeats: int) -> dict[str, dict[str, float]]:
+    from lmserve.sample.structured_output import StructuredOutputManager
     from lmserve.sampling_params import StructuredOutputsParams
-    from lmserve.structured_output import StructuredOutputManager
 
     cases = {
         "json: flat object + enum": StructuredOutputsParams(json=PERSON),

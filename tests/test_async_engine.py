@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmserve import SamplingParams
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, num_unstartable
 from lmserve.engine.llm_engine import LLMEngine
 from tests.helpers import steps_held_after_first

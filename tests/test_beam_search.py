@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lmserve import LLM
-from lmserve.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
+from lmserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from tests.hf_reference import hf_greedy, hf_model
 
 PROMPTS = ["The capital of France is", "def fib(n):", "a", "x = 1"]

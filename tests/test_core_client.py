@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.engine import core_client
 from lmserve.engine.async_engine import Admission, EngineDeadError, EngineSnapshot
 from lmserve.engine.core_client import (
@@ -25,7 +25,7 @@ from lmserve.engine.core_client import (
     cpu_slices,
 )
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.metrics import Metrics
+from lmserve.observability.prometheus import Metrics
 from lmserve.sampling_params import SamplingParams
 
 BLOCK = 16

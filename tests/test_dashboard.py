@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from lmserve import SamplingParams
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.engine import snapshot as engine_snapshot
 from lmserve.engine.async_engine import AsyncEngine, EngineSnapshot
 from lmserve.engine.llm_engine import LLMEngine

@@ -1,4 +1,5 @@
-"""lmserve.diagnose: each rule on a real engine driven into its state (tiny random Llama, in-process AsyncEngine,
+"""lmserve.observability.diagnose: each rule on a real engine driven into its state (tiny random Llama, in-process
+AsyncEngine,
 its metrics read from the server's own registry before and after), and the rules on synthetic windows."""
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from lmserve import SamplingParams
-from lmserve.config import EngineArgs
-from lmserve.diagnose import (
+from lmserve.config.engine import EngineArgs
+from lmserve.engine.async_engine import AsyncEngine
+from lmserve.engine.llm_engine import LLMEngine
+from lmserve.observability.diagnose import (
     GAUGES,
     Diagnosis,
     Dist,
@@ -25,9 +28,7 @@ from lmserve.diagnose import (
     window_between,
     window_from_report,
 )
-from lmserve.engine.async_engine import AsyncEngine
-from lmserve.engine.llm_engine import LLMEngine
-from lmserve.metrics import Metrics
+from lmserve.observability.prometheus import Metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

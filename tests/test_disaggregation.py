@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
+from lmserve.config.kv_transfer import KVTransferConfig
 from lmserve.core.outputs import RequestOutput
 from lmserve.engine.kv_transfer import KVHandoff, block_nbytes, export_blocks, import_blocks
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.kv_transfer_config import KVTransferConfig
 from lmserve.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -322,7 +322,7 @@ def test_goodput_experiment_report_distserve_definition() -> None:
 def test_handoff_messages_cross_the_core_socket() -> None:
     from lmserve.engine.kv_transfer import ChildHandoff
     from lmserve.engine.messages import AddRequest, Codec, StepOutputs
-    from lmserve.worker.sampler import TokenLogprobs
+    from lmserve.sample.sampler import TokenLogprobs
     from tests.test_messages import _snapshot
 
     lp = TokenLogprobs(7, -0.5, 1, [(7, -0.5), (3, -1.25)])
@@ -337,9 +337,9 @@ def test_handoff_messages_cross_the_core_socket() -> None:
 
 def test_memory_ledger_per_role_pool() -> None:
     from lmserve.entrypoints.cli import main
-    from lmserve.memory_disaggregation import disaggregated_memory
-    from lmserve.memory_presets import PRESETS, preset_names
-    from lmserve.memory_report import memory_report
+    from lmserve.memory.disaggregation import disaggregated_memory
+    from lmserve.memory.presets import PRESETS, preset_names
+    from lmserve.memory.report import memory_report
 
     shape = PRESETS[preset_names()[0]].shape()
     report = memory_report(shape, seq_len=1024, memory_bytes=64 * 2**30, kv_dtype="bf16", weight_dtype="bf16")

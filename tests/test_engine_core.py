@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.engine.core import CoreLaunch, EngineCore
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.engine.messages import AbortRequests, AddRequest, Codec, CoreReady, Shutdown, StepOutputs

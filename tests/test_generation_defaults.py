@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 from lmserve import LLM, SamplingParams
-from lmserve.config import EngineArgs
+from lmserve.checkpoint.generation_defaults import sampling_defaults
+from lmserve.config.engine import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from lmserve.entrypoints.openai.server import build_app
-from lmserve.generation_defaults import sampling_defaults
 from tests.hf_reference import hf_greedy
 
 GEN_CONFIG = {"temperature": 0.0, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.0, "eos_token_id": [0, 7]}

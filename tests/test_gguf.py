@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from lmserve import LLM, SamplingParams
-from lmserve.memory import format_bytes
-from lmserve.model import gguf as lm_gguf
+from lmserve.checkpoint import gguf as lm_gguf
+from lmserve.memory.ledger import format_bytes
 from tests.gguf_helpers import dequantized_hf_model, llama_cpp_permute, write_gguf
 from tests.hf_reference import hf_greedy, hf_last_logits
 
@@ -101,10 +101,10 @@ def test_quantized_gguf_matches_hf_on_dequantized_weights(
     model_dir = model_dirs[FAMILIES[arch]]
     file = write_gguf(model_dir, gguf_dir / f"{arch}-{weight_type}.gguf", weight_type)
     ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
-    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):  # quantization="none": all dequantized
+    with caplog.at_level(logging.INFO, logger="lmserve.checkpoint.gguf"):  # quantization="none": all dequantized
         llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, quantization="none")
     assert llm.engine.config.quantization is None
-    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.checkpoint.gguf"]
     if weight_type in ("F16", "BF16"):
         assert logged == [], f"{weight_type} is used as it is"
     else:
@@ -140,9 +140,9 @@ def test_other_types_dequantized_by_gguf_and_logged_with_their_cost(
     overrides = {"model.layers.0.mlp.gate_proj.weight": "Q5_0", "model.layers.1.mlp.up_proj.weight": "Q5_0"}
     file = write_gguf(model_dir, gguf_dir / "llama-q5.gguf", "F32", overrides)
     ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
-    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):
+    with caplog.at_level(logging.INFO, logger="lmserve.checkpoint.gguf"):
         llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "lmserve.checkpoint.gguf"]
     elements = 2 * 64 * 128
     file_mib, mem_mib = elements // 32 * 22 / 2**20, elements * 4 / 2**20
     assert "2 Q5_0 tensors dequantized to float32" in line
@@ -202,7 +202,7 @@ def _weight_bytes(llm: LLM) -> int:
 def test_block32_tensors_run_as_they_are_in_the_file(
     model_dirs: dict[str, Path], gguf_dir: Path, tmp_path: Path, arch: str, weight_type: str, caplog
 ) -> None:
-    from lmserve.config import QuantizationConfig
+    from lmserve.config.engine import QuantizationConfig
     from lmserve.model.layers import Linear
     from lmserve.model.quantization import GGUF_LAYOUTS
     from tests.hf_reference import assert_greedy_matches_hf_up_to_margin
@@ -210,12 +210,12 @@ def test_block32_tensors_run_as_they_are_in_the_file(
     model_dir = model_dirs[FAMILIES[arch]]
     file = write_gguf(model_dir, gguf_dir / f"{arch}-kept-{weight_type}.gguf", weight_type)
     ref_dir = dequantized_hf_model(model_dir, file, tmp_path / "ref")
-    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):  # weight-only: the file's math exactly
+    with caplog.at_level(logging.INFO, logger="lmserve.checkpoint.gguf"):  # weight-only: the file's math exactly
         llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, int4_compute="weight-only")
     assert llm.engine.config.quantization == QuantizationConfig(
         "gguf", 32, prequantized=True, int4_compute="weight-only"
     )
-    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.checkpoint.gguf"]
     assert any(f"{weight_type} tensors kept as they are in the file" in line for line in logged), logged
     assert not any("dequantized" in line for line in logged), logged
     dequantized = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, quantization="none")
@@ -243,7 +243,7 @@ def test_block32_tensors_run_as_they_are_in_the_file(
         matched = assert_greedy_matches_hf_up_to_margin(ref_dir, out.prompt_token_ids, got, 1e-3, out.prompt)
         assert matched == len(got), f"{out.prompt!r}: a near-tie flipped at token {matched}"
     # the memory ledger's figure is the model's own, both ways
-    from lmserve.model.gguf import GGUFCheckpoint, resident_weight_bytes
+    from lmserve.checkpoint.gguf import GGUFCheckpoint, resident_weight_bytes
 
     ckpt = GGUFCheckpoint(file)
     assert resident_weight_bytes(ckpt, 4, True)[0] == _weight_bytes(llm)
@@ -312,7 +312,7 @@ def test_memory_cli_reports_file_and_resident_bytes(model_dirs: dict[str, Path],
     import argparse
 
     from lmserve.entrypoints.memory_cli import add_memory_parser
-    from lmserve.memory import load_model_shape, num_parameters
+    from lmserve.memory.ledger import load_model_shape, num_parameters
 
     model_dir = model_dirs["llama-gqa"]
     file = write_gguf(model_dir, gguf_dir / "llama-mem-q8.gguf", "Q8_0")

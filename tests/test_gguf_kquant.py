@@ -19,7 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from lmserve import LLM, SamplingParams, kernels
-from lmserve.model import gguf as lm_gguf
+from lmserve.checkpoint import gguf as lm_gguf
 from lmserve.model import quantization as Q
 from tests.gguf_helpers import dequantized_hf_model, q4_k_m_types, write_gguf
 from tests.helpers import build_model
@@ -245,7 +245,7 @@ def test_k_quant_model_matches_transformers_reading_the_same_file(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lmserve.config import QuantizationConfig
+    from lmserve.config.engine import QuantizationConfig
     from lmserve.model.layers import Embedding, Linear
 
     model_dir = kquant_models[name]
@@ -253,12 +253,12 @@ def test_k_quant_model_matches_transformers_reading_the_same_file(
     file = write_gguf(model_dir, tmp_path / f"{name}-{base}_M.gguf", base, types)
     stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(file)).tensors}
     assert {"Q6_K", base} <= set(stored.values()), stored
-    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):  # (the blocks' own kernels: exact)
+    with caplog.at_level(logging.INFO, logger="lmserve.checkpoint.gguf"):  # (the blocks' own kernels: exact)
         llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, int4_compute="weight-only")
     assert llm.engine.config.quantization == QuantizationConfig(
         "gguf", 32, prequantized=True, int4_compute="weight-only"
     )
-    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.checkpoint.gguf"]
     assert not any("dequantized" in line for line in logged), f"every K-quant tensor is kept: {logged}"
     assert any("Q6_K tensors kept as they are in the file (their K-quant kernels run them)" in x for x in logged)
     model = llm.engine.runner.model
@@ -419,7 +419,7 @@ def test_memory_cli_reports_the_file_bytes(kquant_models: dict[str, Path], tmp_p
     import argparse
 
     from lmserve.entrypoints.memory_cli import add_memory_parser
-    from lmserve.memory import format_bytes
+    from lmserve.memory.ledger import format_bytes
 
     model_dir = kquant_models["llama-tied"]
     file = write_gguf(model_dir, tmp_path / "tied-Q4_K_M.gguf", "Q4_K", _mix(model_dir, "Q4_K"))

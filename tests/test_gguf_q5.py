@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from lmserve import LLM, SamplingParams, kernels
-from lmserve.model import gguf as lm_gguf
+from lmserve.checkpoint import gguf as lm_gguf
 from lmserve.model import quantization as Q
 from lmserve.model.decode_stack import DecodeStack
 from lmserve.model.layers import Linear
@@ -204,9 +204,9 @@ def test_q5_fallbacks_match_transformers_reading_the_same_file(
     q5 = "Q5_0" if base == "Q4_K" else "Q5_1"
     stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(file)).tensors}
     assert {q5, "Q8_0", base, "Q6_K"} <= set(stored.values()), stored
-    with caplog.at_level(logging.INFO, logger="lmserve.model.gguf"):
+    with caplog.at_level(logging.INFO, logger="lmserve.checkpoint.gguf"):
         llm = LLM(str(file), tokenizer=str(q5_models[name]), num_kv_blocks=64, int4_compute="weight-only")
-    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.model.gguf"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "lmserve.checkpoint.gguf"]
     assert any(f"{q5} tensors kept as they are in the file" in line for line in logged), logged
     model = llm.engine.runner.model
     dequantized = LLM(str(file), tokenizer=str(q5_models[name]), num_kv_blocks=64, quantization="none")

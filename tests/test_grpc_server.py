@@ -22,8 +22,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (  # no
     ProtoReflectionDescriptorDatabase,
 )
 
-from lmserve.entrypoints.grpc import lmserve_pb2 as pb  # noqa: E402
-from lmserve.entrypoints.grpc import lmserve_pb2_grpc as pb_grpc  # noqa: E402
+from lmserve.grpc_proto import lmserve_pb2 as pb  # noqa: E402
+from lmserve.grpc_proto import lmserve_pb2_grpc as pb_grpc  # noqa: E402
 from tests.test_server import MODEL_NAME, LiveServer, free_port, wait_until  # noqa: E402
 from tests.test_server import metrics as http_metrics  # noqa: E402
 
@@ -434,7 +434,7 @@ def test_loadgen_grpc_backend_times_every_token(server: LiveServer, http: httpx.
 def test_health_mirrors_loading_and_engine_death(llama_dir: Path) -> None:
     import asyncio
 
-    from lmserve.config import EngineArgs
+    from lmserve.config.engine import EngineArgs
     from lmserve.engine.async_engine import AsyncEngine
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.entrypoints.grpc.server import HEALTH_POLL_S, grpc_frontend

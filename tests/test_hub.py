@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lmserve import LLM, SamplingParams
-from lmserve.hub import is_repo_id, resolve_model_path
+from lmserve.checkpoint.hub import is_repo_id, resolve_model_path
 from tests.hf_reference import hf_greedy
 
 COMMIT = "a" * 40

@@ -105,7 +105,7 @@ def test_silu_mul_matches_torch() -> None:
 
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_rope_write_kv_matches_torch(tokens: int) -> None:
-    from lmserve.config import RopeConfig
+    from lmserve.config.engine import RopeConfig
     from lmserve.model.attention import write_kv
     from lmserve.model.kv_cache import KVCache
     from lmserve.model.layers import RotaryEmbedding, apply_rotary
@@ -326,7 +326,7 @@ def test_bf16_weights_match_hf_with_the_same_rounded_weights(llama_dir: Path) ->
 
 
 def test_weight_dtype_validation(llama_dir: Path) -> None:
-    from lmserve.config import EngineArgs
+    from lmserve.config.engine import EngineArgs
 
     with pytest.raises(ValueError, match="weight_dtype"):
         EngineArgs.from_kwargs(str(llama_dir), weight_dtype="float16").create_engine_config()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams, kernels, memory
-from lmserve.config import EngineArgs
-from lmserve.entrypoints.beam_search import BeamSearchParams
+from lmserve.config.engine import EngineArgs
+from lmserve.engine.beam_search import BeamSearchParams
 from lmserve.model.attention import AttentionMetadata, _decode_attention, _Spec
 from lmserve.model.kv_cache import KVCache, dequantize, quantize
 from tests.conftest import MODEL_SPECS
@@ -98,7 +98,7 @@ def test_cache_write_then_gather_through_block_tables(kv_dtype: str) -> None:
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_rope_write_kv_kernel_writes_the_same_bytes(kv_dtype: str, tokens: int) -> None:
-    from lmserve.config import RopeConfig
+    from lmserve.config.engine import RopeConfig
     from lmserve.model.layers import RotaryEmbedding, apply_rotary
 
     heads, kv_heads, d, block_size = 6, 2, 32, 4

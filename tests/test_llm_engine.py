@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.default_model import default_model_path
 from tests.hf_reference import hf_greedy, hf_model
 
@@ -49,8 +49,7 @@ def test_unchunked_budget_checked_against_the_pool_sized_max_model_len() -> None
 
 
 def test_kv_pool_sized_by_the_memory_ledger(llama_dir: Path) -> None:
-    from lmserve import memory
-
+    from lmserve.memory import ledger as memory
     llm = LLM(str(llama_dir), kv_cache_memory_gib=0.001, block_size=8)
     cache = llm.engine.config.cache
     # tiny llama: 2 layers x 2 KV heads x head_dim 16 x fp32 → 2*2*2*16*4 = 512 B per token

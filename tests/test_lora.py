@@ -214,8 +214,7 @@ def test_lora_enabled_unused_skips_the_lora_path(bases, adapters) -> None:
 
 
 def test_ledger_counts_the_slot_bytes(bases) -> None:
-    from lmserve import memory
-
+    from lmserve.memory import ledger as memory
     llm = make_llm(bases["qwen3"], max_loras=3, max_lora_rank=32)
     mc = llm.engine.config.model
     expected = memory.lora_slot_bytes(mc.num_layers, mc.hidden_size, mc.num_heads * mc.head_dim,
@@ -230,9 +229,9 @@ def test_kv_budget_takes_the_slot_bytes_and_the_report_agrees(bases, tmp_path: P
     import contextlib
     import io
 
-    from lmserve import memory
     from lmserve.entrypoints.memory_cli import add_memory_parser
-    from lmserve.memory_report import memory_report
+    from lmserve.memory import ledger as memory
+    from lmserve.memory.report import memory_report
 
     gib, block = 0.004, 4
     budget = int(gib * 2**30)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmserve.memory import (
+from lmserve.memory.ledger import (
     DTYPE_BYTES,
     ModelShape,
     dtype_bytes,
@@ -27,8 +27,8 @@ from lmserve.memory import (
     num_parameters_per_rank,
     parse_bytes,
 )
-from lmserve.memory_presets import PRESETS, get_preset
-from lmserve.memory_report import memory_report
+from lmserve.memory.presets import PRESETS, get_preset
+from lmserve.memory.report import memory_report
 
 GiB = 2**30
 KiB = 2**10
@@ -570,7 +570,7 @@ def test_blocks_held_is_what_the_engine_holds(window: int, block_size: int, seq_
 def test_report_takes_the_lora_slots_from_the_budget() -> None:
     """--enable-lora: the slots' bytes (memory.lora_slot_bytes, per layer and slot: A's parts · rank rows of each
     projection's input, the block-diagonal B's columns of its output) come out of the budget before the KV."""
-    from lmserve.memory import lora_slot_bytes
+    from lmserve.memory.ledger import lora_slot_bytes
 
     shape = get_preset("llama-3-8b").shape()
     h, q, kv, inter = 4096, 4096, 1024, 14336

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lmserve.entrypoints.memory_cli import add_memory_parser, run_memory
-from lmserve.memory_presets import get_preset
+from lmserve.memory.presets import get_preset
 
 GiB = 2**30
 

@@ -19,8 +19,8 @@ from lmserve.engine.messages import (
     StepOutputs,
 )
 from lmserve.request import FinishReason, RequestMetrics
+from lmserve.sample.sampler import TokenLogprobs
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
-from lmserve.worker.sampler import TokenLogprobs
 
 
 def _snapshot(room: _Room | None = None) -> EngineSnapshot:

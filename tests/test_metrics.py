@@ -1,4 +1,5 @@
-"""lmserve.metrics without a model: engine counters from a snapshot, per-request histograms, exposition."""
+"""lmserve.observability.prometheus without a model: engine counters from a snapshot, per-request histograms,
+exposition."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.async_engine import EngineSnapshot
-from lmserve.metrics import GRPC_REQUEST_ID_PREFIX, Metrics
+from lmserve.observability.prometheus import GRPC_REQUEST_ID_PREFIX, Metrics
 from lmserve.request import FinishReason, RequestMetrics
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams, kernels
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.model import quantization as Q
 from lmserve.model.layers import Linear
 
@@ -569,8 +569,8 @@ def test_mismatched_or_corrupt_checkpoint_is_refused(int4_checkpoint: Path, tmp_
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["llama-gqa", "llama3-rope-untied"])  # tied (int8 head: an extra copy), untied
 def test_memory_ledger_counts_quantized_bytes_exactly(model_dirs: dict[str, Path], name: str, method: str) -> None:
-    from lmserve.memory import load_model_shape
-    from lmserve.memory_report import memory_report
+    from lmserve.memory.ledger import load_model_shape
+    from lmserve.memory.report import memory_report
 
     llama_dir = model_dirs[name]
     llm = LLM(str(llama_dir), num_kv_blocks=16, quantization=method)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from lmserve.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from lmserve.sampling_params import SamplingParams
-from lmserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 NUM_SAMPLES = 20_000
 TV_BOUND = 0.03  # expected TV at 20k samples is ~0.006; every wrong filter below is > 2 * TV_BOUND away

@@ -22,7 +22,7 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.engine.token_bytes import TokenBytes
@@ -77,7 +77,7 @@ class Vocab:
     """Token names (as the API spells them) back to ids, and the HF reference."""
 
     def __init__(self, model_dir: Path) -> None:
-        from lmserve.tokenizer import load_tokenizer
+        from lmserve.checkpoint.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(str(model_dir))
         self.tb = TokenBytes(self.tokenizer)

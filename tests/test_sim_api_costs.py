@@ -17,7 +17,9 @@ from lmserve.sim.api_costs import (
     stretch_inputs,
 )
 from lmserve.sim.calibrate import _fit_into
-from lmserve.sim.step_model import LinearStepModel, Overheads, StepFeatures, StepProfile
+from lmserve.sim.linear_fit import LinearStepModel
+from lmserve.sim.step_features import Overheads, StepFeatures
+from lmserve.sim.step_model import StepProfile
 
 MS = 1e-3
 

@@ -9,7 +9,8 @@ import pytest
 
 from lmserve.bench.datasets import load_tokenizer
 from lmserve.default_model import default_model_path
-from lmserve.sim.calibrate import Grid, served_loads
+from lmserve.sim.grid_profile import Grid
+from lmserve.sim.served_steps import served_loads
 
 
 def test_served_loads_cover_every_batch_size_in_a_seeded_shuffled_order() -> None:

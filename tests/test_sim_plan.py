@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from lmserve.bench.metrics import BenchSummary, RequestRecord, SLOs, summarize
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.entrypoints.cli import main
+from lmserve.sim.linear_fit import LinearStepModel
 from lmserve.sim.plan import Candidate, format_plan, parse_space, search, slo_lower_bound
 from lmserve.sim.simulator import SimConfig, Simulator
-from lmserve.sim.step_model import LinearStepModel, profile_for
+from lmserve.sim.step_model import profile_for
 from lmserve.sim.workload import Workload
 
 RATE = 150.0  # requests/s, evenly spaced
@@ -165,7 +166,8 @@ def test_cli_roofline_then_run_a_model_we_do_not_have(tmp_path: Path, capsys) ->
 def test_cli_calibrate_refit_from_saved_steps(llama_dir: Path, tmp_path: Path, capsys) -> None:
     import random
 
-    from lmserve.sim.step_model import StepFeatures, StepProfile
+    from lmserve.sim.step_features import StepFeatures
+    from lmserve.sim.step_model import StepProfile
 
     config = EngineArgs.from_kwargs(str(llama_dir)).create_engine_config()
     truth = LinearStepModel(0.001, {"prefill_tokens": 2e-5, "prefill_segments": 1e-3, "decode_rows": 3e-4,
@@ -193,7 +195,8 @@ def test_refit_fits_the_served_steps_when_there_are_enough(llama_dir: Path, tmp_
     import random
 
     from lmserve.sim.calibrate import MIN_SERVED_STEPS
-    from lmserve.sim.step_model import StepFeatures, StepProfile
+    from lmserve.sim.step_features import StepFeatures
+    from lmserve.sim.step_model import StepProfile
 
     config = EngineArgs.from_kwargs(str(llama_dir)).create_engine_config()
     grid_truth = LinearStepModel(0.001, {"prefill_tokens": 2e-5, "prefill_segments": 1e-3, "decode_rows": 3e-4})
@@ -246,7 +249,8 @@ def test_mixed_step_term_separates_a_mixed_steps_fixed_cost() -> None:
     fixed part apart, so 32 segments beside decodes cost 3 + 32 × 0.2 ms, not 32 × 3.2, and a lone prefill 0.2."""
     import numpy as np
 
-    from lmserve.sim.step_model import MIXED_STEP_TERM, StepFeatures, choose_form
+    from lmserve.sim.linear_fit import choose_form
+    from lmserve.sim.step_features import MIXED_STEP_TERM, StepFeatures
 
     rng = np.random.default_rng(3)
     samples = []

@@ -7,7 +7,7 @@ import random
 from collections import OrderedDict
 from pathlib import Path
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.engine import core_client, router
 from lmserve.engine.async_engine import Admission, EngineSnapshot
 from lmserve.engine.core_client import EngineCoreClient, _Core

@@ -11,19 +11,14 @@ import pytest
 
 from lmserve.bench.datasets import DatasetConfig, build_requests, load_tokenizer
 from lmserve.bench.metrics import request_latency, summarize
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.core.outputs import ModelRunnerOutput
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.sampling_params import SamplingParams
+from lmserve.sim.linear_fit import LinearStepModel, fit_linear
 from lmserve.sim.simulator import SimConfig, Simulator, StepTrace, check_disaggregation, sim_token
-from lmserve.sim.step_model import (
-    LinearStepModel,
-    Overheads,
-    StepFeatures,
-    StepProfile,
-    fit_linear,
-    profile_for,
-)
+from lmserve.sim.step_features import Overheads, StepFeatures
+from lmserve.sim.step_model import StepProfile, profile_for
 from lmserve.sim.workload import Workload, build_workload, fast_prompts, trace_workload
 
 MS = 1e-3
@@ -241,8 +236,8 @@ def test_a_step_model_without_the_post_prefill_term_simulates_as_before(llama_di
 
 
 def test_decode_after_prefill_marks_the_first_pure_decode_after_a_prefill_step() -> None:
-    from lmserve.sim.calibrate import _sample
-    from lmserve.sim.step_model import mark_decode_after_prefill
+    from lmserve.sim.grid_profile import sample_of_row as _sample
+    from lmserve.sim.step_features import mark_decode_after_prefill
 
     # (prefill tokens, segments, decode rows, ...) of one core's steps in order
     steps = [(100, 1, 0), (0, 0, 1), (0, 0, 1), (50, 1, 1), (0, 0, 2), (30, 1, 0), (20, 1, 0), (0, 0, 1), (0, 0, 0)]
@@ -256,7 +251,7 @@ def test_fit_finds_the_post_prefill_jump() -> None:
     and recovers it; the same steps without the jump (and unmarked) fit without the term."""
     import random
 
-    from lmserve.sim.step_model import choose_form
+    from lmserve.sim.linear_fit import choose_form
 
     rng = random.Random(1)
     truth = LinearStepModel(
@@ -484,7 +479,7 @@ def test_off_stack_term_is_a_jump_for_pure_decodes_past_the_stack() -> None:
 def test_fit_finds_the_jump_past_the_stack_and_keeps_it_in_the_file(llama_dir: Path, tmp_path: Path) -> None:
     import random
 
-    from lmserve.sim.step_model import choose_form
+    from lmserve.sim.linear_fit import choose_form
 
     rng = random.Random(2)
     truth = LinearStepModel(0.0015, {"prefill_tokens": 5e-5, "prefill_segments": 1e-3, "decode_rows": 1.5e-4,
@@ -581,7 +576,7 @@ def _in_flight(records) -> list[int]:
 def test_one_pass_features_and_tokens_equal_step_features_and_sim_token() -> None:
     """The simulator's fused pass against core's step_features and sim_token, on a real scheduler's steps with
     chunked prefills, prefix hits (a shared first block), decodes and a step that mixes them."""
-    from lmserve.config import SchedulerConfig
+    from lmserve.config.engine import SchedulerConfig
     from lmserve.core.kv_cache_manager import KVCacheManager
     from lmserve.core.outputs import step_features
     from lmserve.core.scheduler import Scheduler
@@ -654,7 +649,7 @@ def test_lazy_block_pool_hands_out_blocks_as_the_real_one() -> None:
 
 
 def test_tensor_parallel_is_a_step_time_factor(llama_dir: Path) -> None:
-    from lmserve.memory_presets import get_preset
+    from lmserve.memory.presets import get_preset
     from lmserve.sim.step_model import roofline_profile
 
     config = _config(llama_dir, num_kv_blocks=64)
@@ -797,7 +792,7 @@ def test_disaggregated_tokens_and_records_match_colocated(llama_dir: Path) -> No
 
 
 def test_the_kv_transfer_cost_comes_from_the_flags_then_the_step_model_then_the_defaults(llama_dir: Path) -> None:
-    from lmserve.sim.calibrate import measure_kv_transfer
+    from lmserve.sim.kv_transfer_timing import measure_kv_transfer
     from lmserve.sim.simulator import DEFAULT_KV_TRANSFER_BLOCK_S, DEFAULT_KV_TRANSFER_LATENCY_S, kv_transfer_cost
 
     config = _config(llama_dir, num_kv_blocks=64, block_size=16)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmserve import LLM, SamplingParams, kernels
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from tests.helpers import build_model
 from tests.hf_reference import hf_greedy
@@ -138,8 +138,8 @@ def test_pool_fit_of_max_model_len_counts_the_freed_blocks(swa_dirs: dict[str, P
 
 
 def test_engine_and_ledger_agree_on_concurrency(swa_dirs: dict[str, Path]) -> None:
-    from lmserve.memory import load_model_shape
-    from lmserve.memory_report import memory_report
+    from lmserve.memory.ledger import load_model_shape
+    from lmserve.memory.report import memory_report
 
     model_dir = swa_dirs["mistral"]
     llm = LLM(str(model_dir), num_kv_blocks=40, block_size=4, max_num_batched_tokens=8)

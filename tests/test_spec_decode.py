@@ -237,7 +237,7 @@ def test_sampled_second_token_follows_target_distribution(llama_dir, draft_dirs,
     draft). Its marginal must be sum_t1 p(t1) p(t2 | t1) of the processed target distribution."""
     from transformers import AutoModelForCausalLM
 
-    from lmserve.worker.sampler import Sampler, SamplingMetadata
+    from lmserve.sample.sampler import Sampler, SamplingMetadata
 
     prompt = "def fib(n):"
     params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3, ignore_eos=True)
@@ -275,8 +275,8 @@ def test_rejection_sampler_matches_target_against_noise_floor() -> None:
     (accepted proposal or residual draw) is distributed as p, under temperature and top-p/top-k/min-p."""
     from lmserve.core.outputs import ScheduledRequest
     from lmserve.request import Request
-    from lmserve.spec_decode.rejection_sampler import verify
-    from lmserve.worker.sampler import Sampler, SamplingMetadata
+    from lmserve.sample.rejection_sampler import verify
+    from lmserve.sample.sampler import Sampler, SamplingMetadata
 
     vocab, n = 12, 8000
     g = torch.Generator().manual_seed(1)
@@ -357,8 +357,8 @@ def test_no_proposals_in_steps_larger_than_the_threshold(llama_dir) -> None:
 def test_cli_flag_reaches_the_engine_config(llama_dir) -> None:
     import argparse
 
-    from lmserve.config import EngineArgs
-    from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs
+    from lmserve.config.args import add_engine_args, engine_kwargs
+    from lmserve.config.engine import EngineArgs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -510,8 +510,8 @@ def test_constrained_second_token_follows_the_masked_target_distribution(llama_d
     from transformers import AutoModelForCausalLM
 
     from lmserve import StructuredOutputsParams
-    from lmserve.structured_output import TokenBitmask, fill_bitmasks
-    from lmserve.worker.sampler import Sampler, SamplingMetadata
+    from lmserve.sample.sampler import Sampler, SamplingMetadata
+    from lmserve.sample.structured_output import TokenBitmask, fill_bitmasks
 
     prompt, so = "def fib(n):", StructuredOutputsParams(regex="[a-h]+")
     n_samples = 3000

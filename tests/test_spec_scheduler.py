@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from lmserve.config import SchedulerConfig
+from lmserve.config.engine import SchedulerConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.outputs import ModelRunnerOutput
 from lmserve.core.scheduler import Scheduler

@@ -1,4 +1,4 @@
-"""lmserve.engine.step_trace: an engine core started with LMSERVE_STEP_TRACE writes one line per step it took,
+"""lmserve.observability.step_trace: an engine core started with LMSERVE_STEP_TRACE writes one line per step it took,
 with the features the simulator's step model reads and the step's and the loop iteration's times."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lmserve.engine.messages import AddRequest
-from lmserve.engine.step_trace import COLUMNS, ENV, read_trace, trace_path
+from lmserve.observability.step_trace import COLUMNS, ENV, read_trace, trace_path
 from tests.test_engine_core import Harness, greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

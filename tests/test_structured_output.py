@@ -13,12 +13,13 @@ import torch
 from transformers import AutoTokenizer
 
 from lmserve import LLM, SamplingParams, StructuredOutputsParams
-from lmserve.config import SchedulerConfig
+from lmserve.config.engine import SchedulerConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.scheduler import Scheduler
 from lmserve.default_model import default_model_path
 from lmserve.request import Request
-from lmserve.structured_output import (
+from lmserve.sample.sampler import Sampler, SamplingMetadata
+from lmserve.sample.structured_output import (
     GrammarError,
     StructuredOutputManager,
     TokenBitmask,
@@ -26,7 +27,6 @@ from lmserve.structured_output import (
     fill_bitmasks,
     fill_verification_bitmasks,
 )
-from lmserve.worker.sampler import Sampler, SamplingMetadata
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.default_model import default_model_path
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine

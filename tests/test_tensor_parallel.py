@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 
 PROMPTS = [
     "def fib(n):",
@@ -166,8 +166,7 @@ def test_refusals_name_the_numbers(model_dirs: dict[str, Path]) -> None:
 
 def test_kv_pool_is_sized_per_rank(model_dirs: dict[str, Path]) -> None:
     """The engine's KV bytes per token are the ledger's per-rank figure (memory.kv_heads_per_rank), to the byte."""
-    from lmserve import memory
-
+    from lmserve.memory import ledger as memory
     for name, tp in [("llama-gqa", 2), ("llama3-rope-untied", 2), ("mistral", 4)]:
         cfg = EngineArgs(str(model_dirs[name]), tensor_parallel_size=tp, num_kv_blocks=8).create_engine_config()
         m = cfg.model
@@ -217,7 +216,7 @@ def test_close_stops_every_worker(llama_dir: Path, engines: list[LLM]) -> None:
 
 def _all_reduce_rank(rank: int, port: int, mode: str, queue) -> None:  # noqa: ANN001 (a multiprocessing queue)
     torch.set_num_threads(1)
-    from lmserve.worker.distributed import Rendezvous, TPGroup
+    from lmserve.distributed.group import Rendezvous, TPGroup
 
     group = TPGroup(Rendezvous("127.0.0.1", port, 2, timeout_s=60, all_reduce=mode), rank)
     g = torch.Generator().manual_seed(rank)
@@ -234,7 +233,7 @@ def _all_reduce_rank(rank: int, port: int, mode: str, queue) -> None:  # noqa: A
 def test_all_reduce_sums_identically_on_every_rank(mode: str) -> None:
     import multiprocessing as mp
 
-    from lmserve.worker.distributed import free_port
+    from lmserve.distributed.group import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
@@ -262,8 +261,8 @@ def test_ledger_per_rank_matches_the_engine_to_the_byte(model_dirs: dict[str, Pa
                                                          name: str) -> None:  # fmt: skip
     """`lmserve memory --tensor-parallel-size 2`'s per-rank weights and KV are what a TP = 2 rank holds: its
     parameters' bytes (vocabulary rows padded to ceil(V / tp)), its KV tensors' bytes and its pool's block count."""
-    from lmserve import memory
-    from lmserve.memory_report import memory_report
+    from lmserve.memory import ledger as memory
+    from lmserve.memory.report import memory_report
 
     shape = memory.load_model_shape(model_dirs[name])
     report = memory_report(shape, kv_dtype="int8", weight_dtype="float32", tp=2, memory_bytes=2**30)
@@ -293,7 +292,7 @@ def test_tp4_replicates_two_kv_heads(llama_dir: Path, engines: list[LLM]) -> Non
 
 
 def test_nccl_path_is_importable_and_refused_without_cuda() -> None:
-    from lmserve.worker.distributed import Rendezvous, TPGroup, backend_for, free_port
+    from lmserve.distributed.group import Rendezvous, TPGroup, backend_for, free_port
 
     assert backend_for("cuda:0") == "nccl" and backend_for("cpu") == "gloo"
     if torch.cuda.is_available():
@@ -340,7 +339,7 @@ def test_tp2_decode_stack_is_bit_identical_to_the_module_path(
 
 
 def _shm_pair(tmp_path: Path, **kw) -> tuple:  # noqa: ANN003
-    from lmserve.worker.shm_allreduce import ShmAllReduce
+    from lmserve.distributed.shm_allreduce import ShmAllReduce
 
     path = str(tmp_path / "shm")
     return ShmAllReduce(path, 0, 2, create=True, **kw), ShmAllReduce(path, 1, 2, create=False, **kw)

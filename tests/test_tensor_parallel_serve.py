@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.engine.async_engine import EngineDeadError
 from lmserve.engine.core_client import EngineCoreClient
 from lmserve.sampling_params import SamplingParams

@@ -21,11 +21,11 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
-from lmserve.config import EngineArgs
+from lmserve.config.args import add_engine_args, engine_kwargs
+from lmserve.config.engine import EngineArgs
 from lmserve.default_model import default_model_path
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs
 from lmserve.entrypoints.openai.server import build_app
 from lmserve.sampling_params import StructuredOutputsParams
 from tests.helpers import require_extra

@@ -64,7 +64,7 @@ def _range_text(lo: int | None, hi: int | None) -> str:
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's names): exactly one of `json` (a JSON schema, as a dict or JSON text),
     `regex`, `choice` (the output is one of these strings), `grammar` (GBNF as llama.cpp writes it, or Lark)
-    or `json_object=True` (any JSON object). Enforced token by token by lmserve.structured_output."""
+    or `json_object=True` (any JSON object). Enforced token by token by lmserve.sample.structured_output."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None

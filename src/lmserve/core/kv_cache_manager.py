@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from lmserve.core.block_pool import BlockPool, KVCacheBlock, block_key, hash_blocks, root_hash
 from lmserve.core.outputs import BlockMap
-from lmserve.memory import kv_blocks_held
+from lmserve.memory.ledger import kv_blocks_held
 from lmserve.request import Request
 
 NULL_BLOCK = KVCacheBlock(-1)  # a table entry whose block was freed: outside every future query's window

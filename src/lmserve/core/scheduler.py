@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from lmserve.config import SchedulerConfig
+from lmserve.config.engine import SchedulerConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.lora_slots import NO_SLOT, LoRASlotTable
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats

@@ -29,7 +29,7 @@ from typing import Any
 
 # Admission, snapshots and streams live in admission.py / snapshot.py / streams.py (shared with the engine-core
 # client); the "as" imports keep the names importable from here, as before.
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.core.outputs import RequestOutput
 from lmserve.engine.admission import Admission, _Room, measure_room
 from lmserve.engine.admission import QueueFullError as QueueFullError
@@ -38,7 +38,7 @@ from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.engine.snapshot import BLOCK_MAP_INTERVAL_S as BLOCK_MAP_INTERVAL_S
 from lmserve.engine.snapshot import BlockMapWatch, EngineSnapshot, take_snapshot
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

@@ -40,10 +40,10 @@ from lmserve.engine.messages import (
     WatchBlockMap,
 )
 from lmserve.engine.snapshot import BlockMapWatch, EngineSnapshot, take_snapshot
-from lmserve.engine.step_trace import StepTrace, trace_path
+from lmserve.observability.step_trace import StepTrace, trace_path
 
 if TYPE_CHECKING:
-    from lmserve.config import EngineConfig
+    from lmserve.config.engine import EngineConfig
     from lmserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)

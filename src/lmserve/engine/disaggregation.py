@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lmserve.config.kv_transfer import KVTransferConfig
 from lmserve.engine.kv_transfer import (
     ChildHandoff,
     KVHandoff,
@@ -35,7 +36,6 @@ from lmserve.engine.kv_transfer import (
     import_blocks,
     kv_geometry,
 )
-from lmserve.kv_transfer_config import KVTransferConfig
 from lmserve.request import FinishReason, RequestStatus
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from lmserve.config import EngineArgs, EngineConfig
+from lmserve.checkpoint.generation_defaults import generation_eos_ids, read_generation_config, sampling_defaults
+from lmserve.config.engine import EngineArgs, EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.lora_slots import LoRASlotTable
 from lmserve.core.outputs import BlockMap, CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
@@ -19,11 +20,10 @@ from lmserve.core.scheduler import Scheduler
 from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.engine.disaggregation import make_roles
 from lmserve.engine.kv_transfer import KVHandoff
-from lmserve.generation_defaults import generation_eos_ids, read_generation_config, sampling_defaults
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
 from lmserve.request import FinishReason, Request, RequestMetrics
+from lmserve.sample.structured_output import StructuredOutputManager
 from lmserve.sampling_params import SamplingParams
-from lmserve.structured_output import StructuredOutputManager
 
 Prompt = str | list[int]
 
@@ -48,7 +48,7 @@ class EngineCounters:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps_total: int = 0
-    # what the diagnosis (lmserve.diagnose) reads: tokens by kind, and model-step wall time split by the
+    # what the diagnosis (lmserve.observability.diagnose) reads: tokens by kind, and model-step wall time split by the
     # step's mix (decode-only steps vs steps computing prompt tokens beside decodes)
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
@@ -91,7 +91,7 @@ class LLMEngine:
     ) -> None:
         """tp_threads / tp_cpus: a tensor-parallel group's threads and CPUs, split between its ranks; tp_backend:
         its workers as subprocesses ("mp") or Ray actors ("ray")."""
-        from lmserve.tokenizer import load_tokenizer
+        from lmserve.checkpoint.tokenizer import load_tokenizer
         from lmserve.worker.model_runner import ModelRunner
 
         self.config = config

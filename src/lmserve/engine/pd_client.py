@@ -20,13 +20,13 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from lmserve.config import EngineConfig
+from lmserve.config.engine import EngineConfig
+from lmserve.config.kv_transfer import KVTransferConfig
 from lmserve.engine.core_client import EngineCoreClient, _Core
 from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.messages import AbortRequests, AddRequest, StepOutputs
 from lmserve.engine.router import choose_core
 from lmserve.engine.streams import EngineDeadError
-from lmserve.kv_transfer_config import KVTransferConfig
 from lmserve.sampling_params import SamplingParams
 
 _SHAPE = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)

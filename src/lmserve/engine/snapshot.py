@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmserve.core.outputs import BlockMap
 from lmserve.engine.admission import _Room
-from lmserve.metrics import CONFIG_LABELS
+from lmserve.observability.prometheus import CONFIG_LABELS
 
 if TYPE_CHECKING:
     from lmserve.engine.llm_engine import LLMEngine

@@ -39,8 +39,8 @@ import msgspec
 import torch
 import zmq
 
-from lmserve.config import EngineConfig
-from lmserve.worker.distributed import Rendezvous, TPGroup, backend_for, free_port
+from lmserve.config.engine import EngineConfig
+from lmserve.distributed.group import Rendezvous, TPGroup, backend_for, free_port
 
 logger = logging.getLogger(__name__)
 

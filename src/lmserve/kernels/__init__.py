@@ -26,7 +26,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")  # the unity file: it #includes one source per kernel family
+SOURCES = sorted([*SOURCE.parent.glob("*.c"), *SOURCE.parent.glob("*.h")])
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 MAX_HEADS = 256  # query heads the attention kernel's stack arrays hold (MAX_GROUP_HEADS in the C source)
 # KV cache storage dtypes the attention and RoPE+KV-write kernels read and write (the `kind` of the *_q variants;
@@ -79,7 +80,9 @@ def _compiler() -> str | None:
 def library_path(cc: str) -> Path:
     """Where the library built by `cc` for this source, these flags and this CPU is cached."""
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode() + _cpu_fingerprint().encode()
+        b"".join(s.name.encode() + s.read_bytes() for s in SOURCES)
+        + " ".join([cc, *CFLAGS]).encode()
+        + _cpu_fingerprint().encode()
     ).hexdigest()[:16]
     return _cache_dir() / f"cpu_kernels-{key}.so"
 

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from lmserve import kernels
+from lmserve.distributed.shm_allreduce import ShmAllReduce
 from lmserve.model import quantization as quant
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
-from lmserve.worker.shm_allreduce import ShmAllReduce
 
 # ls_linear.kind in cpu_kernels.c
 _KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8}

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmserve.bench.metrics import RequestRecord
-from lmserve.config import EngineConfig
+from lmserve.config.engine import EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.core.scheduler import Scheduler
@@ -54,7 +54,8 @@ from lmserve.engine.router import choose_core
 from lmserve.request import Request, RequestStatus
 from lmserve.sampling_params import SamplingParams
 from lmserve.sim.lazy_pool import LazyBlockPool
-from lmserve.sim.step_model import Overheads, StepProfile, StepTimeFn
+from lmserve.sim.step_features import Overheads, StepTimeFn
+from lmserve.sim.step_model import StepProfile
 from lmserve.sim.workload import Workload
 
 # event kinds, in the order simultaneous events are handled: a step's end (its outputs, then the next step's

@@ -8,9 +8,8 @@ import os
 import torch
 
 from lmserve import kernels
-from lmserve.config import EngineConfig, available_ram_bytes
+from lmserve.config.engine import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from lmserve.lora.slots import LoRASlotPool
 from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment, long_tensor
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import (
@@ -24,11 +23,12 @@ from lmserve.model.layers import (
 from lmserve.model.loader import load_model
 from lmserve.model.parallel import Collectives, TPShard, local_only, parallelize
 from lmserve.model.parallel import quantize_linear_weights as quantize_sharded_weights
+from lmserve.sample.rejection_sampler import verify
+from lmserve.sample.sampler import Sampler, SamplingMetadata, token_logprobs
+from lmserve.sample.structured_output import fill_bitmasks
 from lmserve.spec_decode.proposer import cut_at_grammar, make_proposer, proposal_inputs
-from lmserve.spec_decode.rejection_sampler import verify
-from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.host_memory import release_freed_memory, tune_malloc_for_tensors
-from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
+from lmserve.worker.lora_slots import LoRASlotPool
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lmserve.core.outputs import CompletionOutput, RequestOutput
-from lmserve.entrypoints.grpc import lmserve_pb2 as pb
-from lmserve.entrypoints.grpc import lmserve_pb2_grpc as pb_grpc
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import request_inputs as inputs
 from lmserve.entrypoints.openai.errors import APIError, from_validation_errors
@@ -41,7 +39,9 @@ from lmserve.entrypoints.openai.logprobs import prompt_texts
 from lmserve.entrypoints.openai.middleware import bearer_ok
 from lmserve.entrypoints.openai.serving_completion import CompletionGeneration
 from lmserve.entrypoints.openai.state import ServerState
-from lmserve.metrics import GRPC_REQUEST_ID_PREFIX
+from lmserve.grpc_proto import lmserve_pb2 as pb
+from lmserve.grpc_proto import lmserve_pb2_grpc as pb_grpc
+from lmserve.observability.prometheus import GRPC_REQUEST_ID_PREFIX
 
 logger = logging.getLogger(__name__)
 

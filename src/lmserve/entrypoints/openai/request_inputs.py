@@ -14,9 +14,9 @@ from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from lmserve.entrypoints.openai.state import ServerState
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
+from lmserve.sample.structured_output import GrammarError
 from lmserve.sampling_params import SamplingParams
-from lmserve.structured_output import GrammarError
 
 MAX_SEQS_PER_REQUEST = 256  # n × number of prompts
 

@@ -32,7 +32,7 @@ from lmserve.entrypoints.openai.lora_routes import add_lora_routes
 from lmserve.entrypoints.openai.middleware import GuardMiddleware, add_exception_handlers, bearer_ok
 from lmserve.entrypoints.openai.routes import add_routes
 from lmserve.entrypoints.openai.state import ServerState
-from lmserve.metrics import Metrics
+from lmserve.observability.prometheus import Metrics
 
 __all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "ServerState", "bearer_ok", "build_app"]
 

@@ -9,7 +9,7 @@ from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.token_bytes import TokenBytes
 from lmserve.entrypoints.openai.errors import APIError
 from lmserve.entrypoints.openai.lora_modules import LoRAModules
-from lmserve.metrics import Metrics
+from lmserve.observability.prometheus import Metrics
 
 LOADING_RETRY_AFTER_S = 5
 

@@ -1,0 +1,211 @@
+"""The model as its checkpoint describes it, before any weight is read: `ModelShape` (the numbers that decide its
+memory footprint), parsed from an HF ``config.json`` or a GGUF file's metadata; the attention window of each
+layer; and the layout each quantization method gives the LM head.
+
+One reading of the shape fields for the memory ledger (memory.py) and for ModelConfig.from_hf
+(model_config.py). No torch: `lmserve memory` answers without loading a model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The LM head's layout per quantization method (lmserve/model/quantization.py): int8 quantizes it as a projection
+# (W8A8); int4 gives it 8 bits, weight-only with group-32 scales ("int8w", GGUF Q8_0's block).
+HEAD_LAYOUTS = {"int8": "int8", "int4": "int8w"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a dense Llama-family decoder that decide its memory footprint."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2, Llama attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    model_type: str = "llama"
+    rope_theta: float | None = None
+    max_position_embeddings: int | None = None
+    sliding_window: int | None = None  # the largest window of the sliding layers
+    num_sliding_layers: int = 0  # layers attending within sliding_window (0: all attend to everything)
+
+    @property
+    def kv_free_window(self) -> int | None:
+        """The window outside which the engine frees KV blocks: only when every layer slides."""
+        return self.sliding_window if self.num_sliding_layers == self.num_layers else None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "intermediate_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def gqa_ratio(self) -> float:
+        """Query heads per KV head: how many times smaller the KV cache is than with MHA."""
+        return self.num_attention_heads / self.num_kv_heads
+
+
+_REQUIRED_HF_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
+    """Build a ModelShape from an HF ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3...).
+
+    ``head_dim`` defaults to hidden_size / num_attention_heads and ``num_key_value_heads`` to
+    num_attention_heads. A multimodal config's ``text_config`` is used when the top level has
+    no layers. Mixture-of-experts configs are rejected (the parameter count would be wrong).
+    """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config must be a JSON object, got {type(cfg).__name__}")
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    missing = [f for f in _REQUIRED_HF_FIELDS if cfg.get(f) is None]
+    if missing:
+        raise ValueError(f"config is missing required field(s): {', '.join(missing)}")
+    for moe_field in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(moe_field):
+            raise ValueError(
+                f"config field {moe_field}={cfg[moe_field]!r}: mixture-of-experts models are not "
+                "supported by the memory ledger"
+            )
+
+    def _int(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config field {name} must be an integer, got {value!r}")
+        return value
+
+    hidden = _int("hidden_size", cfg["hidden_size"])
+    heads = _int("num_attention_heads", cfg["num_attention_heads"])
+    kv_heads = _int("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if heads <= 0 or hidden % heads != 0:
+            raise ValueError(
+                f"config has no head_dim and hidden_size ({hidden}) is not divisible by "
+                f"num_attention_heads ({heads})"
+            )
+        head_dim = hidden // heads
+    model_type = str(cfg.get("model_type") or "llama")
+    num_layers = _int("num_hidden_layers", cfg["num_hidden_layers"])
+    sliding_window, num_sliding = _sliding_layers(cfg, num_layers)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    max_pos = cfg.get("max_position_embeddings")
+    rope_theta = cfg.get("rope_theta")
+    return ModelShape(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_int("head_dim", head_dim),
+        vocab_size=_int("vocab_size", cfg["vocab_size"]),
+        intermediate_size=_int("intermediate_size", cfg["intermediate_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v bias (and no o bias); Llama's attention_bias covers all four.
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type.startswith("qwen3"),
+        model_type=model_type,
+        rope_theta=float(rope_theta) if rope_theta is not None else None,
+        max_position_embeddings=int(max_pos) if max_pos is not None else None,
+        sliding_window=sliding_window,
+        num_sliding_layers=num_sliding,
+    )
+
+
+def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, int]:
+    """(window, number of sliding layers) as the engine reads them (layer_sliding_windows); (None, 0)
+    for architectures the engine does not know (the ledger still counts their KV, in full)."""
+    from lmserve.checkpoint.registry import resolve_architecture
+
+    try:
+        family = resolve_architecture(cfg.get("architectures"))
+    except ValueError:
+        return None, 0
+    windows = [w for w in layer_sliding_windows(family, cfg, num_layers) if w]
+    return (max(windows) if windows else None), len(windows)
+
+
+def load_model_shape(path: str | Path) -> ModelShape:
+    """Read an HF ``config.json`` (a file, or a model directory containing one), or a GGUF file's metadata."""
+    from lmserve.checkpoint.gguf import GGUFCheckpoint, find_gguf_file  # numpy + gguf, no torch
+
+    p = Path(path)
+    gguf_file = find_gguf_file(p)
+    if gguf_file is not None:
+        try:
+            return model_shape_from_hf_config(GGUFCheckpoint(gguf_file).hf_config())
+        except ValueError as e:
+            raise ValueError(f"{gguf_file}: {e}") from None
+    if p.is_dir():
+        config_file = p / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model directory {p} has no config.json")
+    elif p.is_file():
+        config_file = p
+    else:
+        raise ValueError(f"config not found: {p} (expected a model directory or a config.json file)")
+    try:
+        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    try:
+        return model_shape_from_hf_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
+
+
+
+def layer_sliding_windows(family: Any, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """The attention window of each layer (None: full attention); () when no layer slides."""
+    window = cfg.get("sliding_window")
+    if family.name == "qwen" and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window or family.sliding_layers == "none":
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        sliding = [t == "sliding_attention" for t in types]
+    elif family.sliding_layers == "all":
+        sliding = [True] * num_layers
+    elif family.sliding_layers == "from_max_window_layers":  # Qwen2: layers from max_window_layers on
+        sliding = [i >= cfg.get("max_window_layers", 28) for i in range(num_layers)]
+    else:  # "pattern": every `pattern`-th layer is global (Gemma 2: 2, Gemma 3: sliding_window_pattern or 6)
+        pattern = int(cfg.get("sliding_window_pattern") or family.sliding_pattern)
+        sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
+    if not any(sliding):
+        return ()
+    return tuple(int(window) if s else None for s in sliding)
