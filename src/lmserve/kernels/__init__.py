@@ -4,7 +4,7 @@ The source is compiled on first use with the system C compiler (`$CC`, else `cc`
 directory (`$LMSERVE_KERNEL_CACHE`, else `~/.cache/lmserve/kernels`), keyed by a hash of the source, the
 flags and this CPU's feature list, and loaded with ctypes. Without a compiler, or with
 `LMSERVE_CPU_KERNELS=0`, `available()` is False and callers use their PyTorch path: results agree to
-float32 rounding (tests/test_kernels.py compares both).
+float32 rounding (tests/kernels/test_kernels.py compares both).
 
 Past 500 lines because it is one thing: the ctypes binding of the one C library, its build and load, and one thin
 wrapper per kernel (shapes and dtypes asserted, tensors passed as pointers).

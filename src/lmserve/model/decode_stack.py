@@ -3,7 +3,7 @@
 On the module path a decode step of a 30-layer model makes ~270 Python-level kernel calls, each with its
 module dispatch, argument checks and ctypes crossing: ~270 µs a layer, a third of a single-stream step of
 the benchmark model at int4. The C function runs the same kernels in the same order on the same arguments,
-so hidden states are bit-identical to the module path (tests/test_decode_stack.py compares them); it only
+so hidden states are bit-identical to the module path (tests/model/test_decode_stack.py compares them); it only
 removes the Python in between.
 
 Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per

@@ -82,7 +82,7 @@ def step_features_and_tokens(
 ) -> tuple[int, int, int, int, float, dict[str, int]]:
     """core.outputs.step_features of a step and, in the same pass, the token each request that samples after it
     gets (sim_token of its prompt's hash at its position, which the step does not move): the simulator's hot path,
-    one loop where step_features and then its sampling list took two. tests/test_sim_simulator.py checks it against
+    one loop where step_features and then its sampling list took two. tests/sim/test_simulator.py checks it against
     step_features and sim_token on a real scheduler's steps."""
     prefill = segments = rows = context = 0
     pairs = 0.0
