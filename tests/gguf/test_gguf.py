@@ -9,12 +9,12 @@ import logging
 import shutil
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import gguf
 from lmserve import LLM, SamplingParams
 from lmserve.checkpoint import gguf as lm_gguf
 from lmserve.memory.ledger import format_bytes

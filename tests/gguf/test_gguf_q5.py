@@ -10,12 +10,12 @@ import json
 import logging
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
 
+import gguf
 from lmserve import LLM, SamplingParams, kernels
 from lmserve.checkpoint import gguf as lm_gguf
 from lmserve.model import quantization as Q

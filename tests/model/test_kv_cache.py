@@ -17,8 +17,8 @@ from lmserve.engine.beam_search import BeamSearchParams
 from lmserve.model.attention import AttentionMetadata, _decode_attention, _Spec
 from lmserve.model.kv_cache import KVCache, dequantize, quantize
 from tests.conftest import MODEL_SPECS
-from tests.hf_reference import assert_greedy_matches_hf_up_to_margin
 from tests.hf.test_model_vs_hf import PROMPTS
+from tests.hf_reference import assert_greedy_matches_hf_up_to_margin
 
 QUANTIZED = ["bfloat16", "int8", "fp8_e4m3"]
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C compiler: kernels not built")

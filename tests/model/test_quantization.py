@@ -177,8 +177,9 @@ def test_portable_fallback_without_vnni_is_exact(portable_kernels: ctypes.CDLL) 
 
 def _gguf_layout(type_name: str, rows: int, cols: int, seed: int = 0) -> tuple[str, dict[str, torch.Tensor]]:
     """Random weights quantized by gguf's own quantizer, regrouped into our layout."""
-    import gguf
     import numpy as np
+
+    import gguf
 
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
@@ -188,8 +189,9 @@ def _gguf_layout(type_name: str, rows: int, cols: int, seed: int = 0) -> tuple[s
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_dequantize_exactly_like_gguf(type_name: str) -> None:
     """The layout holds the file's bytes: its reference dequantization is gguf's, bit for bit."""
-    import gguf
     import numpy as np
+
+    import gguf
 
     w = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[type_name]

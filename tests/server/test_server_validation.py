@@ -21,8 +21,8 @@ from lmserve.config.engine import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.entrypoints.openai.server import build_app
-from tests.helpers import steps_held_after_first
 from tests.engine.test_async_engine import gate_steps
+from tests.helpers import steps_held_after_first
 from tests.server.test_server import make_chat_model
 
 MAX_MODEL_LEN = 48
