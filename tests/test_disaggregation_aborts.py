@@ -97,10 +97,11 @@ PHASES = ["queued", "prefilling", "partly_handed_off", "handed_off", "pulling", 
 
 @pytest.mark.parametrize("name", ["n2", "best_of3"])
 @pytest.mark.parametrize("phase", PHASES)
-def test_abort_in_every_phase_frees_both_sides(engines, name: str, phase: str) -> None:
+def test_abort_in_every_phase_frees_both_sides_and_counts_each_sequence(engines, name: str, phase: str) -> None:
     _, producer, consumer = engines
     rid, params = f"ab-{name}-{phase}", PARAMS[name]
     prompt = _prompt(rid)
+    before = _finished(producer, consumer)
     producer.add_request(rid, prompt, params, do_remote_decode=True)
     side = producer
     if phase != "queued":
@@ -124,3 +125,45 @@ def test_abort_in_every_phase_frees_both_sides(engines, name: str, phase: str) -
     side.abort_request(rid)
     _idle(producer, consumer)
     assert not producer.kv_producer.holds(rid)
+    counted = _delta(_finished(producer, consumer), before)
+    assert counted == {"abort": params.actual_best_of}, counted  # each sequence once, on the side that ended it
+
+
+def _tokens(*engines: LLMEngine) -> tuple[int, int]:
+    return (
+        sum(e.counters.prompt_tokens_total for e in engines),
+        sum(e.counters.generation_tokens_total for e in engines),
+    )
+
+
+@pytest.mark.parametrize("name", ["n2", "best_of3"])
+def test_prompt_and_generation_tokens_counted_once(engines, name: str) -> None:
+    colocated, producer, consumer = engines
+    requests = [(f"tok-{name}", _prompt(f"tok-{name}", 30), PARAMS[name])]
+    col0, pd0 = _tokens(colocated), _tokens(producer, consumer)
+    _run_colocated(colocated, requests)
+    _run_pd(producer, consumer, requests)
+    col, pd = _tokens(colocated), _tokens(producer, consumer)
+    assert (
+        (pd[0] - pd0[0], pd[1] - pd0[1])
+        == (col[0] - col0[0], col[1] - col0[1])
+        == (30, 30 * PARAMS[name].actual_best_of)
+    )
+
+
+def test_a_failed_pull_counts_each_sequence_as_aborted(llama_dir: Path) -> None:
+    producer = LLMEngine(_args(llama_dir, kv_transfer_config={"kv_role": "kv_producer"}).create_engine_config())
+    consumer = LLMEngine(_args(llama_dir, kv_transfer_config={"kv_role": "kv_consumer"}).create_engine_config())
+    prompt, params = _prompt("lost", 20), PARAMS["n2"]
+    producer.add_request("lost", prompt, params, do_remote_decode=True)
+    while not (handoffs := producer.kv_producer.take_handoffs()):
+        producer.step()
+    for ch in handoffs[0].children:
+        producer.kv_producer.leases.release(ch.lease_id)  # the producer lost them (as if expired)
+    producer.kv_producer.collect()
+    consumer.add_request("lost", prompt, params, remote_kv=handoffs[0])
+    while consumer.has_unfinished_requests():
+        consumer.step()
+    assert consumer.kv_consumer.take_failures()[0][0] == "lost"
+    assert _finished(producer, consumer) == {"stop": 0, "length": 0, "abort": 2}
+    assert _usage(producer) == 0 and _usage(consumer) == 0

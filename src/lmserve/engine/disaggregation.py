@@ -132,16 +132,19 @@ class KVProducer:
         out, self.handoffs = self.handoffs, []
         return out
 
-    def abort(self, request_id: str) -> None:
-        """The client aborted: a request still prefilling is aborted by the engine; a handed-off one's leases end."""
+    def abort(self, request_id: str) -> int:
+        """The client aborted: a request still prefilling is aborted by the engine; a handed-off one's leases end.
+        Returns the sequences that ended here under a lease (no decode engine has them: this side counts them)."""
         children = self._parents.pop(request_id, None)
         self._num_seqs.pop(request_id, None)
         if children is not None:
             for child_id in [c for c, p in self._child_parent.items() if p == request_id]:
                 del self._child_parent[child_id]
-        for child_id in self._leased.pop(request_id, []):
+        leased = self._leased.pop(request_id, [])
+        for child_id in leased:
             self.leases.release(child_id)
         self.collect()
+        return len(leased)
 
     def collect(self) -> int:
         """Free the blocks of every ended (pulled, released) or expired lease; the engine loop calls this often."""
@@ -345,7 +348,8 @@ class KVConsumer:
         if parent is None:
             return None
         self.forget([c.request_id for c in parent.children])
-        self.engine.scheduler.finish_requests([c.request_id for c in parent.children], FinishReason.ABORT)
+        ended = self.engine.scheduler.finish_requests([c.request_id for c in parent.children], FinishReason.ABORT)
+        self.engine.counters.num_finished_by_reason[FinishReason.ABORT.value] += len(ended)
         return self.engine._make_output(parent)
 
     def forget(self, child_ids: list[str]) -> None:
