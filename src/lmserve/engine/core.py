@@ -230,8 +230,10 @@ class EngineCore:
                         self._live.discard(rid)
                         self.engine.abort_request(rid)
                         self._num_aborted += 1
-                    elif self.engine.kv_producer is not None:
-                        self.engine.abort_request(rid)  # handed off: its KV leases end
+                    elif self.engine.kv_producer is not None:  # handed off: its KV leases end
+                        # still leased: the client aborted it before any decode core had it (counted here)
+                        self._num_aborted += self.engine.kv_producer.holds(rid)
+                        self.engine.abort_request(rid)
             elif isinstance(msg, WatchBlockMap):
                 self._block_map_watch.watch(msg.on)
             elif isinstance(msg, ResetPrefixCache):

@@ -271,15 +271,16 @@ class LLMEngine:
         if do_remote_decode:
             self.kv_producer.watch(parent)
         self.counters.num_requests_total += 1
-        self.counters.prompt_tokens_total += len(prompt_ids)
+        if remote_kv is None:  # a handed-off request's prompt was counted where it was prefilled
+            self.counters.prompt_tokens_total += len(prompt_ids)
         self.counters.prefix_shareable_tokens_total += self.shared_prefix.observe(prompt_ids)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         for rid in ids:
-            if self.kv_producer is not None:
-                self.kv_producer.abort(rid)
+            if self.kv_producer is not None:  # sequences handed off (or about to be) end under their leases
+                self.counters.num_finished_by_reason[FinishReason.ABORT.value] += self.kv_producer.abort(rid)
             parent = self._parents.get(rid)
             if parent is None:
                 continue

@@ -157,14 +157,14 @@ class DisaggregatedClient(EngineCoreClient):
                     if prompt_lps is not None:
                         self._prompt_logprobs[rid] = prompt_lps
                     self._tails.forget(rid)
+                    params, arrival, _ = info
+                    if params.prompt_logprobs is not None:  # computed on the prefill side; the decode side reads
+                        params = dataclasses.replace(params, prompt_logprobs=None)  # the cached KV
+                    handoff = dataclasses.replace(handoff, first_token_delivered=True)  # the producer's output had it
+                    # sent under the lock: an abort from now on goes to the decode core, after this add
+                    self._send(decode, AddRequest(rid, entry.prompt_token_ids, params, arrival, remote_kv=handoff))
         if decode is None:  # aborted meanwhile (or no decode core): the prefill core ends the lease
             self._send(prefill, AbortRequests([rid]))
-            return
-        params, arrival, _ = info
-        if params.prompt_logprobs is not None:  # computed on the prefill side; the decode side reads cached KV
-            params = dataclasses.replace(params, prompt_logprobs=None)
-        handoff = dataclasses.replace(handoff, first_token_delivered=True)  # the producer's output had it
-        self._send(decode, AddRequest(rid, entry.prompt_token_ids, params, arrival, remote_kv=handoff))
 
     def _watch(self, core: _Core) -> None:
         super()._watch(core)
