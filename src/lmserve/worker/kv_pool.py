@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-CHUNK_BYTES = 64 * 2**20  # blocks are committed this many bytes (over all layers' tensors) at a time
+from lmserve.memory import KV_COMMIT_CHUNK_BYTES as CHUNK_BYTES  # (the ledger's figure: `lmserve memory`)
+
 RESERVE_BYTES = 256 * 2**20  # a chunk is committed only if this much memory stays available after it
 _PAGE = mmap.PAGESIZE
 
