@@ -12,7 +12,7 @@ import pytest
 
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.sampling_params import SamplingParams
-from tests.test_disaggregation import _args, _assert_same, _drain_leases, _run_colocated, _run_pd, _usage
+from tests.engine.test_disaggregation import _args, _assert_same, _drain_leases, _run_colocated, _run_pd, _usage
 
 PROMPT = list(range(3, 43))
 

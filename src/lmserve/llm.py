@@ -2,23 +2,46 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from lmserve.config.engine import EngineArgs
 from lmserve.core.outputs import RequestOutput
 from lmserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from lmserve.engine.closing import EngineClosedError
 from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.lora.request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 
 
 class LLM:
+    """Offline engine. close() (or the end of `with LLM(...) as llm:`, or the object's collection, or interpreter
+    exit) ends its processes and threads and frees its model and KV pool; a closed LLM raises EngineClosedError."""
+
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         if model is None:
             from lmserve.default_model import default_model_path
 
             model = default_model_path()
-        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **engine_args))
+        self._engine: LLMEngine | None = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **engine_args))
+        self._finalizer = weakref.finalize(self, LLMEngine.close, self._engine)  # on collection or at exit
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise EngineClosedError("this LLM is closed (close() or its `with` block ended); create a new one")
+        return self._engine
+
+    def close(self) -> None:
+        """End the engine's processes and threads and free its memory; a second call does nothing."""
+        self._engine = None
+        self._finalizer()  # (runs LLMEngine.close once: later calls and collection do nothing)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -51,6 +51,7 @@ import zmq
 from lmserve.config.engine import EngineConfig
 from lmserve.core.outputs import BlockMap, RequestOutput
 from lmserve.engine.admission import Admission
+from lmserve.engine.closing import shut_down_at_exit
 from lmserve.engine.core import CoreLaunch
 from lmserve.engine.core_handles import _ProcessHandle, _RayHandle
 from lmserve.engine.cpu_slices import CPU_POLICIES, DEFAULT_CPU_POLICY, cpu_slices, default_num_threads
@@ -196,6 +197,7 @@ class EngineCoreClient:
         if self._started:
             return self
         self._started = True
+        shut_down_at_exit(self)
         try:
             self._launch()
         except BaseException:
@@ -234,6 +236,7 @@ class EngineCoreClient:
             import ray
 
             ray.shutdown()
+        self._structured.shutdown()
 
     @property
     def is_running(self) -> bool:

@@ -283,6 +283,8 @@ class KVConsumer:
                 continue
             error = result.error
             if result.frames is not None and (error := geometry_mismatch(self.geometry, result.geometry)) is None:
+                if remote.local_ids:  # committed (worker/kv_pool.py) before they are written
+                    self.engine.runner.kv_pool.ensure(max(remote.local_ids))
                 import_blocks(self.engine.runner.kv_caches, remote.local_ids, result.frames)
                 self.num_bytes_pulled_total += sum(memoryview(f).nbytes for f in result.frames)
                 self._loaded(remote)

@@ -17,6 +17,7 @@ from lmserve.core.lora_slots import LoRASlotTable
 from lmserve.core.outputs import BlockMap, CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from lmserve.core.prefix_shadow import SharedPrefixCounter
 from lmserve.core.scheduler import Scheduler
+from lmserve.engine.closing import check_open, close_engine
 from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.engine.disaggregation import make_roles
 from lmserve.engine.kv_transfer import KVHandoff
@@ -126,11 +127,12 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         self._ids = itertools.count()
         self.kv_producer, self.kv_consumer = make_roles(self)  # prefill/decode disaggregation (None, None: colocated)
+        self.closed = False
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do for one process); the engine is unusable after."""
-        if self.executor is not None:
-            self.executor.close()
+        """End the processes and threads the engine started and free its model and KV pool (engine/closing.py);
+        the engine raises EngineClosedError after; a second close does nothing."""
+        close_engine(self)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -207,6 +209,7 @@ class LLMEngine:
     ) -> str:
         """do_remote_decode (a kv_producer engine): stop after the first token and hand the KV off
         (kv_producer.take_handoffs()); remote_kv (a kv_consumer engine): continue from such a handoff."""
+        check_open(self)
         params = params or self.default_sampling_params()
         request_id = self.new_request_id() if request_id is None else request_id
         if request_id in self._parents or (self.kv_producer is not None and self.kv_producer.holds(request_id)):
@@ -329,6 +332,7 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        check_open(self)
         refused = self._finish_refused_grammars() if self._grammar_pending else []
         if self.kv_producer is not None or self.kv_consumer is not None:
             refused += self._resolve_kv_transfer()
@@ -504,6 +508,7 @@ class LLMEngine:
         return self.kv.block_map()
 
     def get_metrics(self) -> dict[str, Any]:
+        check_open(self)
         s = self.scheduler.stats()
         c = self.counters
         return {
@@ -521,6 +526,7 @@ class LLMEngine:
             "kv_cache_capacity_tokens": self.config.cache.num_tokens,
             "kv_cache_bytes_per_token": self.config.cache.kv_bytes_per_token,
             "kv_cache_capacity_bytes": self.config.cache.pool_bytes,
+            "kv_cache_committed_bytes": self.runner.kv_pool.committed_bytes,  # (blocks first used so far)
             "kv_cache_dtype": self.config.cache.kv_cache_dtype,
             "kv_cache_scale_bytes_per_token": self.config.cache.kv_scale_bytes_per_token,
             "kv_cache_max_concurrent_requests": self.config.cache.max_concurrent_requests(

@@ -38,6 +38,7 @@ __all__ = [
     "kv_bytes_per_token",
     "kv_blocks_held",
     "kv_bytes_per_token_per_layer",
+    "kv_committed_bytes",
     "kv_cache_bytes_per_token",
     "kv_scale_bytes_per_token",
     "kv_heads_per_rank",
@@ -255,6 +256,18 @@ def max_num_kv_blocks(budget_bytes: int, block_size: int, kv_bytes_per_token: in
     _positive("block_size", block_size)
     _positive("kv_bytes_per_token", kv_bytes_per_token)
     return budget_bytes // (block_size * kv_bytes_per_token)
+
+
+KV_COMMIT_CHUNK_BYTES = 64 * 2**20
+"""The engine commits its KV pool in chunks of this many bytes (over all layers), as blocks are first used."""
+
+
+def kv_committed_bytes(num_blocks_used: int, num_blocks: int, block_bytes: int) -> int:
+    """Bytes of a pool of ``num_blocks`` blocks (``block_bytes`` each, all layers) committed once
+    ``num_blocks_used`` distinct blocks have been used: whole chunks of KV_COMMIT_CHUNK_BYTES, at most the pool.
+    The pool hands never-used blocks out in id order, so these are blocks [0, n), rounded up to a chunk."""
+    per_chunk = max(1, KV_COMMIT_CHUNK_BYTES // max(1, block_bytes))
+    return min(num_blocks, -(-num_blocks_used // per_chunk) * per_chunk) * block_bytes
 
 
 def blocks_per_request(seq_len: int, block_size: int) -> int:

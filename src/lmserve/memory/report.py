@@ -14,6 +14,7 @@ from lmserve.memory.ledger import (
     dtype_bytes,
     kv_blocks_held,
     kv_cache_bytes_per_token,
+    kv_committed_bytes,
     kv_heads_per_rank,
     kv_scale_bytes_per_token,
     lora_slot_bytes,
@@ -69,6 +70,7 @@ class MemoryReport:
     max_kv_tokens: int | None = None
     max_concurrent_requests: int | None = None
     batch_fits: bool | None = None
+    kv_committed_bytes_batch_per_rank: int | None = None  # the pool's pages the batch commits (memory.py)
     notes: tuple[str, ...] = field(default=())
     quantization: str | None = None  # "int8" | "int4": projections quantized, the rest at weight_dtype
     quantization_group_size: int | None = None
@@ -186,6 +188,14 @@ class MemoryReport:
             rows.append(("  left for KV (per device)", _fmt(self.kv_budget_bytes_per_rank or 0)))
             rows.append((f"  KV blocks ({self.block_size} tokens)", f"{self.num_kv_blocks:,}"))
             rows.append(("  tokens that fit", f"{self.max_kv_tokens:,}"))
+            pool = (self.num_kv_blocks or 0) * self.block_size * self.kv_bytes_per_token_per_rank
+            rows.append(
+                (
+                    "  KV committed (per device)",
+                    f"{_fmt(self.kv_committed_bytes_batch_per_rank or 0)} for the batch; the pool is committed as "
+                    f"blocks are first used, up to {_fmt(pool)}",
+                )
+            )
             rows.append(
                 (
                     "  max concurrent requests",
@@ -330,6 +340,9 @@ def memory_report(
             max_kv_tokens=blocks * block_size,
             max_concurrent_requests=max_req,
             batch_fits=max_req >= batch,
+            kv_committed_bytes_batch_per_rank=kv_committed_bytes(
+                min(blocks, batch * n_blocks_req), blocks, block_size * per_token_rank
+            ),
         )
     else:
         budget = dict(reserve_bytes=reserve_bytes)

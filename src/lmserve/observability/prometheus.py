@@ -135,6 +135,11 @@ class _EngineCollector(Collector):
             "kv_cache_capacity_bytes", "Bytes of the KV pool (values and scales).", m["kv_cache_capacity_bytes"]
         )
         yield gauge(
+            "kv_cache_committed_bytes",
+            "Bytes of the KV pool committed to memory: blocks first used so far, in chunks (at most the capacity).",
+            m.get("kv_cache_committed_bytes", 0),
+        )
+        yield gauge(
             "kv_cache_scale_bytes_per_token",
             "Bytes per token of int8 / fp8 KV scales (part of kv_cache_bytes_per_token).",
             m["kv_cache_scale_bytes_per_token"],

@@ -12,6 +12,7 @@ from lmserve.config.engine import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment, long_tensor
 from lmserve.model.kv_cache import KVCache
+from lmserve.model.kv_pool import KVPoolMemory, pool_tensors
 from lmserve.model.layers import (
     I8_KERNEL_MAX_ROWS,
     choose_small_m_paths,
@@ -135,11 +136,14 @@ class ModelRunner:
                 logger.info("projections quantized to %s (embeddings, LM head, norms: %s)",
                             config.quantization.method, mc.dtype)
         self.kv_caches: list[KVCache] = self._allocate_kv_caches()
+        self.kv_pool = KVPoolMemory(config.cache.num_blocks, pool_tensors(self.kv_caches))  # committed as used
         # few-row linears: C kernel or oneDNN / torch.mm, measured before the first step, in the thread (and
         # OpenMP team) that runs the steps: `serve` loads the model with one thread
         self._small_m_pending = self.device.type == "cpu"
         self.sampler = Sampler()
         self.proposer = make_proposer(config)
+        if hasattr(self.proposer, "kv_caches"):  # a draft model's KV: the same blocks, committed with the target's
+            self.kv_pool.add(pool_tensors(self.proposer.kv_caches))
         self.lora = LoRASlotPool(self.model, config) if config.lora is not None else None
 
     def _allocate_kv_caches(self) -> list[KVCache]:
@@ -151,8 +155,8 @@ class ModelRunner:
         ]
         scales = f", of which scales {cc.kv_scale_bytes_per_token} B" if cc.kv_scale_bytes_per_token else ""
         logger.info(
-            "KV cache %s: %d blocks × %d = %d tokens, %.1f MiB (%d B/token%s); %d concurrent requests of "
-            "max_model_len=%d",
+            "KV cache %s: %d blocks × %d = %d tokens, %.1f MiB (%d B/token%s, committed as blocks are first used); "
+            "%d concurrent requests of max_model_len=%d",
             cc.kv_cache_dtype, cc.num_blocks, cc.block_size, cc.num_tokens, cc.pool_bytes / 2**20,
             cc.kv_bytes_per_token, scales, cc.max_concurrent_requests(sc.max_model_len), sc.max_model_len,
         )  # fmt: skip
@@ -198,6 +202,8 @@ class ModelRunner:
             )
         if self.lora is not None:
             self.lora.begin_step(ordered)
+        if ordered:  # the blocks this step writes, and (spec decode) its requests' lookahead tails
+            self.kv_pool.ensure(max(max(slots) // self.block_size, max(s.block_ids[-1] for s in ordered)))
         hidden = self.model(long_tensor(input_ids, dev), long_tensor(positions, dev), self.kv_caches, meta)
         if self.lora is not None:
             self.lora.end_step()
