@@ -156,7 +156,8 @@ def _tool_plan(body: p.ChatCompletionRequest, tokenizer: Any) -> ToolPlan | None
         if not template_supports_tools(tokenizer):
             raise _bad(
                 "tool_choice 'auto' needs a chat template that renders tools (the model then writes calls in its "
-                "family's format: --tool-call-parser); this model's template does not. Use tool_choice 'required' "
+                "family's format, Hermes-style <tool_call> by default: --tool-call-parser); this model's template "
+                "does not. Use tool_choice 'required' "
                 "or a named function, which constrain the output to the function's schema",
                 "tool_choice",
             )
@@ -315,24 +316,16 @@ class ToolCallFormatter:
             rest = c.text[state.sent_chars :]
             return [(p.DeltaMessage(content=rest or None), reason)]
         rest = (msg.content or "")[state.sent_chars :] if self.plan.mode == "auto" else ""
-        names = [
+        calls = [
             p.DeltaToolCall(
                 index=i,
                 id=call.id,
                 type="function",
-                function=p.DeltaFunctionCall(name=call.function.name, arguments=""),
+                function=p.DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
             )
             for i, call in enumerate(msg.tool_calls)
         ]
-        args = [
-            p.DeltaToolCall(index=i, function=p.DeltaFunctionCall(arguments=call.function.arguments))
-            for i, call in enumerate(msg.tool_calls)
-        ]
-        return [
-            (p.DeltaMessage(content=rest or None, tool_calls=names), None),
-            (p.DeltaMessage(tool_calls=args), None),
-            (p.DeltaMessage(), reason),
-        ]
+        return [(p.DeltaMessage(content=rest or None, tool_calls=calls), None), (p.DeltaMessage(), reason)]
 
     def chunk_choices(
         self, idx: int, c: CompletionOutput, chat_logprobs: Callable[[list[Any] | None], p.ChatLogprobs | None]
