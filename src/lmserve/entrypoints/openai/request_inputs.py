@@ -139,6 +139,7 @@ def render_chat(
     messages: list[p.ChatMessage],
     add_generation_prompt: bool,
     tool_list: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     tok = engine.tokenizer
     if not getattr(tok, "chat_template", None):
@@ -156,6 +157,7 @@ def render_chat(
             msg["tool_call_id"] = m.tool_call_id
         conversation.append(msg)
     extra = {"tools": tool_list} if tool_list else {}
+    extra.update(template_kwargs or {})  # e.g. reasoning_effort / enable_thinking, which templates read
     try:
         text = tok.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra

@@ -21,6 +21,19 @@ from lmserve.entrypoints.openai.state import ServerState
 
 
 async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest, request: Request) -> Response:
+    gen = await chat_generation(state, body, ChatGeneration, f"chatcmpl-{uuid.uuid4().hex}")
+    return await gen.respond(request)
+
+
+async def chat_generation(
+    state: ServerState,
+    body: p.ChatCompletionRequest,
+    cls: type[ChatGeneration],
+    request_id: str,
+    template_kwargs: dict[str, Any] | None = None,
+) -> ChatGeneration:
+    """A chat body's generation, not started: `cls` formats it (the Responses and Anthropic Messages APIs translate
+    their bodies to a chat body and give their own subclass); `template_kwargs` go to the chat template."""
     engine = state.ready_engine()
     lora = inputs.check_model(state, body.model)
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -30,12 +43,12 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     params, constraint = await inputs.constrain(engine, body, params)
     plan = constraint.tools
     shown = plan.tools if plan is not None and tools.template_supports_tools(engine.tokenizer) else None
-    prompts = [inputs.render_chat(engine, body.messages, body.add_generation_prompt, shown)]
+    prompts = [inputs.render_chat(engine, body.messages, body.add_generation_prompt, shown, template_kwargs)]
     inputs.check_lengths(engine, prompts, params, max_param)
-    gen = ChatGeneration(state, engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params, body, lora_request=lora)
+    gen = cls(state, engine, request_id, prompts, params, body, lora_request=lora)
     if plan is not None:
         gen.tool_calls = tools.ToolCallFormatter(plan)
-    return await gen.respond(request)
+    return gen
 
 
 class ChatGeneration(Generation):
