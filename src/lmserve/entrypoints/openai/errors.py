@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status."""
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status; on Anthropic's
+paths (ANTHROPIC_PATHS) the same errors in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ _ERROR_TYPES = {
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
+}
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
 }
 
 
@@ -54,8 +66,15 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return _ErrorJSON(self.body(), status_code=self.status_code, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        default = "invalid_request_error" if self.status_code < 500 else "api_error"
+        kind = _ANTHROPIC_TYPES.get(self.status_code, default)
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error answer to a request for `path` (Anthropic's shape on its paths)."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+        return _ErrorJSON(body, status_code=self.status_code, headers=self.headers)
 
 
 class _ErrorJSON(JSONResponse):

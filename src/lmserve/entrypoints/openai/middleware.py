@@ -1,6 +1,6 @@
-"""What every request passes before its route: the API key (401), the body size cap (413), and the answers to
-errors — APIError, request validation, Starlette's HTTP errors and anything unhandled — as OpenAI-shaped bodies,
-counted in the rejection metrics."""
+"""What every request passes before its route: the API key (401; a bearer token, or Anthropic's `x-api-key`), the
+body size cap (413), and the answers to errors — APIError, request validation, Starlette's HTTP errors and anything
+unhandled — as OpenAI-shaped bodies (Anthropic-shaped on its paths), counted in the rejection metrics."""
 
 from __future__ import annotations
 
@@ -39,14 +39,15 @@ class GuardMiddleware:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         key = self.state.api_key
         if key and not (scope["path"].startswith(OPEN_PATHS) or scope["path"] in OPEN_PAGES):
-            if not bearer_ok(headers.get(b"authorization", b"").decode("latin-1"), key):
+            if not (bearer_ok(headers.get(b"authorization", b"").decode("latin-1"), key)
+                    or x_api_key_ok(headers.get(b"x-api-key"), key)):  # fmt: skip
                 err = APIError(
                     401,
-                    "missing or invalid API key: send 'Authorization: Bearer KEY'",
+                    "missing or invalid API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
                     code="invalid_api_key",
                 )
                 err.headers = {"WWW-Authenticate": "Bearer"}
-                await err.response()(scope, receive, send)
+                await err.response(scope["path"])(scope, receive, send)
                 return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self._call_app(scope, receive, send)
@@ -55,7 +56,7 @@ class GuardMiddleware:
         too_large = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await too_large.response()(scope, receive, send)
+            await too_large.response(scope["path"])(scope, receive, send)
             return
         chunks, size = [], 0
         while True:
@@ -65,7 +66,7 @@ class GuardMiddleware:
             body = message.get("body", b"")
             size += len(body)
             if size > limit:
-                await too_large.response()(scope, receive, send)
+                await too_large.response(scope["path"])(scope, receive, send)
                 return
             chunks.append(body)
             if not message.get("more_body", False):
@@ -95,7 +96,7 @@ class GuardMiddleware:
             if started:
                 raise  # half a response went out: only closing the connection can end it
             logger.exception("unhandled error on %s", scope.get("path"))
-            await internal_error(e).response()(scope, receive, send)
+            await internal_error(e).response(scope.get("path", ""))(scope, receive, send)
 
 
 def bearer_ok(authorization: str, key: str) -> bool:
@@ -103,6 +104,11 @@ def bearer_ok(authorization: str, key: str) -> bool:
     scheme, _, credentials = authorization.partition(" ")
     given = credentials.strip(" ").encode("latin-1", "replace") if scheme.lower() == "bearer" else b""
     return hmac.compare_digest(given, key.encode())
+
+
+def x_api_key_ok(value: bytes | None, key: str) -> bool:
+    """Whether an `x-api-key` header (Anthropic's clients send the key there) is KEY, in constant time."""
+    return value is not None and hmac.compare_digest(value.strip(b" "), key.encode())
 
 
 def internal_error(e: Exception) -> APIError:
@@ -120,19 +126,19 @@ def add_exception_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         count(exc.status_code)
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         count(400)
-        return from_validation_errors(list(exc.errors())).response()
+        return from_validation_errors(list(exc.errors())).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-        return err.response()
+        return err.response(request.url.path)
 
     @app.exception_handler(Exception)
     async def unhandled_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return internal_error(exc).response()
+        return internal_error(exc).response(request.url.path)

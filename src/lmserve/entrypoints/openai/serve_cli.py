@@ -138,6 +138,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help='kwargs every chat request passes to the template, e.g. \'{"enable_thinking": false}\' (a request\'s '
         "chat_template_kwargs override them)",
     )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1000,
+        help="the Responses API keeps at most this many stored responses (store: true; previous_response_id, GET "
+        "/v1/responses/ID) in memory, the oldest dropped first; 0 stores none (default 1000)",
+    )
+    p.add_argument(
+        "--responses-store-ttl-s",
+        type=float,
+        default=3600.0,
+        help="stored responses are dropped this many seconds after they were stored (default 3600)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log each request")
     add_engine_args(p)
@@ -150,6 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from lmserve.config.engine import EngineArgs
     from lmserve.engine.async_engine import AsyncEngine
     from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.entrypoints.openai.response_store import ResponseStore
     from lmserve.entrypoints.openai.server import DEFAULT_MAX_REQUEST_BODY_BYTES, build_app
 
     logging.basicConfig(
@@ -165,6 +179,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if args.data_parallel_size < 1:
         print("lmserve serve: error: --data-parallel-size must be >= 1", file=sys.stderr)
+        return 2
+    if args.responses_store_size < 0 or args.responses_store_ttl_s <= 0:
+        print("lmserve serve: error: --responses-store-size must be >= 0 and --responses-store-ttl-s > 0",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.in_process_engine and (args.data_parallel_size > 1 or args.distributed_executor_backend != "mp"):
         print("lmserve serve: error: --in-process-engine runs one engine thread (no data parallel, no Ray)",
@@ -286,6 +304,7 @@ def run_serve(args: argparse.Namespace) -> int:
         frontends=frontends,
         lora_modules=lora_modules,
         chat_settings=chat_settings,
+        response_store=ResponseStore(args.responses_store_size, args.responses_store_ttl_s),
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -4,9 +4,10 @@ key, body size, error answers), routes.py, request_inputs.py (a body → prompts
 generation.py (one request's streams: collect or stream), serving_completion.py / serving_chat.py (each endpoint's
 answer), sse.py (the event framing), dashboard.py (pages and feed), errors.py, protocol.py, tools.py, logprobs.py.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize,
-GET /health, GET /metrics; the web pages and the dashboard feed (dashboard.py). Every refusal is an
-OpenAI-shaped error body (errors.py): 400 for bad input naming the field, 401 without the API key, 404 for an
+Routes: POST /v1/completions, POST /v1/chat/completions, /v1/responses (serving_responses.py), POST /v1/messages
+(Anthropic's, serving_messages.py), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics;
+the web pages and the dashboard feed (dashboard.py). Every refusal is an OpenAI-shaped error body (errors.py;
+Anthropic's shape on /v1/messages): 400 for bad input naming the field, 401 without the API key, 404 for an
 unknown model, 413 for an oversized body, 429 with Retry-After when too many requests wait for the full engine
 (async_engine), 503 while loading or after the engine loop died, 500 only for our own failures. A client that
 disconnects (streaming or not) aborts its engine requests at once.
@@ -31,7 +32,10 @@ from lmserve.entrypoints.openai.kv_info import add_kv_info_route
 from lmserve.entrypoints.openai.lora_modules import LoRAModules
 from lmserve.entrypoints.openai.lora_routes import add_lora_routes
 from lmserve.entrypoints.openai.middleware import GuardMiddleware, add_exception_handlers, bearer_ok
+from lmserve.entrypoints.openai.response_store import ResponseStore
 from lmserve.entrypoints.openai.routes import add_routes
+from lmserve.entrypoints.openai.serving_messages import add_messages_routes
+from lmserve.entrypoints.openai.serving_responses import add_responses_routes
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.observability.prometheus import Metrics
 
@@ -52,6 +56,7 @@ def build_app(
     frontends: Sequence[Callable[[ServerState], AbstractAsyncContextManager[Any]]] = (),
     lora_modules: LoRAModules | None = None,
     chat_settings: ChatSettings | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The server for `engine`: a started-or-not engine client (AsyncEngine, or EngineCoreClient with the
     engine in separate processes), or a loader called in a background thread at start-up (then /health is
@@ -59,7 +64,8 @@ def build_app(
     a loaded engine is shut down when the app's lifespan ends, one passed in is left to its owner. `frontends`
     (e.g. the gRPC server) run for the app's lifespan on its event loop, serving the same ServerState; they
     stop before the engine does. `lora_modules`: the LoRA adapters served by name (the engine needs enable_lora).
-    `chat_settings`: reasoning / tool-call parsers and chat template options (default: chosen from the template)."""
+    `chat_settings`: reasoning / tool-call parsers and chat template options (default: chosen from the template).
+    `response_store`: the Responses API's stored responses (default: ResponseStore's bounds)."""
     loader = None if hasattr(engine, "add_request") else engine
     if loader is not None and not served_model_name:
         raise ValueError("served_model_name is required when the engine is loaded in the background")
@@ -104,6 +110,8 @@ def build_app(
     app.add_middleware(GuardMiddleware, state=state)
     add_exception_handlers(app, state)
     add_routes(app, state)
+    add_responses_routes(app, state, response_store if response_store is not None else ResponseStore())
+    add_messages_routes(app, state)
     add_kv_info_route(app, state)
     add_lora_routes(app, state)
     add_web_routes(app, state)

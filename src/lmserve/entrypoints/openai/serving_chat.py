@@ -23,6 +23,19 @@ from lmserve.entrypoints.openai.state import ServerState
 
 
 async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest, request: Request) -> Response:
+    gen = await chat_generation(state, body, ChatGeneration, f"chatcmpl-{uuid.uuid4().hex}")
+    return await gen.respond(request)
+
+
+async def chat_generation(
+    state: ServerState,
+    body: p.ChatCompletionRequest,
+    cls: type[ChatGeneration],
+    request_id: str,
+    template_kwargs: dict[str, Any] | None = None,
+) -> ChatGeneration:
+    """A chat body's generation, not started: `cls` formats it (the Responses and Anthropic Messages APIs translate
+    their bodies to a chat body and give their own subclass); `template_kwargs` go to the chat template."""
     engine = state.ready_engine()
     lora = inputs.check_model(state, body.model)
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -30,23 +43,24 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     if not body.messages:
         raise bad_request("messages must be a non-empty list", "messages")
     try:
-        template_kwargs = state.chat.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
+        kwargs = state.chat.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
     except p.RequestError as e:
         raise bad_request(str(e), e.param) from None
+    kwargs.update(template_kwargs or {})
     constraint = inputs.constraint_of(engine, body)
     plan = constraint.tools
     shown = plan.tools if plan is not None and tools.template_supports_tools(engine.tokenizer) else None
-    text, ids = inputs.chat_prompt(engine, body.messages, body.add_generation_prompt, shown, template_kwargs)
+    text, ids = inputs.chat_prompt(engine, body.messages, body.add_generation_prompt, shown, kwargs)
     # the grammar follows this prompt's reasoning block
     params = await inputs.apply_constraint(engine, constraint, params, state.chat.reasoning(text))
     if state.chat.keeps_special_tokens or (plan is not None and state.chat.tools.keeps_special_tokens):
         params = dataclasses.replace(params, skip_special_tokens=False)  # the parsers' markers are special tokens
     inputs.check_lengths(engine, [ids], params, max_param)
-    gen = ChatGeneration(state, engine, f"chatcmpl-{uuid.uuid4().hex}", [ids], params, body, lora_request=lora)
+    gen = cls(state, engine, request_id, [ids], params, body, lora_request=lora)
     gen.prompt_text = text
     if plan is not None:
         gen.tool_calls = tools.ToolCallFormatter(plan, state.chat.tools)
-    return await gen.respond(request)
+    return gen
 
 
 class ChatGeneration(Generation):

@@ -1,0 +1,353 @@
+"""OpenAI's Responses API: POST /v1/responses (a chat generation under another shape: the body becomes a chat body,
+its answer output items), GET / DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel over the in-memory
+ResponseStore, `previous_response_id` (the stored conversation continued), `background` (answered at once, polled
+with GET), and the typed SSE events the openai SDK's `responses.stream()` accumulates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from lmserve.core.outputs import RequestOutput
+from lmserve.entrypoints.openai import protocol as p
+from lmserve.entrypoints.openai import protocol_responses as rp
+from lmserve.entrypoints.openai.errors import APIError, bad_request
+from lmserve.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from lmserve.entrypoints.openai.serving_chat import ChatGeneration, chat_generation
+from lmserve.entrypoints.openai.sse import ClientGone, SSEResponse, cancel_on_disconnect
+from lmserve.entrypoints.openai.state import ServerState
+
+# chat's field names in the errors of a translated body → the Responses field
+RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_background_tasks: set[asyncio.Task[Any]] = set()  # held until done (the loop keeps only weak references)
+
+
+def _renamed(e: APIError) -> APIError:
+    for old, new in RENAMED.items():
+        if e.param is not None and e.param.startswith(old):
+            e.param = new + e.param[len(old) :]
+        e.message = e.message.replace(old, new)
+    return e
+
+
+def _template_kwargs(reasoning: dict[str, Any] | None) -> dict[str, Any]:
+    """reasoning.effort for chat templates that read it (gpt-oss: reasoning_effort; Qwen3: enable_thinking)."""
+    effort = (reasoning or {}).get("effort")
+    if effort is None:
+        return {}
+    if effort not in EFFORTS:
+        raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}", "reasoning.effort")
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+
+
+def _chat_body(body: rp.ResponsesRequest, history: list[p.ChatMessage]) -> tuple[p.ChatCompletionRequest, list]:
+    """The chat body of a Responses body (continuing `history`), and the conversation without the instructions."""
+    try:
+        conversation = history + rp.input_messages(body.input)
+        tools = rp.chat_tools(body.tools)
+        tool_choice = rp.chat_tool_choice(body.tool_choice)
+        response_format = rp.response_format(body.text)
+    except p.RequestError as e:
+        raise bad_request(str(e), e.param) from None
+    if not conversation:
+        raise bad_request("input must not be empty", "input")
+    system = [p.ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    chat = p.ChatCompletionRequest(
+        model=body.model,
+        messages=system + conversation,
+        max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=body.stop,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=response_format,
+        stream=body.stream,
+    )
+    return chat, conversation
+
+
+async def create_response(
+    state: ServerState, store: ResponseStore, body: rp.ResponsesRequest, request: Request
+) -> Response:
+    state.ready_engine()
+    if body.background and (body.stream or not body.store):
+        raise bad_request("background needs store true and stream false", "background")
+    history: list[p.ChatMessage] = []
+    if body.previous_response_id is not None:
+        prev = store.get(body.previous_response_id)
+        if prev is None:
+            raise bad_request(f"previous response {body.previous_response_id!r} not found", "previous_response_id")
+        if prev.response.status in ("queued", "in_progress"):
+            raise bad_request("the previous response has not finished", "previous_response_id")
+        history = list(prev.messages)
+    chat, conversation = _chat_body(body, history)
+    rid = f"resp_{uuid.uuid4().hex}"
+    try:
+        gen = await chat_generation(state, chat, ResponsesGeneration, rid, _template_kwargs(body.reasoning))
+    except APIError as e:
+        raise _renamed(e) from None
+    assert isinstance(gen, ResponsesGeneration)
+    gen.setup(body, store, conversation)
+    return await gen.respond(request)
+
+
+class ResponsesGeneration(ChatGeneration):
+    def setup(self, body: rp.ResponsesRequest, store: ResponseStore, conversation: list[p.ChatMessage]) -> None:
+        self.store = store if body.store else None
+        self.conversation = conversation
+        self.background = body.background
+        self.base = rp.ResponseObject(
+            id=self.request_id,
+            model=self.model,
+            background=body.background,
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            metadata=body.metadata or {},
+            parallel_tool_calls=body.parallel_tool_calls,
+            previous_response_id=body.previous_response_id,
+            reasoning=body.reasoning,
+            store=body.store,
+            temperature=body.temperature,
+            text=body.text or {"format": {"type": "text"}},
+            tool_choice=body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
+            tools=body.tools or [],
+            top_p=body.top_p,
+            user=body.user,
+        )
+
+    async def respond(self, request: Request) -> Response:
+        self.start()
+        if self.body.stream:
+            return SSEResponse(self.events(), on_close=self.abort)
+        if self.background:
+            return self._run_in_background()
+        try:
+            finals = await cancel_on_disconnect(request, self.collect())
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            self.abort()
+        response = self.finish(self.output_items(self.final_response(finals)), finals[0])
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    def _run_in_background(self) -> Response:
+        assert self.store is not None, "background needs store"
+        running = self.base.model_copy(update={"status": "in_progress"})
+        entry = StoredResponse(running, [])
+
+        async def run() -> None:
+            try:
+                finals = await self.collect()
+                self.finish(self.output_items(self.final_response(finals)), finals[0])
+            except APIError as e:
+                entry.response = running.model_copy(update={"status": "failed", "error": e.body()["error"]})
+            finally:
+                entry.cancel = None
+
+        task = asyncio.ensure_future(run())
+        _background_tasks.add(task)
+        task.add_done_callback(_background_tasks.discard)
+        entry.cancel = task.cancel  # cancelling collect() aborts the engine request
+        self.store.put(entry)
+        return Response(running.model_dump_json(), media_type="application/json")
+
+    # -- the answer
+
+    def output_items(self, chat: p.ChatCompletionResponse) -> list[rp.OutputItem]:
+        choice = chat.choices[0]
+        calls = choice.message.tool_calls or []
+        items: list[rp.OutputItem] = []
+        if choice.message.content or not calls:
+            text = rp.OutputText(text=choice.message.content or "")
+            status = _item_status(choice.finish_reason)
+            items.append(rp.OutputMessage(id=_item_id("msg"), content=[text], status=status))
+        items.extend(
+            rp.FunctionCallItem(id=_item_id("fc"), call_id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in calls
+        )
+        self._finish_reason = choice.finish_reason
+        return items
+
+    def finish(self, items: list[rp.OutputItem], final: RequestOutput | None) -> rp.ResponseObject:
+        """The finished response object (stored when the body asked to be)."""
+        why = getattr(self, "_finish_reason", None)
+        status, incomplete = "completed", None
+        if why == "length":
+            status, incomplete = "incomplete", rp.IncompleteDetails(reason="max_output_tokens")
+        elif why == "abort":
+            status = "cancelled"
+        usage = rp.response_usage(self.usage([final]))
+        response = self.base.model_copy(
+            update={"status": status, "incomplete_details": incomplete, "output": items, "usage": usage}
+        )
+        if self.store is not None:
+            entry = self.store.get(self.request_id)
+            messages = self.conversation + [_assistant_message(items)]
+            if entry is None:
+                self.store.put(StoredResponse(response, messages))
+            elif entry.response.status != "cancelled":
+                entry.response, entry.messages = response, messages
+        return response
+
+    # -- streaming
+
+    async def events(self) -> AsyncIterator[str]:
+        ev = _Events()
+        yield ev("response.created", response=self.base)
+        yield ev("response.in_progress", response=self.base)
+        items: list[rp.OutputItem] = []
+        message: rp.OutputMessage | None = None
+        latest: RequestOutput | None = None
+        self._finish_reason = None
+        try:
+            async for _, out in self.outputs():
+                latest = out
+                c = out.outputs[0]
+                for chunk in self.stream_choices(0, c, out):
+                    choice = chunk.choices[0]
+                    text, calls = choice.delta.content, choice.delta.tool_calls or []
+                    out_events = []
+                    if text:
+                        if message is None:
+                            message = rp.OutputMessage(id=_item_id("msg"), status="in_progress")
+                            items.append(message)
+                            out_events += _open_message(ev, message, len(items) - 1)
+                        message.content[0].text += text
+                        out_events.append(ev("response.output_text.delta", item_id=message.id,
+                                             output_index=items.index(message), content_index=0, delta=text,
+                                             logprobs=[]))  # fmt: skip
+                    if calls and message is not None:
+                        out_events += _close_message(ev, message, items.index(message), "completed")
+                        message = None
+                    for call in calls:
+                        fc = rp.FunctionCallItem(id=_item_id("fc"), call_id=call.id, name=call.function.name,
+                                                 arguments=call.function.arguments)  # fmt: skip
+                        items.append(fc)
+                        out_events += _function_call(ev, fc, len(items) - 1)
+                    if choice.finish_reason is not None:
+                        self._finish_reason = choice.finish_reason
+                    if out_events:
+                        yield "".join(out_events)
+            if not items:  # nothing was written: an empty message, as the non-streamed answer has
+                message = rp.OutputMessage(id=_item_id("msg"), status="in_progress")
+                items.append(message)
+                yield "".join(_open_message(ev, message, 0))
+            if message is not None:
+                yield "".join(_close_message(ev, message, items.index(message), _item_status(self._finish_reason)))
+            response = self.finish(items, latest)
+            kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+            yield ev(kind, response=response)
+        except APIError as e:
+            yield ev("error", code=e.code, message=e.message, param=e.param)
+
+
+def _assistant_message(items: list[rp.OutputItem]) -> p.ChatMessage:
+    text = "".join(c.text for i in items if isinstance(i, rp.OutputMessage) for c in i.content)
+    calls = [rp._call_dict(i.call_id, i.name, i.arguments) for i in items if isinstance(i, rp.FunctionCallItem)]
+    return p.ChatMessage(role="assistant", content=text, tool_calls=calls or None)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _item_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason in ("length", "abort") else "completed"
+
+
+class _Events:
+    """The stream's events: `event: TYPE` and the JSON data with its sequence_number."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence_number}
+        self.sequence_number += 1
+        for k, v in fields.items():
+            data[k] = v.model_dump(mode="json") if hasattr(v, "model_dump") else v
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _open_message(ev: _Events, message: rp.OutputMessage, index: int) -> list[str]:
+    added = ev("response.output_item.added", output_index=index, item=message)
+    message.content.append(rp.OutputText(text=""))
+    part = ev("response.content_part.added", item_id=message.id, output_index=index, content_index=0,
+              part=message.content[0])  # fmt: skip
+    return [added, part]
+
+
+def _close_message(ev: _Events, message: rp.OutputMessage, index: int, status: str) -> list[str]:
+    text = message.content[0].text
+    message.status = status
+    return [
+        ev("response.output_text.done", item_id=message.id, output_index=index, content_index=0, text=text,
+           logprobs=[]),
+        ev("response.content_part.done", item_id=message.id, output_index=index, content_index=0,
+           part=message.content[0]),
+        ev("response.output_item.done", output_index=index, item=message),
+    ]  # fmt: skip
+
+
+def _function_call(ev: _Events, fc: rp.FunctionCallItem, index: int) -> list[str]:
+    """A whole call (the tool path sends calls complete): added with empty arguments, one delta, done."""
+    added = fc.model_copy(update={"arguments": "", "status": "in_progress"})
+    return [
+        ev("response.output_item.added", output_index=index, item=added),
+        ev("response.function_call_arguments.delta", item_id=fc.id, output_index=index, delta=fc.arguments),
+        ev("response.function_call_arguments.done", item_id=fc.id, output_index=index, arguments=fc.arguments,
+           name=fc.name),
+        ev("response.output_item.done", output_index=index, item=fc),
+    ]  # fmt: skip
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"response {response_id!r} not found (stored responses live in memory, bounded in count "
+                    "and age)", param="response_id", code="not_found")  # fmt: skip
+
+
+def add_responses_routes(app: FastAPI, state: ServerState, store: ResponseStore) -> None:
+    @app.post("/v1/responses")
+    async def create(body: rp.ResponsesRequest, request: Request) -> Response:
+        return await create_response(state, store, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> Response:
+        entry = store.get(response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        return Response(entry.response.model_dump_json(), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> dict[str, Any]:
+        entry = store.get(response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        if entry.cancel is not None:
+            entry.cancel()
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> Response:
+        entry = store.get(response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        if not entry.response.background:
+            raise bad_request("only background responses can be cancelled", "response_id")
+        if entry.cancel is not None:
+            entry.cancel()
+            entry.cancel = None
+            entry.response = entry.response.model_copy(update={"status": "cancelled"})
+        return Response(entry.response.model_dump_json(), media_type="application/json")
