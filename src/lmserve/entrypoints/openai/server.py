@@ -32,6 +32,7 @@ from lmserve.entrypoints.openai.lora_routes import add_lora_routes
 from lmserve.entrypoints.openai.middleware import GuardMiddleware, add_exception_handlers, bearer_ok
 from lmserve.entrypoints.openai.routes import add_routes
 from lmserve.entrypoints.openai.serving_ollama import add_ollama_routes
+from lmserve.entrypoints.openai.serving_pooling import add_pooling_routes
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.metrics import Metrics
 
@@ -100,6 +101,7 @@ def build_app(
     add_exception_handlers(app, state)
     add_routes(app, state)
     add_ollama_routes(app, state)
+    add_pooling_routes(app, state)
     add_kv_info_route(app, state)
     add_lora_routes(app, state)
     add_web_routes(app, state)

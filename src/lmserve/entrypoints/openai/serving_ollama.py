@@ -377,6 +377,8 @@ def model_entry(state: ServerState) -> dict[str, Any]:
 
 def capabilities(state: ServerState) -> list[str]:
     engine = state.ready_engine()
+    if engine.config.runner == "pooling":
+        return ["embedding"]
     caps = ["completion"]
     if tools.template_supports_tools(engine.tokenizer):
         caps.append("tools")
