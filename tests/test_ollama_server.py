@@ -22,6 +22,7 @@ from lmserve.engine.llm_engine import LLMEngine
 from lmserve.entrypoints.openai.server import build_app
 from lmserve.sampling_params import StructuredOutputsParams
 from tests.helpers import require_extra
+from tests.scripted_model import build_scripted_model
 
 require_extra("test", "ollama")
 import ollama  # noqa: E402
@@ -197,3 +198,31 @@ def test_client_raises_response_error_and_load_answer(app: FastAPI) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         run(app, lambda c, _: c.delete(NAME))
     assert e.value.status_code == 400 and "delete is not supported" in e.value.error
+
+
+THINK_TEMPLATE = (
+    "{# a Qwen3-style template: <think> #}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_think_splits_thinking_through_the_reasoning_parser(tmp_path, tokenizer_dir) -> None:
+    """A scripted model writes <think>I should greet.</think>Hello!: `thinking` and `content` apart, streamed and
+    not; think false drops the thinking; show lists the capability."""
+    script = ["<think>", "I should greet.", "</think>", "Hello!"]
+    path = build_scripted_model(tmp_path / "m", script, THINK_TEMPLATE, tokenizer_dir=tokenizer_dir)
+    engine = AsyncEngine(LLMEngine.from_engine_args(EngineArgs.from_kwargs(str(path), num_kv_blocks=32)))
+    try:
+        app = build_app(engine, served_model_name=NAME)
+        r = run(app, lambda c, _: c.chat(model=NAME, messages=MSG, think=True, options={"num_predict": 10}))
+        assert (r.message.thinking, r.message.content, r.done_reason) == ("I should greet.", "Hello!", "stop")
+        parts = run(app, lambda c, _: _collect(c.chat(model=NAME, messages=MSG, think=True, stream=True)))
+        assert "".join(x.message.thinking or "" for x in parts) == "I should greet."
+        assert "".join(x.message.content for x in parts) == "Hello!"
+        r = run(app, lambda c, _: c.chat(model=NAME, messages=MSG, think=False))
+        assert (r.message.thinking, r.message.content) == (None, "Hello!")
+        r = run(app, lambda c, _: c.generate(model=NAME, prompt="hi", think=True))
+        assert (r.thinking, r.response) == ("I should greet.", "Hello!")
+        assert run(app, lambda c, _: c.show(NAME)).capabilities == ["completion", "thinking"]
+    finally:
+        engine.shutdown()

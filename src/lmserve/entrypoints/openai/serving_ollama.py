@@ -24,6 +24,7 @@ from lmserve.entrypoints.openai import request_inputs as inputs
 from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_validation_errors
 from lmserve.entrypoints.openai.generation import Generation
+from lmserve.entrypoints.openai.parsers import ReasoningParser
 from lmserve.entrypoints.openai.sse import ClientGone, SSEResponse, cancel_on_disconnect
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.lora_request import LoRARequest
@@ -94,11 +95,17 @@ class OllamaGeneration(Generation):
         self.chat = chat
         self.context = context  # /api/generate: the tokens before the prompt's, for the answer's `context`
         self.tool_calls: tools.ToolCallFormatter | None = None
+        self.reasoning: ReasoningParser | None = None  # the server's reasoning parser for this output
+        self.show_thinking = True  # think false: the thinking (if the model still writes some) is dropped
+        self._content = ""  # streamed with a reasoning parser: the content so far
 
-    def line(self, text: str | None = None, calls: list[p.ToolCall] | None = None) -> dict[str, Any]:
+    def line(self, text: str | None = None, calls: list[p.ToolCall] | None = None, thinking: str = "") -> dict:
         out: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
+        thinking = thinking if self.show_thinking else ""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text or ""}
+            if thinking:
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = [
                     {"function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
@@ -107,12 +114,16 @@ class OllamaGeneration(Generation):
             out["message"] = message
         else:
             out["response"] = text or ""
+            if thinking:
+                out["thinking"] = thinking
         out["done"] = False
         return out
 
-    def final(self, out: RequestOutput, text: str | None = None, calls: list[p.ToolCall] | None = None) -> dict:
+    def final(
+        self, out: RequestOutput, text: str | None = None, calls: list[p.ToolCall] | None = None, thinking: str = ""
+    ) -> dict:
         c = out.outputs[0]
-        body = self.line(text, calls)
+        body = self.line(text, calls, thinking)
         m, end = out.metrics, time.time()
         first = m.first_token_time or end
         scheduled = m.first_scheduled_time or first
@@ -131,11 +142,27 @@ class OllamaGeneration(Generation):
             body["context"] = (self.context or []) + list(out.prompt_token_ids) + list(c.token_ids)
         return body
 
-    def message_of(self, c: CompletionOutput) -> tuple[str | None, list[p.ToolCall] | None]:
+    def message_of(self, c: CompletionOutput) -> tuple[str | None, list[p.ToolCall] | None, str]:
+        """(content, tool calls, thinking) of the finished output."""
+        thinking = ""
+        if self.reasoning is not None:
+            thought, content = self.reasoning.extract(c.text)
+            thinking, c = thought or "", dataclasses.replace(c, text=content or "")
         if self.tool_calls is None:
-            return c.text, None
+            return c.text, None, thinking
         message, _ = self.tool_calls.message(c)
-        return message.content, message.tool_calls
+        return message.content, message.tool_calls, thinking
+
+    def content_step(self, c: CompletionOutput) -> tuple[str, CompletionOutput]:
+        """(this step's thinking, `c` with only its content as text and delta), streamed."""
+        if self.reasoning is None:
+            return "", c
+        thought, content = self.reasoning.feed(c.delta_text)
+        if c.finished:
+            more_thought, more_content = self.reasoning.finish()
+            thought, content = thought + more_thought, content + more_content
+        self._content += content
+        return thought, dataclasses.replace(c, text=self._content, delta_text=content)
 
     async def respond(self, request: Request) -> Response:
         self.start()
@@ -147,18 +174,19 @@ class OllamaGeneration(Generation):
             return Response(status_code=499)
         finally:
             self.abort()
-        text, calls = self.message_of(finals[0].outputs[0])
-        return JSONResponse(self.final(finals[0], text, calls))
+        text, calls, thinking = self.message_of(finals[0].outputs[0])
+        return JSONResponse(self.final(finals[0], text, calls, thinking))
 
     async def lines(self) -> AsyncIterator[str]:
         try:
             async for _, out in self.outputs():
-                c = out.outputs[0]
+                thought, c = self.content_step(out.outputs[0])
+                chunks = [self.line(thinking=thought)] if thought and self.show_thinking else []
                 if self.tool_calls is None:
                     parts = [(c.delta_text, None)] if c.delta_text else []
                 else:
                     parts = [(d.content, _calls(d.tool_calls)) for d, _ in self.tool_calls.deltas(0, c)]
-                chunks = [self.line(text, calls) for text, calls in parts if text or calls]
+                chunks += [self.line(text, calls) for text, calls in parts if text or calls]
                 if c.finished:
                     chunks.append(self.final(out))
                 if chunks:
@@ -187,9 +215,20 @@ def _load_answer(gen_model: str, chat: bool) -> JSONResponse:
     return JSONResponse(body)
 
 
-def _check_think(state: ServerState, name: str, think: bool | str | None) -> None:
-    if think not in (None, False):  # no reasoning parser on this server: thinking cannot be told from content
+def _template_kwargs(state: ServerState, name: str, think: bool | str | None) -> dict[str, Any]:
+    """The chat template's kwargs for `think`: true / false → enable_thinking, "low" / "medium" / "high" →
+    reasoning_effort (gpt-oss); 400 when the server has no reasoning parser to tell thinking from content."""
+    if think not in (None, False) and state.chat.reasoning_cls is None:
         raise bad_request(f'"{name}" does not support thinking', "think")
+    if isinstance(think, str) and think not in ("low", "medium", "high"):
+        raise bad_request(f'think must be true, false, "low", "medium" or "high", got {think!r}', "think")
+    try:
+        kwargs = state.chat.template_kwargs(None, think if isinstance(think, str) else None)
+    except p.RequestError as e:
+        raise bad_request(str(e), "think") from None
+    if isinstance(think, bool):
+        kwargs["enable_thinking"] = think
+    return kwargs
 
 
 async def _run(
@@ -197,17 +236,22 @@ async def _run(
     request: Request,
     body: po.ChatRequest | po.GenerateRequest,
     openai_body: p.ChatCompletionRequest | p.CompletionRequest,
-    render: Callable[[tools.ToolPlan | None], list[int]],
+    render: Callable[[tools.ToolPlan | None], tuple[str, list[int]]],
     lora: LoRARequest | None,
     context: list[int] | None = None,
 ) -> Response:
-    """The shared tail of /api/chat and /api/generate: params, constraint, prompt, lengths, generation."""
+    """The shared tail of /api/chat and /api/generate: params, constraint, prompt (its text for the reasoning
+    parser), lengths, generation."""
     engine = state.ready_engine()
     chat = isinstance(body, po.ChatRequest)
     try:
         params = inputs.sampling_params_of(engine, openai_body, {})
-        params, constraint = await inputs.constrain(engine, openai_body, params)
-        prompt = render(constraint.tools)
+        constraint = inputs.constraint_of(engine, openai_body)
+        text, prompt = render(constraint.tools)
+        reasoning = state.chat.reasoning(text)
+        params = await inputs.apply_constraint(engine, constraint, params, reasoning)  # after the thinking
+        if state.chat.keeps_special_tokens or (constraint.tools is not None and state.chat.tools.keeps_special_tokens):
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the parsers' markers are special
         num_ctx = body.options.num_ctx if body.options is not None else None
         if num_ctx is not None:
             if len(prompt) >= num_ctx:
@@ -227,8 +271,9 @@ async def _run(
         lora_request=lora, chat=chat, context=context,
     )  # fmt: skip
     gen.model = body.model
+    gen.reasoning, gen.show_thinking = reasoning, body.think is not False
     if constraint.tools is not None:
-        gen.tool_calls = tools.ToolCallFormatter(constraint.tools)
+        gen.tool_calls = tools.ToolCallFormatter(constraint.tools, state.chat.tools)
     return await gen.respond(request)
 
 
@@ -236,7 +281,7 @@ async def api_chat(state: ServerState, request: Request) -> Response:
     body = await parse(po.ChatRequest, request)
     lora = model_name(state, body.model)
     engine = state.ready_engine()
-    _check_think(state, body.model, body.think)
+    template_kwargs = _template_kwargs(state, body.model, body.think)
     if not body.messages:
         return _load_answer(body.model, chat=True)
     fields = po.sampling_fields(body.options, engine.config.scheduler.max_model_len)
@@ -246,9 +291,9 @@ async def api_chat(state: ServerState, request: Request) -> Response:
          "response_format": rf, **fields}
     )  # fmt: skip
 
-    def render(plan: tools.ToolPlan | None) -> list[int]:
+    def render(plan: tools.ToolPlan | None) -> tuple[str, list[int]]:
         shown = plan.tools if plan is not None and tools.template_supports_tools(engine.tokenizer) else None
-        return inputs.render_chat(engine, openai_body.messages, True, shown)
+        return inputs.chat_prompt(engine, openai_body.messages, True, shown, template_kwargs)
 
     return await _run(state, request, body, openai_body, render, lora)
 
@@ -257,7 +302,7 @@ async def api_generate(state: ServerState, request: Request) -> Response:
     body = await parse(po.GenerateRequest, request)
     lora = model_name(state, body.model)
     engine = state.ready_engine()
-    _check_think(state, body.model, body.think)
+    template_kwargs = _template_kwargs(state, body.model, body.think)
     for field in ("suffix", "template"):
         if getattr(body, field):
             raise bad_request(f"{field} is not supported by this server", field)
@@ -274,14 +319,15 @@ async def api_generate(state: ServerState, request: Request) -> Response:
     if any(not 0 <= t < engine.config.model.vocab_size for t in context):
         raise bad_request(f"context: token ids must be in [0, {engine.config.model.vocab_size})", "context")
 
-    def render(plan: tools.ToolPlan | None) -> list[int]:
+    def render(plan: tools.ToolPlan | None) -> tuple[str, list[int]]:
         if body.raw or not getattr(engine.tokenizer, "chat_template", None):
             text = body.prompt if body.system is None else body.system + "\n" + body.prompt
-            return context + inputs.encode(engine.tokenizer, text, "prompt", add_special_tokens=not context)
+            return text, context + inputs.encode(engine.tokenizer, text, "prompt", add_special_tokens=not context)
         messages = [p.ChatMessage(role="user", content=body.prompt)]
         if body.system is not None:
             messages.insert(0, p.ChatMessage(role="system", content=body.system))
-        return context + inputs.render_chat(engine, messages, True)
+        text, ids = inputs.chat_prompt(engine, messages, True, None, template_kwargs)
+        return text, context + ids
 
     return await _run(state, request, body, openai_body, render, lora, context=context)
 
@@ -382,6 +428,8 @@ def capabilities(state: ServerState) -> list[str]:
     caps = ["completion"]
     if tools.template_supports_tools(engine.tokenizer):
         caps.append("tools")
+    if state.chat.reasoning_cls is not None:
+        caps.append("thinking")
     return caps
 
 
