@@ -30,10 +30,8 @@ from lmserve.entrypoints.openai.state import ServerState
 from lmserve.sampling_params import SamplingParams
 
 
-async def pool(
-    state: ServerState, request: Request, prompts: list[list[int]], dimensions: int | None = None
-) -> list[RequestOutput] | Response:
-    """The finished outputs of `prompts` as pooling requests (or the 499 of a client that left)."""
+def start_pooling(state: ServerState, prompts: list[list[int]], dimensions: int | None = None) -> Generation:
+    """`prompts` started as pooling requests (their finished outputs: `await gen.collect()`; then gen.abort())."""
     engine = state.ready_engine()
     try:
         params = SamplingParams(max_tokens=0, pooling=pooling_params(engine.config, engine.tokenizer, dimensions))
@@ -42,6 +40,14 @@ async def pool(
     inputs.check_lengths(engine, prompts, params, "input")
     gen = Generation(state, engine, f"pool-{uuid.uuid4().hex}", prompts, params, pp.PoolingBody())  # type: ignore
     gen.start()
+    return gen
+
+
+async def pool(
+    state: ServerState, request: Request, prompts: list[list[int]], dimensions: int | None = None
+) -> list[RequestOutput] | Response:
+    """The finished outputs of `prompts` as pooling requests (or the 499 of a client that left)."""
+    gen = start_pooling(state, prompts, dimensions)
     try:
         return await cancel_on_disconnect(request, gen.collect())
     except ClientGone:
