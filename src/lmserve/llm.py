@@ -10,6 +10,7 @@ from lmserve.core.outputs import RequestOutput
 from lmserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from lmserve.engine.closing import EngineClosedError
 from lmserve.engine.llm_engine import LLMEngine, Prompt
+from lmserve.engine.pooling import pooling_params
 from lmserve.lora.request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 
@@ -93,6 +94,22 @@ class LLM:
             for p, sp, lr in zip(prompts_list, params_list, loras, strict=True)
         ]
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | list[Prompt], dimensions: int | None = None) -> list[list[float]]:
+        """The embedding of every prompt (text or token ids), in input order, on a pooling engine (runner pooling,
+        or auto with an embedding checkpoint); `dimensions`: Matryoshka truncation before normalising. A
+        scoring model (pooler_config score_tokens) returns the scoring tokens' probabilities instead."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        engine = self.engine
+        params = SamplingParams(max_tokens=0, pooling=pooling_params(engine.config, engine.tokenizer, dimensions))
+        for i, prompt in enumerate(prompts):  # every prompt checked before any is queued
+            try:
+                engine.validate(engine.tokenize(prompt)[1], params)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        ids = [engine.add_request(None, p, params) for p in prompts]
+        return [out.pooled for out in self._run(ids, use_tqdm=False)]  # type: ignore[misc]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

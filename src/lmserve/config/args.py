@@ -101,6 +101,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=1, help="LoRA adapters one step can mix (compute slots; default 1)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in RAM (default: --max-loras)")
+    g.add_argument(
+        "--runner", choices=["auto", "generate", "pooling"], default="auto",
+        help="generate: completions and chat; pooling: embeddings, /score and /rerank (POST /v1/embeddings, "
+        "/api/embed); auto (default): pooling for an embedding checkpoint (sentence-transformers' modules.json, "
+        "or an architecture without an LM head such as Qwen3Model), else generate",
+    )  # fmt: skip
+    g.add_argument(
+        "--pooler-config", default=None,
+        help='the pooling runner\'s settings over the checkpoint\'s, as JSON: {"pooling_type": "last" | "mean" | '
+        '"cls", "normalize": true | false, "score_tokens": ["no", "yes"]} (score_tokens: a yes/no reranker such as '
+        "Qwen3-Reranker, scored by p(the last token) among them at the prompt's end)",
+    )  # fmt: skip
 
 
 ENGINE_ARG_NAMES = (
@@ -132,6 +144,8 @@ ENGINE_ARG_NAMES = (
     "max_loras",
     "max_lora_rank",
     "max_cpu_loras",
+    "runner",
+    "pooler_config",
 )
 
 

@@ -157,6 +157,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: LoRA disabled
     # ranks one model is split across (model/parallel.py, engine/tp_executor.py); the cache's sizes are per rank
     tensor_parallel_size: int = 1
+    runner: str = "generate"  # resolved: "generate" | "pooling" (embeddings and scores; model_config.PoolerConfig)
+    pooler: Any = None  # model_config.PoolerConfig with the pooling runner, else None
 
 
 @dataclass
@@ -195,6 +197,8 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
     tensor_parallel_size: int = 1  # ranks (processes) one model is split across, Megatron-style
+    runner: str = "auto"  # generate | pooling | auto (pooling for an embedding checkpoint)
+    pooler_config: dict[str, Any] | str | None = None  # pooling_type / normalize / score_tokens over the checkpoint's
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -308,10 +312,29 @@ class EngineArgs:
         if tp > 1 and (self.enable_lora or kv_transfer is not None):
             what = "enable_lora (adapters on sharded projections)" if self.enable_lora else "kv_transfer_config"
             raise ValueError(f"tensor_parallel_size={tp} with {what}: not supported yet")
-        return EngineConfig(
+        config = EngineConfig(
             model, cache, sched, self.device, self.seed, tokenizer_dir, weight_dtype, self.generation_config,
             quantization, spec, bool(self.structured_outputs_allow_additional_properties), kv_transfer, lora, tp,
         )  # fmt: skip
+        return self._with_runner(config)
+
+    def _with_runner(self, config: EngineConfig) -> EngineConfig:
+        from lmserve.config.model import resolve_runner
+
+        overrides = self.pooler_config
+        if isinstance(overrides, str):
+            try:
+                overrides = json.loads(overrides)
+            except ValueError as e:
+                raise ValueError(f"pooler_config: not valid JSON ({e})") from None
+        if overrides is not None and not isinstance(overrides, dict):
+            raise ValueError(f"pooler_config must be a JSON object, got {overrides!r}")
+        pooler = resolve_runner(self.runner, config.model.path, config.model.architecture, overrides)
+        if pooler is None:
+            return config
+        if config.speculative is not None:
+            raise ValueError("runner: the pooling runner does not take speculative_config (nothing is generated)")
+        return replace(config, runner="pooling", pooler=pooler)
 
     def _lora(self, spec: Any, model: ModelConfig) -> LoRAConfig | None:
         if not self.enable_lora:

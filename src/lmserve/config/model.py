@@ -1,6 +1,7 @@
 """ModelConfig: the model's shape and family flags as the engine runs it, read once from an HF config.json (or a
 GGUF file's metadata) through the same parser as the memory ledger's ModelShape (model_shape.py) and the family
-flags of model/registry.py; with its rotary embedding (RopeConfig) and compute dtype."""
+flags of model/registry.py; with its rotary embedding (RopeConfig) and compute dtype. PoolerConfig: how an embedding
+checkpoint pools (sentence-transformers' files) and which runner `--runner auto` picks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.checkpoint.shape import layer_sliding_windows
+from lmserve.sampling_params import POOLING_TYPES, RUNNERS
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -150,7 +152,10 @@ class ModelConfig:
             )
         else:
             cfg = json.loads(cfg_file.read_text())
-        family = resolve_architecture(cfg.get("architectures"))
+        names = list(cfg.get("architectures") or [])
+        # a base model saved without its LM head (Qwen3Model, ...: embedding checkpoints) is its causal LM's family
+        as_lm = [n[: -len("Model")] + "ForCausalLM" if n.endswith("Model") else n for n in names]
+        family = resolve_architecture(as_lm)
         try:
             shape = model_shape_from_hf_config(cfg)  # the ledger's parser: one reading of the shape fields
         except ValueError as e:
@@ -165,7 +170,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
             path=str(path),
-            architecture=family.architecture_of(cfg["architectures"]),
+            architecture=names[as_lm.index(family.architecture_of(as_lm))],
             vocab_size=shape.vocab_size,
             hidden_size=shape.hidden_size,
             intermediate_size=shape.intermediate_size,
@@ -225,3 +230,84 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
         return "float32"  # 16-bit compute is slow on most CPUs; weights are upcast at load
     saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
     return saved if saved in ("bfloat16", "float16") else "float32"
+
+
+# ---- how a checkpoint pools (the pooling runner) ------------------------------------------------------------
+
+_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling_type: str = "last"
+    normalize: bool = True
+    matryoshka_dimensions: tuple[int, ...] = ()  # the `dimensions` the model was trained for (empty: any)
+    score_tokens: tuple[str, ...] = ()  # a yes/no reranker: score = p(last of these) among them (e.g. no, yes)
+
+    @property
+    def is_scorer(self) -> bool:
+        return bool(self.score_tokens)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_sentence_transformers(path: str | Path) -> PoolerConfig | None:
+    """The pooling a sentence-transformers checkpoint declares; None when `path` is not one."""
+    root = Path(path)
+    modules = _read_json(root / "modules.json") if root.is_dir() else None
+    if not isinstance(modules, list):
+        return None
+    pooling, normalize = "last", False
+    for m in modules:
+        kind = str(m.get("type", "")) if isinstance(m, dict) else ""
+        if kind.endswith(".Pooling"):
+            cfg = _read_json(root / str(m.get("path", "")) / "config.json") or {}
+            on = [mode for key, mode in _MODES.items() if cfg.get(key)]
+            if len(on) != 1:
+                raise ValueError(
+                    f"{root}/{m.get('path')}/config.json: one of {sorted(_MODES)} must be true (supported: "
+                    f"last token, mean, CLS), got {sorted(k for k, v in cfg.items() if v is True)}"
+                )
+            pooling = on[0]
+        elif kind.endswith(".Normalize"):
+            normalize = True
+    return PoolerConfig(pooling, normalize, _matryoshka(root))
+
+
+def _matryoshka(root: Path) -> tuple[int, ...]:
+    dims = (_read_json(root / "config.json") or {}).get("matryoshka_dimensions") or ()
+    return tuple(int(d) for d in dims)
+
+
+def resolve_runner(runner: str, path: str, architecture: str, overrides: dict[str, Any] | None) -> PoolerConfig | None:
+    """The pooler of the engine (None: the generate runner). `overrides` (--pooler-config) set pooling_type,
+    normalize or score_tokens over what the checkpoint declares."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {list(RUNNERS)}, got {runner!r}")
+    declared = read_sentence_transformers(path)
+    headless = architecture.endswith("Model")  # Qwen3Model, LlamaModel, ...: saved without an LM head
+    if runner == "generate":
+        if headless:
+            raise ValueError(f"runner: {architecture} has no LM head to generate with; use --runner pooling")
+        return None
+    if runner == "auto" and declared is None and not headless and not overrides:
+        return None
+    base = declared or PoolerConfig(matryoshka_dimensions=_matryoshka(Path(path)) if Path(path).is_dir() else ())
+    if not overrides:
+        return base
+    unknown = sorted(set(overrides) - {"pooling_type", "normalize", "score_tokens"})
+    if unknown:
+        raise ValueError(f"pooler_config: unknown keys {unknown}; known: pooling_type, normalize, score_tokens")
+    kind = overrides.get("pooling_type", base.pooling_type)
+    if kind not in POOLING_TYPES:
+        raise ValueError(f"pooler_config.pooling_type must be one of {list(POOLING_TYPES)}, got {kind!r}")
+    tokens = tuple(overrides.get("score_tokens", base.score_tokens))
+    if tokens and (len(tokens) < 2 or not all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"pooler_config.score_tokens must be two or more token strings, got {list(tokens)}")
+    normalize = bool(overrides.get("normalize", base.normalize and not tokens))
+    return PoolerConfig(kind, normalize, base.matryoshka_dimensions, tokens)

@@ -24,7 +24,7 @@ from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.lora.request import LoRARequest
 from lmserve.request import FinishReason, Request, RequestMetrics
 from lmserve.sample.structured_output import StructuredOutputManager
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import SamplingParams, check_runner
 
 Prompt = str | list[int]
 
@@ -172,6 +172,7 @@ class LLMEngine:
                 "use_beam_search: beam search runs through LLM.beam_search(prompts, BeamSearchParams(...)), "
                 "not through generate / add_request"
             )
+        check_runner(self.config.runner, params.pooling)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -346,6 +347,9 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, runner_out, self.config.scheduler.max_model_len)
         self.counters.count_step(sched, time.perf_counter() - start)
         self._record_prompt_logprobs(sched, runner_out.prompt_logprobs)
+        for s in sched.scheduled:  # a pooling request's output, the step its prompt is computed
+            if s.request.request_id in runner_out.pooled:
+                s.request.pooled = runner_out.pooled[s.request.request_id]
         parents: dict[str, _ParentRequest] = {}
         for req in updated:
             rid = req.request_id
@@ -496,6 +500,7 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             metrics=m,
             prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+            pooled=first.pooled,
         )
 
     # ---- observability ----------------------------------------------------------------------

@@ -59,6 +59,11 @@ class GenerationStub:
                 request_serializer=lmserve_dot_grpc__proto_dot_lmserve__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=lmserve_dot_grpc__proto_dot_lmserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/lmserve.v1.Generation/Embed',
+                request_serializer=lmserve_dot_grpc__proto_dot_lmserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=lmserve_dot_grpc__proto_dot_lmserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -97,6 +102,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """On a pooling server (--runner pooling): one embedding per input, texts first, then token_ids, as POST
+        /v1/embeddings computes them. A generate server answers INVALID_ARGUMENT naming the runner.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +137,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=lmserve_dot_grpc__proto_dot_lmserve__pb2.ListModelsRequest.FromString,
                     response_serializer=lmserve_dot_grpc__proto_dot_lmserve__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=lmserve_dot_grpc__proto_dot_lmserve__pb2.EmbedRequest.FromString,
+                    response_serializer=lmserve_dot_grpc__proto_dot_lmserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +279,33 @@ class Generation:
             '/lmserve.v1.Generation/ListModels',
             lmserve_dot_grpc__proto_dot_lmserve__pb2.ListModelsRequest.SerializeToString,
             lmserve_dot_grpc__proto_dot_lmserve__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmserve.v1.Generation/Embed',
+            lmserve_dot_grpc__proto_dot_lmserve__pb2.EmbedRequest.SerializeToString,
+            lmserve_dot_grpc__proto_dot_lmserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

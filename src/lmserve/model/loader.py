@@ -91,6 +91,8 @@ def load_model(
         if name.endswith(IGNORED_SUFFIXES):
             continue
         target, shard = _map_name(name)
+        if target not in params and f"model.{target}" in params:  # a base model's checkpoint (Qwen3Model, ...)
+            target = f"model.{target}"
         if target not in params:
             if cfg.tie_word_embeddings and target == "lm_head.weight":
                 continue  # some tied checkpoints still save the head
@@ -297,7 +299,8 @@ def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], cfg: Mode
     for name in params:
         fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in name), None)
         if fused is None:
-            ok = name in loaded or (cfg.tie_word_embeddings and name == "lm_head.weight")
+            headless = cfg.architecture.endswith("Model")  # a base model: no LM head (the pooling runner's)
+            ok = name in loaded or ((cfg.tie_word_embeddings or headless) and name == "lm_head.weight")
         else:
             n = 3 if fused == "qkv_proj" else 2  # in parts (HF), or fused (Phi-3 checkpoints, `lmserve quantize`)
             ok = name in loaded or all(f"{name}#{i}" in loaded for i in range(n))

@@ -30,6 +30,7 @@ from lmserve.sample.structured_output import fill_bitmasks
 from lmserve.spec_decode.proposer import cut_at_grammar, make_proposer, proposal_inputs
 from lmserve.worker.host_memory import release_freed_memory, tune_malloc_for_tensors
 from lmserve.worker.lora_slots import LoRASlotPool
+from lmserve.worker.pooler import pool_step
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,7 @@ class ModelRunner:
         # Only the last token of each request that reaches the end of its known tokens is sampled; a request
         # with proposals has all 1 + k of its last rows scored (verified after the plain rows are sampled).
         prompt_logprobs = self._prompt_logprobs(ordered, first_row, hidden)
+        pooled = pool_step(ordered, first_row, hidden, self.model) if self.config.runner == "pooling" else {}
         sampling = [s for s in sched.scheduled if s.samples and not s.num_spec_tokens]  # scheduled order
         verifying = [s for s in sched.scheduled if s.samples and s.num_spec_tokens]
         sample_rows = [first_row[s.request.request_id] + s.num_new_tokens - 1 for s in sampling]
@@ -217,11 +219,11 @@ class ModelRunner:
             last = first_row[s.request.request_id] + s.num_new_tokens
             sample_rows += range(last - s.num_spec_tokens - 1, last)
         if not sample_rows:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, pooled=pooled)
         every_row = sample_rows == list(range(hidden.shape[0]))  # (a decode step: no gather, no slice)
         all_logits = self.model.compute_logits(hidden if every_row else hidden[long_tensor(sample_rows, dev)])
         logits = all_logits if len(sampling) == len(sample_rows) else all_logits[: len(sampling)]
-        out = ModelRunnerOutput({}, logits, prompt_logprobs=prompt_logprobs)
+        out = ModelRunnerOutput({}, logits, prompt_logprobs=prompt_logprobs, pooled=pooled)
         if sampling:
             sampled = self.sampler(logits, self._sampling_metadata(sampling))
             ids = [s.request.request_id for s in sampling]

@@ -17,7 +17,7 @@ from lmserve.entrypoints.openai.parsers import ReasoningParser
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.lora.request import LoRARequest
 from lmserve.sample.structured_output import GrammarError
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import SamplingParams, check_runner
 
 MAX_SEQS_PER_REQUEST = 256  # n × number of prompts
 
@@ -58,6 +58,10 @@ def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
 def sampling_params_of(
     engine: AsyncEngine, body: p.CompletionRequest | p.ChatCompletionRequest, rename: dict[str, str]
 ) -> SamplingParams:
+    try:  # a generation request on a pooling server: refused before anything else about it
+        check_runner(getattr(engine.config, "runner", "generate"), None)
+    except ValueError as e:
+        raise bad_request(str(e), None, "wrong_runner") from None
     try:
         params = p.to_sampling_params(body, engine.generation_defaults)
     except p.RequestError as e:

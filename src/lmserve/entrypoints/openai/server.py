@@ -35,6 +35,8 @@ from lmserve.entrypoints.openai.middleware import GuardMiddleware, add_exception
 from lmserve.entrypoints.openai.response_store import ResponseStore
 from lmserve.entrypoints.openai.routes import add_routes
 from lmserve.entrypoints.openai.serving_messages import add_messages_routes
+from lmserve.entrypoints.openai.serving_ollama import add_ollama_routes
+from lmserve.entrypoints.openai.serving_pooling import add_pooling_routes
 from lmserve.entrypoints.openai.serving_responses import add_responses_routes
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.observability.prometheus import Metrics
@@ -112,6 +114,8 @@ def build_app(
     add_routes(app, state)
     add_responses_routes(app, state, response_store if response_store is not None else ResponseStore())
     add_messages_routes(app, state)
+    add_ollama_routes(app, state)
+    add_pooling_routes(app, state)
     add_kv_info_route(app, state)
     add_lora_routes(app, state)
     add_web_routes(app, state)
