@@ -20,7 +20,7 @@ def _hf_config(family: str, **extra):
     if family == "qwen3_moe":
         cfg = Qwen3MoeConfig(num_experts=E, moe_intermediate_size=I_EXPERT, norm_topk_prob=True, **common)
     elif family == "qwen2_moe":
-        cfg = Qwen2MoeConfig(num_experts=E, moe_intermediate_size=I_EXPERT, shared_expert_intermediate_size=48,
+        cfg = Qwen2MoeConfig(num_experts=E, moe_intermediate_size=I_EXPERT, shared_expert_intermediate_size=64,
                              **common)  # fmt: skip
     elif family == "mixtral":
         cfg = MixtralConfig(num_local_experts=E, intermediate_size=I_EXPERT, **common)
@@ -197,3 +197,54 @@ def test_bad_expert_tensors_name_the_field() -> None:
         ours.set_fused_experts(hf.experts.gate_up_proj[:5], hf.experts.down_proj, layout="hf")
     with pytest.raises(ValueError, match="shared_expert"):
         ours.set_shared_expert(*(torch.zeros(1),) * 4)
+
+
+def _reference_quantized(block: SparseMoE, x: torch.Tensor, act_grid) -> torch.Tensor:
+    """The block recomputed token by token from its experts' dequantized weights, the activations on `act_grid`
+    (what the int8 / W4A8 kernels multiply), the router in float32 from its own weights."""
+    import torch.nn.functional as F
+
+    weights, ids = route(F.linear(x, block.router.weight, block.router.bias), block.spec)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist(), strict=True):
+            ex = block.experts[e]
+            gu = act_grid(x[t : t + 1]) @ ex.gate_up_proj.dequantized_weight().t()
+            gate, up = gu.split(ex.intermediate_size, dim=-1)
+            out[t] += w * (act_grid(F.silu(gate) * up) @ ex.down_proj.dequantized_weight().t())[0]
+    if block.shared_expert is not None:
+        s = block.shared_expert
+        gu = act_grid(x) @ s.gate_up_proj.dequantized_weight().t()
+        gate, up = gu.split(s.intermediate_size, dim=-1)
+        shared = act_grid(F.silu(gate) * up) @ s.down_proj.dequantized_weight().t()
+        out += torch.sigmoid(F.linear(x, block.shared_expert_gate.weight)) * shared
+    return out
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("tokens", [1, 12])
+@torch.inference_mode()
+def test_quantized_experts(method: str, family: str, tokens: int) -> None:
+    """--quantization quantizes the experts (and the shared expert) with the usual calls; the router and the shared
+    expert's gate stay float32; int4 experts run the W4A8 kernels for every row count."""
+    from lmserve import kernels
+    from lmserve.config import QuantizationConfig
+    from lmserve.model import quantization as Q
+    from lmserve.model.layers import pack_w4a8_weights, quantize_linear_weights
+
+    cfg = _hf_config(family)
+    ours = _ours(family, cfg, _hf_block(family, cfg))
+    quantize_linear_weights(ours, QuantizationConfig(method, None if method == "int8" else 32))
+    assert ours.router.weight.dtype == torch.float32 and not hasattr(ours.router, "quant_method")
+    assert all(ex.gate_up_proj.quant_method == method and ex.down_proj.weight is None for ex in ours.experts)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(5))
+    if method == "int8":
+        grid = Q.fake_quantize_activations
+    else:
+        if not kernels.available():
+            pytest.skip("W4A8 needs the C kernels")
+        assert pack_w4a8_weights(ours) == 2 * E + (2 if family == "qwen2_moe" else 0)
+        assert ours.experts[0].gate_up_proj.fast_path(x) == "w4a8"
+        grid = Q.fake_quantize_activation_blocks
+    torch.testing.assert_close(ours(x), _reference_quantized(ours, x, grid), rtol=1e-4, atol=1e-4)
