@@ -13,10 +13,10 @@ from lmserve.model_shape import moe_shape_from_hf_config
 H, I_EXPERT, E, K = 64, 32, 8, 3
 
 
-def _hf_config(family: str, **extra):
+def _hf_config(family: str, layers: int = 2, **extra):
     from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-    common = dict(hidden_size=H, num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    common = dict(hidden_size=H, num_experts_per_tok=K, num_hidden_layers=layers, num_attention_heads=4, vocab_size=64)
     if family == "qwen3_moe":
         cfg = Qwen3MoeConfig(num_experts=E, moe_intermediate_size=I_EXPERT, norm_topk_prob=True, **common)
     elif family == "qwen2_moe":
@@ -248,3 +248,52 @@ def test_quantized_experts(method: str, family: str, tokens: int) -> None:
         assert ours.experts[0].gate_up_proj.fast_path(x) == "w4a8"
         grid = Q.fake_quantize_activation_blocks
     torch.testing.assert_close(ours(x), _reference_quantized(ours, x, grid), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3_moe", "gpt_oss", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2_moe", "mixtral", "olmoe"))],
+)
+@torch.inference_mode()
+def test_loads_the_checkpoint_tensors_as_saved(tmp_path, family: str) -> None:
+    """A tiny HF model saved by transformers (per-expert tensors for Qwen / OLMoE / Mixtral, gpt-oss's fused 3-D
+    ones): its first layer's MoE tensors through load_tensor, one at a time, give HF's own block output."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    cfg = _hf_config(family, layers=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path)
+    d = cfg.to_dict()
+    ours = SparseMoE(H, moe_shape_from_hf_config(d, 1))
+    prefix = "model.layers.0.block_sparse_moe." if family == "mixtral" else "model.layers.0.mlp."
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = [k for k in f.keys() if k.startswith(prefix)]
+        for k in names[:-1]:
+            ours.load_tensor(k.removeprefix(prefix), f.get_tensor(k))
+        with pytest.raises(ValueError, match="checkpoint is missing model.layers.0"):
+            ours.check_loaded(prefix)
+        ours.load_tensor(names[-1].removeprefix(prefix), f.get_tensor(names[-1]))
+    ours.check_loaded(prefix)
+    x = torch.randn(1, 6, H)
+    want = model.model.layers[0].mlp(x)
+    torch.testing.assert_close(ours(x[0]), (want[0] if isinstance(want, tuple) else want)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_load_tensor_rejects_what_the_config_does_not_hold() -> None:
+    cfg = _hf_config("qwen3_moe")
+    ours = SparseMoE(H, moe_shape_from_hf_config(cfg.to_dict(), 2))
+    with pytest.raises(ValueError, match=r"experts\.8\.gate_proj\.weight: expert 8, the config has 8"):
+        ours.load_tensor("experts.8.gate_proj.weight", torch.zeros(I_EXPERT, H))
+    with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.weight: shape \(16, 64\)"):
+        ours.load_tensor("experts.1.up_proj.weight", torch.zeros(16, H))
+    with pytest.raises(ValueError, match="router.bias: the config's router has no bias"):
+        ours.load_tensor("router.bias", torch.zeros(E))
+    with pytest.raises(ValueError, match="not a tensor of this MoE block"):
+        ours.load_tensor("experts.1.fc.weight", torch.zeros(1))
+    with pytest.raises(ValueError, match="MXFP4 tensors, but the config has no mxfp4"):
+        ours.load_tensor("experts.down_proj_blocks", torch.zeros(E, H, 1, 16, dtype=torch.uint8))

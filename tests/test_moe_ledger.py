@@ -129,7 +129,7 @@ def test_report_and_kv_per_token(tmp_path: Path) -> None:
 
 
 def test_memory_cli_on_a_moe_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from test_memory_cli import _run
+    from tests.test_memory_cli import _run
 
     rc, out, err = _run(["--model", str(_model_dir(tmp_path, "Mixtral-8x7B")), "--json"], capsys)
     assert rc == 0, err

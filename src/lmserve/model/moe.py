@@ -7,6 +7,8 @@ Fill weights with set_expert / set_fused_experts / set_mxfp4_experts (HF layouts
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -143,19 +145,17 @@ class SparseMoE(nn.Module):
         """All experts from 3-D tensors. layout "gpt_oss": gate_up (E, H, 2I) input-major with gate / up
         interleaved (columns 0::2 / 1::2), down (E, I, H), biases (E, 2I) / (E, H); "hf": transformers' own
         (E, 2I, H) gate rows then up rows, down (E, H, I) (no biases)."""
+        if layout == "gpt_oss":
+            for name, t in (("gate_up_proj", gate_up), ("down_proj", down), ("gate_up_proj_bias", gate_up_bias),
+                            ("down_proj_bias", down_bias)):  # fmt: skip
+                if t is not None:
+                    self.load_tensor(f"experts.{name}", t)
+            return
         e_n, inter = self.spec.num_experts, self.shape.expert_intermediate_size
         if gate_up.dim() != 3 or gate_up.shape[0] != e_n:
             raise ValueError(f"experts.gate_up_proj: shape {tuple(gate_up.shape)}, the config has {e_n} experts")
         for e in range(e_n):
-            if layout == "hf":
-                self.set_expert(e, gate_up[e, :inter], gate_up[e, inter:], down[e])
-                continue
-            gu, b = gate_up[e].t(), None if gate_up_bias is None else gate_up_bias[e]
-            self.set_expert(
-                e, gu[0::2], gu[1::2], down[e].t(),
-                None if b is None else b[0::2], None if b is None else b[1::2],
-                None if down_bias is None else down_bias[e],
-            )  # fmt: skip
+            self.set_expert(e, gate_up[e, :inter], gate_up[e, inter:], down[e])
 
     def set_mxfp4_experts(
         self,
@@ -169,19 +169,117 @@ class SparseMoE(nn.Module):
         """All experts from gpt-oss's MXFP4 tensors, kept in 4 bits: gate_up_proj_blocks (E, 2I, H/32, 16) with
         gate / up rows interleaved (reordered here, bytes unchanged), _scales (E, 2I, H/32); down_proj_blocks
         (E, H, I/32, 16), _scales (E, H, I/32); biases (E, 2I) interleaved and (E, H)."""
-        e_n, h, inter = self.spec.num_experts, self.hidden_size, self.shape.expert_intermediate_size
-        if gate_up_blocks.dim() != 4 or gate_up_blocks.shape[0] != e_n:
-            raise ValueError(f"gate_up_proj_blocks: shape {tuple(gate_up_blocks.shape)}, the config has {e_n} experts")
+        for name, t in (("gate_up_proj_blocks", gate_up_blocks), ("gate_up_proj_scales", gate_up_scales),
+                        ("down_proj_blocks", down_blocks), ("down_proj_scales", down_scales),
+                        ("gate_up_proj_bias", gate_up_bias), ("down_proj_bias", down_bias)):  # fmt: skip
+            self.load_tensor(f"experts.{name}", t)
+
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """One checkpoint tensor, named relative to the layer's MoE module (`model.layers.N.mlp.` or Mixtral's
+        `.block_sparse_moe.` stripped), copied where it belongs as it arrives (expert by expert): per-expert
+        `experts.E.{gate,up,down}_proj.weight` (Qwen / OLMoE) or `experts.E.{w1,w3,w2}.weight` (Mixtral); gpt-oss's
+        fused `experts.{gate_up,down}_proj[_bias]` (3-D) or `_blocks` + `_scales` (MXFP4, applied once both came);
+        the router `gate.weight` / `router.{weight,bias}`; `shared_expert.*`, `shared_expert_gate.weight`. An
+        unknown name or a tensor that does not match the config: ValueError naming it. check_loaded() then says
+        what is missing."""
+        loaded = self.__dict__.setdefault("_loaded", set())
+        m = re.fullmatch(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)", name)
+        if m:
+            e, proj, kind = int(m.group(1)), _PER_EXPERT[m.group(2)], m.group(3)
+            if not 0 <= e < self.spec.num_experts:
+                raise ValueError(f"{name}: expert {e}, the config has {self.spec.num_experts} (num_experts)")
+            self._expert_part(e, proj, kind, tensor, name)
+            loaded.add(name if m.group(2)[0] != "w" else f"experts.{e}.{proj}.{kind}")
+            return
+        m = re.fullmatch(r"experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?", name)
+        if m and m.group(2) in ("_blocks", "_scales"):
+            self._mxfp4_part(m.group(1), m.group(2), tensor)
+        elif m:
+            self._fused_part(m.group(1), m.group(2) or "", tensor, name)
+        elif name in ("gate.weight", "router.weight", "router.bias"):
+            dst = self.router.bias if name.endswith("bias") else self.router.weight
+            if dst is None:
+                raise ValueError(f"{name}: the config's router has no bias")
+            _copy(name, dst, tensor)
+            name = "router." + name.split(".")[1]
+        elif name.startswith("shared_expert") and self.shared_expert is not None:
+            m = re.fullmatch(r"shared_expert\.(gate_proj|up_proj|down_proj)\.weight|shared_expert_gate\.weight", name)
+            if not m:
+                raise ValueError(f"{name}: not a tensor of the shared expert")
+            s = self.shape.shared_expert_intermediate_size
+            gu = self.shared_expert.gate_up_proj.weight
+            dst = {"gate_proj": gu[:s], "up_proj": gu[s:], "down_proj": self.shared_expert.down_proj.weight,
+                   None: self.shared_expert_gate.weight}[m.group(1)]  # fmt: skip
+            _copy(name, dst, tensor)
+        else:
+            raise ValueError(f"{name}: not a tensor of this MoE block ({self.spec.num_experts} experts)")
+        loaded.add(name)
+
+    def expected_tensors(self) -> set[str]:
+        """The names load_tensor must have seen (Qwen / OLMoE spelling for per-expert ones) for a whole block."""
+        names = {"router.weight"} | ({"router.bias"} if self.spec.bias else set())
+        mxfp4 = isinstance(self.experts[0].gate_up_proj, Mxfp4Linear)
+        if self.shape.expert_bias or mxfp4:  # gpt-oss: fused tensors
+            suffixes = ("_blocks", "_scales", "_bias") if mxfp4 else ("", "_bias")
+            names |= {f"experts.{p}{x}" for p in ("gate_up_proj", "down_proj") for x in suffixes}
+        else:
+            names |= {f"experts.{e}.{p}.weight" for e in range(self.spec.num_experts) for p in _PER_EXPERT.values()}
+        if self.shared_expert is not None:
+            names |= {f"shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+            names.add("shared_expert_gate.weight")
+        return names
+
+    def check_loaded(self, prefix: str = "") -> None:
+        """ValueError naming the first tensors the checkpoint did not hold for this block."""
+        missing = sorted(self.expected_tensors() - self.__dict__.get("_loaded", set()))
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise ValueError(f"checkpoint is missing {', '.join(prefix + n for n in missing[:3])}{more}")
+
+    def _expert_part(self, e: int, proj: str, kind: str, tensor: torch.Tensor, name: str) -> None:
+        ex, inter = self.experts[e], self.shape.expert_intermediate_size
+        target = ex.down_proj if proj == "down_proj" else ex.gate_up_proj
+        dst = target.weight if kind == "weight" else target.bias
+        if dst is None:
+            raise ValueError(f"{name}: the config's experts have no {kind} here")
+        if proj != "down_proj":
+            dst = dst[:inter] if proj == "gate_proj" else dst[inter:]
+        _copy(name, dst, tensor)
+
+    def _fused_part(self, proj: str, suffix: str, tensor: torch.Tensor, name: str) -> None:
+        """gpt-oss's float 3-D tensors: gate_up (E, H, 2I) with gate / up interleaved, down (E, I, H), biases."""
+        e_n = self.spec.num_experts
+        if tensor.dim() < 2 or tensor.shape[0] != e_n:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the config has {e_n} experts (num_experts)")
+        if suffix == "_bias" and not self.shape.expert_bias:
+            raise ValueError(f"{name}: the config's experts have no bias")
+        for e in range(e_n):
+            t = tensor[e] if suffix else tensor[e].t()  # (out, in) for weights
+            if proj == "down_proj":
+                self._expert_part(e, "down_proj", "bias" if suffix else "weight", t, f"{name}[{e}]")
+            else:
+                kind = "bias" if suffix else "weight"
+                self._expert_part(e, "gate_proj", kind, t[0::2], f"{name}[{e}] (gate: even rows)")
+                self._expert_part(e, "up_proj", kind, t[1::2], f"{name}[{e}] (up: odd rows)")
+
+    def _mxfp4_part(self, proj: str, suffix: str, tensor: torch.Tensor) -> None:
+        if not isinstance(self.experts[0].gate_up_proj, Mxfp4Linear):
+            raise ValueError(f"experts.{proj}{suffix}: MXFP4 tensors, but the config has no mxfp4 quantization_config")
+        pending = self.__dict__.setdefault("_mxfp4_pending", {})
+        pending[(proj, suffix)] = tensor
+        blocks, scales = pending.get((proj, "_blocks")), pending.get((proj, "_scales"))
+        if blocks is None or scales is None:
+            return
+        e_n, inter = self.spec.num_experts, self.shape.expert_intermediate_size
+        if blocks.dim() != 4 or blocks.shape[0] != e_n or scales.shape[0] != e_n:
+            raise ValueError(f"experts.{proj}_blocks: shape {tuple(blocks.shape)}, the config has {e_n} experts")
         perm = torch.cat((torch.arange(0, 2 * inter, 2), torch.arange(1, 2 * inter, 2)))
         for e in range(e_n):
-            ex = self.experts[e]
-            assert isinstance(ex.gate_up_proj, Mxfp4Linear), "set_mxfp4_experts: build the block with mxfp4=True"
-            check_mxfp4(f"experts.{e}.gate_up_proj", gate_up_blocks[e], gate_up_scales[e], 2 * inter, h)
-            check_mxfp4(f"experts.{e}.down_proj", down_blocks[e], down_scales[e], h, inter)
-            ex.gate_up_proj.set_mxfp4(gate_up_blocks[e][perm], gate_up_scales[e][perm])
-            ex.down_proj.set_mxfp4(down_blocks[e], down_scales[e])
-            _copy(f"experts.{e}.gate_up_proj_bias", ex.gate_up_proj.bias, gate_up_bias[e][perm])
-            _copy(f"experts.{e}.down_proj_bias", ex.down_proj.bias, down_bias[e])
+            target = getattr(self.experts[e], proj)
+            check_mxfp4(f"experts.{e}.{proj}", blocks[e], scales[e], target.out_features, target.in_features)
+            b, s = (blocks[e][perm], scales[e][perm]) if proj == "gate_up_proj" else (blocks[e], scales[e])
+            target.set_mxfp4(b, s)
+        del pending[(proj, "_blocks")], pending[(proj, "_scales")]
 
     def set_shared_expert(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gate_w: torch.Tensor) -> None:
         """Qwen2-MoE's shared expert (gate / up (S, H), down (H, S)) and its (1, H) sigmoid gate."""
@@ -192,6 +290,10 @@ class SparseMoE(nn.Module):
         _copy("shared_expert.up_proj", self.shared_expert.gate_up_proj.weight[s:], up)
         _copy("shared_expert.down_proj", self.shared_expert.down_proj.weight, down)
         _copy("shared_expert_gate", self.shared_expert_gate.weight, gate_w)
+
+
+_PER_EXPERT = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj",
+               "w3": "up_proj", "w2": "down_proj"}  # fmt: skip
 
 
 def _copy(name: str, dst: torch.Tensor, src: torch.Tensor | None) -> None:
