@@ -11,7 +11,8 @@ from lmserve.model.yarn import yarn_inv_freq
 @pytest.mark.parametrize(
     "params",
     [
-        dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=4096, truncate=False),  # gpt-oss
+        # gpt-oss-20b's
+        dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=4096, truncate=False),
         dict(factor=4.0, original_max_position_embeddings=32768),  # Qwen3's long-context recipe
         dict(factor=8.0, original_max_position_embeddings=2048, mscale=0.707, mscale_all_dim=0.707),
         dict(factor=2.0, original_max_position_embeddings=1024, attention_factor=1.5),
