@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmserve.checkpoint.shape import moe_shape_from_hf_config
 from lmserve.model.moe import SparseMoE, group_by_expert, route
-from lmserve.model_shape import moe_shape_from_hf_config
 
 H, I_EXPERT, E, K = 64, 32, 8, 3
 
@@ -229,7 +229,7 @@ def test_quantized_experts(method: str, family: str, tokens: int) -> None:
     """--quantization quantizes the experts (and the shared expert) with the usual calls; the router and the shared
     expert's gate stay float32; int4 experts run the W4A8 kernels for every row count."""
     from lmserve import kernels
-    from lmserve.config import QuantizationConfig
+    from lmserve.config.engine import QuantizationConfig
     from lmserve.model import quantization as Q
     from lmserve.model.layers import pack_w4a8_weights, quantize_linear_weights
 

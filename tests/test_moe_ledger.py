@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.memory import (
+from lmserve.checkpoint.shape import load_model_shape, model_shape_from_hf_config
+from lmserve.memory.ledger import (
     expert_bytes,
     num_active_parameters,
     num_parameters,
     quantized_projection_bytes,
     weight_bytes_per_rank,
 )
-from lmserve.memory_report import memory_report
-from lmserve.model_shape import load_model_shape, model_shape_from_hf_config
+from lmserve.memory.report import memory_report
 
 # The fields of the published config.json files that decide the counts (Hugging Face Hub, as downloaded).
 CONFIGS = {
@@ -129,7 +129,7 @@ def test_report_and_kv_per_token(tmp_path: Path) -> None:
 
 
 def test_memory_cli_on_a_moe_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.test_memory_cli import _run
+    from tests.entrypoints.test_memory_cli import _run
 
     rc, out, err = _run(["--model", str(_model_dir(tmp_path, "Mixtral-8x7B")), "--json"], capsys)
     assert rc == 0, err

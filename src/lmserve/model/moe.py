@@ -1,5 +1,5 @@
 """The mixture-of-experts feed-forward block: `SparseMoE(hidden_size, MoEShape)` maps (T, hidden) → (T, hidden).
-`route(logits, RouterSpec)` is every family's router (variants as data, lmserve.model_shape); experts are `Expert`s
+`route(logits, RouterSpec)` is every family's router (variants as data, lmserve.checkpoint.shape); experts are `Expert`s
 of lmserve Linears (float32, int8, int4 / W4A8 through the usual quantize / pack calls) or Mxfp4Linears; the router
 and the shared expert's gate are torch nn.Linears, so quantizable_linears never touches them (they stay float32).
 Fill weights with set_expert / set_fused_experts / set_mxfp4_experts (HF layouts); ValueError naming the tensor.
@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from lmserve import kernels
+from lmserve.checkpoint.shape import MoEShape, RouterSpec
 from lmserve.model.layers import Linear, SwiGLU
 from lmserve.model.mxfp4 import Mxfp4Linear, check_mxfp4
-from lmserve.model_shape import MoEShape, RouterSpec
 
 
 def route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
