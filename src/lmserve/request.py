@@ -82,6 +82,7 @@ class Request:
     spec_acceptance: Any = None  # AcceptanceTracker (spec_decode/acceptance.py): how many tokens to propose
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     lora_slot: int = -1  # the compute slot the scheduler gave its adapter while running (core/lora_slots.py)
+    state_slot: int = -1  # a hybrid model's recurrent-state slot while running (core/state_pool.py)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
