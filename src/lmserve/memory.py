@@ -41,6 +41,9 @@ __all__ = [
     "kv_cache_bytes_per_token",
     "kv_scale_bytes_per_token",
     "kv_heads_per_rank",
+    "hybrid_pool_split",
+    "linear_state_bytes_per_sequence",
+    "max_concurrent_sequences",
     "load_model_shape",
     "max_concurrent_requests",
     "max_num_kv_blocks",
@@ -166,7 +169,7 @@ def num_parameters_per_rank(shape: ModelShape, tp: int = 1) -> int:
     inter = math.ceil(shape.intermediate_size / tp)
     vocab = math.ceil(shape.vocab_size / tp)
 
-    attn = h * q_out + 2 * h * kv_out + q_out * h
+    attn = h * q_out * (2 if shape.attn_output_gate else 1) + 2 * h * kv_out + q_out * h
     if shape.qkv_bias:
         attn += q_out + 2 * kv_out
     if shape.o_bias:
@@ -177,12 +180,24 @@ def num_parameters_per_rank(shape: ModelShape, tp: int = 1) -> int:
     if shape.mlp_bias:
         mlp += 2 * inter + h
     norms = 2 * h
-    per_layer = attn + mlp + norms
+    layers = shape.num_kv_layers * (attn + mlp + norms)
+    if shape.linear is not None:  # tp is 1 here (the engine refuses tensor parallelism for hybrid models)
+        layers += shape.num_linear_layers * (_linear_attention_parameters(shape) + mlp + norms)
 
     embeddings = vocab * h
     lm_head = 0 if shape.tie_word_embeddings else vocab * h
     final_norm = h
-    return shape.num_layers * per_layer + embeddings + lm_head + final_norm
+    return layers + embeddings + lm_head + final_norm
+
+
+def _linear_attention_parameters(shape: ModelShape) -> int:
+    """One Gated DeltaNet layer: in_proj_qkv / z / b / a, the depthwise conv, dt_bias, A_log, the gated norm and
+    out_proj (HF's Qwen3_5GatedDeltaNet)."""
+    lin, h = shape.linear, shape.hidden_size
+    assert lin is not None, "not a linear-attention model"
+    value_size = lin.num_v_heads * lin.v_dim
+    projections = h * lin.conv_dim + h * value_size + 2 * h * lin.num_v_heads + value_size * h
+    return projections + lin.conv_dim * lin.conv_kernel + 2 * lin.num_v_heads + lin.v_dim
 
 
 def num_parameters(shape: ModelShape) -> int:
@@ -236,6 +251,8 @@ def weight_bytes_per_rank(
     params = num_parameters_per_rank(shape, tp)
     if quantization is None:
         return math.ceil(params * weight_dtype_bytes)
+    if shape.linear is not None:
+        raise ValueError(f"quantization={quantization!r}: the ledger does not count quantized hybrid models yet")
     projections = projection_shapes_per_rank(shape, tp)
     num_float_params = params - shape.num_layers * sum(o * k for o, k in projections)
     per_layer = sum(quantized_projection_bytes(o, k, quantization, group_size) for o, k in projections)
@@ -286,6 +303,42 @@ def max_concurrent_requests(
     sliding window, only the blocks of kv_blocks_held)."""
     blocks = max_num_kv_blocks(kv_budget_bytes, block_size, kv_bytes_per_token)
     return blocks // kv_blocks_held(seq_len, block_size, sliding_window)
+
+
+def linear_state_bytes_per_sequence(shape: ModelShape, state_dtype_bytes: float = 4) -> int:
+    """The recurrent state one sequence holds in a hybrid model: linear layers x (conv window + v_heads x k_dim x
+    v_dim) at the state dtype (float32 by default); 0 for a model without linear-attention layers. The engine's
+    state tensors (worker/state_cache.py) hold exactly this per slot."""
+    if shape.linear is None or not shape.num_linear_layers:
+        return 0
+    return math.ceil(shape.num_linear_layers * shape.linear.state_elements * _positive_bytes(state_dtype_bytes))
+
+
+def hybrid_pool_split(
+    budget_bytes: int, block_size: int, kv_bytes_per_token: int, state_bytes_per_sequence: int, max_num_seqs: int
+) -> tuple[int, int]:
+    """(KV blocks, state slots) a hybrid model's pool takes from one budget: a slot per sequence up to max_num_seqs,
+    as many as leave each at least one KV block, then every byte left as KV blocks. The engine sizes its pools with
+    this; `lmserve memory` reports it."""
+    _positive("max_num_seqs", max_num_seqs)
+    _positive("state_bytes_per_sequence", state_bytes_per_sequence)
+    block_bytes = block_size * kv_bytes_per_token
+    max_num_kv_blocks(budget_bytes, block_size, kv_bytes_per_token)  # validates the arguments
+    num_slots = min(max_num_seqs, budget_bytes // (state_bytes_per_sequence + block_bytes))
+    num_blocks = (budget_bytes - num_slots * state_bytes_per_sequence) // block_bytes
+    return num_blocks, num_slots
+
+
+def max_concurrent_sequences(
+    budget_bytes: int, seq_len: int, kv_bytes_per_token: int, state_bytes_per_sequence: int, block_size: int = 16
+) -> int:
+    """Sequences of seq_len tokens a budget holds at once when each costs its KV blocks (full-attention layers) and
+    its state: budget // (ceil(seq_len / block_size) x block_size x KV bytes per token + state bytes)."""
+    _positive("kv_bytes_per_token", kv_bytes_per_token)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+    per_sequence = blocks_per_request(seq_len, block_size) * block_size * kv_bytes_per_token
+    return budget_bytes // (per_sequence + state_bytes_per_sequence)
 
 
 def lora_slot_bytes(
