@@ -17,7 +17,6 @@ from lmserve.model.linear_attention import (
     conv1d_chunk,
     conv1d_decode,
     recurrent_gated_delta_rule,
-    split_qwen3_next_projections,
 )
 
 HK, HV, K, V = 2, 4, 16, 8
@@ -171,15 +170,12 @@ def test_layer_matches_hf_qwen3_5_in_mixed_steps() -> None:
         torch.testing.assert_close(got[i], expected[i], rtol=1e-4, atol=1e-5)
 
 
-def test_layer_matches_hf_qwen3_next_after_splitting_its_projections() -> None:
+def test_layer_matches_hf_qwen3_next_with_its_fused_projections() -> None:
     cfg = tiny_text_config(hfnext.Qwen3NextConfig)
     ref = hfnext.Qwen3NextGatedDeltaNet(cfg, 0).eval()
     randomize(ref, 6)
-    mine = GatedDeltaNet(LinearAttentionDims.from_hf(cfg.to_dict())).eval()
-    weights = {k: v for k, v in ref.state_dict().items() if not k.startswith(("in_proj_qkvz", "in_proj_ba"))}
-    split = split_qwen3_next_projections(ref.in_proj_qkvz.weight, ref.in_proj_ba.weight, mine.dims)
-    weights.update({f"{name}.weight": w for name, w in split.items()})
-    mine.load_state_dict(weights)
+    mine = GatedDeltaNet(LinearAttentionDims.from_hf(cfg.to_dict()), fused=True).eval()
+    mine.load_state_dict(ref.state_dict())  # the checkpoint's fused projections as they are
     x = torch.randn(2, 13, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         expected = ref(x)

@@ -182,21 +182,41 @@ class _Conv1dWeight(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """The linear-attention token mixer of a Qwen3.5 / Qwen3-Next layer, with HF's Qwen3.5 parameter names
-    (a Qwen3-Next checkpoint's fused in_proj_qkvz / in_proj_ba are split at load: split_qwen3_next_projections)."""
+    """The linear-attention token mixer of a Qwen3.5 / Qwen3-Next layer, with HF's parameter names: Qwen3.5's
+    in_proj_qkv / z / b / a, or (fused=True) Qwen3-Next's in_proj_qkvz / in_proj_ba, whose rows are interleaved per
+    key head and put in Qwen3.5's order by one gather (qwen3_next_row_order)."""
 
-    def __init__(self, dims: LinearAttentionDims, linear_cls: type[nn.Module] = nn.Linear) -> None:
+    def __init__(self, dims: LinearAttentionDims, linear_cls: type[nn.Module] = nn.Linear, fused: bool = False) -> None:
         super().__init__()
         self.dims = d = dims
-        self.in_proj_qkv = linear_cls(d.hidden_size, d.conv_dim, bias=False)
-        self.in_proj_z = linear_cls(d.hidden_size, d.value_size, bias=False)
-        self.in_proj_b = linear_cls(d.hidden_size, d.num_v_heads, bias=False)
-        self.in_proj_a = linear_cls(d.hidden_size, d.num_v_heads, bias=False)
+        self.fused = fused
+        if fused:
+            self.in_proj_qkvz = linear_cls(d.hidden_size, d.conv_dim + d.value_size, bias=False)
+            self.in_proj_ba = linear_cls(d.hidden_size, 2 * d.num_v_heads, bias=False)
+            qkvz_order, ba_order = qwen3_next_row_order(d)
+            self.register_buffer("_qkvz_order", torch.tensor(qkvz_order), persistent=False)
+            self.register_buffer("_ba_order", torch.tensor(ba_order), persistent=False)
+        else:
+            self.in_proj_qkv = linear_cls(d.hidden_size, d.conv_dim, bias=False)
+            self.in_proj_z = linear_cls(d.hidden_size, d.value_size, bias=False)
+            self.in_proj_b = linear_cls(d.hidden_size, d.num_v_heads, bias=False)
+            self.in_proj_a = linear_cls(d.hidden_size, d.num_v_heads, bias=False)
         self.conv1d = _Conv1dWeight(d.conv_dim, d.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(d.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(d.num_v_heads))
         self.norm = GatedRMSNorm(d.v_dim, d.rms_norm_eps)
         self.out_proj = linear_cls(d.value_size, d.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qkv (T, conv_dim), z (T, value_size), b, a (T, v_heads)) in Qwen3.5's layout."""
+        d = self.dims
+        if self.fused:
+            qkvz = self.in_proj_qkvz(x).index_select(-1, self._qkvz_order)
+            ba = self.in_proj_ba(x).index_select(-1, self._ba_order)
+            qkv, z = qkvz.split([d.conv_dim, d.value_size], dim=-1)
+            b, a = ba.split([d.num_v_heads, d.num_v_heads], dim=-1)
+            return qkv, z, b, a
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def forward(
         self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, meta: LinearAttentionMetadata
@@ -204,10 +224,9 @@ class GatedDeltaNet(nn.Module):
         """x (T, hidden), the step's rows; conv_state (slots, conv_dim, kernel - 1) and ssm_state (slots, Hv, K, V)
         are this layer's state tensors, read and written at each sequence's slot. Returns (T, hidden)."""
         d = self.dims
-        mixed = self.in_proj_qkv(x)  # (T, conv_dim)
-        z = self.in_proj_z(x)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        mixed, z, b, a = self.project(x)  # mixed: (T, conv_dim), q k v before the conv
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         weight = self.conv1d.weight[:, 0]
         core = torch.empty(x.shape[0], d.num_v_heads, d.v_dim, dtype=torch.float32, device=x.device)
         nd = meta.num_decode_tokens
@@ -233,20 +252,18 @@ class GatedDeltaNet(nn.Module):
         return q.view(n, d.num_k_heads, d.k_dim), k.view(n, d.num_k_heads, d.k_dim), v.view(n, d.num_v_heads, d.v_dim)
 
 
-def split_qwen3_next_projections(
-    qkvz: torch.Tensor, ba: torch.Tensor, dims: LinearAttentionDims
-) -> dict[str, torch.Tensor]:
-    """Qwen3-Next's fused in_proj_qkvz (per key head: q, k, then its value heads' v and z) and in_proj_ba (per key
-    head: its value heads' b, then a) as Qwen3.5's four projections (HF's fix_query_key_value_ordering)."""
+def qwen3_next_row_order(dims: LinearAttentionDims) -> tuple[list[int], list[int]]:
+    """Rows of Qwen3-Next's in_proj_qkvz (per key head: q, k, then its value heads' v and z) and in_proj_ba (per key
+    head: its value heads' b, then a) in Qwen3.5's order (q, k, v, z / b, a): HF's fix_query_key_value_ordering."""
     d = dims
     r = d.num_v_heads // d.num_k_heads
-    per_head = qkvz.view(d.num_k_heads, 2 * d.k_dim + 2 * r * d.v_dim, -1)
-    q, k, v, z = per_head.split([d.k_dim, d.k_dim, r * d.v_dim, r * d.v_dim], dim=1)
-    b, a = ba.view(d.num_k_heads, 2 * r, -1).split([r, r], dim=1)
-    flat = [t.reshape(-1, qkvz.shape[-1]) for t in (q, k, v)]
-    return {
-        "in_proj_qkv": torch.cat(flat, dim=0),
-        "in_proj_z": z.reshape(-1, qkvz.shape[-1]),
-        "in_proj_b": b.reshape(-1, ba.shape[-1]),
-        "in_proj_a": a.reshape(-1, ba.shape[-1]),
-    }
+    width = 2 * d.k_dim + 2 * r * d.v_dim
+    parts: dict[str, list[int]] = {"q": [], "k": [], "v": [], "z": [], "b": [], "a": []}
+    for h in range(d.num_k_heads):
+        base = h * width
+        for name, offset, size in (("q", 0, d.k_dim), ("k", d.k_dim, d.k_dim), ("v", 2 * d.k_dim, r * d.v_dim),
+                                   ("z", 2 * d.k_dim + r * d.v_dim, r * d.v_dim)):  # fmt: skip
+            parts[name] += range(base + offset, base + offset + size)
+        parts["b"] += range(h * 2 * r, h * 2 * r + r)
+        parts["a"] += range(h * 2 * r + r, h * 2 * r + 2 * r)
+    return parts["q"] + parts["k"] + parts["v"] + parts["z"], parts["b"] + parts["a"]
