@@ -32,6 +32,8 @@ QWEN3_NEXT_80B = {
     "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     "num_experts": 512, "num_experts_per_tok": 10, "vocab_size": 151936, "intermediate_size": 5120,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "norm_topk_prob": True,
 }  # fmt: skip
 
 
@@ -46,12 +48,17 @@ def test_qwen3_5_9b_split_kv_and_state() -> None:
     assert report.state_bytes_per_sequence == 24 * (8192 * 3 + 32 * 128 * 128) * 4 == 52_690_944
 
 
-def test_qwen3_next_80b_split_and_kv_per_token() -> None:
+def test_qwen3_next_80b_split_kv_and_parameters() -> None:
     linear, is_linear = linear_attention_layers(QWEN3_NEXT_80B, 48)
-    assert sum(is_linear) == 36 and [i for i, x in enumerate(is_linear) if not x] == list(range(3, 48, 4))
-    kv_layers = 48 - sum(is_linear)
-    assert memory.kv_cache_bytes_per_token(kv_layers, 2, 256, "bf16") == 24576  # 24 KiB a token
-    assert linear.state_elements == 8192 * 3 + 32 * 128 * 128
+    assert [i for i, x in enumerate(is_linear) if not x] == list(range(3, 48, 4)), "every 4th layer: full attention"
+    shape = model_shape_from_hf_config(QWEN3_NEXT_80B)
+    assert (shape.num_layers, shape.num_linear_layers, shape.num_kv_layers) == (48, 36, 12)
+    report = memory_report(shape, kv_dtype="bf16")
+    assert report.kv_bytes_per_token == 24576  # 12 layers x K, V x 2 KV heads x 256 x 2 bytes: 24 KiB a token
+    assert report.state_bytes_per_sequence == 36 * (8192 * 3 + 32 * 128 * 128) * 4
+    # published: 80B total, 3B activated (here with the 0.3B LM head a step streams)
+    assert 79e9 < memory.num_parameters(shape) < 82e9
+    assert 3.0e9 < memory.num_active_parameters(shape, embeddings=False) < 3.7e9
 
 
 def test_a_dense_config_has_no_linear_layers() -> None:

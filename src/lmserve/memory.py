@@ -48,6 +48,9 @@ __all__ = [
     "max_concurrent_requests",
     "max_num_kv_blocks",
     "model_shape_from_hf_config",
+    "expert_bytes",
+    "expert_projection_shapes_per_rank",
+    "num_active_parameters",
     "num_parameters",
     "num_parameters_per_rank",
     "parse_bytes",
@@ -161,12 +164,31 @@ def _check_tp(shape: ModelShape, tp: int) -> None:
 def num_parameters_per_rank(shape: ModelShape, tp: int = 1) -> int:
     """Parameters one tensor-parallel rank holds. Heads, MLP columns and the vocabulary are
     split (vocab rows rounded up, no padding beyond that), KV heads replicated when fewer than
-    ranks, norms and row-parallel biases replicated. With tp=1 this is the full count."""
+    ranks, norms and row-parallel biases replicated. With tp=1 this is the full count. A MoE layer holds every
+    expert's slice of the expert width (and of the shared expert's); router and shared-expert gate replicated."""
+    return _count_parameters(shape, tp, active=False)
+
+
+def num_parameters(shape: ModelShape) -> int:
+    """Llama-family parameter count: embeddings, untied lm_head, per layer q/k/v/o (+biases),
+    gate/up/down (or a MoE layer's experts, router and shared expert), two RMSNorm weights (+ q/k norms), and the
+    final norm. Llama-2-7B -> 6,738,415,616; Llama-3-8B -> 8,030,261,248."""
+    return num_parameters_per_rank(shape, 1)
+
+
+def num_active_parameters(shape: ModelShape, embeddings: bool = True) -> int:
+    """Parameters one token computes with: a MoE layer's router, top_k experts and shared expert instead of all
+    experts (= num_parameters for a dense model). With embeddings=False the input embedding table is left out (a
+    token reads one row of it): the weights a decode step streams per token, and gpt-oss's published "active"."""
+    n = _count_parameters(shape, 1, active=True)
+    return n if embeddings else n - shape.vocab_size * shape.hidden_size
+
+
+def _count_parameters(shape: ModelShape, tp: int, active: bool) -> int:
     _check_tp(shape, tp)
     h, d = shape.hidden_size, shape.head_dim
     q_out = shape.num_attention_heads // tp * d
     kv_out = kv_heads_per_rank(shape.num_kv_heads, tp) * d
-    inter = math.ceil(shape.intermediate_size / tp)
     vocab = math.ceil(shape.vocab_size / tp)
 
     attn = h * q_out * (2 if shape.attn_output_gate else 1) + 2 * h * kv_out + q_out * h
@@ -176,18 +198,20 @@ def num_parameters_per_rank(shape: ModelShape, tp: int = 1) -> int:
         attn += h  # row-parallel bias: applied once after the all-reduce, kept on every rank
     if shape.qk_norm:
         attn += 2 * d
-    mlp = 3 * h * inter
-    if shape.mlp_bias:
-        mlp += 2 * inter + h
+    if shape.qk_norm_whole:
+        attn += q_out + kv_out
+    if shape.attention_sinks:
+        attn += shape.num_attention_heads // tp
     norms = 2 * h
-    layers = shape.num_kv_layers * (attn + mlp + norms)
+    mlp_total = sum(_mlp_parameters(shape, tp, sparse, active) for sparse in _sparse_layers(shape))
+    mixers = shape.num_kv_layers * attn
     if shape.linear is not None:  # tp is 1 here (the engine refuses tensor parallelism for hybrid models)
-        layers += shape.num_linear_layers * (_linear_attention_parameters(shape) + mlp + norms)
+        mixers += shape.num_linear_layers * _linear_attention_parameters(shape)
 
     embeddings = vocab * h
     lm_head = 0 if shape.tie_word_embeddings else vocab * h
     final_norm = h
-    return layers + embeddings + lm_head + final_norm
+    return mixers + shape.num_layers * norms + mlp_total + embeddings + lm_head + final_norm
 
 
 def _linear_attention_parameters(shape: ModelShape) -> int:
@@ -200,25 +224,76 @@ def _linear_attention_parameters(shape: ModelShape) -> int:
     return projections + lin.conv_dim * lin.conv_kernel + 2 * lin.num_v_heads + lin.v_dim
 
 
-def num_parameters(shape: ModelShape) -> int:
-    """Llama-family parameter count: embeddings, untied lm_head, per layer q/k/v/o (+biases),
-    gate/up/down, two RMSNorm weights (+ q/k norms for Qwen3), and the final norm.
-    Llama-2-7B -> 6,738,415,616; Llama-3-8B -> 8,030,261,248."""
-    return num_parameters_per_rank(shape, 1)
+def _sparse_layers(shape: ModelShape) -> tuple[bool, ...]:
+    return shape.moe.sparse_layers if shape.moe is not None else (False,) * shape.num_layers
+
+
+def _mlp_parameters(shape: ModelShape, tp: int, sparse: bool, active: bool) -> int:
+    """One layer's feed-forward parameters on a rank: the dense MLP, or a MoE block (all experts, or with active
+    the top_k a token runs)."""
+    h = shape.hidden_size
+    if not sparse:
+        width = shape.moe.dense_intermediate_size if shape.moe is not None else shape.intermediate_size
+        inter = math.ceil(width / tp)
+        return 3 * h * inter + (2 * inter + h if shape.mlp_bias else 0)
+    moe = shape.moe
+    inter = math.ceil(moe.expert_intermediate_size / tp)
+    expert = 3 * h * inter + (2 * inter + h if moe.expert_bias else 0)
+    experts = moe.router.top_k if active else moe.router.num_experts
+    router = moe.router.num_experts * (h + (1 if moe.router.bias else 0))
+    shared = 0
+    if moe.shared_expert_intermediate_size:
+        shared = 3 * h * math.ceil(moe.shared_expert_intermediate_size / tp) + h  # + its sigmoid gate
+    return experts * expert + router + shared
 
 
 QUANTIZATION_METHODS = ("int8", "int4")
+EXPERT_PRECISIONS = ("float32", "bfloat16", "int8", "int4", "mxfp4")
 
 
 def projection_shapes_per_rank(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
-    """(out_features, in_features) of one layer's projections on one rank: q, k, v, o, gate, up, down
-    (what `--quantization` quantizes; fused or separate, per-row scales and groups come out the same)."""
+    """(out_features, in_features) of one dense layer's projections on one rank: q, k, v, o, gate, up, down
+    (what `--quantization` quantizes; fused or separate, per-row scales and groups come out the same). A MoE
+    model's sparse layers: the attention's four here, their experts' in expert_projection_shapes_per_rank."""
     _check_tp(shape, tp)
     h, d = shape.hidden_size, shape.head_dim
     q_out = shape.num_attention_heads // tp * d
     kv_out = kv_heads_per_rank(shape.num_kv_heads, tp) * d
-    inter = math.ceil(shape.intermediate_size / tp)
+    width = shape.moe.dense_intermediate_size if shape.moe is not None else shape.intermediate_size
+    inter = math.ceil(width / tp)
     return [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out), (inter, h), (inter, h), (h, inter)]
+
+
+def expert_projection_shapes_per_rank(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
+    """(out, in) of every projection one sparse layer quantizes on a rank: each expert's gate, up and down, then
+    the shared expert's (the router and the shared expert's gate stay float)."""
+    moe, h = shape.moe, shape.hidden_size
+    assert moe is not None, "a dense model has no experts"
+    inter = math.ceil(moe.expert_intermediate_size / tp)
+    out = [(inter, h), (inter, h), (h, inter)] * moe.router.num_experts
+    if moe.shared_expert_intermediate_size:
+        s = math.ceil(moe.shared_expert_intermediate_size / tp)
+        out += [(s, h), (s, h), (h, s)]
+    return out
+
+
+def expert_bytes(shape: ModelShape, precision: str, tp: int = 1, group_size: int = 32) -> int:
+    """Bytes of every routed expert's weights (all sparse layers, one rank) at `precision`: float32, bfloat16,
+    int8 / int4 (the `--quantization` layouts), mxfp4 (gpt-oss's checkpoint: 4-bit values + a byte per 32)."""
+    moe = shape.moe
+    assert moe is not None, "a dense model has no experts"
+    inter = math.ceil(moe.expert_intermediate_size / tp)
+    h = shape.hidden_size
+    shapes = [(2 * inter, h), (h, inter)]
+    if precision in ("float32", "bfloat16"):
+        per_expert = sum(o * k for o, k in shapes) * (4 if precision == "float32" else 2)
+    elif precision == "mxfp4":
+        per_expert = sum(o * k // 2 + o * k // 32 for o, k in shapes)
+    elif precision in QUANTIZATION_METHODS:
+        per_expert = sum(quantized_projection_bytes(o, k, precision, group_size) for o, k in shapes)
+    else:
+        raise ValueError(f"expert precision must be one of {list(EXPERT_PRECISIONS)}, got {precision!r}")
+    return moe.num_sparse_layers * moe.router.num_experts * per_expert
 
 
 def quantized_projection_bytes(out_features: int, in_features: int, method: str, group_size: int = 32) -> int:
@@ -247,16 +322,22 @@ def weight_bytes_per_rank(
     projections are int8 / int4 (embeddings, norms and biases stay at `weight_dtype_bytes`). The LM head is
     quantized too (model_shape.HEAD_LAYOUTS: int8 as a projection, int4 at 8 bits weight-only): an untied head is
     replaced by it; a tied model keeps its embedding table for the token lookup and holds the quantized head as
-    an extra copy."""
+    an extra copy. MoE: the experts (and the shared expert) are quantized, the router stays float; without
+    quantization, a checkpoint's MXFP4 experts stay MXFP4."""
     params = num_parameters_per_rank(shape, tp)
+    moe = shape.moe
+    sparse = _sparse_layers(shape)
     if quantization is None:
-        return math.ceil(params * weight_dtype_bytes)
+        if moe is None or not moe.mxfp4:
+            return math.ceil(params * weight_dtype_bytes)
+        float_params = params - expert_bytes(shape, "float32", tp) // 4  # (the routed experts' weights)
+        return math.ceil(float_params * weight_dtype_bytes) + expert_bytes(shape, "mxfp4", tp)
     if shape.linear is not None:
         raise ValueError(f"quantization={quantization!r}: the ledger does not count quantized hybrid models yet")
-    projections = projection_shapes_per_rank(shape, tp)
-    num_float_params = params - shape.num_layers * sum(o * k for o, k in projections)
-    per_layer = sum(quantized_projection_bytes(o, k, quantization, group_size) for o, k in projections)
-    quantized = shape.num_layers * per_layer
+    dense = projection_shapes_per_rank(shape, tp)
+    layers = [dense[:4] + expert_projection_shapes_per_rank(shape, tp) if s else dense for s in sparse]
+    num_float_params = params - sum(o * k for projections in layers for o, k in projections)
+    quantized = sum(quantized_projection_bytes(o, k, quantization, group_size) for ps in layers for o, k in ps)
     if quantization in HEAD_LAYOUTS:
         vocab = math.ceil(shape.vocab_size / tp)
         quantized += quantized_projection_bytes(vocab, shape.hidden_size, HEAD_LAYOUTS[quantization], group_size)

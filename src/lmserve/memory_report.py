@@ -12,6 +12,7 @@ from lmserve.memory import (
     _check_tp,
     _positive,
     dtype_bytes,
+    expert_bytes,
     hybrid_pool_split,
     kv_blocks_held,
     kv_cache_bytes_per_token,
@@ -20,6 +21,7 @@ from lmserve.memory import (
     linear_state_bytes_per_sequence,
     lora_slot_bytes,
     max_num_kv_blocks,
+    num_active_parameters,
     num_parameters,
     num_parameters_per_rank,
     weight_bytes_per_rank,
@@ -85,6 +87,11 @@ class MemoryReport:
     # hybrid models: the linear-attention layers' state per sequence (float32) and the slots the budget gives them
     state_bytes_per_sequence: int = 0
     num_state_slots: int | None = None
+    # mixture of experts: parameters a token computes with (embedding table counted, and without it: what a decode
+    # step streams per token) and the routed experts' bytes per precision; None for a dense model
+    num_active_parameters: int | None = None
+    num_active_parameters_streamed: int | None = None
+    expert_bytes: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict (for ``--json``)."""
@@ -116,6 +123,18 @@ class MemoryReport:
         if tp > 1:
             params += f"   [per rank: {self.num_parameters_per_rank:,}]"
         rows.append(("parameters", params))
+        if s.moe is not None:
+            r = s.moe.router
+            rows.append(
+                (
+                    "active parameters",
+                    f"{self.num_active_parameters:,} ({self.num_active_parameters / 1e9:.2f} B; "
+                    f"{self.num_active_parameters_streamed / 1e9:.2f} B without the embedding table): top-{r.top_k} "
+                    f"of {r.num_experts} experts in {s.moe.num_sparse_layers} of {s.num_layers} layers",
+                )
+            )
+            sizes = ", ".join(f"{k} {format_bytes(v)}" for k, v in (self.expert_bytes or {}).items())
+            rows.append(("experts' weights", sizes))
         label = f"weights ({self.weight_dtype})"
         if self.quantization == "int8":
             head = "int8 copy of the tied" if s.tie_word_embeddings else "int8"
@@ -282,12 +301,21 @@ def memory_report(
         if tp != 1:
             raise ValueError("exact weight bytes (a GGUF file's kept blocks) are known for tp=1 only")
         weight_bytes = weight_bytes_rank = exact_weight_bytes
-    elif quantization is None:
+    elif quantization is None and (shape.moe is None or not shape.moe.mxfp4):
         weight_bytes = math.ceil(params * w_b)
         weight_bytes_rank = math.ceil(params_rank * w_b)
     else:
         weight_bytes = weight_bytes_per_rank(shape, w_b, 1, quantization, quantization_group_size)
         weight_bytes_rank = weight_bytes_per_rank(shape, w_b, tp, quantization, quantization_group_size)
+
+    moe: dict[str, Any] = {}
+    if shape.moe is not None:
+        precisions = ("float32", "bfloat16", "int8", "int4") + (("mxfp4",) if shape.moe.mxfp4 else ())
+        moe = dict(
+            num_active_parameters=num_active_parameters(shape),
+            num_active_parameters_streamed=num_active_parameters(shape, embeddings=False),
+            expert_bytes={p: expert_bytes(shape, p, 1, quantization_group_size) for p in precisions},
+        )
 
     # per-token sizes: values plus, for the 8-bit KV dtypes, their scales
     layers, heads_rank = shape.num_kv_layers, kv_heads_per_rank(shape.num_kv_heads, tp)
@@ -400,5 +428,6 @@ def memory_report(
         lora_dtype=lora_dtype,
         lora_slot_bytes=lora_bytes,
         state_bytes_per_sequence=state_bytes,
+        **moe,
         **budget,
     )
