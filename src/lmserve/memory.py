@@ -26,6 +26,7 @@ Conventions
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from lmserve.byte_units import format_bytes, parse_bytes
 from lmserve.model_shape import HEAD_LAYOUTS, ModelShape, load_model_shape, model_shape_from_hf_config
@@ -386,10 +387,11 @@ def max_concurrent_requests(
     return blocks // kv_blocks_held(seq_len, block_size, sliding_window)
 
 
-def linear_state_bytes_per_sequence(shape: ModelShape, state_dtype_bytes: float = 4) -> int:
+def linear_state_bytes_per_sequence(shape: ModelShape | Any, state_dtype_bytes: float = 4) -> int:
     """The recurrent state one sequence holds in a hybrid model: linear layers x (conv window + v_heads x k_dim x
-    v_dim) at the state dtype (float32 by default); 0 for a model without linear-attention layers. The engine's
-    state tensors (worker/state_cache.py) hold exactly this per slot."""
+    v_dim) at the state dtype (float32 by default); 0 for a model without linear-attention layers. `shape`: a
+    ModelShape or the engine's ModelConfig (both carry linear and num_linear_layers). The engine's state tensors
+    (worker/state_cache.py) hold exactly this per slot."""
     if shape.linear is None or not shape.num_linear_layers:
         return 0
     return math.ceil(shape.num_linear_layers * shape.linear.state_elements * _positive_bytes(state_dtype_bytes))

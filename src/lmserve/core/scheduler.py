@@ -258,6 +258,7 @@ class Scheduler:
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         """Move the head of the waiting queue to running, its first num_hit_tokens found in the prefix cache."""
         assert request is self.waiting[0], "requests are admitted in FCFS order"
+        assert self.state_slots is None or num_hit_tokens == 0, "a hybrid model's prefix hit would need its state"
         self.waiting.popleft()
         self.prefix_cache_queries_total += request.num_tokens
         self.prefix_cache_hits_total += num_hit_tokens
