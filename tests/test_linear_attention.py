@@ -182,3 +182,32 @@ def test_layer_matches_hf_qwen3_next_with_its_fused_projections() -> None:
         got = run_split(mine, x, [[13], [4, 6, 1, 1, 1]])
     for i in range(2):
         torch.testing.assert_close(got[i], expected[i], rtol=1e-4, atol=1e-5)
+
+
+def test_c_decode_step_matches_the_torch_path() -> None:
+    from lmserve import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler: the torch path runs")
+    cfg = tiny_text_config(hf35.Qwen3_5TextConfig)
+    layer = GatedDeltaNet(LinearAttentionDims.from_hf(cfg.to_dict())).eval()
+    randomize(layer, 8)
+    d = layer.dims
+    gen = torch.Generator().manual_seed(9)
+    conv = torch.randn(5, d.conv_dim, d.conv_kernel - 1, generator=gen)
+    ssm = torch.randn(5, d.num_v_heads, d.k_dim, d.v_dim, generator=gen) * 0.3
+    x = torch.randn(3, d.hidden_size, generator=gen)
+    meta = LinearAttentionMetadata(torch.tensor([4, 0, 2]), 3, [])
+    results = {}
+    for enabled in (True, False):
+        kernels.set_enabled(enabled)
+        try:
+            c, s = conv.clone(), ssm.clone()
+            with torch.no_grad():
+                results[enabled] = (layer(x, c, s, meta), c, s)
+        finally:
+            kernels.set_enabled(True)
+    for got, want in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    ssm_after = results[True][2]
+    assert not torch.equal(ssm_after[4], ssm[4]) and torch.equal(ssm_after[1], ssm[1]), "slots 4, 0, 2 only"

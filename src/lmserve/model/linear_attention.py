@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lmserve.kernels import gated_deltanet as gdn_kernels
+
 CHUNK_SIZE = 64  # positions per block of the chunked delta rule (HF's and FLA's default)
 
 
@@ -233,10 +235,7 @@ class GatedDeltaNet(nn.Module):
         if nd:
             slots = meta.decode_slots
             assert slots is not None and slots.shape[0] == nd, "decode rows without their state slots"
-            conv_out, conv_state[slots] = conv1d_decode(mixed[:nd], conv_state[slots], weight)
-            q, k, v = self._split(conv_out)
-            out, ssm_state[slots] = recurrent_gated_delta_rule(q, k, v, g[:nd], beta[:nd], ssm_state[slots])
-            core[:nd] = out
+            core[:nd] = self._decode(mixed[:nd], g[:nd], beta[:nd], weight, conv_state, ssm_state, slots)
         for start, end, slot, fresh in meta.prefills:
             conv_out, conv_state[slot] = conv1d_chunk(mixed[start:end], None if fresh else conv_state[slot], weight)
             q, k, v = self._split(conv_out)
@@ -244,6 +243,20 @@ class GatedDeltaNet(nn.Module):
             core[start:end], ssm_state[slot] = chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end], state)
         core = self.norm(core.to(x.dtype), z.view(x.shape[0], d.num_v_heads, d.v_dim))
         return self.out_proj(core.reshape(x.shape[0], d.value_size))
+
+    def _decode(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
+        conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """One token per sequence: the C step when the operands are float32 CPU tensors, else the torch path."""
+        d = self.dims
+        if gdn_kernels.usable(mixed, conv_state, ssm_state, weight) and conv_state.is_contiguous():
+            conv_out = gdn_kernels.conv_decode(mixed, conv_state, slots, weight)
+            return gdn_kernels.recurrent_decode(conv_out, g, beta, ssm_state, slots, d.num_k_heads, d.k_dim, d.v_dim)
+        conv_out, conv_state[slots] = conv1d_decode(mixed, conv_state[slots], weight)
+        q, k, v = self._split(conv_out)
+        out, ssm_state[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state[slots])
+        return out
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.dims
