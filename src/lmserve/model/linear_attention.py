@@ -65,6 +65,22 @@ class LinearAttentionMetadata:
     prefills: list[tuple[int, int, int, bool]] = field(default_factory=list)
 
 
+def step_metadata(
+    decodes: list, prefills: list, first_row: dict[str, int], device: torch.device
+) -> LinearAttentionMetadata:
+    """The step's state slots from its ScheduledRequests (decode rows first, then chunks at their first rows): a
+    chunk starting at position 0 starts from a zero state (a new request, or one preempted and recomputed)."""
+    slots = [s.request.state_slot for s in decodes]
+    assert all(slot >= 0 for slot in slots), "a decode row of a request holding no state slot"
+    chunks = []
+    for s in prefills:
+        row = first_row[s.request.request_id]
+        assert s.request.state_slot >= 0, f"request {s.request.request_id} holds no state slot"
+        chunks.append((row, row + s.num_new_tokens, s.request.state_slot, s.start == 0))
+    decode_slots = torch.tensor(slots, dtype=torch.long, device=device) if slots else None
+    return LinearAttentionMetadata(decode_slots, len(slots), chunks)
+
+
 # ---- the convolution ----------------------------------------------------------------------------------------------
 
 
