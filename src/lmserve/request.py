@@ -86,6 +86,7 @@ class Request:
     # first row (cls); its pooled vector (or scores) once its prompt is computed
     pooling_state: Any = None
     pooled: list[float] | None = None
+    state_slot: int = -1  # a hybrid model's recurrent-state slot while running (core/state_pool.py)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -85,7 +85,11 @@ _FAMILIES: dict[str, tuple[str, str, str, bool | tuple[str, bool]]] = {
     "mixtral": ("num_local_experts", "intermediate_size", "softmax_topk", True),
     "olmoe": ("num_experts", "intermediate_size", "softmax_topk", ("norm_topk_prob", False)),
     "gpt_oss": ("num_local_experts", "intermediate_size", "topk_softmax", False),
+    # the hybrid (linear-attention) MoE families: a gated shared expert beside the routed ones, as Qwen2-MoE
+    "qwen3_next": ("num_experts", "moe_intermediate_size", "softmax_topk", ("norm_topk_prob", True)),
+    "qwen3_5_moe_text": ("num_experts", "moe_intermediate_size", "softmax_topk", True),
 }
+_SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 MOE_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # a config with experts sets one
 MOE_MODEL_TYPES = tuple(_FAMILIES)
 
@@ -120,7 +124,8 @@ def moe_shape_from_hf_config(cfg: dict[str, Any], num_layers: int) -> MoEShape:
     )
     sparse = [True] * num_layers
     dense_width = 0
-    if model_type in ("qwen3_moe", "qwen2_moe"):  # HF: sparse unless in mlp_only_layers, every decoder_sparse_step-th
+    # HF: sparse unless in mlp_only_layers, every decoder_sparse_step-th
+    if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         step = _positive_field("decoder_sparse_step", cfg.get("decoder_sparse_step", 1))
         only = cfg.get("mlp_only_layers") or []
         if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
@@ -129,7 +134,7 @@ def moe_shape_from_hf_config(cfg: dict[str, Any], num_layers: int) -> MoEShape:
         if not all(sparse):
             dense_width = _positive_field("intermediate_size", cfg.get("intermediate_size"))
     shared = 0
-    if model_type == "qwen2_moe":
+    if model_type in _SHARED_EXPERT_TYPES:
         shared = _positive_field("shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"))
     gpt_oss = model_type == "gpt_oss"
     return MoEShape(
@@ -144,6 +149,27 @@ def moe_shape_from_hf_config(cfg: dict[str, Any], num_layers: int) -> MoEShape:
         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
     )
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """A hybrid model's Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their heads and the conv window."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv (q, k and v before the split)."""
+        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
+
+    @property
+    def state_elements(self) -> int:
+        """One layer's state per sequence: the conv window (conv_dim x (kernel - 1)) and v_heads x k_dim x v_dim."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.k_dim * self.v_dim
 
 
 @dataclass(frozen=True)
@@ -167,9 +193,18 @@ class ModelShape:
     max_position_embeddings: int | None = None
     sliding_window: int | None = None  # the largest window of the sliding layers
     num_sliding_layers: int = 0  # layers attending within sliding_window (0: all attend to everything)
+    # hybrid models: layers with linear attention (a per-sequence state, no KV) and their shape
+    num_linear_layers: int = 0
+    linear: LinearAttentionShape | None = None
+    attn_output_gate: bool = False  # Qwen3.5 / Qwen3-Next: q_proj also yields a sigmoid gate on the output
     moe: MoEShape | None = None  # mixture of experts: the sparse layers' expert layout (None: dense)
     qk_norm_whole: bool = False  # RMSNorm over the whole q / k projection (OLMoE)
     attention_sinks: bool = False  # one learned sink logit per head and layer (gpt-oss)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep per-token K/V (all but the linear-attention ones)."""
+        return self.num_layers - self.num_linear_layers
 
     @property
     def kv_free_window(self) -> int | None:
@@ -249,6 +284,7 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
     attention_bias = bool(cfg.get("attention_bias", False))
     max_pos = cfg.get("max_position_embeddings")
     rope_theta = cfg.get("rope_theta")
+    linear, linear_types = linear_attention_layers(cfg, num_layers)
     return ModelShape(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -268,10 +304,49 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
         max_position_embeddings=int(max_pos) if max_pos is not None else None,
         sliding_window=sliding_window,
         num_sliding_layers=num_sliding,
+        num_linear_layers=sum(linear_types),
+        linear=linear,
+        attn_output_gate=linear is not None,
         moe=moe,
         qk_norm_whole=model_type == "olmoe",
         attention_sinks=model_type == "gpt_oss",
     )
+
+
+def linear_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[LinearAttentionShape | None, list[bool]]:
+    """A hybrid config's Gated DeltaNet shape and which layers use it (layer_types' "linear_attention", else every
+    layer but each full_attention_interval-th, as Qwen3-Next's configs say); (None, all False) for other models."""
+    if "linear_num_value_heads" not in cfg:
+        return None, [False] * num_layers
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"layer_types: unknown layer type(s) {unknown} in a linear-attention model")
+        is_linear = [t == "linear_attention" for t in types]
+    else:
+        interval = cfg.get("full_attention_interval", 4)
+        is_linear = [bool((i + 1) % interval) for i in range(num_layers)]
+    fields = {
+        "num_k_heads": "linear_num_key_heads", "num_v_heads": "linear_num_value_heads",
+        "k_dim": "linear_key_head_dim", "v_dim": "linear_value_head_dim", "conv_kernel": "linear_conv_kernel_dim",
+    }  # fmt: skip
+    values = {}
+    for name, key in fields.items():
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config field {key} must be a positive integer, got {value!r}")
+        values[name] = value
+    if values["num_v_heads"] % values["num_k_heads"]:
+        raise ValueError(
+            f"linear_num_value_heads ({values['num_v_heads']}) must be a multiple of linear_num_key_heads "
+            f"({values['num_k_heads']})"
+        )
+    if values["conv_kernel"] < 2:
+        raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {values['conv_kernel']}")
+    return LinearAttentionShape(**values), is_linear
 
 
 def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, int]:

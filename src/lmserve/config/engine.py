@@ -8,6 +8,7 @@ Every user-facing value is validated here; a bad one raises ValueError naming th
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -30,6 +31,8 @@ QUANTIZATION_FORMAT = "lmserve-v1"  # `quantization_config.format` of checkpoint
 # block of 32 inside the step, integer dot products: llama.cpp's Q4_0 x Q8_0) or "weight-only" (float32 activations,
 # each weight dequantized exactly: the more accurate, slower option). Not saved in checkpoints: the codes are the same.
 INT4_COMPUTE_MODES = ("w4a8", "weight-only")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class CacheConfig:
     kv_scale_bytes_per_token: int = 0  # the part of kv_bytes_per_token that is scales
     draft_kv_bytes_per_token: int = 0  # a speculative draft model's KV, kept in blocks of the same table
     sliding_window: int | None = None  # blocks outside this window are freed while a request runs (all layers slide)
+    # hybrid models: a recurrent-state slot per running sequence (core/state_pool.py), each this many bytes
+    num_state_slots: int = 0
+    state_bytes_per_sequence: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -242,7 +248,8 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         _check_tensor_parallel(tp, model, quantization, self.device)
         kv_heads = memory.kv_heads_per_rank(model.num_kv_heads, tp)  # the pool is sized per rank (the ledger's)
-        kv_bytes_per_token = memory.kv_cache_bytes_per_token(model.num_layers, kv_heads, model.head_dim, kv_dtype)
+        kv_layers = model.num_layers - model.num_linear_layers  # a hybrid's linear-attention layers keep no KV
+        kv_bytes_per_token = memory.kv_cache_bytes_per_token(kv_layers, kv_heads, model.head_dim, kv_dtype)
         spec = None
         if self.speculative_config is not None:
             from lmserve.config.speculative import SpeculativeConfig
@@ -253,13 +260,24 @@ class EngineArgs:
                              "n-gram speculation works")
         draft_bpt = spec.draft_kv_bytes_per_token if spec is not None else 0
         lora = self._lora(spec, model)
-        num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt, lora.slot_bytes if lora else 0)
+        state_bytes = memory.linear_state_bytes_per_sequence(model)
+        if state_bytes:
+            self._check_hybrid(model)
+            num_blocks, num_slots = self._hybrid_pools(kv_bytes_per_token, state_bytes)
+        else:
+            num_slots = 0
+            num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt, lora.slot_bytes if lora else 0)
         # a draft model's KV shares the block tables and may attend to everything: no freeing beside one
         free_window = model.kv_free_window if spec is None or spec.draft is None else None
+        prefix_caching = self.enable_prefix_caching
+        if state_bytes and prefix_caching:
+            logger.info("prefix caching is off for %s: a cached prefix would need its linear-attention state at the "
+                        "block boundary, which is not kept yet", model.architecture)  # fmt: skip
+            prefix_caching = False
         cache = CacheConfig(
-            self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token, kv_dtype,
-            memory.kv_scale_bytes_per_token(model.num_layers, kv_heads, kv_dtype), draft_bpt,
-            free_window,
+            self.block_size, num_blocks, prefix_caching, kv_bytes_per_token, kv_dtype,
+            memory.kv_scale_bytes_per_token(kv_layers, kv_heads, kv_dtype), draft_bpt,
+            free_window, num_slots, state_bytes,
         )  # fmt: skip
         fitted = ""
         # the pool must hold a whole request, unless blocks outside the window are freed as a chunked prefill goes
@@ -288,8 +306,13 @@ class EngineArgs:
                 f"with enable_chunked_prefill=False, max_num_batched_tokens ({budget}) must be >= "
                 f"max_model_len ({max_model_len}{fitted}) so every prompt fits one step"
             )
+        max_num_seqs = self.max_num_seqs
+        if state_bytes and num_slots < max_num_seqs:
+            logger.info("max_num_seqs %d capped to %d: the state slots the budget holds (%s each)", max_num_seqs,
+                        num_slots, memory.format_bytes(state_bytes))  # fmt: skip
+            max_num_seqs = num_slots
         sched = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
@@ -335,6 +358,46 @@ class EngineArgs:
         if config.speculative is not None:
             raise ValueError("runner: the pooling runner does not take speculative_config (nothing is generated)")
         return replace(config, runner="pooling", pooler=pooler)
+
+    def _check_hybrid(self, model: ModelConfig) -> None:
+        """The features that cannot hold a linear-attention layer's per-sequence state yet: a ValueError naming them."""
+        refused = {
+            "speculative_config": self.speculative_config is not None,  # rejected drafts would need state rollback
+            "kv_transfer_config": self.kv_transfer_config is not None,  # the state is not shipped with the KV
+            "enable_lora": self.enable_lora,
+            "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+        }
+        named = [name for name, on in refused.items() if on]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)}: not supported with {model.architecture}, a hybrid model whose linear-attention "
+                "layers keep a per-sequence state (serve it without them)"
+            )
+
+    def _hybrid_pools(self, kv_bytes_per_token: int, state_bytes: int) -> tuple[int, int]:
+        """(KV blocks, state slots): num_kv_blocks as given with a slot per max_num_seqs (their bytes on top), else
+        both from the budget (memory.hybrid_pool_split, as `lmserve memory` reports)."""
+        from lmserve.memory import ledger as memory
+        if self.num_kv_blocks is not None:
+            _check_positive("num_kv_blocks", self.num_kv_blocks)
+            return self.num_kv_blocks, self.max_num_seqs
+        budget_bytes = self._budget_bytes()
+        num_blocks, num_slots = memory.hybrid_pool_split(
+            budget_bytes, self.block_size, kv_bytes_per_token, state_bytes, self.max_num_seqs
+        )
+        if num_slots < 1:
+            raise ValueError(
+                f"kv_cache_memory_gib: {budget_bytes} bytes cannot hold one sequence's state ({state_bytes} bytes) "
+                f"and one block of {self.block_size} tokens ({self.block_size * kv_bytes_per_token} bytes)"
+            )
+        return num_blocks, num_slots
+
+    def _budget_bytes(self) -> int:
+        if self.kv_cache_memory_gib is not None:
+            if self.kv_cache_memory_gib <= 0:
+                raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+            return int(self.kv_cache_memory_gib * 2**30)
+        return default_kv_budget_bytes(self.device)
 
     def _lora(self, spec: Any, model: ModelConfig) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -435,12 +498,7 @@ class EngineArgs:
         if self.num_kv_blocks is not None:
             _check_positive("num_kv_blocks", self.num_kv_blocks)
             return self.num_kv_blocks
-        if self.kv_cache_memory_gib is not None:
-            if self.kv_cache_memory_gib <= 0:
-                raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
-            budget_bytes = int(self.kv_cache_memory_gib * 2**30)
-        else:
-            budget_bytes = default_kv_budget_bytes(self.device)
+        budget_bytes = self._budget_bytes()
         num_blocks = memory.max_num_kv_blocks(max(0, budget_bytes - lora_slot_bytes), self.block_size,
                                               kv_bytes_per_token)  # fmt: skip
         if num_blocks < 1:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmserve.checkpoint.shape import layer_sliding_windows
+from lmserve.checkpoint.shape import LinearAttentionShape, layer_sliding_windows
 from lmserve.sampling_params import POOLING_TYPES, RUNNERS
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -124,6 +124,9 @@ class ModelConfig:
     layer_sliding_windows: tuple[int | None, ...] = ()  # per layer; () or None entries: full attention
     rope_local: RopeConfig | None = None  # Gemma 3: the sliding layers' rotary base
     rotary_dim: int | None = None  # None: head_dim; Phi-4-mini rotates only the first part of each head
+    # hybrid models (Qwen3.5, Qwen3-Next): the Gated DeltaNet layers' shape and how many layers use it
+    linear: LinearAttentionShape | None = None
+    num_linear_layers: int = 0
 
     @property
     def kv_free_window(self) -> int | None:
@@ -187,6 +190,8 @@ class ModelConfig:
             sliding_window=int(sliding_window) if sliding_window else None,
             dtype=resolve_dtype(dtype, cfg, device),
             eos_token_ids=eos_ids,
+            linear=shape.linear,
+            num_linear_layers=shape.num_linear_layers,
             **family_fields(family, cfg, shape.head_dim, shape.hidden_size, windows),
         )
 

@@ -17,6 +17,7 @@ from lmserve.core.lora_slots import LoRASlotTable
 from lmserve.core.outputs import BlockMap, CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from lmserve.core.prefix_shadow import SharedPrefixCounter
 from lmserve.core.scheduler import Scheduler
+from lmserve.core.state_pool import StateSlotPool
 from lmserve.engine.closing import check_open, close_engine
 from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.engine.disaggregation import make_roles
@@ -107,7 +108,10 @@ class LLMEngine:
         )  # fmt: skip
         lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
         lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots)
+        # a hybrid model's per-sequence recurrent state: one slot per running request (core/state_pool.py)
+        state_slots = StateSlotPool(config.cache.num_state_slots) if config.cache.num_state_slots else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots,
+                                   state_slots=state_slots)  # fmt: skip
         self.executor = None  # tensor parallel: the worker processes rank 0 drives (engine/tp_executor.py)
         if config.tensor_parallel_size > 1:
             from lmserve.engine.tp_executor import TPExecutor
@@ -539,11 +543,20 @@ class LLMEngine:
             ),  # of max_model_len tokens each: the concurrency the pool buys
             "finished_requests_by_reason": dict(c.num_finished_by_reason),
             **self._lora_metrics(),
+            **self._state_slot_metrics(),
             **spec_decode_metrics(s),
             **step_metrics(s, c),
             **config_metrics(self.config),
             **(role.metrics() if (role := self.kv_producer or self.kv_consumer) is not None else {}),
         }
+
+    def _state_slot_metrics(self) -> dict[str, Any]:
+        """A hybrid model's state slots: held by running requests, in all, and the bytes of one."""
+        pool = self.scheduler.state_slots
+        if pool is None:
+            return {}
+        return {"num_state_slots_used": pool.num_used, "num_state_slots": pool.num_slots,
+                "state_bytes_per_sequence": self.config.cache.state_bytes_per_sequence}  # fmt: skip
 
     def _lora_metrics(self) -> dict[str, Any]:
         """Running requests per adapter name (the base model's under ""), the slots' bytes (the ledger's LoRA line)."""

@@ -81,6 +81,7 @@ SAME_ON_EVERY_CORE = {
     "kv_cache_bytes_per_token",
     "kv_cache_scale_bytes_per_token",
     "kv_cache_dtype",
+    "state_bytes_per_sequence",
     *CONFIG_LABELS,  # llm_engine.config_metrics: every core runs the same configuration
 }
 SMALLEST_NONZERO = {"decode_step_time_min_s"}  # the fastest core's figure (0 = none yet)

@@ -29,3 +29,4 @@
 #include "decode_stack.c"
 #include "allreduce.c"
 #include "lora.c"
+#include "linear_attention.c"

@@ -26,6 +26,7 @@ Conventions
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from lmserve.checkpoint.shape import HEAD_LAYOUTS, ModelShape, load_model_shape, model_shape_from_hf_config
 from lmserve.memory.units import format_bytes, parse_bytes
@@ -42,6 +43,9 @@ __all__ = [
     "kv_cache_bytes_per_token",
     "kv_scale_bytes_per_token",
     "kv_heads_per_rank",
+    "hybrid_pool_split",
+    "linear_state_bytes_per_sequence",
+    "max_concurrent_sequences",
     "load_model_shape",
     "max_concurrent_requests",
     "max_num_kv_blocks",
@@ -189,7 +193,7 @@ def _count_parameters(shape: ModelShape, tp: int, active: bool) -> int:
     kv_out = kv_heads_per_rank(shape.num_kv_heads, tp) * d
     vocab = math.ceil(shape.vocab_size / tp)
 
-    attn = h * q_out + 2 * h * kv_out + q_out * h
+    attn = h * q_out * (2 if shape.attn_output_gate else 1) + 2 * h * kv_out + q_out * h
     if shape.qkv_bias:
         attn += q_out + 2 * kv_out
     if shape.o_bias:
@@ -202,11 +206,24 @@ def _count_parameters(shape: ModelShape, tp: int, active: bool) -> int:
         attn += shape.num_attention_heads // tp
     norms = 2 * h
     mlp_total = sum(_mlp_parameters(shape, tp, sparse, active) for sparse in _sparse_layers(shape))
+    mixers = shape.num_kv_layers * attn
+    if shape.linear is not None:  # tp is 1 here (the engine refuses tensor parallelism for hybrid models)
+        mixers += shape.num_linear_layers * _linear_attention_parameters(shape)
 
     embeddings = vocab * h
     lm_head = 0 if shape.tie_word_embeddings else vocab * h
     final_norm = h
-    return shape.num_layers * (attn + norms) + mlp_total + embeddings + lm_head + final_norm
+    return mixers + shape.num_layers * norms + mlp_total + embeddings + lm_head + final_norm
+
+
+def _linear_attention_parameters(shape: ModelShape) -> int:
+    """One Gated DeltaNet layer: in_proj_qkv / z / b / a, the depthwise conv, dt_bias, A_log, the gated norm and
+    out_proj (HF's Qwen3_5GatedDeltaNet)."""
+    lin, h = shape.linear, shape.hidden_size
+    assert lin is not None, "not a linear-attention model"
+    value_size = lin.num_v_heads * lin.v_dim
+    projections = h * lin.conv_dim + h * value_size + 2 * h * lin.num_v_heads + value_size * h
+    return projections + lin.conv_dim * lin.conv_kernel + 2 * lin.num_v_heads + lin.v_dim
 
 
 def _sparse_layers(shape: ModelShape) -> tuple[bool, ...]:
@@ -317,6 +334,8 @@ def weight_bytes_per_rank(
             return math.ceil(params * weight_dtype_bytes)
         float_params = params - expert_bytes(shape, "float32", tp) // 4  # (the routed experts' weights)
         return math.ceil(float_params * weight_dtype_bytes) + expert_bytes(shape, "mxfp4", tp)
+    if shape.linear is not None:
+        raise ValueError(f"quantization={quantization!r}: the ledger does not count quantized hybrid models yet")
     dense = projection_shapes_per_rank(shape, tp)
     layers = [dense[:4] + expert_projection_shapes_per_rank(shape, tp) if s else dense for s in sparse]
     num_float_params = params - sum(o * k for projections in layers for o, k in projections)
@@ -379,6 +398,43 @@ def max_concurrent_requests(
     sliding window, only the blocks of kv_blocks_held)."""
     blocks = max_num_kv_blocks(kv_budget_bytes, block_size, kv_bytes_per_token)
     return blocks // kv_blocks_held(seq_len, block_size, sliding_window)
+
+
+def linear_state_bytes_per_sequence(shape: ModelShape | Any, state_dtype_bytes: float = 4) -> int:
+    """The recurrent state one sequence holds in a hybrid model: linear layers x (conv window + v_heads x k_dim x
+    v_dim) at the state dtype (float32 by default); 0 for a model without linear-attention layers. `shape`: a
+    ModelShape or the engine's ModelConfig (both carry linear and num_linear_layers). The engine's state tensors
+    (worker/state_cache.py) hold exactly this per slot."""
+    if shape.linear is None or not shape.num_linear_layers:
+        return 0
+    return math.ceil(shape.num_linear_layers * shape.linear.state_elements * _positive_bytes(state_dtype_bytes))
+
+
+def hybrid_pool_split(
+    budget_bytes: int, block_size: int, kv_bytes_per_token: int, state_bytes_per_sequence: int, max_num_seqs: int
+) -> tuple[int, int]:
+    """(KV blocks, state slots) a hybrid model's pool takes from one budget: a slot per sequence up to max_num_seqs,
+    as many as leave each at least one KV block, then every byte left as KV blocks. The engine sizes its pools with
+    this; `lmserve memory` reports it."""
+    _positive("max_num_seqs", max_num_seqs)
+    _positive("state_bytes_per_sequence", state_bytes_per_sequence)
+    block_bytes = block_size * kv_bytes_per_token
+    max_num_kv_blocks(budget_bytes, block_size, kv_bytes_per_token)  # validates the arguments
+    num_slots = min(max_num_seqs, budget_bytes // (state_bytes_per_sequence + block_bytes))
+    num_blocks = (budget_bytes - num_slots * state_bytes_per_sequence) // block_bytes
+    return num_blocks, num_slots
+
+
+def max_concurrent_sequences(
+    budget_bytes: int, seq_len: int, kv_bytes_per_token: int, state_bytes_per_sequence: int, block_size: int = 16
+) -> int:
+    """Sequences of seq_len tokens a budget holds at once when each costs its KV blocks (full-attention layers) and
+    its state: budget // (ceil(seq_len / block_size) x block_size x KV bytes per token + state bytes)."""
+    _positive("kv_bytes_per_token", kv_bytes_per_token)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+    per_sequence = blocks_per_request(seq_len, block_size) * block_size * kv_bytes_per_token
+    return budget_bytes // (per_sequence + state_bytes_per_sequence)
 
 
 def lora_slot_bytes(

@@ -13,11 +13,13 @@ from lmserve.memory.ledger import (
     _positive,
     dtype_bytes,
     expert_bytes,
+    hybrid_pool_split,
     kv_blocks_held,
     kv_cache_bytes_per_token,
     kv_committed_bytes,
     kv_heads_per_rank,
     kv_scale_bytes_per_token,
+    linear_state_bytes_per_sequence,
     lora_slot_bytes,
     max_num_kv_blocks,
     num_active_parameters,
@@ -84,6 +86,9 @@ class MemoryReport:
     max_lora_rank: int | None = None
     lora_dtype: str | None = None
     lora_slot_bytes: int = 0
+    # hybrid models: the linear-attention layers' state per sequence (float32) and the slots the budget gives them
+    state_bytes_per_sequence: int = 0
+    num_state_slots: int | None = None
     # mixture of experts: parameters a token computes with (embedding table counted, and without it: what a decode
     # step streams per token) and the routed experts' bytes per precision; None for a dense model
     num_active_parameters: int | None = None
@@ -199,6 +204,14 @@ class MemoryReport:
                 f"all ranks: {_fmt(self.kv_bytes_batch_total)}]"
             )
         rows.append((f"  batch ({self.batch} × {self.seq_len:,} tokens)", batch_text))
+        if self.state_bytes_per_sequence:
+            rows.append(
+                (
+                    "linear-attention state",
+                    f"{_fmt(self.state_bytes_per_sequence)} per sequence (float32, {s.num_linear_layers} of "
+                    f"{s.num_layers} layers; the KV above counts the other {s.num_kv_layers})",
+                )
+            )
         if self.memory_bytes is not None:
             budget = f"{_fmt(self.memory_bytes)} per device"
             if self.reserve_bytes:
@@ -215,6 +228,9 @@ class MemoryReport:
                     f"blocks are first used, up to {_fmt(pool)}",
                 )
             )
+            if self.num_state_slots is not None:
+                slots = f"{self.num_state_slots:,} (one per running sequence: max_num_seqs is at most this)"
+                rows.append(("  state slots", slots))
             rows.append(
                 (
                     "  max concurrent requests",
@@ -253,13 +269,15 @@ def memory_report(
     max_loras: int | None = None,
     max_lora_rank: int = 16,
     lora_dtype: str | None = None,
+    max_num_seqs: int = 256,
 ) -> MemoryReport:
     """Weights, KV per token/request/batch, and (given a per-device ``memory_bytes``) how many
     ``seq_len``-token requests fit after weights and ``reserve_bytes``. ``exact_weight_bytes``: the weights'
     bytes when the checkpoint fixes them (a GGUF file's blocks kept as they are; tp=1). ``max_loras`` (LoRA
     enabled): the compute slots of rank ``max_lora_rank`` at ``lora_dtype`` (default ``weight_dtype``; the engine
     keeps them at the model's compute dtype) are counted per device and taken from the budget before the KV, as
-    the engine sizes its pool (config.EngineArgs._num_kv_blocks)."""
+    the engine sizes its pool (config.EngineArgs._num_kv_blocks). A hybrid model's state slots (up to
+    ``max_num_seqs``) come from the same budget (memory.hybrid_pool_split)."""
     _positive("seq_len", seq_len)
     _positive("batch", batch)
     _positive("block_size", block_size)
@@ -310,7 +328,8 @@ def memory_report(
         )
 
     # per-token sizes: values plus, for the 8-bit KV dtypes, their scales
-    layers, heads_rank = shape.num_layers, kv_heads_per_rank(shape.num_kv_heads, tp)
+    layers, heads_rank = shape.num_kv_layers, kv_heads_per_rank(shape.num_kv_heads, tp)
+    state_bytes = linear_state_bytes_per_sequence(shape)
     per_token = kv_cache_bytes_per_token(layers, shape.num_kv_heads, shape.head_dim, kv_dtype)
     scales = kv_scale_bytes_per_token(layers, shape.num_kv_heads, kv_dtype)
     per_layer = kv_cache_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, kv_dtype)
@@ -332,6 +351,11 @@ def memory_report(
             f"{shape.num_sliding_layers} of {layers} layers slide (window {shape.sliding_window:,}), the others "
             "attend to everything: a block holds every layer's K/V, so the engine keeps all blocks (the sliding "
             "layers only stop reading outside their window); KV counted in full"
+        )
+    if state_bytes:
+        notes.append(
+            f"hybrid: {shape.num_linear_layers} of {shape.num_layers} layers are linear attention (a "
+            f"{format_bytes(state_bytes)} float32 state per sequence, no KV); KV counts the other {layers}"
         )
     if shape.num_kv_heads < tp:
         notes.append(
@@ -357,9 +381,15 @@ def memory_report(
                 f"{what} ({format_bytes(weight_bytes_rank + lora_bytes)} per device) do not fit in "
                 f"memory minus reserve ({format_bytes(memory_bytes - reserve_bytes)})"
             )
-        blocks = max_num_kv_blocks(kv_budget, block_size, per_token_rank)
-        max_req = blocks // n_blocks_req
+        slots = None
+        if state_bytes:  # the engine's split (config.EngineArgs), with max_num_seqs at its default
+            blocks, slots = hybrid_pool_split(kv_budget, block_size, per_token_rank, state_bytes, max_num_seqs)
+            max_req = min(slots, blocks // n_blocks_req)
+        else:
+            blocks = max_num_kv_blocks(kv_budget, block_size, per_token_rank)
+            max_req = blocks // n_blocks_req
         budget = dict(
+            num_state_slots=slots,
             memory_bytes=memory_bytes,
             reserve_bytes=reserve_bytes,
             weights_fit=free >= 0,
@@ -410,6 +440,7 @@ def memory_report(
         max_lora_rank=max_lora_rank if max_loras is not None else None,
         lora_dtype=lora_dtype,
         lora_slot_bytes=lora_bytes,
+        state_bytes_per_sequence=state_bytes,
         **moe,
         **budget,
     )

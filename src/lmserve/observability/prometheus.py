@@ -179,6 +179,11 @@ class _EngineCollector(Collector):
             m["spec_decode_mean_accepted_length"],
         )  # fmt: skip
         yield from _lora_metrics(m, labels, values, gauge, counter)
+        if "num_state_slots" in m:  # a hybrid model's recurrent-state slots
+            used = m["num_state_slots_used"]
+            yield gauge("state_slots_used", "Recurrent-state slots held by running sequences.", used)
+            yield gauge("state_slots_total", "Recurrent-state slots (max_num_seqs is at most this).",
+                        m["num_state_slots"])  # fmt: skip
         yield from _step_metrics(m, counter, gauge)
         config = GaugeMetricFamily(
             PREFIX + "engine_config_info",
