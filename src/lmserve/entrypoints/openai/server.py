@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from lmserve.engine.async_engine import AsyncEngine
+from lmserve.engine.protocol import EngineClient
 from lmserve.engine.token_bytes import TokenBytes
 from lmserve.entrypoints.openai.chat_settings import ChatSettings
 from lmserve.entrypoints.openai.dashboard import add_web_routes
@@ -68,7 +69,7 @@ def build_app(
     stop before the engine does. `lora_modules`: the LoRA adapters served by name (the engine needs enable_lora).
     `chat_settings`: reasoning / tool-call parsers and chat template options (default: chosen from the template).
     `response_store`: the Responses API's stored responses (default: ResponseStore's bounds)."""
-    loader = None if hasattr(engine, "add_request") else engine
+    loader = None if isinstance(engine, EngineClient) else engine
     if loader is not None and not served_model_name:
         raise ValueError("served_model_name is required when the engine is loaded in the background")
     name = served_model_name or engine.config.model.path  # type: ignore[union-attr]
