@@ -151,17 +151,3 @@ class TPGroup:
                 shutdown()
             except Exception:  # noqa: BLE001 (a peer already gone: nothing left to close cleanly)
                 pass
-
-
-def host_ip() -> str:
-    """This host's address as other hosts reach it (Ray: rank 0's store); loopback when alone."""
-    return os.environ.get("LMSERVE_TP_HOST") or _route_ip()
-
-
-def _route_ip() -> str:
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"

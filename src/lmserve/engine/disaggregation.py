@@ -263,10 +263,6 @@ class KVConsumer:
             child.num_delta_tokens = len(ch.output_token_ids)
             child.delta_text = child.detokenizer.output_text
 
-    @property
-    def has_remote(self) -> bool:
-        return bool(self._remote)
-
     def resolve(self) -> list[Any]:
         """Between steps: finish the pulls that answered, start the ones there is room for. Returns the outputs
         of requests that ended here (policy fail)."""

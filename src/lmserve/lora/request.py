@@ -29,9 +29,5 @@ class LoRARequest:
         return self.lora_name
 
     @property
-    def int_id(self) -> int:
-        return self.lora_int_id
-
-    @property
     def path(self) -> str:
         return self.lora_path

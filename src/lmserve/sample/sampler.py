@@ -44,10 +44,6 @@ class SamplingMetadata:
     eos_token_ids: list[int]  # suppressed while len(output) < min_tokens (unless ignore_eos)
     token_bitmask: TokenBitmask | None = None  # allowed tokens of the structured-output rows; None = none
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(p.greedy for p in self.params)
-
 
 @dataclass
 class TokenLogprobs:
