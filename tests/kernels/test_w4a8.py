@@ -193,8 +193,14 @@ def test_every_path_generates_the_same_tokens(llama_dir: Path, isa: str, monkeyp
 def test_the_int4_methods_8_bit_head_runs_w8a8_blocks(llama_dir: Path) -> None:
     """With W4A8 the int4 method's int8w head is repacked into the kernels' 8-bit panels (codes + 128): the same
     weights, int8 activations per block of 32, the exact integer math of quantization.w8a8_blocks_reference."""
-    exact = LLM(str(llama_dir), num_kv_blocks=16, quantization="int4", int4_compute="weight-only").engine.runner.model
-    model = LLM(str(llama_dir), num_kv_blocks=16, quantization="int4").engine.runner.model
+    exact_llm = LLM(
+        str(llama_dir), num_kv_blocks=16, quantization="int4", int4_compute="weight-only"
+    )  # kept alive: collecting an LLM closes its engine
+    exact = exact_llm.engine.runner.model
+    model_llm = LLM(
+        str(llama_dir), num_kv_blocks=16, quantization="int4"
+    )  # kept alive: collecting an LLM closes its engine
+    model = model_llm.engine.runner.model
     head = model.lm_head
     assert head.quant_method == "int8w" and head.qweight is None and head._w4a8.bits == 8
     assert torch.equal(head.dequantized_weight(), exact.lm_head.dequantized_weight())

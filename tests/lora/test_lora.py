@@ -215,6 +215,7 @@ def test_lora_enabled_unused_skips_the_lora_path(bases, adapters) -> None:
 
 def test_ledger_counts_the_slot_bytes(bases) -> None:
     from lmserve.memory import ledger as memory
+
     llm = make_llm(bases["qwen3"], max_loras=3, max_lora_rank=32)
     mc = llm.engine.config.model
     expected = memory.lora_slot_bytes(mc.num_layers, mc.hidden_size, mc.num_heads * mc.head_dim,
@@ -242,7 +243,10 @@ def test_kv_budget_takes_the_slot_bytes_and_the_report_agrees(bases, tmp_path: P
     assert slot_bytes == cfg.lora.slot_bytes > 0, "the engine set aside what its slots hold"
     assert cfg.cache.pool_bytes + slot_bytes <= budget, "the pool and the slots fit the budget"
     assert cfg.cache.num_blocks == memory.max_num_kv_blocks(budget - slot_bytes, block, cfg.cache.kv_bytes_per_token)
-    plain = LLM(str(bases["qwen3"]), kv_cache_memory_gib=gib, block_size=block).engine.config.cache
+    plain_llm = LLM(
+        str(bases["qwen3"]), kv_cache_memory_gib=gib, block_size=block
+    )  # kept alive: collecting an LLM closes its engine
+    plain = plain_llm.engine.config.cache
     assert plain.num_blocks > cfg.cache.num_blocks, "without LoRA the whole budget is KV"
 
     shape = memory.load_model_shape(bases["qwen3"])

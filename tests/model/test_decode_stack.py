@@ -93,12 +93,17 @@ def test_rows_beyond_the_kernels_take_the_module_path(model_dirs: dict[str, Path
     stack = runner.model.model.decode_stack(runner.kv_caches)
     assert stack is not None and stack.max_rows == kernels.I8_MAX_ROWS
     assert compared == [], f"no step of {kernels.I8_MAX_ROWS + 1} decodes may take the stack"
-    fp32 = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64).engine.runner
+    fp32_llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64)  # kept alive: collecting an LLM closes its engine
+    fp32 = fp32_llm.engine.runner
     assert fp32.model.model.decode_stack(fp32.kv_caches).max_rows == kernels.f32_max_rows()
     kw = dict(num_kv_blocks=64, quantization="int4")
-    int4 = LLM(str(model_dirs["llama-gqa"]), **kw, int4_compute="weight-only").engine.runner
+    int4_llm = LLM(
+        str(model_dirs["llama-gqa"]), **kw, int4_compute="weight-only"
+    )  # kept alive: collecting an LLM closes its engine
+    int4 = int4_llm.engine.runner
     assert int4.model.model.decode_stack(int4.kv_caches).max_rows == kernels.I4_MAX_ROWS
-    w4a8 = LLM(str(model_dirs["llama-gqa"]), **kw).engine.runner  # every projection on W4A8 panels
+    w4a8_llm = LLM(str(model_dirs["llama-gqa"]), **kw)  # kept alive: collecting an LLM closes its engine
+    w4a8 = w4a8_llm.engine.runner  # every projection on W4A8 panels
     assert w4a8.model.model.decode_stack(w4a8.kv_caches).max_rows == W4A8_STACK_MAX_ROWS
 
 
@@ -147,13 +152,17 @@ def test_stack_logits_are_the_heads(
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "olmo2", "phi3-longrope-partial"])
 def test_layouts_it_does_not_compute_take_the_module_path(model_dirs: dict[str, Path], name: str) -> None:
     """q/k norms, sandwich or post norms, soft-capping, two rotary tables, partial rotary: never the stack."""
-    runner = LLM(str(model_dirs[name]), num_kv_blocks=64).engine.runner
+    runner_llm = LLM(str(model_dirs[name]), num_kv_blocks=64)  # kept alive: collecting an LLM closes its engine
+    runner = runner_llm.engine.runner
     assert runner.model.model.decode_stack(runner.kv_caches) is None
     assert runner.model.model.stack_linears() == []
 
 
 def test_float16_kv_cache_takes_the_module_path(model_dirs: dict[str, Path]) -> None:
-    runner = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64, kv_cache_dtype="float16").engine.runner
+    runner_llm = LLM(
+        str(model_dirs["llama-gqa"]), num_kv_blocks=64, kv_cache_dtype="float16"
+    )  # kept alive: collecting an LLM closes its engine
+    runner = runner_llm.engine.runner
     assert runner.model.model.decode_stack(runner.kv_caches) is None
 
 
@@ -180,7 +189,8 @@ def test_small_m_choice_and_the_stack(model_dirs: dict[str, Path], caplog: pytes
 
 
 def test_kernel_wrapper_refuses_bad_operands(model_dirs: dict[str, Path]) -> None:
-    runner = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64).engine.runner
+    runner_llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64)  # kept alive: collecting an LLM closes its engine
+    runner = runner_llm.engine.runner
     stack = runner.model.model.decode_stack(runner.kv_caches)
     desc = ctypes.byref(stack._model)
     h = torch.zeros(1, stack._model.hidden)
@@ -207,8 +217,10 @@ def lora_dirs(tmp_path_factory: pytest.TempPathFactory, model_dirs: dict[str, Pa
 
     root = tmp_path_factory.mktemp("stack_lora")
     return {
-        base: {n: build_adapter(model_dirs[base], root / base / n, r, a, t, seed=i)
-               for i, (n, (r, a, t)) in enumerate(LORA_SPECS.items())}  # fmt: skip
+        base: {
+            n: build_adapter(model_dirs[base], root / base / n, r, a, t, seed=i)
+            for i, (n, (r, a, t)) in enumerate(LORA_SPECS.items())
+        }  # fmt: skip
         for base in ("llama-gqa", "qwen2")
     }
 

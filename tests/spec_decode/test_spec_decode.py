@@ -334,7 +334,10 @@ def test_config_errors_name_the_key(llama_dir, tmp_path, tokenizer_dir) -> None:
 
 def test_draft_kv_is_counted_by_the_ledger(llama_dir) -> None:
     budget = 2**20
-    plain = LLM(str(llama_dir), kv_cache_memory_gib=budget / 2**30).engine.config.cache
+    plain_llm = LLM(
+        str(llama_dir), kv_cache_memory_gib=budget / 2**30
+    )  # kept alive: collecting an LLM closes its engine
+    plain = plain_llm.engine.config.cache
     spec = LLM(
         str(llama_dir), kv_cache_memory_gib=budget / 2**30, speculative_config={"model": str(llama_dir)}
     ).engine.config.cache
