@@ -182,7 +182,7 @@ def num_parameters_per_rank(shape: ModelShape, tp: int = 1) -> int:
     embeddings = vocab * h
     lm_head = 0 if shape.tie_word_embeddings else vocab * h
     final_norm = h
-    return shape.num_layers * per_layer + embeddings + lm_head + final_norm
+    return shape.num_layers * per_layer + embeddings + lm_head + final_norm + shape.extra_parameters
 
 
 def num_parameters(shape: ModelShape) -> int:
