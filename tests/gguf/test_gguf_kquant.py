@@ -55,7 +55,7 @@ def reference(type_name: str, blocks: np.ndarray, cols: int) -> torch.Tensor:
 @pytest.fixture(params=["avx512", "portable"])
 def kernel_path(request: pytest.FixtureRequest):
     """Each test once per path: the CPU's (AVX-512 where it has it) and the portable C one, forced."""
-    if request.param == "avx512" and not kernels._lib.kq_kernel_isa():
+    if request.param == "avx512" and not kernels.library._lib.kq_kernel_isa():
         pytest.skip("this CPU has no AVX-512: the portable path is the only one")
     kernels.force_kquant_portable(request.param == "portable")
     expected = "portable C" if request.param == "portable" else "AVX-512 (chosen at run time)"
@@ -121,8 +121,8 @@ def test_the_path_is_chosen_at_run_time_whatever_the_build(tmp_path: Path) -> No
         pytest.skip("this compiler cannot target x86-64-v2")
     lib = ctypes.CDLL(str(out))
     kernels._declare_kquant(lib)
-    saved = kernels._lib
-    kernels._lib = lib
+    saved = kernels.library._lib
+    kernels.library._lib = lib
     try:
         for portable in (False, True):
             lib.kq_force_portable(int(portable))
@@ -137,7 +137,7 @@ def test_the_path_is_chosen_at_run_time_whatever_the_build(tmp_path: Path) -> No
                 torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-4)
     finally:
         lib.kq_force_portable(0)
-        kernels._lib = saved
+        kernels.library._lib = saved
 
 
 def test_bad_k_quant_input_is_named() -> None:

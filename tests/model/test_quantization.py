@@ -80,7 +80,7 @@ def test_int8_kernel_batches_rows_bit_identically(k: int) -> None:
     for m in range(1, x.shape[0] + 1):
         assert torch.equal(kernels.linear_i8(x[:m], qw, s, sums, None), expected[:m]), f"{m} rows"
     torch.testing.assert_close(kernels.linear_i8(x, qw, s, sums, bias), expected + bias)  # (one fused rounding)
-    assert kernels.I8_MAX_ROWS == kernels._lib.i8_kernel_max_rows()
+    assert kernels.I8_MAX_ROWS == kernels.library._lib.i8_kernel_max_rows()
 
 
 def test_int8_weight_quantization_is_symmetric_per_channel() -> None:
@@ -139,10 +139,10 @@ def portable_kernels(tmp_path: Path) -> Iterator[ctypes.CDLL]:
         pytest.skip("this compiler cannot target x86-64-v2")
     lib = ctypes.CDLL(str(out))
     kernels._declare_quantized(lib)
-    saved = kernels._lib
-    kernels._lib = lib
+    saved = kernels.library._lib
+    kernels.library._lib = lib
     yield lib
-    kernels._lib = saved
+    kernels.library._lib = saved
 
 
 def test_portable_fallback_without_vnni_is_exact(portable_kernels: ctypes.CDLL) -> None:

@@ -248,7 +248,7 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         _check_tensor_parallel(tp, model, quantization, self.device)
         kv_heads = memory.kv_heads_per_rank(model.num_kv_heads, tp)  # the pool is sized per rank (the ledger's)
-        kv_layers = model.num_layers - model.num_linear_layers  # a hybrid's linear-attention layers keep no KV
+        kv_layers = model.num_kv_layers  # a hybrid's linear-attention layers keep no KV
         kv_bytes_per_token = memory.kv_cache_bytes_per_token(kv_layers, kv_heads, model.head_dim, kv_dtype)
         spec = None
         if self.speculative_config is not None:
@@ -545,6 +545,9 @@ def _check_tensor_parallel(tp: int, model: ModelConfig, quantization: Quantizati
     _check_positive("tensor_parallel_size", tp)
     if tp == 1:
         return
+    if not model.uniform_layers:
+        raise ValueError(f"tensor_parallel_size={tp}: {model.architecture}'s per-layer head shapes, shared K/V or "
+                         "per-layer inputs are not split; use tensor_parallel_size=1")  # fmt: skip
     why = {
         "num_attention_heads": model.num_heads % tp and f"{model.num_heads} attention heads",
         "intermediate_size": model.intermediate_size % tp and f"intermediate_size {model.intermediate_size}",

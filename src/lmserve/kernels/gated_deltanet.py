@@ -21,7 +21,7 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 def _lib() -> ctypes.CDLL:
     global _declared_on
-    lib = kernels._lib
+    lib = kernels.library._lib
     assert lib is not None, "kernels not loaded: check usable() first"
     if _declared_on is not lib:
         lib.gdn_conv_decode_f32.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int]

@@ -7,16 +7,7 @@ import ctypes
 
 import torch
 
-import lmserve.kernels as K
-
-__all__ = [
-    "LORA_MAX_ROWS",
-    "decode_stack",
-    "lora_delta",
-    "shm_all_reduce",
-    "shm_post",
-    "shm_wait",
-]
+from lmserve.kernels import library as L
 
 
 def decode_stack(
@@ -36,20 +27,20 @@ def decode_stack(
     logits (B, vocab) float32: also the LM head model.head describes, on out (the model's head must be set).
     Returns 0, -1 if the kernel's scratch memory could not be allocated, or (a tensor-parallel rank's stack,
     model.allreduce set) SHM_ABORTED / SHM_TIMEOUT from its all-reduce."""
-    assert K._lib is not None, "kernels not loaded: call available() first"
+    assert L._lib is not None, "kernels not loaded: call available() first"
     b, hidden = h.shape
     for t, n in ((h, "h"), (out, "out"), (cos, "cos"), (sin, "sin")):
-        K._check(t, n)
+        L._check(t, n)
     for t, n in ((slot_mapping, "slot_mapping"), (block_tables, "block_tables"), (context_lens, "context_lens")):
-        K._check(t, n, torch.int64)
+        L._check(t, n, torch.int64)
     assert out.shape == h.shape and cos.shape == sin.shape and cos.shape[0] == b, "one row per token"
     assert slot_mapping.shape == (b,) and context_lens.shape == (b,) and block_tables.shape[0] == b, "per token"
     if logits is not None:
-        K._check(logits, "logits")
+        L._check(logits, "logits")
         assert logits.dim() == 2 and logits.shape[0] == b, "one logits row per token"
-    return K._lib.decode_stack(
+    return L._lib.decode_stack(
         model, h.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
-        block_tables.data_ptr(), context_lens.data_ptr(), b, block_tables.shape[1], K._ptr(logits),
+        block_tables.data_ptr(), context_lens.data_ptr(), b, block_tables.shape[1], L._ptr(logits),
         torch.get_num_threads(),
     )  # fmt: skip
 
@@ -61,22 +52,22 @@ def shm_all_reduce(desc: ctypes._Pointer | ctypes._CArgObject, x: torch.Tensor) 
     """x (contiguous float32, CPU) summed in place over a shared-memory group (cpu_kernels.c: shm_all_reduce_f32,
     worker/shm_allreduce.py's protocol); desc points at the group's ls_allreduce. Returns 0, SHM_ABORTED or
     SHM_TIMEOUT."""
-    assert K._lib is not None, "kernels not loaded: call available() first"
-    K._check(x, "x")
-    return K._lib.shm_all_reduce_f32(desc, x.data_ptr(), x.numel())
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    L._check(x, "x")
+    return L._lib.shm_all_reduce_f32(desc, x.data_ptr(), x.numel())
 
 
 def shm_wait(desc: ctypes._Pointer | ctypes._CArgObject, seq: int) -> int:
     """Wait (spin, then sleep) until every peer of the group desc points at posted call seq (cpu_kernels.c:
     shm_wait). Returns 0, SHM_ABORTED or SHM_TIMEOUT."""
-    assert K._lib is not None, "kernels not loaded: call available() first"
-    return K._lib.shm_wait(desc, seq)
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    return L._lib.shm_wait(desc, seq)
 
 
 def shm_post(desc: ctypes._Pointer | ctypes._CArgObject, seq: int) -> None:
     """Post this rank's call seq and wake peers sleeping on it (cpu_kernels.c: shm_post)."""
-    assert K._lib is not None, "kernels not loaded: call available() first"
-    K._lib.shm_post(desc, seq)
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    L._lib.shm_post(desc, seq)
 
 
 # runs of at most this many rows take lora_delta, on the hooks' path and in the decode stack alike (its most rows:
@@ -87,12 +78,12 @@ LORA_MAX_ROWS = 64
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, cols: int) -> None:
     """y (M, O) += (x (M, K) · a[:cols]ᵀ) · b[:, :cols]ᵀ (cpu_kernels.c: lora_delta_f32, what the decode stack adds
     for a LoRA run): a (≥ cols, K), b (O, ≥ cols) one slot's stacked LoRA weights, rows contiguous."""
-    assert K._lib is not None, "kernels not loaded: call available() first"
+    assert L._lib is not None, "kernels not loaded: call available() first"
     for t, n in ((x, "x"), (a, "A"), (b, "B"), (y, "y")):
-        K._check(t, n)
+        L._check(t, n)
     m, k = x.shape
     o, stride = b.shape
     assert y.shape == (m, o) and a.shape[1] == k and 0 < cols <= min(a.shape[0], stride), "LoRA delta shapes"
-    rc = K._lib.lora_delta_f32(x.data_ptr(), a.data_ptr(), b.data_ptr(), y.data_ptr(), m, k, o, cols, stride,
+    rc = L._lib.lora_delta_f32(x.data_ptr(), a.data_ptr(), b.data_ptr(), y.data_ptr(), m, k, o, cols, stride,
                              torch.get_num_threads())  # fmt: skip
     assert rc == 0, "lora_delta: out of memory for its scratch"

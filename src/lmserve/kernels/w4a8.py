@@ -8,49 +8,39 @@ from typing import Any
 
 import torch
 
-import lmserve.kernels as K
+from lmserve.kernels import library as L
 
 W4A8_ISA_ENV = "LMSERVE_W4A8_ISA"  # auto (the fastest this CPU runs) | vnni512 | vnni256 | avx2 | scalar
 W4A8_ISAS = {"scalar": 0, "avx2": 1, "vnni256": 2, "vnni512": 3}  # W4A8_* in the C source
-
-__all__ = [
-    "W4A8_ISAS",
-    "W4A8_ISA_ENV",
-    "linear_w4a8",
-    "w4a8_isa",
-    "w4a8_isa_name",
-    "w4a8_isa_supported",
-    "w4a8_quantize_rows",
-]
 
 
 def w4a8_isa_supported(isa: str) -> bool:
     """Whether this CPU (and OS) runs the W4A8 path isa, by cpuid at run time."""
     assert isa in W4A8_ISAS, f"W4A8 path {isa!r}: one of {list(W4A8_ISAS)}"
-    return K.available() and bool(K._lib.w4a8_isa_supported(W4A8_ISAS[isa]))
+    return L.available() and bool(L._lib.w4a8_isa_supported(W4A8_ISAS[isa]))
 
 
 def w4a8_isa(isa: str | None = None) -> str:
     """The W4A8 path the kernels run: isa, else $LMSERVE_W4A8_ISA, else ("auto") the fastest this CPU supports.
     A forced path the CPU lacks is a ValueError."""
-    assert K._lib is not None, "kernels not loaded: call available() first"
+    assert L._lib is not None, "kernels not loaded: call available() first"
     want = (isa or os.environ.get(W4A8_ISA_ENV, "auto")).strip().lower() or "auto"
     if want == "auto":
-        best = K._lib.w4a8_isa_best()
+        best = L._lib.w4a8_isa_best()
         return next(n for n, v in W4A8_ISAS.items() if v == best)
     if want not in W4A8_ISAS:
         raise ValueError(f"{W4A8_ISA_ENV} must be auto or one of {list(W4A8_ISAS)}, got {want!r}")
     if not w4a8_isa_supported(want):
         raise ValueError(
-            f"W4A8 path {want!r} needs instructions this CPU lacks (flags: {sorted(K.cpu_flags())[:8]}...)"
+            f"W4A8 path {want!r} needs instructions this CPU lacks (flags: {sorted(L.cpu_flags())[:8]}...)"
         )
     return want
 
 
 def w4a8_isa_name(isa: str) -> str:
     """What path isa runs, in words (the runner logs it, bench JSONs record it)."""
-    assert K._lib is not None, "kernels not loaded: call available() first"
-    vex = bool(K._lib.w4a8_vnni256_vex())
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    vex = bool(L._lib.w4a8_vnni256_vex())
     return {
         "vnni512": "W4A8 AVX512-VNNI (vpdpbusd zmm, 16-row panels)",
         "vnni256": f"W4A8 {'AVX-VNNI (vpdpbusd ymm, VEX)' if vex else 'AVX512-VNNI/VL (vpdpbusd ymm, EVEX)'}, 8 rows",
@@ -62,15 +52,15 @@ def w4a8_isa_name(isa: str) -> str:
 def w4a8_quantize_rows(x: torch.Tensor, offset: int = 8) -> tuple[torch.Tensor, ...]:
     """The activation blocks the W4A8 kernels compute with, for x (M, K) float32: q (M, K) int8, d (M, K/32)
     float32, corr (M, K/32) int32 = -offset * (sum of the block's q), ds (M, K/32) float32 = d * sum q."""
-    assert K._lib is not None, "kernels not loaded: call available() first"
+    assert L._lib is not None, "kernels not loaded: call available() first"
     x = x.contiguous()
-    K._check(x, "x")
+    L._check(x, "x")
     m, k = x.shape
     assert k % 32 == 0, f"{k} inputs: not a multiple of 32"
     q = torch.empty(m, k, dtype=torch.int8)
     d, ds = torch.empty(m, k // 32), torch.empty(m, k // 32)
     corr = torch.empty(m, k // 32, dtype=torch.int32)
-    K._lib.w4a8_quantize_rows(
+    L._lib.w4a8_quantize_rows(
         x.data_ptr(), q.data_ptr(), d.data_ptr(), corr.data_ptr(), ds.data_ptr(), m, k, offset,
         torch.get_num_threads(),
     )  # fmt: skip
@@ -82,27 +72,27 @@ def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | N
     lmserve.model.quantization.W4A8Weights (the packed int4 panels, 5-bit ones (GGUF Q5_0 / Q5_1), or 8-bit ones:
     W8A8 blocks); bias (O,) or None;
     isa as w4a8_isa. Returns (M, O) float32."""
-    assert K._lib is not None, "kernels not loaded: call available() first"
+    assert L._lib is not None, "kernels not loaded: call available() first"
     x = x.contiguous()
-    K._check(x, "x")
+    L._check(x, "x")
     m, k = x.shape
     assert k == w.in_features, f"x has {k} features, weight expects {w.in_features}"
     o = w.out_features
-    K._check(w.codes, "codes", torch.uint8)
-    K._check(w.scales, "scales", torch.float16)
+    L._check(w.codes, "codes", torch.uint8)
+    L._check(w.scales, "scales", torch.float16)
     assert w.codes.shape == (-(-o // 16), k // 32, w.bits, 64), f"codes {tuple(w.codes.shape)} for ({o}, {k})"
     assert w.bits in (4, 5, 8) and (w.bits != 8 or w.mins is None), f"{w.bits}-bit panels (4, 5, or 8 without mins)"
     assert w.scales.shape == (w.codes.shape[0], k // w.group_size, 16), f"scales {tuple(w.scales.shape)}"
     if w.mins is not None:
-        K._check(w.mins, "mins", torch.float16)
+        L._check(w.mins, "mins", torch.float16)
         assert w.mins.shape == w.scales.shape, f"mins {tuple(w.mins.shape)} vs scales {tuple(w.scales.shape)}"
     if bias is not None:
-        K._check(bias, "bias")
+        L._check(bias, "bias")
     y = torch.empty(m, o, dtype=torch.float32)
     if m == 0:
         return y
-    rc = K._lib.linear_w4a8_f32(
-        x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), K._ptr(w.mins), K._ptr(bias), y.data_ptr(), m, o, k,
+    rc = L._lib.linear_w4a8_f32(
+        x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), L._ptr(w.mins), L._ptr(bias), y.data_ptr(), m, o, k,
         w.group_size, w.bits, W4A8_ISAS[w4a8_isa(isa)], torch.get_num_threads(),
     )  # fmt: skip
     assert rc == 0, "linear_w4a8_f32: out of memory for the activation scratch"

@@ -213,7 +213,7 @@ def _count_parameters(shape: ModelShape, tp: int, active: bool) -> int:
     embeddings = vocab * h
     lm_head = 0 if shape.tie_word_embeddings else vocab * h
     final_norm = h
-    return mixers + shape.num_layers * norms + mlp_total + embeddings + lm_head + final_norm
+    return mixers + shape.num_layers * norms + mlp_total + embeddings + lm_head + final_norm + shape.extra_parameters
 
 
 def _linear_attention_parameters(shape: ModelShape) -> int:

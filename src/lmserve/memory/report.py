@@ -348,8 +348,8 @@ def memory_report(
         )
     elif shape.num_sliding_layers:
         notes.append(
-            f"{shape.num_sliding_layers} of {layers} layers slide (window {shape.sliding_window:,}), the others "
-            "attend to everything: a block holds every layer's K/V, so the engine keeps all blocks (the sliding "
+            f"{shape.num_sliding_layers} of {shape.num_layers} layers slide (window {shape.sliding_window:,}), the "
+            "others attend to everything: a block holds every layer's K/V, so the engine keeps all blocks (the sliding "
             "layers only stop reading outside their window); KV counted in full"
         )
     if state_bytes:
