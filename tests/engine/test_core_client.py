@@ -197,6 +197,18 @@ def test_kill_one_core_mid_stream_then_the_other(dp2: EngineCoreClient) -> None:
         detected_s = time.monotonic() - t0
         assert detected_s < 1.0, detected_s
         assert dp2.dead_error is None and f"engine core {core.index}" in dp2.degraded_error
+        # the dead core reads dead: its gauges 0 (it was running the victim), the victim counted as failed
+        samples = {}
+        for fam in text_string_to_metric_families(Metrics("m", dp2.snapshot).render()[0].decode()):
+            for s in fam.samples:
+                samples[(s.name, s.labels.get("engine"))] = s.value
+        dead = str(core.index)
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "engine_alive"):
+            assert samples[(f"lmserve:{name}", dead)] == 0, name
+        assert samples[("lmserve:engine_alive", None)] == 1  # the aggregate: cores alive
+        assert samples[("lmserve:engine_alive", str(1 - core.index))] == 1
+        assert samples[("lmserve:num_failed_requests_total", dead)] == 1
+        assert samples[("lmserve:num_failed_requests_total", None)] == 1
         # the other core serves the next requests
         outs = await asyncio.gather(*(_final(dp2, f"after-{i}", [5, 6, i + 3], greedy(3)) for i in range(3)))
         assert all(o.finished and len(o.outputs[0].token_ids) == 3 for o in outs)

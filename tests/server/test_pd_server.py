@@ -143,15 +143,32 @@ def test_a_killed_core_ends_in_flight_requests_within_1s(pd_model: Path, tmp_pat
                     if len(events) == 2:
                         t_kill = time.monotonic()
                         os.kill(decode if victim == "decode" else prefill, signal.SIGKILL)
+        index = 0 if victim == "prefill" else 1
         if victim == "decode":  # the request was decoding there: it ends with an error event at once
             assert "error" in events[-1] and events[-1]["error"]["code"] == "engine_dead", events[-1]
+            assert "engine core 1 (decode) died" in events[-1]["error"]["message"]
             assert time.monotonic() - t_kill < 1.0
-        else:  # its KV had moved: the decode core finishes it; new requests have no prefill core (503)
+        else:  # its KV had moved: the decode core finishes it
             assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
-            r = _post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-            assert r.status_code == 503, r.text
+        r = _post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2})  # no core of that role: refused
+        assert r.status_code == 503 and f"no live {victim} engine core" in r.json()["error"]["message"], r.text
         health = httpx.get(srv.url + "/health", timeout=5)
-        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert health.status_code == 503 and health.json()["status"] == "dead", health.text
+        assert f"engine core {index} ({victim}) died: killed by signal 9" in health.json()["error"]
+        # the dead core reads dead in /metrics (its gauges 0, the request that failed with it counted) ...
+        m = metrics(srv)
+        dead = f"{{engine={index},role={victim}}}"
+        for name in ("engine_alive", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert m[f"lmserve:{name}{dead}"] == 0, name
+        assert m["lmserve:engine_alive"] == 1
+        assert m[f"lmserve:num_failed_requests_total{dead}"] == (victim == "decode")
+        # ... and in the dashboard feed
+        with httpx.Client(timeout=10) as c, c.stream("GET", srv.url + "/v1/dashboard/stream") as feed:
+            assert feed.status_code == 200
+            update = json.loads(next(line for line in feed.iter_lines() if line.startswith("data: "))[6:])
+        assert update["health"]["status"] == "dead" and f"no live {victim}" in update["health"]["error"]
+        assert [c["alive"] for c in update["cores"]] == [victim != "prefill", victim != "decode"]
+        assert update["cores"][index]["role"] == victim and update["cores"][index]["running"] == 0
     finally:
         srv.stop()
 

@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers import require_extra
 from tests.server.test_server import MODEL_NAME, LiveServer, live_servers, make_chat_model
+from tests.test_server import MODEL_NAME, LiveServer, live_servers, make_chat_model, metrics
 
 
 def children(pid: int) -> list[int]:
@@ -88,6 +89,9 @@ def test_kill_9_of_the_engine_core_mid_stream(start_server) -> None:
     assert "engine core 0 died: killed by signal 9" in health.json()["error"]
     r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    m = metrics(srv)  # the dead core's gauges read 0 (the stream was running there), its failed request counted
+    assert m["lmserve:num_requests_running"] == m["lmserve:kv_cache_usage_perc"] == m["lmserve:engine_alive"] == 0
+    assert m["lmserve:num_failed_requests_total"] == 1
 
 
 def test_sigterm_leaves_no_process_behind(start_server) -> None:

@@ -73,7 +73,7 @@ from lmserve.engine.messages import (
 from lmserve.engine.router import AFFINITY_ENTRIES as AFFINITY_ENTRIES
 from lmserve.engine.router import AFFINITY_SLACK as AFFINITY_SLACK
 from lmserve.engine.router import choose_core
-from lmserve.engine.snapshot import EngineSnapshot, aggregate_snapshots
+from lmserve.engine.snapshot import EngineSnapshot, aggregate_snapshots, dead_snapshot
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
 from lmserve.lora.request import LoRARequest
 from lmserve.request import FinishReason
@@ -249,8 +249,12 @@ class EngineCoreClient:
     @property
     def degraded_error(self) -> str | None:
         """Why some (not all) engine cores died; None while all live."""
-        dead = [f"engine core {c.index}: {c.error}" for c in self._cores if not c.alive]
+        dead = [f"{self._core_name(c.index)}: {c.error}" for c in self._cores if not c.alive]
         return "; ".join(dead) if dead and self._dead is None else None
+
+    def _core_name(self, index: int) -> str:
+        """How errors and /health name core `index` (pd_client adds its role)."""
+        return f"engine core {index}"
 
     @property
     def core_pids(self) -> list[int | None]:
@@ -489,7 +493,8 @@ class EngineCoreClient:
                 core.block_map = msg.snapshot.block_map
             elif core.block_map is not None and self._num_block_map_watchers:
                 msg.snapshot = dataclasses.replace(msg.snapshot, block_map=core.block_map)
-            core.snapshot = msg.snapshot
+            if core.alive:  # (a dead core's last messages may still arrive: its gauges stay 0)
+                core.snapshot = msg.snapshot
             for f in msg.failed:
                 entry = self._streams.pop(f.request_id, None)
                 core.streams.discard(f.request_id)
@@ -523,12 +528,14 @@ class EngineCoreClient:
             return
         reason = core.error or status
         logger.error("engine core %d (pid %s) died: %s", core.index, core.pid, reason)
-        error = EngineDeadError(f"engine core {core.index} died: {reason}")
+        error = EngineDeadError(f"{self._core_name(core.index)} died: {reason}")
         with self._lock:
             core.alive = False
             core.error = reason
             victims = [self._streams.pop(rid) for rid in core.streams if rid in self._streams]
             core.streams.clear()
+            if core.snapshot is not None:
+                core.snapshot = dead_snapshot(core.snapshot, len(victims))
             if not any(c.alive for c in self._cores):
                 self._dead = error
         self._fail([v.stream for v in victims], error)

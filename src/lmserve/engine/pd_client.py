@@ -26,6 +26,7 @@ from lmserve.engine.core_client import EngineCoreClient, _Core
 from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.messages import AbortRequests, AddRequest, StepOutputs
 from lmserve.engine.router import choose_core
+from lmserve.engine.snapshot import dead_snapshot
 from lmserve.engine.streams import EngineDeadError
 from lmserve.sampling_params import SamplingParams
 
@@ -80,6 +81,9 @@ class DisaggregatedClient(EngineCoreClient):
 
     def role(self, index: int) -> str:
         return "prefill" if index < self.num_prefill else "decode"
+
+    def _core_name(self, index: int) -> str:
+        return f"engine core {index} ({self.role(index)})"
 
     # ---- the hooks of EngineCoreClient --------------------------------------------------------------
 
@@ -168,7 +172,14 @@ class DisaggregatedClient(EngineCoreClient):
 
     def _watch(self, core: _Core) -> None:
         super()._watch(core)
-        if self._stopping or self.role(core.index) != "prefill":
+        if self._stopping:
+            return
+        role = self.role(core.index)
+        with self._lock:  # a role with no live core left: no request can be served any more
+            if self._dead is None and not any(c.alive for c in self._cores if self.role(c.index) == role):
+                self._dead = EngineDeadError(f"no live {role} engine core: {self._core_name(core.index)} died: "
+                                             f"{core.error}")  # fmt: skip
+        if role != "prefill":
             return
         with self._lock:  # requests whose KV a decode core still waits for from the dead producer
             lost = [rid for rid, p in self._in_transfer.items() if p == core.index]
@@ -179,7 +190,9 @@ class DisaggregatedClient(EngineCoreClient):
                 if entry is not None:
                     entry.core.streams.discard(rid)
                     victims.append(entry)
+            if victims and core.snapshot is not None:  # failed with the dead core: counted there
+                core.snapshot = dead_snapshot(core.snapshot, len(victims))
         for entry in victims:
             self._send(entry.core, AbortRequests([entry.stream.request_id]))
-        error = EngineDeadError(f"engine core {core.index} (prefill) died before its KV was pulled")
+        error = EngineDeadError(f"{self._core_name(core.index)} died before its KV was pulled")
         self._fail([v.stream for v in victims], error)

@@ -6,6 +6,7 @@ cores the client's snapshot is their aggregate (aggregate_snapshots).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,14 +40,34 @@ def take_snapshot(
     engine: LLMEngine, num_aborted: int, room: _Room | None = None, block_map: BlockMap | None = None
 ) -> EngineSnapshot:
     """The engine's snapshot now, on the thread that owns it (AsyncEngine's engine thread or an engine core)."""
+    metrics = engine.get_metrics()
+    metrics["engine_alive"] = 1  # summed over cores: the live ones (dead_snapshot sets 0)
     return EngineSnapshot(
-        metrics=engine.get_metrics(),
+        metrics=metrics,
         num_batched_tokens=engine.stats().num_batched_tokens,
         num_aborted_requests_total=num_aborted,
         time=time.time(),
         room=room,
         block_map=block_map,
     )
+
+
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "num_prefill_tokens_step",
+          "num_decode_tokens_step", "kv_transfer_leases", "kv_transfer_waiting", "lora_num_active_slots")  # fmt: skip
+
+
+def dead_snapshot(snap: EngineSnapshot, num_failed: int) -> EngineSnapshot:
+    """What a dead core reports from then on: its counters as last seen (a counter never goes back), every gauge 0
+    (nothing runs, waits or holds KV there), engine_alive 0, and the requests that failed with it counted."""
+    m = dict(snap.metrics)
+    for key in GAUGES:
+        if key in m:
+            m[key] = 0
+    if "lora_num_requests_running_by_adapter" in m:
+        m["lora_num_requests_running_by_adapter"] = {}
+    m["engine_alive"] = 0
+    m["num_requests_failed_total"] = m.get("num_requests_failed_total", 0) + num_failed
+    return dataclasses.replace(snap, metrics=m, num_batched_tokens=0, block_map=None, time=time.time())
 
 
 class BlockMapWatch:

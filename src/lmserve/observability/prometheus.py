@@ -121,6 +121,12 @@ class _EngineCollector(Collector):
         for reason, count in sorted(m["finished_requests_by_reason"].items()):
             by_reason.add_metric([self._model_name, reason], count)
         yield by_reason
+        yield gauge("engine_alive", "Engine cores alive (1 each; a dead core reads 0).", m.get("engine_alive", 1))
+        yield counter(
+            "num_failed_requests",
+            "Requests that failed because an engine core they needed died.",
+            m.get("num_requests_failed_total", 0),
+        )
         yield gauge("num_requests_running", "Sequences in the running batch.", m["num_requests_running"])
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", m["num_requests_waiting"])
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", m["kv_cache_usage"])

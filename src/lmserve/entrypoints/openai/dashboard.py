@@ -23,6 +23,7 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from lmserve.entrypoints.openai.sse import SSEResponse
+from lmserve.entrypoints.openai.state import engine_health
 from lmserve.observability import diagnose as dx
 
 STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "web" / "static"
@@ -63,7 +64,7 @@ def add_web_routes(app: FastAPI, state: Any) -> None:
 
     @app.get("/v1/dashboard/stream", include_in_schema=False)
     async def dashboard_stream(interval_s: float = INTERVAL_S) -> Response:
-        engine = state.ready_engine()
+        engine = state.engine if state.engine is not None else state.ready_engine()  # a dead one: the feed says so
         interval_s = min(max(interval_s, 0.1), 1.0)  # at least one update a second
         engine.watch_block_map(True)
         watching = [True]
@@ -132,7 +133,16 @@ def feed_update(state: Any, history: ScrapeHistory) -> dict[str, Any]:
         "block_map": None if block_map is None else asdict(block_map),
         "config": w.config,
         "diagnosis": dx.diagnose(w).to_dict(),
+        "health": engine_health(state.engine)[1],  # a dead core (or role) reads dead here too
+        "cores": [_core(i, s.metrics) for i, s in enumerate(snap.engines)],  # several cores: each one's state
     }
+
+
+def _core(index: int, m: dict[str, Any]) -> dict[str, Any]:
+    role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(m.get("kv_role"))
+    return {"engine": index, "role": role, "alive": bool(m.get("engine_alive", 1)),
+            "running": m["num_requests_running"], "waiting": m["num_requests_waiting"],
+            "kv_usage": m["kv_cache_usage"]}  # fmt: skip
 
 
 def _dist(d: dx.Dist | None) -> dict[str, Any] | None:

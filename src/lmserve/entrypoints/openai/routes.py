@@ -13,7 +13,7 @@ from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import request_inputs as inputs
 from lmserve.entrypoints.openai.serving_chat import create_chat_completion
 from lmserve.entrypoints.openai.serving_completion import create_completion
-from lmserve.entrypoints.openai.state import ServerState
+from lmserve.entrypoints.openai.state import ServerState, engine_health
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -23,12 +23,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if engine is None:
             status = "load_failed" if state.load_error is not None else "loading"
             return JSONResponse({"status": status}, status_code=503)
-        if engine.dead_error is not None:
-            return JSONResponse({"status": "dead", "error": str(engine.dead_error)}, status_code=503)
-        degraded = getattr(engine, "degraded_error", None)  # some of several engine cores died
-        if degraded is not None:
-            return JSONResponse({"status": "degraded", "error": degraded})
-        return JSONResponse({"status": "ok"})
+        code, body = engine_health(engine)
+        return JSONResponse(body, status_code=code)
 
     @app.get("/metrics")
     async def metrics() -> Response:

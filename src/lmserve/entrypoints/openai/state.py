@@ -42,3 +42,14 @@ class ServerState:
         if engine.dead_error is not None:
             raise APIError(503, f"the engine loop is not running: {engine.dead_error}", code="engine_dead")
         return engine
+
+
+def engine_health(engine: AsyncEngine) -> tuple[int, dict]:
+    """/health's status code and body for a loaded engine (the dashboard feed shows the body): dead (503, and with
+    disaggregation when a whole role is gone, naming it), degraded (some of several cores died, named), or ok."""
+    if engine.dead_error is not None:
+        return 503, {"status": "dead", "error": str(engine.dead_error)}
+    degraded = getattr(engine, "degraded_error", None)  # some of several engine cores died
+    if degraded is not None:
+        return 200, {"status": "degraded", "error": degraded}
+    return 200, {"status": "ok"}
