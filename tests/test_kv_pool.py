@@ -61,8 +61,10 @@ def test_commit_keeps_what_was_written_before_it() -> None:
 
 def test_a_chunk_the_machine_cannot_hold_is_a_clear_error() -> None:
     tensors = [lazy_zeros((16, 1024), torch.float32, "cpu")]
-    pool = KVPoolMemory(16, tensors, chunk_bytes=16 * 1024, reserve_bytes=MIB, available=lambda: MIB + 8 * 1024)
-    pool.ensure(1)  # 16 KiB leaves more than the reserve: committed
+    # a machine with 24 KiB above the reserve, less what the pool has committed: one 16 KiB chunk fits, two do not
+    pool = KVPoolMemory(16, tensors, chunk_bytes=16 * 1024, reserve_bytes=MIB)
+    pool._available = lambda: MIB + 24 * 1024 - pool.committed_bytes
+    pool.ensure(1)
     assert pool.committed_blocks == 4
     with pytest.raises(KVCommitError, match=r"blocks 4\.\.7 .*cannot be committed.*kv_cache_memory_gib"):
         pool.ensure(5)
@@ -81,22 +83,28 @@ def test_added_tensors_are_committed_as_far_as_the_others() -> None:
     assert pool.committed_blocks >= 10
 
 
-def test_engine_commits_its_pool_as_requests_use_it() -> None:
-    # the bundled model: 2,048 blocks of 16 tokens, 48 KiB each in float32: a 96 MiB pool, two chunks
-    with LLM(num_kv_blocks=2048, kv_cache_dtype="float32", max_model_len=256) as llm:
+def test_default_pool_is_committed_as_requests_use_it() -> None:
+    # the default pool (a quarter of free RAM, at most 4 GiB) on the bundled model: one small request, one chunk
+    before = _rss()
+    with LLM(max_model_len=256) as llm:
         m = llm.get_metrics()
         assert m["kv_cache_committed_bytes"] == 0, "nothing committed before the first request"
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        out = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
         m = llm.get_metrics()
         pool = llm.engine.runner.kv_pool
-        assert m["kv_cache_committed_bytes"] == pool.committed_bytes == kv_committed_bytes(1, 2048, pool.block_bytes)
-        assert 0 < m["kv_cache_committed_bytes"] < m["kv_cache_capacity_bytes"]
+        blocks = llm.engine.config.cache.num_blocks
+        assert m["kv_cache_committed_bytes"] == pool.committed_bytes == kv_committed_bytes(1, blocks, pool.block_bytes)
+        assert 0 < m["kv_cache_committed_bytes"] <= 64 * MIB and pool.pool_bytes == m["kv_cache_capacity_bytes"]
+        grown = _rss() - before
+        assert grown < 64 * MIB + m["kv_cache_capacity_bytes"] / 4, f"RSS grew {grown / MIB:.0f} MiB"
 
 
 def test_engine_step_that_cannot_commit_raises_kv_commit_error() -> None:
-    with LLM(num_kv_blocks=64, max_model_len=256) as llm:
-        llm.engine.runner.kv_pool._available = lambda: 0  # a machine whose memory went elsewhere since the start
-        with pytest.raises(KVCommitError, match="cannot be committed"):
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm = LLM(num_kv_blocks=64, max_model_len=256)
+    llm.engine.runner.kv_pool._available = lambda: 0  # a machine whose memory went elsewhere since the start
+    with pytest.raises(KVCommitError, match="cannot be committed"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    engine = llm.engine
+    del llm  # the last reference: its collection closes the engine
+    assert engine.closed and engine.runner is None

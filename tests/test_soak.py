@@ -26,7 +26,7 @@ import pytest
 from lmserve.config.engine import EngineArgs
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.sampling_params import SamplingParams
-from tests.test_server import MAX_MODEL_LEN, MODEL_NAME, LiveServer, make_chat_model, metrics
+from tests.server.test_server import MAX_MODEL_LEN, MODEL_NAME, LiveServer, make_chat_model, metrics
 
 FORMS = {
     "colocated": (),

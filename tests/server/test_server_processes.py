@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from tests.helpers import require_extra
-from tests.server.test_server import MODEL_NAME, LiveServer, live_servers, make_chat_model
-from tests.test_server import MODEL_NAME, LiveServer, live_servers, make_chat_model, metrics
+from tests.server.test_server import MODEL_NAME, LiveServer, live_servers, make_chat_model, metrics
 
 
 def children(pid: int) -> list[int]:

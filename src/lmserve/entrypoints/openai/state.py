@@ -44,7 +44,7 @@ class ServerState:
         return engine
 
 
-def engine_health(engine: AsyncEngine) -> tuple[int, dict]:
+def engine_health(engine: EngineClient) -> tuple[int, dict]:
     """/health's status code and body for a loaded engine (the dashboard feed shows the body): dead (503, and with
     disaggregation when a whole role is gone, naming it), degraded (some of several cores died, named), or ok."""
     if engine.dead_error is not None:
