@@ -99,7 +99,8 @@ FAMILIES = {
     # Granite's plain-text markers; Llama 3's JSON after <|python_tag|> (a special token)
     "granite+llama3_json": Family(
         "<|system|>Write 'Here is my thought process:', then 'Here is my response:'.{% for m in messages %}<|user|>"
-        "{{ m['content'] }}{% endfor %}{% if tools %}{{ tools | tojson }} Environment: ipython<|python_tag|>{% endif %}<|assistant|>",
+        "{{ m['content'] }}{% endfor %}{% if tools %}{{ tools | tojson }} Environment: ipython<|python_tag|>"
+        "{% endif %}<|assistant|>",
         ["Here is my thought process:", f" {THOUGHT}", " Here is my response:", "<|python_tag|>",
          json.dumps({"name": CALLS[0][0], "parameters": CALLS[0][1]}), "; ",
          json.dumps({"name": CALLS[1][0], "parameters": CALLS[1][1]})], THOUGHT, None, 3, special=("<|python_tag|>",)),
