@@ -327,3 +327,38 @@ def test_serve_flags(apps: Any, tmp_path: Path, capsys: pytest.CaptureFixture) -
         assert run_serve(parser.parse_args(["serve", flag, name])) == 2
         err = capsys.readouterr().err
         assert f"{flag}: unknown" in err and ("qwen3, deepseek_r1, gpt_oss" in err or "hermes, qwen3_coder" in err)
+
+
+def test_grpc_split_reasoning(apps: Any) -> None:
+    """GenerateRequest.split_reasoning: Choice.reasoning beside the answer, the same in Generate and
+    GenerateStream; Usage.reasoning_tokens; without it the text is the model's whole output."""
+    require_extra("grpc", "grpc", "grpc_health.v1.health")
+    import grpc
+
+    from lmserve.entrypoints.grpc import lmserve_pb2 as pb
+    from lmserve.entrypoints.grpc import lmserve_pb2_grpc as pb_grpc
+    from lmserve.entrypoints.grpc.server import grpc_frontend
+    from tests.test_server import free_port
+
+    app, port = apps("qwen3+hermes"), free_port()
+    fam = FAMILIES["qwen3+hermes"]
+    prompt = fam.template.split("{% if add_generation_prompt %}")[0]  # any text: the script starts anyway
+    params = pb.SamplingParams(temperature=0.0, max_tokens=40)
+
+    async def go() -> tuple[Any, list[Any], Any]:
+        async with grpc_frontend("127.0.0.1", port)(app.state.lmserve):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.GenerationStub(ch)
+                req = pb.GenerateRequest(text=prompt, sampling_params=params, split_reasoning=True)
+                whole = await stub.Generate(req)
+                parts = [m async for m in stub.GenerateStream(req)]
+                plain = await stub.Generate(pb.GenerateRequest(text=prompt, sampling_params=params))
+                return whole, parts, plain
+
+    whole, parts, plain = asyncio.run(go())
+    (c,) = whole.choices
+    assert (c.reasoning, c.text.startswith(ANSWER)) == (THOUGHT, True)
+    assert whole.usage.reasoning_tokens == fam.reasoning_tokens
+    assert "".join(ch.reasoning for m in parts for ch in m.choices) == THOUGHT
+    assert "".join(ch.text for m in parts for ch in m.choices) == c.text
+    assert plain.choices[0].text.startswith("<think>") and plain.choices[0].reasoning == ""

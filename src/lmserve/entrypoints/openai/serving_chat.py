@@ -124,19 +124,7 @@ class ChatGeneration(Generation):
         return out
 
     def _tokens_upto(self, ids: list[int], chars: int) -> int:
-        """The fewest of `ids` whose text holds its first `chars` characters (binary search over decodes)."""
-        if chars <= 0:
-            return 0
-        decode = self.engine.tokenizer.decode
-        skip = self.params.skip_special_tokens
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(decode(ids[:mid], skip_special_tokens=skip)) >= chars:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return tokens_upto(self.engine.tokenizer, ids, chars, self.params.skip_special_tokens)
 
     def chat_logprobs(self, entries: list[Any] | None) -> p.ChatLogprobs | None:
         if entries is None:
@@ -244,6 +232,20 @@ class ChatGeneration(Generation):
         return p.ChatCompletionChunk(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
+
+
+def tokens_upto(tokenizer: Any, ids: list[int], chars: int, skip_special_tokens: bool) -> int:
+    """The fewest of `ids` whose text holds its first `chars` characters (binary search over decodes)."""
+    if chars <= 0:
+        return 0
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=skip_special_tokens)) >= chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class _Split:
