@@ -1,18 +1,29 @@
-"""Offline inference: LLM(model).generate(prompts, sampling_params) -> list[RequestOutput]."""
+"""Offline inference: LLM(model).generate(prompts, sampling_params) -> list[RequestOutput]; LLM.chat(messages) through
+the chat template, with reasoning and tool calls parsed as the server does."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmserve.config.engine import EngineArgs
-from lmserve.core.outputs import RequestOutput
+from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from lmserve.engine.closing import EngineClosedError
 from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.engine.pooling import pooling_params
 from lmserve.lora.request import LoRARequest
 from lmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ChatCompletionOutput(CompletionOutput):
+    """A chat choice: `text` is the content, beside the reasoning and the tool calls the parsers found."""
+
+    reasoning_content: str | None = None
+    tool_calls: list[Any] = field(default_factory=list)  # parsers.ToolCall (name, arguments JSON text, id)
 
 
 class LLM:
@@ -57,9 +68,7 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. All prompts are validated before
         any is queued, so one bad prompt raises ValueError and nothing is half-run. lora_request: one adapter for
         every prompt, or a list with one (or None: the base model) per prompt (needs enable_lora=True)."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text or token ids)
         prompts_list: list[Prompt] = list(prompts)
         if isinstance(sampling_params, list):
@@ -110,6 +119,62 @@ class LLM:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         ids = [engine.add_request(None, p, params) for p in prompts]
         return [out.pooled for out in self._run(ids, use_tqdm=False)]  # type: ignore[misc]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        reasoning_parser: str = "auto",
+        tool_parser: str = "auto",
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of {"role", "content"} messages) or to each of a list of
+        them, through the chat template (with `tools` and `chat_template_kwargs`, e.g. {"enable_thinking": False}).
+        Each output is a ChatCompletionOutput: `text` the content, `reasoning_content` and, with tools, the
+        `tool_calls` — split by the named parsers ("auto": chosen from the template; reasoning "none": no split)."""
+        from lmserve.entrypoints.openai.chat_settings import ChatSettings
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        settings = ChatSettings(reasoning_parser, tool_parser)
+        settings.resolve(tok)
+        kwargs = settings.template_kwargs(chat_template_kwargs, None)
+        if tools:
+            kwargs["tools"] = tools
+        texts = [
+            tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+            for c in conversations
+        ]
+        params = sampling_params or self.engine.default_sampling_params()
+        keep = (settings.keeps_special_tokens or (tools and settings.tools.keeps_special_tokens)) and (
+            params.skip_special_tokens
+        )
+        if keep:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the parsers' markers are special
+        prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        for text, out in zip(texts, outs, strict=True):
+            out.outputs = [self._chat_output(c, settings, text, tools, bool(keep)) for c in out.outputs]
+        return outs
+
+    def _chat_output(self, c: CompletionOutput, settings: Any, prompt: str, tools: Any, strip_eos: bool) -> Any:
+        text = c.text
+        if strip_eos and c.token_ids and str(c.finish_reason) == "stop":
+            tail = self.engine.tokenizer.decode(c.token_ids[-1:], skip_special_tokens=False)
+            text = text.removesuffix(tail) if c.stop_reason is None or isinstance(c.stop_reason, int) else text
+        parser = settings.reasoning(prompt)
+        reasoning, content = parser.extract(text) if parser is not None else (None, text)
+        calls: list[Any] = []
+        if tools:
+            found, calls = settings.tools.extract(content or "", tools)
+            content = found if calls else content
+        fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(CompletionOutput)}
+        fields["text"] = content or ""
+        return ChatCompletionOutput(**fields, reasoning_content=reasoning, tool_calls=calls)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

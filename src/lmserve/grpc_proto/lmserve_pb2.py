@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n lmserve/grpc_proto/lmserve.proto\x12\nlmserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbb\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x37\n\x06\x63hoice\x18\x03 \x01(\x0b\x32%.lmserve.v1.StructuredOutputs.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\xac\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x0f\x88\x01\x01\x12=\n\nlogit_bias\x18\x13 \x03(\x0b\x32).lmserve.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1d.lmserve.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x10\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\n\n\x08_best_ofB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xa8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.lmserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.lmserve.v1.SamplingParams\x12\x0c\n\x04\x65\x63ho\x18\x05 \x01(\x08\x42\x08\n\x06prompt\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\"\x91\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.lmserve.v1.TopLogprob\"\xb7\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.lmserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\xa7\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12#\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x12.lmserve.v1.Choice\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.lmserve.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.lmserve.v1.TokenLogprob\"f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"H\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"2\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"N\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x10\n\x08owned_by\x18\x04 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.lmserve.v1.ModelCard\"}\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\'\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x14.lmserve.v1.TokenIds\x12\x17\n\ndimensions\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_dimensions\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"`\n\rEmbedResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\nembeddings\x18\x02 \x03(\x0b\x32\x15.lmserve.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x32\xc1\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.lmserve.v1.GenerateRequest\x1a\x1c.lmserve.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.lmserve.v1.GenerateRequest\x1a\x1c.lmserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.lmserve.v1.TokenizeRequest\x1a\x1c.lmserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.lmserve.v1.DetokenizeRequest\x1a\x1e.lmserve.v1.DetokenizeResponse\x12K\n\nListModels\x12\x1d.lmserve.v1.ListModelsRequest\x1a\x1e.lmserve.v1.ListModelsResponse\x12<\n\x05\x45mbed\x12\x18.lmserve.v1.EmbedRequest\x1a\x19.lmserve.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n lmserve/grpc_proto/lmserve.proto\x12\nlmserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbb\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x37\n\x06\x63hoice\x18\x03 \x01(\x0b\x32%.lmserve.v1.StructuredOutputs.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\xac\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x0f\x88\x01\x01\x12=\n\nlogit_bias\x18\x13 \x03(\x0b\x32).lmserve.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1d.lmserve.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x10\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\n\n\x08_best_ofB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xc1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.lmserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.lmserve.v1.SamplingParams\x12\x0c\n\x04\x65\x63ho\x18\x05 \x01(\x08\x12\x17\n\x0fsplit_reasoning\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\"\x91\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.lmserve.v1.TopLogprob\"\xca\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.lmserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x11\n\treasoning\x18\x08 \x01(\tB\r\n\x0bstop_reason\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x05 \x01(\r\"\xa7\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12#\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x12.lmserve.v1.Choice\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.lmserve.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.lmserve.v1.TokenLogprob\"f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"H\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"2\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"N\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x10\n\x08owned_by\x18\x04 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.lmserve.v1.ModelCard\"}\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\'\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x14.lmserve.v1.TokenIds\x12\x17\n\ndimensions\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_dimensions\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"`\n\rEmbedResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\nembeddings\x18\x02 \x03(\x0b\x32\x15.lmserve.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x32\xc1\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.lmserve.v1.GenerateRequest\x1a\x1c.lmserve.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.lmserve.v1.GenerateRequest\x1a\x1c.lmserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.lmserve.v1.TokenizeRequest\x1a\x1c.lmserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.lmserve.v1.DetokenizeRequest\x1a\x1e.lmserve.v1.DetokenizeResponse\x12K\n\nListModels\x12\x1d.lmserve.v1.ListModelsRequest\x1a\x1e.lmserve.v1.ListModelsResponse\x12<\n\x05\x45mbed\x12\x18.lmserve.v1.EmbedRequest\x1a\x19.lmserve.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,37 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=884
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=932
   _globals['_GENERATEREQUEST']._serialized_start=1207
-  _globals['_GENERATEREQUEST']._serialized_end=1375
-  _globals['_TOPLOGPROB']._serialized_start=1377
-  _globals['_TOPLOGPROB']._serialized_end=1460
-  _globals['_TOKENLOGPROB']._serialized_start=1463
-  _globals['_TOKENLOGPROB']._serialized_end=1608
-  _globals['_CHOICE']._serialized_start=1611
-  _globals['_CHOICE']._serialized_end=1794
-  _globals['_USAGE']._serialized_start=1796
-  _globals['_USAGE']._serialized_end=1905
-  _globals['_GENERATERESPONSE']._serialized_start=1908
-  _globals['_GENERATERESPONSE']._serialized_end=2075
-  _globals['_TOKENIZEREQUEST']._serialized_start=2077
-  _globals['_TOKENIZEREQUEST']._serialized_end=2179
-  _globals['_TOKENIZERESPONSE']._serialized_start=2181
-  _globals['_TOKENIZERESPONSE']._serialized_end=2253
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2255
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2305
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2307
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2341
-  _globals['_LISTMODELSREQUEST']._serialized_start=2343
-  _globals['_LISTMODELSREQUEST']._serialized_end=2362
-  _globals['_MODELCARD']._serialized_start=2364
-  _globals['_MODELCARD']._serialized_end=2442
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2444
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2503
-  _globals['_EMBEDREQUEST']._serialized_start=2505
-  _globals['_EMBEDREQUEST']._serialized_end=2630
-  _globals['_EMBEDDING']._serialized_start=2632
-  _globals['_EMBEDDING']._serialized_end=2659
-  _globals['_EMBEDRESPONSE']._serialized_start=2661
-  _globals['_EMBEDRESPONSE']._serialized_end=2757
-  _globals['_GENERATION']._serialized_start=2760
-  _globals['_GENERATION']._serialized_end=3209
+  _globals['_GENERATEREQUEST']._serialized_end=1400
+  _globals['_TOPLOGPROB']._serialized_start=1402
+  _globals['_TOPLOGPROB']._serialized_end=1485
+  _globals['_TOKENLOGPROB']._serialized_start=1488
+  _globals['_TOKENLOGPROB']._serialized_end=1633
+  _globals['_CHOICE']._serialized_start=1636
+  _globals['_CHOICE']._serialized_end=1838
+  _globals['_USAGE']._serialized_start=1841
+  _globals['_USAGE']._serialized_end=1976
+  _globals['_GENERATERESPONSE']._serialized_start=1979
+  _globals['_GENERATERESPONSE']._serialized_end=2146
+  _globals['_TOKENIZEREQUEST']._serialized_start=2148
+  _globals['_TOKENIZEREQUEST']._serialized_end=2250
+  _globals['_TOKENIZERESPONSE']._serialized_start=2252
+  _globals['_TOKENIZERESPONSE']._serialized_end=2324
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2326
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2376
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2378
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2412
+  _globals['_LISTMODELSREQUEST']._serialized_start=2414
+  _globals['_LISTMODELSREQUEST']._serialized_end=2433
+  _globals['_MODELCARD']._serialized_start=2435
+  _globals['_MODELCARD']._serialized_end=2513
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2515
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2574
+  _globals['_EMBEDREQUEST']._serialized_start=2576
+  _globals['_EMBEDREQUEST']._serialized_end=2701
+  _globals['_EMBEDDING']._serialized_start=2703
+  _globals['_EMBEDDING']._serialized_end=2730
+  _globals['_EMBEDRESPONSE']._serialized_start=2732
+  _globals['_EMBEDRESPONSE']._serialized_end=2828
+  _globals['_GENERATION']._serialized_start=2831
+  _globals['_GENERATION']._serialized_end=3280
 # @@protoc_insertion_point(module_scope)

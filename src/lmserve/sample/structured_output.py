@@ -21,6 +21,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -109,9 +110,17 @@ def grammar_text(kind: str, spec: str, allow_additional_properties: bool = False
     return llguidance.grammar_from("grammar", spec)  # GBNF (llama.cpp) or Lark
 
 
-def after_reasoning(kind: str, spec: str, grammar: str, start: tuple[str, ...], end: tuple[str, ...]) -> str:
+def after_reasoning(
+    kind: str,
+    spec: str,
+    grammar: str,
+    start: tuple[str, ...],
+    end: tuple[str, ...],
+    special_id: Callable[[str], int | None] = lambda m: None,
+) -> str:
     """A Lark grammar: a reasoning block (free text up to the first of `end`; optional and opened by one of `start`
-    when given), blanks, then the constraint. The grammar itself cannot be nested: ValueError."""
+    when given), blanks, then the constraint. `special_id(marker)`: the marker's token id when the tokenizer holds
+    it as one special token (matched as that token, not as text). The grammar itself cannot be nested: ValueError."""
     if kind in ("json", "json_object"):
         body = "%json " + json.dumps(json.loads(grammar)["grammars"][0]["json_schema"])  # closed, with x-guidance
     elif kind == "regex":
@@ -121,15 +130,25 @@ def after_reasoning(kind: str, spec: str, grammar: str, start: tuple[str, ...], 
     else:
         raise ValueError("a grammar constraint cannot follow a reasoning block; use json, regex or choice")
 
-    def alt(markers: tuple[str, ...]) -> str:
+    def regex(markers: list[str]) -> str:
         return "(?:" + "|".join(re.escape(m).replace("/", "\\/") for m in markers) + ")"
 
-    think = f"thinktext[lazy]: /(?s:.*){alt(end)}/\n"
+    def split(markers: tuple[str, ...]) -> tuple[list[str], list[str]]:
+        tokens = [f"<[{i}]>" for m in markers if (i := special_id(m)) is not None]
+        return tokens, [m for m in markers if special_id(m) is None]
+
+    end_tokens, end_texts = split(end)
+    alts = ([f"/(?s:.*)/ ({' | '.join(end_tokens)})"] if end_tokens else []) + (["thinklazy"] if end_texts else [])
+    rules = f"thinktext: {' | '.join(alts)}\n"
+    if end_texts:
+        rules += f"thinklazy[lazy]: /(?s:.*){regex(end_texts)}/\n"
     if start:
-        head = f"start: (think ws)? body\nthink: /{alt(start)}/ thinktext\n"
+        start_tokens, start_texts = split(start)
+        opener = " | ".join(start_tokens + ([f"/{regex(start_texts)}/"] if start_texts else []))
+        rules = f"start: (think ws)? body\nthink: ({opener}) thinktext\n" + rules
     else:
-        head = "start: thinktext ws body\n"
-    return llguidance.grammar_from("lark", head + think + "ws: /[ \\t\\r\\n]*/\nbody: " + body + "\n")
+        rules = "start: thinktext ws body\n" + rules
+    return llguidance.grammar_from("lark", rules + "ws: /[ \\t\\r\\n]*/\nbody: " + body + "\n")
 
 
 class StructuredOutputManager:
@@ -181,11 +200,16 @@ class StructuredOutputManager:
                 )
             return self._ll_tokenizer
 
+    def _special_id(self, marker: str) -> int | None:
+        """The id of `marker` when it is one token the grammar engine holds as special (e.g. <think>), else None."""
+        ids = self._hf_tokenizer.encode(marker, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and self._tokenizer().is_special_token(ids[0]) else None
+
     def _compile(self, kind: str, spec: str, reasoning_start: tuple[str, ...], reasoning_end: tuple[str, ...]) -> Any:
         try:
             grammar = grammar_text(kind, spec, self._allow_additional_properties)
             if reasoning_end:
-                grammar = after_reasoning(kind, spec, grammar, reasoning_start, reasoning_end)
+                grammar = after_reasoning(kind, spec, grammar, reasoning_start, reasoning_end, self._special_id)
         except ValueError as e:
             raise GrammarError(kind, str(e)) from None
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar)

@@ -38,6 +38,7 @@ from lmserve.entrypoints.openai import serving_pooling as pooling
 from lmserve.entrypoints.openai.errors import APIError, from_validation_errors
 from lmserve.entrypoints.openai.logprobs import prompt_texts
 from lmserve.entrypoints.openai.middleware import bearer_ok
+from lmserve.entrypoints.openai.serving_chat import tokens_upto
 from lmserve.entrypoints.openai.serving_completion import CompletionGeneration
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.grpc_proto import lmserve_pb2 as pb
@@ -156,6 +157,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
         if body.echo:
             gen.echo_texts = prompt_texts(body.prompt)
+        # split_reasoning: a reasoning parser per choice (see lmserve.proto), else None
+        split = request.split_reasoning and not body.echo and state.chat.reasoning_cls is not None
+        gen.reasoning_prompt = engine.tokenizer.decode(prompts[0]) if split else None  # type: ignore[attr-defined]
         gen.start()
         # The deadline is also the server's own: abort then, whatever the transport reports (and when); the
         # handler then ends the RPC with DEADLINE_EXCEEDED (the aborted stream must not end as a normal one).
@@ -178,8 +182,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             done(None)
         return gen, expired
 
-    def _choice(self, c: CompletionOutput, text: str, token_ids: list[int], entries: list[Any] | None) -> pb.Choice:
-        choice = pb.Choice(index=c.index, text=text, token_ids=token_ids)
+    def _choice(
+        self, c: CompletionOutput, text: str, token_ids: list[int], entries: list[Any] | None, reasoning: str = ""
+    ) -> pb.Choice:
+        choice = pb.Choice(index=c.index, text=text, token_ids=token_ids, reasoning=reasoning)
         if c.finished:
             choice.finish_reason = str(c.finish_reason)
             if isinstance(c.stop_reason, str):
@@ -222,15 +228,31 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         prompt_lp = self._token_logprobs(out.prompt_logprobs or [], k) if k is not None else []
         return ("" if echo is None else echo.text), prompt_lp
 
-    @staticmethod
-    def _usage(gen: CompletionGeneration, finals: list[RequestOutput | None]) -> pb.Usage:
+    def _usage(self, gen: CompletionGeneration, finals: list[RequestOutput | None]) -> pb.Usage:
         u = gen.usage(finals)
+        reasoning_tokens = 0
+        if gen.reasoning_prompt is not None:  # type: ignore[attr-defined]
+            parser = self.state.chat.reasoning(gen.reasoning_prompt)  # type: ignore[attr-defined]
+            assert parser is not None
+            for c in (c for f in finals if f is not None for c in f.outputs):
+                end = parser.reasoning_end(c.text)
+                reasoning_tokens += tokens_upto(gen.engine.tokenizer, c.token_ids, end, gen.params.skip_special_tokens)
         return pb.Usage(
             prompt_tokens=u.prompt_tokens,
             completion_tokens=u.completion_tokens,
             total_tokens=u.total_tokens,
             cached_prompt_tokens=u.prompt_tokens_details.cached_tokens,
+            reasoning_tokens=reasoning_tokens,
         )
+
+    def _split(self, gen: CompletionGeneration, c: CompletionOutput) -> tuple[str, str]:
+        """(reasoning, text) of a finished choice: the text alone without split_reasoning."""
+        if gen.reasoning_prompt is None:  # type: ignore[attr-defined]
+            return "", c.text
+        parser = self.state.chat.reasoning(gen.reasoning_prompt)  # type: ignore[attr-defined]
+        assert parser is not None
+        reasoning, content = parser.extract(c.text)
+        return reasoning or "", content or ""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         gen, expired = await self._start(request, context, stream=False)
@@ -239,10 +261,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: the request was aborted")
         outputs = sorted(finals[0].outputs, key=lambda c: c.index)
         echoed, prompt_lp = self._prompt_part(gen, finals[0])
+        splits = [self._split(gen, c) for c in outputs]
         return pb.GenerateResponse(
             id=gen.request_id,
             model=gen.model,
-            choices=[self._choice(c, echoed + c.text, c.token_ids, c.logprobs) for c in outputs],
+            choices=[
+                self._choice(c, echoed + text, c.token_ids, c.logprobs, reasoning)
+                for c, (reasoning, text) in zip(outputs, splits, strict=True)
+            ],
             usage=self._usage(gen, finals),
             prompt_logprobs=prompt_lp,
         )
@@ -254,6 +280,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finished: set[int] = set()
         started: set[int] = set()  # choices whose first message went out (with the echoed prompt)
         echoed, prompt_lp = "", None  # from the first output: the prompt is computed by then
+        parsers: dict[int, Any] = {}  # split_reasoning: each choice's streaming reasoning parser
         async for _, out in gen.outputs():
             if expired.is_set():
                 break
@@ -267,9 +294,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     finished.add(c.index)
                 n_new = len(c.delta_token_ids)
                 delta_lp = c.logprobs[len(c.logprobs) - n_new :] if c.logprobs is not None else None
-                text = c.delta_text if c.index in started else echoed + c.delta_text
+                delta, reasoning = c.delta_text, ""
+                if gen.reasoning_prompt is not None:  # type: ignore[attr-defined]
+                    prompt = gen.reasoning_prompt  # type: ignore[attr-defined]
+                    parser = parsers.setdefault(c.index, self.state.chat.reasoning(prompt))
+                    reasoning, delta = parser.feed(c.delta_text)
+                    if c.finished:
+                        more_r, more_d = parser.finish()
+                        reasoning, delta = reasoning + more_r, delta + more_d
+                text = delta if c.index in started else echoed + delta
                 started.add(c.index)
-                choices.append(self._choice(c, text, c.delta_token_ids, delta_lp))
+                choices.append(self._choice(c, text, c.delta_token_ids, delta_lp, reasoning))
             usage = self._usage(gen, [out]) if out.finished else None
             if choices or usage is not None:
                 response = pb.GenerateResponse(id=gen.request_id, model=gen.model, choices=choices, usage=usage)

@@ -2,7 +2,8 @@
 start, the frontends beside it); the app's parts live beside this file: state.py (ServerState), middleware.py (API
 key, body size, error answers), routes.py, request_inputs.py (a body → prompts and SamplingParams, 400s),
 generation.py (one request's streams: collect or stream), serving_completion.py / serving_chat.py (each endpoint's
-answer), sse.py (the event framing), dashboard.py (pages and feed), errors.py, protocol.py, tools.py, logprobs.py.
+answer), sse.py (the event framing), dashboard.py (pages and feed), errors.py, protocol.py, tools.py, logprobs.py,
+chat_settings.py (parsers and chat template options), parsers/ (reasoning and tool-call formats).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, /v1/responses (serving_responses.py), POST /v1/messages
 (Anthropic's, serving_messages.py), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics;

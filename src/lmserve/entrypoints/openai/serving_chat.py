@@ -53,11 +53,13 @@ async def chat_generation(
     text, ids = inputs.chat_prompt(engine, body.messages, body.add_generation_prompt, shown, kwargs)
     # the grammar follows this prompt's reasoning block
     params = await inputs.apply_constraint(engine, constraint, params, state.chat.reasoning(text))
-    if state.chat.keeps_special_tokens or (plan is not None and state.chat.tools.keeps_special_tokens):
+    keep = state.chat.keeps_special_tokens or (plan is not None and state.chat.tools.keeps_special_tokens)
+    if keep and params.skip_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # the parsers' markers are special tokens
     inputs.check_lengths(engine, [ids], params, max_param)
     gen = cls(state, engine, request_id, [ids], params, body, lora_request=lora)
     gen.prompt_text = text
+    gen.strip_stop_token = keep and body.skip_special_tokens
     if plan is not None:
         gen.tool_calls = tools.ToolCallFormatter(plan, state.chat.tools)
     return gen
@@ -69,10 +71,23 @@ class ChatGeneration(Generation):
         self.tool_calls: tools.ToolCallFormatter | None = None  # with tools: formats tool_calls
         self._prompt_logprobs_sent = False  # streamed: they go in the first chunk with output
         self.prompt_text = ""  # the rendered conversation (a template may open the reasoning in it)
+        self.strip_stop_token = False  # special tokens kept for the parsers: the EOS / stop token's text is not text
         self._splits: dict[int, _Split] = {}  # streamed, with a reasoning parser: per choice
+
+    def without_stop_token(self, c: CompletionOutput) -> CompletionOutput:
+        """`c` less the text of the EOS or stop token that ended it, when special tokens are kept only for the
+        parsers (a skipped special token writes nothing)."""
+        if not (self.strip_stop_token and c.finished and c.token_ids and isinstance(c.stop_reason, (int, type(None)))):
+            return c
+        tail = self.engine.tokenizer.decode(c.token_ids[-1:], skip_special_tokens=False)
+        if str(c.finish_reason) != "stop" or not tail or not c.text.endswith(tail):
+            return c
+        delta = c.delta_text[: -len(tail)] if c.delta_text.endswith(tail) else c.delta_text
+        return dataclasses.replace(c, text=c.text[: -len(tail)], delta_text=delta)
 
     def split(self, c: CompletionOutput) -> tuple[str | None, CompletionOutput]:
         """(reasoning, the output with only its content as text) of a finished choice."""
+        c = self.without_stop_token(c)
         parser = self.state.chat.reasoning(self.prompt_text)
         if parser is None:
             return None, c
@@ -123,19 +138,7 @@ class ChatGeneration(Generation):
         return out
 
     def _tokens_upto(self, ids: list[int], chars: int) -> int:
-        """The fewest of `ids` whose text holds its first `chars` characters (binary search over decodes)."""
-        if chars <= 0:
-            return 0
-        decode = self.engine.tokenizer.decode
-        skip = self.params.skip_special_tokens
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(decode(ids[:mid], skip_special_tokens=skip)) >= chars:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return tokens_upto(self.engine.tokenizer, ids, chars, self.params.skip_special_tokens)
 
     def chat_logprobs(self, entries: list[Any] | None) -> p.ChatLogprobs | None:
         if entries is None:
@@ -170,6 +173,7 @@ class ChatGeneration(Generation):
         )
 
     def stream_choices(self, idx: int, c: CompletionOutput, out: RequestOutput) -> list[Any]:
+        c = self.without_stop_token(c)
         choices = []
         if self.state.chat.reasoning_cls is not None:
             choices, c = self._reasoning_step(idx, c)
@@ -242,6 +246,20 @@ class ChatGeneration(Generation):
         return p.ChatCompletionChunk(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
+
+
+def tokens_upto(tokenizer: Any, ids: list[int], chars: int, skip_special_tokens: bool) -> int:
+    """The fewest of `ids` whose text holds its first `chars` characters (binary search over decodes)."""
+    if chars <= 0:
+        return 0
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=skip_special_tokens)) >= chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class _Split:

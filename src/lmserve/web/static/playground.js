@@ -57,6 +57,27 @@ class Reply {
     this.numTokens = 0;
     this.cached = null;
     this.content = "";
+    this.thinking = null; // <details> folded above the answer, made by the first reasoning delta
+  }
+
+  // text: new reasoning (delta.reasoning_content), shown folded above the answer
+  addReasoning(text, entries) {
+    if (!text) return;
+    if (this.thinking === null) {
+      this.thinking = el("details", "reasoning");
+      this.thinking.append(el("summary", null, "reasoning"), el("div", "text"));
+      this.box.insertBefore(this.thinking, this.text);
+    }
+    this.thinking.lastChild.append(el("span", "tok", text));
+    this.countTokens(entries.length || 1);
+  }
+
+  countTokens(n) {
+    const now = performance.now();
+    if (this.tFirst === null) this.tFirst = now;
+    this.tLast = now;
+    this.numTokens += n;
+    this.showStats(false);
   }
 
   // text: the chunk's new text; entries: [{token, logprob, top: [[token, logprob], ...]}]
@@ -142,7 +163,9 @@ async function send(ev) {
       if (chunk.error) throw new Error(chunk.error.message);
       if (chunk.usage && chunk.usage.prompt_tokens_details) reply.cached = chunk.usage.prompt_tokens_details.cached_tokens;
       for (const choice of chunk.choices || []) {
-        if (mode === "chat") reply.add((choice.delta && choice.delta.content) || "", chatEntries(choice.logprobs));
+        if (mode === "chat" && choice.delta && choice.delta.reasoning_content) {
+          reply.addReasoning(choice.delta.reasoning_content, chatEntries(choice.logprobs));
+        } else if (mode === "chat") reply.add((choice.delta && choice.delta.content) || "", chatEntries(choice.logprobs));
         else reply.add(choice.text || "", completionEntries(choice.logprobs));
       }
     });

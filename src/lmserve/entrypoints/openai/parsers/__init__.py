@@ -2,10 +2,10 @@
 
 How to call a parser from a serving module (Responses, Anthropic, Ollama, gRPC, LLM.chat), per output sequence:
 
-    rp = reasoning_parser("qwen3")(prompt_text)       # or state.parsers.reasoning(prompt_text): None when off
+    rp = reasoning_parser("qwen3")(prompt_text)       # or state.chat.reasoning(prompt_text): None when off
     reasoning, content = rp.extract(text)              # whole output; either may be None
     r_delta, c_delta = rp.feed(delta_text)              # streamed: each new piece, then once rp.finish() at the end
-    tp = tool_parser("hermes")                          # stateless
+    tp = tool_parser("hermes")                          # stateless; the server's: state.chat.tools
     content, calls = tp.extract(content, tools)         # calls: [ToolCall(name, arguments JSON text, id)]
     ts = tp.stream(tools); ts.feed(c_delta) -> content to send; ts.finish() -> (rest, calls, [ToolCallDelta])
 

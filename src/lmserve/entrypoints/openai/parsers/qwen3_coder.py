@@ -1,15 +1,7 @@
 """Qwen3-Coder / Qwen3.5 XML tool calls (`--tool-call-parser qwen3_coder`):
-
-    <tool_call>
-    <function=get_weather>
-    <parameter=city>
-    Verona
-    </parameter>
-    </function>
-    </tool_call>
-
-Parameter values are text; each is converted by the tool's JSON schema ("3" → 3 for an integer, JSON for objects
-and arrays, true/false for booleans); a parameter the schema does not type is kept as text unless it is JSON."""
+`<tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n</function>\n</tool_call>`. Values are text,
+converted by the tool's JSON schema ("3" → 3 for an integer, JSON for objects and arrays, true/false for booleans);
+a parameter the schema does not type is kept as text unless it is JSON."""
 
 from __future__ import annotations
 
