@@ -71,6 +71,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # a reasoning block the constraint follows (free text ending in one of reasoning_end; optional, and opened by
+    # one of reasoning_start, when that is given; else the output starts inside it); () = none
+    reasoning_start: tuple[str, ...] = ()
+    reasoning_end: tuple[str, ...] = ()
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -108,6 +109,29 @@ def grammar_text(kind: str, spec: str, allow_additional_properties: bool = False
     return llguidance.grammar_from("grammar", spec)  # GBNF (llama.cpp) or Lark
 
 
+def after_reasoning(kind: str, spec: str, grammar: str, start: tuple[str, ...], end: tuple[str, ...]) -> str:
+    """A Lark grammar: a reasoning block (free text up to the first of `end`; optional and opened by one of `start`
+    when given), blanks, then the constraint. The grammar itself cannot be nested: ValueError."""
+    if kind in ("json", "json_object"):
+        body = "%json " + json.dumps(json.loads(grammar)["grammars"][0]["json_schema"])  # closed, with x-guidance
+    elif kind == "regex":
+        body = "/" + re.sub(r"(?<!\\)/", r"\/", spec) + "/"
+    elif kind == "choice":
+        body = " | ".join(json.dumps(c) for c in json.loads(spec))
+    else:
+        raise ValueError("a grammar constraint cannot follow a reasoning block; use json, regex or choice")
+
+    def alt(markers: tuple[str, ...]) -> str:
+        return "(?:" + "|".join(re.escape(m).replace("/", "\\/") for m in markers) + ")"
+
+    think = f"thinktext[lazy]: /(?s:.*){alt(end)}/\n"
+    if start:
+        head = f"start: (think ws)? body\nthink: /{alt(start)}/ thinktext\n"
+    else:
+        head = "start: thinktext ws body\n"
+    return llguidance.grammar_from("lark", head + think + "ws: /[ \\t\\r\\n]*/\nbody: " + body + "\n")
+
+
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer on a small thread pool and caches the results.
 
@@ -128,13 +152,13 @@ class StructuredOutputManager:
         self._eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer: Any = None  # built on first use (~0.1 s for 8k tokens, ~1 s for 150k)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="lmserve-grammar")
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[Any, ...], Future] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # grammars actually compiled (cache misses)
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """Future of the template matcher for `params`; raises GrammarError from `.result()` if refused."""
-        key = (params.kind, params.spec)
+        key = (params.kind, params.spec, params.reasoning_start, params.reasoning_end)
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -157,9 +181,11 @@ class StructuredOutputManager:
                 )
             return self._ll_tokenizer
 
-    def _compile(self, kind: str, spec: str) -> Any:
+    def _compile(self, kind: str, spec: str, reasoning_start: tuple[str, ...], reasoning_end: tuple[str, ...]) -> Any:
         try:
             grammar = grammar_text(kind, spec, self._allow_additional_properties)
+            if reasoning_end:
+                grammar = after_reasoning(kind, spec, grammar, reasoning_start, reasoning_end)
         except ValueError as e:
             raise GrammarError(kind, str(e)) from None
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar)

@@ -134,6 +134,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     functions: Any = None
+    # reasoning models (entrypoints/openai/chat_settings.py, parsers/): kwargs for the chat template (e.g.
+    # {"enable_thinking": false}), OpenAI's reasoning_effort (passed to the template), and vLLM's include_reasoning
+    chat_template_kwargs: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(_Strict):
@@ -156,11 +161,23 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
+
+    @model_serializer(mode="wrap")
+    def _drop_no_details(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("completion_tokens_details", 0) is None:
+            del out["completion_tokens_details"]
+        return out
 
 
 class CompletionLogprobs(BaseModel):
@@ -243,12 +260,15 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # with a reasoning parser; `reasoning` is vLLM's newer name, the same text
+    reasoning: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_tool_calls(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content", "reasoning"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -291,6 +311,8 @@ class DeltaToolCall(_DropNone):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

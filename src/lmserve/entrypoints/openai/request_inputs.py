@@ -13,6 +13,7 @@ from lmserve.engine.async_engine import AsyncEngine
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_value_error
+from lmserve.entrypoints.openai.parsers import ReasoningParser
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.lora_request import LoRARequest
 from lmserve.sampling_params import SamplingParams
@@ -82,13 +83,31 @@ async def constrain(
 ) -> tuple[SamplingParams, tools.Constraint]:
     """The request's output constraint (response_format, structured_outputs, guided_*, tools) in `params`, its
     grammar compiled (or found cached) off the event loop: a schema the library refuses is a 400 naming the field."""
+    constraint = constraint_of(engine, body)
+    return await apply_constraint(engine, constraint, params), constraint
+
+
+def constraint_of(engine: AsyncEngine, body: p.CompletionRequest | p.ChatCompletionRequest) -> tools.Constraint:
     try:
-        constraint = tools.constraint_of(body, engine.tokenizer)
+        return tools.constraint_of(body, engine.tokenizer)
     except p.RequestError as e:
         raise bad_request(str(e), e.param) from None
+
+
+async def apply_constraint(
+    engine: AsyncEngine,
+    constraint: tools.Constraint,
+    params: SamplingParams,
+    reasoning: ReasoningParser | None = None,
+) -> SamplingParams:
+    """`params` with the constraint's grammar, compiled; after the reasoning block when `reasoning` (this output's
+    parser) has markers: the thinking is free text, the grammar applies from its end."""
     so = constraint.structured_outputs
     if so is None:
-        return params, constraint
+        return params
+    if reasoning is not None and reasoning.end_markers:
+        start = () if reasoning.starts_inside else reasoning.start_markers
+        so = dataclasses.replace(so, reasoning_start=start, reasoning_end=reasoning.end_markers)
     try:
         params = dataclasses.replace(params, structured_outputs=so)
     except ValueError as e:
@@ -99,7 +118,7 @@ async def constrain(
         raise bad_request(
             f"{constraint.param}: refused by the grammar compiler: {e.reason}", constraint.param
         ) from None
-    return params, constraint
+    return params
 
 
 def completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
@@ -139,8 +158,18 @@ def render_chat(
     messages: list[p.ChatMessage],
     add_generation_prompt: bool,
     tool_list: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
+    return chat_prompt(engine, messages, add_generation_prompt, tool_list)[1]
+
+
+def chat_prompt(
+    engine: AsyncEngine,
+    messages: list[p.ChatMessage],
+    add_generation_prompt: bool,
+    tool_list: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[str, list[int]]:
+    """The conversation through the chat template (with `template_kwargs`, e.g. enable_thinking): its text and ids."""
     tok = engine.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
@@ -156,15 +185,14 @@ def render_chat(
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         conversation.append(msg)
-    extra = {"tools": tool_list} if tool_list else {}
-    extra.update(template_kwargs or {})  # e.g. reasoning_effort / enable_thinking, which templates read
+    extra = {**(template_kwargs or {}), **({"tools": tool_list} if tool_list else {})}
     try:
         text = tok.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
     except Exception as e:  # the template's own checks (role order, ...) raise jinja errors
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
-    return encode(tok, text, "messages", add_special_tokens=False)
+    return text, encode(tok, text, "messages", add_special_tokens=False)
 
 
 def check_lengths(

@@ -112,6 +112,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)",
     )
     p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        metavar="NAME",
+        help="split the model's reasoning into message.reasoning_content: qwen3, deepseek_r1, gpt_oss, granite; "
+        "auto (default: chosen from the chat template's markers) or none",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice auto is served whenever the chat template renders tools",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        metavar="NAME",
+        help="the model's tool-call format for tool_choice auto: hermes, qwen3_coder, llama3_json, mistral, "
+        "pythonic, openai; auto (default: chosen from the chat template, else hermes)",
+    )
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template replacing the model's")
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help='kwargs every chat request passes to the template, e.g. \'{"enable_thinking": false}\' (a request\'s '
+        "chat_template_kwargs override them)",
+    )
+    p.add_argument(
         "--responses-store-size",
         type=int,
         default=1000,
@@ -176,6 +203,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
         print("lmserve serve: error: --distributed-executor-backend ray needs Ray: pip install 'lmserve[ray]'",
               file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        chat_settings = chat_settings_of(args)
+    except (ValueError, OSError) as e:
+        print(f"lmserve serve: error: {e}", file=sys.stderr)
         return 2
     frontends = []
     if args.grpc_port is not None:
@@ -271,6 +303,7 @@ def run_serve(args: argparse.Namespace) -> int:
         on_ready=ready,
         frontends=frontends,
         lora_modules=lora_modules,
+        chat_settings=chat_settings,
         response_store=ResponseStore(args.responses_store_size, args.responses_store_ttl_s),
     )
     server = uvicorn.Server(
@@ -288,6 +321,31 @@ def run_serve(args: argparse.Namespace) -> int:
     if app.state.lmserve.load_error is not None:
         return 1
     return 0
+
+
+def chat_settings_of(args: argparse.Namespace):
+    """ChatSettings from the flags; ValueError (an unknown parser lists the known ones) or OSError (the template)."""
+    import json
+
+    from lmserve.entrypoints.openai.chat_settings import ChatSettings
+
+    template = None
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    kwargs = {}
+    if args.default_chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.default_chat_template_kwargs)
+        except ValueError as e:
+            raise ValueError(f"--default-chat-template-kwargs: not JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    try:
+        return ChatSettings(args.reasoning_parser, args.tool_call_parser, template, kwargs)
+    except ValueError as e:
+        flag = "--reasoning-parser" if "reasoning" in str(e) else "--tool-call-parser"
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def _lora_modules(args: argparse.Namespace, config, name: str):

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.token_bytes import TokenBytes
+from lmserve.entrypoints.openai.chat_settings import ChatSettings
 from lmserve.entrypoints.openai.dashboard import add_web_routes
 from lmserve.entrypoints.openai.kv_info import add_kv_info_route
 from lmserve.entrypoints.openai.lora_modules import LoRAModules
@@ -54,6 +55,7 @@ def build_app(
     on_ready: Callable[[AsyncEngine], None] | None = None,
     frontends: Sequence[Callable[[ServerState], AbstractAsyncContextManager[Any]]] = (),
     lora_modules: LoRAModules | None = None,
+    chat_settings: ChatSettings | None = None,
     response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The server for `engine`: a started-or-not engine client (AsyncEngine, or EngineCoreClient with the
@@ -62,6 +64,7 @@ def build_app(
     a loaded engine is shut down when the app's lifespan ends, one passed in is left to its owner. `frontends`
     (e.g. the gRPC server) run for the app's lifespan on its event loop, serving the same ServerState; they
     stop before the engine does. `lora_modules`: the LoRA adapters served by name (the engine needs enable_lora).
+    `chat_settings`: reasoning / tool-call parsers and chat template options (default: chosen from the template).
     `response_store`: the Responses API's stored responses (default: ResponseStore's bounds)."""
     loader = None if hasattr(engine, "add_request") else engine
     if loader is not None and not served_model_name:
@@ -69,10 +72,13 @@ def build_app(
     name = served_model_name or engine.config.model.path  # type: ignore[union-attr]
     state = ServerState(name, api_key, max_request_body_bytes)
     state.loras = lora_modules
+    if chat_settings is not None:
+        state.chat = chat_settings
     state.metrics = Metrics(name, lambda: state.engine.snapshot() if state.engine is not None else None)
 
     def attach(e: AsyncEngine) -> None:
         e.stat_loggers.append(state.metrics)  # type: ignore[arg-type]
+        state.chat.resolve(e.tokenizer)
         e.start()
         state.token_bytes = TokenBytes(e.tokenizer)
         state.engine = e

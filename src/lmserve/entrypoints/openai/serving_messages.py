@@ -31,12 +31,14 @@ def _chat_body(body: ap.CountTokensRequest, max_tokens: int | None = None) -> p.
         messages = ap.system_message(body.system) + ap.chat_messages(body.messages)
         chat_tools = ap.chat_tools(body.tools)
         choice, parallel = ap.chat_tool_choice(body.tool_choice, bool(chat_tools))
+        template_kwargs = ap.template_kwargs(body.thinking)
     except p.RequestError as e:
         raise bad_request(str(e), e.param) from None
     if not body.messages:
         raise bad_request("messages must be a non-empty list", "messages")
     if not isinstance(body, ap.MessagesRequest):
-        return p.ChatCompletionRequest(model=body.model, messages=messages, tools=chat_tools, tool_choice=choice)
+        return p.ChatCompletionRequest(model=body.model, messages=messages, tools=chat_tools, tool_choice=choice,
+                                       chat_template_kwargs=template_kwargs)  # fmt: skip
     return p.ChatCompletionRequest(
         model=body.model,
         messages=messages,
@@ -48,22 +50,16 @@ def _chat_body(body: ap.CountTokensRequest, max_tokens: int | None = None) -> p.
         tools=chat_tools,
         tool_choice=choice,
         parallel_tool_calls=parallel,
+        chat_template_kwargs=template_kwargs,
         stream=body.stream,
     )
-
-
-def _template_kwargs(body: ap.CountTokensRequest) -> dict[str, Any]:
-    try:
-        return ap.template_kwargs(body.thinking)
-    except p.RequestError as e:
-        raise bad_request(str(e), e.param) from None
 
 
 async def create_message(state: ServerState, body: ap.MessagesRequest, request: Request) -> Response:
     state.ready_engine()
     chat = _chat_body(body)
     try:
-        gen = await chat_generation(state, chat, MessagesGeneration, f"msg_{uuid.uuid4().hex}", _template_kwargs(body))
+        gen = await chat_generation(state, chat, MessagesGeneration, f"msg_{uuid.uuid4().hex}")
     except APIError as e:
         if e.param in RENAMED:
             e.message, e.param = e.message.replace(e.param, RENAMED[e.param]), RENAMED[e.param]
@@ -78,10 +74,11 @@ def count_tokens(state: ServerState, body: ap.CountTokensRequest) -> dict[str, i
     chat = _chat_body(body)
     try:
         plan = tools.constraint_of(chat, engine.tokenizer).tools
+        template_kwargs = state.chat.template_kwargs(chat.chat_template_kwargs, None)
     except p.RequestError as e:
         raise bad_request(str(e), e.param) from None
     shown = plan.tools if plan is not None and tools.template_supports_tools(engine.tokenizer) else None
-    ids = inputs.render_chat(engine, chat.messages, True, shown, _template_kwargs(body))
+    _, ids = inputs.chat_prompt(engine, chat.messages, True, shown, template_kwargs)
     return {"input_tokens": len(ids)}
 
 

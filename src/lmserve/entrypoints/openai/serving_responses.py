@@ -24,7 +24,8 @@ from lmserve.entrypoints.openai.sse import ClientGone, SSEResponse, cancel_on_di
 from lmserve.entrypoints.openai.state import ServerState
 
 # chat's field names in the errors of a translated body → the Responses field
-RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
+           "reasoning_effort": "reasoning.effort"}  # fmt: skip
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _background_tasks: set[asyncio.Task[Any]] = set()  # held until done (the loop keeps only weak references)
 
@@ -37,14 +38,12 @@ def _renamed(e: APIError) -> APIError:
     return e
 
 
-def _template_kwargs(reasoning: dict[str, Any] | None) -> dict[str, Any]:
-    """reasoning.effort for chat templates that read it (gpt-oss: reasoning_effort; Qwen3: enable_thinking)."""
+def _effort(reasoning: dict[str, Any] | None) -> str | None:
+    """reasoning.effort, which reaches the chat template as chat's reasoning_effort does (chat_settings.py)."""
     effort = (reasoning or {}).get("effort")
-    if effort is None:
-        return {}
-    if effort not in EFFORTS:
+    if effort is not None and effort not in EFFORTS:
         raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}", "reasoning.effort")
-    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+    return effort
 
 
 def _chat_body(body: rp.ResponsesRequest, history: list[p.ChatMessage]) -> tuple[p.ChatCompletionRequest, list]:
@@ -72,6 +71,7 @@ def _chat_body(body: rp.ResponsesRequest, history: list[p.ChatMessage]) -> tuple
         tool_choice=tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=response_format,
+        reasoning_effort=_effort(body.reasoning),
         stream=body.stream,
     )
     return chat, conversation
@@ -94,7 +94,7 @@ async def create_response(
     chat, conversation = _chat_body(body, history)
     rid = f"resp_{uuid.uuid4().hex}"
     try:
-        gen = await chat_generation(state, chat, ResponsesGeneration, rid, _template_kwargs(body.reasoning))
+        gen = await chat_generation(state, chat, ResponsesGeneration, rid)
     except APIError as e:
         raise _renamed(e) from None
     assert isinstance(gen, ResponsesGeneration)

@@ -1,12 +1,14 @@
 """ServerState: what every route, the middleware, the dashboard and the gRPC frontend share about one server
-(its engine once loaded, the served name, the API key, metrics); `ready_engine()` is the 503 while loading."""
+(its engine once loaded, the served name, the API key, metrics, chat settings); `ready_engine()` is the 503 while
+loading."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.token_bytes import TokenBytes
+from lmserve.entrypoints.openai.chat_settings import ChatSettings
 from lmserve.entrypoints.openai.errors import APIError
 from lmserve.entrypoints.openai.lora_modules import LoRAModules
 from lmserve.metrics import Metrics
@@ -24,6 +26,7 @@ class ServerState:
     metrics: Metrics | None = None
     load_error: BaseException | None = None
     loras: LoRAModules | None = None  # the LoRA adapters served by name (--enable-lora), else None
+    chat: ChatSettings = field(default_factory=ChatSettings)  # parsers and chat template options
 
     def ready_engine(self) -> AsyncEngine:
         engine = self.engine

@@ -8,8 +8,9 @@ A request names at most one constraint; it becomes a StructuredOutputsParams plu
     tools + tool_choice {"type": "function", "function": {"name": F}}  → json = F's parameters schema
     tools + tool_choice "required"  → json = [{"name": F, "parameters": {...}}, ...] (one or more calls)
     tools + tool_choice "auto"      → unconstrained; the chat template shows the tools and the model may write
-                                      Hermes-style <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks
-                                      (parallel_tool_calls false: the first call is returned)
+                                      calls in its family's format, found by the server's tool parser (parsers/,
+                                      default Hermes <tool_call>{...}</tool_call>; parallel_tool_calls false: the
+                                      first call is returned)
     tools + tool_choice "none"      → tools ignored
 
 `ToolCallFormatter` turns a finished sequence into `tool_calls` (and streams them as deltas): only complete calls,
@@ -21,18 +22,15 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lmserve.core.outputs import CompletionOutput
 from lmserve.entrypoints.openai import protocol as p
+from lmserve.entrypoints.openai.parsers import HermesToolParser, ToolCall, ToolParser
+from lmserve.entrypoints.openai.parsers.base import call_id
 from lmserve.sampling_params import StructuredOutputsParams
-
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-_HERMES_CALL = re.compile(re.escape(TOOL_CALL_START) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_END) + r"|$)", re.S)
 
 ToolMode = Literal["named", "required", "auto"]
 
@@ -157,8 +155,9 @@ def _tool_plan(body: p.ChatCompletionRequest, tokenizer: Any) -> ToolPlan | None
     if choice == "auto":
         if not template_supports_tools(tokenizer):
             raise _bad(
-                "tool_choice 'auto' needs a chat template that renders tools (Hermes-style <tool_call> output, as "
-                "Qwen2.5 / Qwen3 / Hermes templates); this model's template does not. Use tool_choice 'required' "
+                "tool_choice 'auto' needs a chat template that renders tools (the model then writes calls in its "
+                "family's format, Hermes-style <tool_call> by default: --tool-call-parser); this model's template "
+                "does not. Use tool_choice 'required' "
                 "or a named function, which constrain the output to the function's schema",
                 "tool_choice",
             )
@@ -228,43 +227,15 @@ def _tool_params(plan: ToolPlan) -> StructuredOutputsParams:
 # ---- output ------------------------------------------------------------------------------------
 
 
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def to_api_calls(calls: list[ToolCall]) -> list[p.ToolCall]:
+    return [p.ToolCall(id=c.id, function=p.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
 
 def parse_hermes_tool_calls(text: str) -> tuple[str | None, list[p.ToolCall]]:
-    """(content before the first <tool_call>, the calls) from Hermes-style output; blocks that are not a JSON
-    object with a string `name` are left in the content."""
-    start = text.find(TOOL_CALL_START)
-    if start < 0:
-        return text, []
-    calls = []
-    for m in _HERMES_CALL.finditer(text, start):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = obj.get("arguments", obj.get("parameters", {}))
-        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        calls.append(p.ToolCall(id=_call_id(), function=p.FunctionCall(name=obj["name"], arguments=arguments)))
-    content = text[:start].rstrip()  # the whitespace before the call is the call's layout, not content
-    return (content or None), calls
-
-
-def _hold_back(text: str) -> int:
-    """How many characters of `text` may be streamed as content: up to a <tool_call> or a partial one at the end,
-    less the whitespace before it (which a call that follows makes layout, dropped from the content as
-    parse_hermes_tool_calls drops it; sent once text follows it, or at the end when no call came)."""
-    end = text.find(TOOL_CALL_START)
-    if end < 0:
-        end = len(text)
-        for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
-            if TOOL_CALL_START.startswith(text[-k:]):
-                end = len(text) - k
-                break
-    return len(text[:end].rstrip())
+    """(content before the first <tool_call>, the calls) from Hermes-style output (parsers.hermes); an output whose
+    blocks are not all a JSON object with a string `name` is all content."""
+    content, calls = HermesToolParser().extract(text)
+    return content, to_api_calls(calls)
 
 
 @dataclass
@@ -286,6 +257,7 @@ class ToolCallFormatter:
     the first <tool_call>."""
 
     plan: ToolPlan
+    parser: ToolParser = field(default_factory=HermesToolParser)  # auto: the family's call format
     _streams: dict[int, _StreamState] = field(default_factory=dict)
 
     def message(self, c: CompletionOutput) -> tuple[p.AssistantMessage, str | None]:
@@ -300,17 +272,17 @@ class ToolCallFormatter:
     def _calls(self, text: str) -> tuple[str | None, list[p.ToolCall]] | None:
         """(content, calls) when `text` holds complete calls, else None (it is returned as content)."""
         if self.plan.mode == "auto":
-            content, calls = parse_hermes_tool_calls(text)
+            content, calls = self.parser.extract(text, self.plan.tools)
             if not calls:
                 return None
-            return content, calls if self.plan.parallel else calls[:1]
+            return content, to_api_calls(calls if self.plan.parallel else calls[:1])
         try:
             value = json.loads(text)
         except (ValueError, RecursionError):  # RecursionError: nested past json's limit
             return None  # cut short: not a whole JSON value
         if self.plan.mode == "named":
             return None, [
-                p.ToolCall(id=_call_id(), function=p.FunctionCall(name=self.plan.function_name, arguments=text))
+                p.ToolCall(id=call_id(), function=p.FunctionCall(name=self.plan.function_name, arguments=text))
             ]
         if not isinstance(value, list) or not all(
             isinstance(v, dict) and isinstance(v.get("name"), str) for v in value
@@ -318,7 +290,7 @@ class ToolCallFormatter:
             return None  # the grammar writes a list of {"name", "parameters"}; anything else is not calls
         return None, [
             p.ToolCall(
-                id=_call_id(),
+                id=call_id(),
                 function=p.FunctionCall(
                     name=call["name"], arguments=json.dumps(call.get("parameters", {}), ensure_ascii=False)
                 ),
@@ -334,7 +306,7 @@ class ToolCallFormatter:
         if not c.finished:
             if self.plan.mode != "auto":
                 return []  # a call is sent whole once complete (it may yet be cut short)
-            upto = _hold_back(c.text)
+            upto = self.parser.stream_upto(c.text)
             new = c.text[state.sent_chars : upto]
             state.sent_chars = max(state.sent_chars, upto)
             return [(p.DeltaMessage(content=new), None)] if new else []
@@ -343,7 +315,7 @@ class ToolCallFormatter:
         if not msg.tool_calls:  # plain text after all (no calls, or calls cut short)
             rest = c.text[state.sent_chars :]
             return [(p.DeltaMessage(content=rest or None), reason)]
-        rest = c.text[state.sent_chars : max(_hold_back(c.text), state.sent_chars)] if self.plan.mode == "auto" else ""
+        rest = (msg.content or "")[state.sent_chars :] if self.plan.mode == "auto" else ""
         calls = [
             p.DeltaToolCall(
                 index=i,

@@ -1,0 +1,96 @@
+"""Reasoning and tool-call parsers per model family, by vLLM's names; independent of FastAPI and the engine.
+
+How to call a parser from a serving module (Responses, Anthropic, Ollama, gRPC, LLM.chat), per output sequence:
+
+    rp = reasoning_parser("qwen3")(prompt_text)       # or state.parsers.reasoning(prompt_text): None when off
+    reasoning, content = rp.extract(text)              # whole output; either may be None
+    r_delta, c_delta = rp.feed(delta_text)              # streamed: each new piece, then once rp.finish() at the end
+    tp = tool_parser("hermes")                          # stateless
+    content, calls = tp.extract(content, tools)         # calls: [ToolCall(name, arguments JSON text, id)]
+    ts = tp.stream(tools); ts.feed(c_delta) -> content to send; ts.finish() -> (rest, calls, [ToolCallDelta])
+
+Run the tool parser on the reasoning parser's content. No calls (or a call that does not parse) means the text is
+content. Decode with special tokens kept when `keeps_special_tokens` (gpt_oss, openai, mistral)."""
+
+from __future__ import annotations
+
+from lmserve.entrypoints.openai.parsers.base import (
+    ReasoningParser,
+    TagReasoningParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+)
+from lmserve.entrypoints.openai.parsers.deepseek_r1 import DeepSeekR1ReasoningParser
+from lmserve.entrypoints.openai.parsers.granite import GraniteReasoningParser
+from lmserve.entrypoints.openai.parsers.harmony import GptOssReasoningParser, OpenAIToolParser
+from lmserve.entrypoints.openai.parsers.hermes import HermesToolParser
+from lmserve.entrypoints.openai.parsers.llama3_json import Llama3JsonToolParser
+from lmserve.entrypoints.openai.parsers.mistral import MistralToolParser
+from lmserve.entrypoints.openai.parsers.pythonic import PythonicToolParser
+from lmserve.entrypoints.openai.parsers.qwen3 import Qwen3ReasoningParser
+from lmserve.entrypoints.openai.parsers.qwen3_coder import Qwen3CoderToolParser
+
+__all__ = [
+    "REASONING_PARSERS", "TOOL_PARSERS", "ReasoningParser", "TagReasoningParser", "ToolCall", "ToolCallDelta",
+    "ToolCallStream", "ToolParser", "detect_parsers", "reasoning_parser", "tool_parser",
+]  # fmt: skip
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": Qwen3ReasoningParser,
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+    "gpt_oss": GptOssReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,  # vLLM's name for it
+    "granite": GraniteReasoningParser,
+}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_xml": Qwen3CoderToolParser,  # vLLM's second name for the same format
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+    "openai": OpenAIToolParser,
+}
+
+
+def reasoning_parser(name: str) -> type[ReasoningParser]:
+    """The reasoning parser class named `name`; ValueError listing the known names."""
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_PARSERS)}") from None
+
+
+def tool_parser(name: str) -> ToolParser:
+    """The tool parser named `name`; ValueError listing the known names."""
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(TOOL_PARSERS)}") from None
+
+
+def detect_parsers(template: str | None) -> tuple[str | None, str | None]:
+    """(reasoning parser, tool parser) names for a chat template, from the markers it writes; None where none
+    is recognised."""
+    t = template or ""
+    reasoning = None
+    if "<|channel|>" in t:
+        reasoning = "gpt_oss"
+    elif "<think>" in t or "</think>" in t:
+        reasoning = "deepseek_r1" if "<｜Assistant｜>" in t else "qwen3"
+    elif "Here is my thought process:" in t:
+        reasoning = "granite"
+    tools = None
+    if "<function=" in t and "<parameter=" in t:
+        tools = "qwen3_coder"
+    elif "<tool_call>" in t:
+        tools = "hermes"
+    elif "[TOOL_CALLS]" in t:
+        tools = "mistral"
+    elif "to=functions" in t or "<|channel|>" in t:
+        tools = "openai"
+    elif "<|python_tag|>" in t or "Environment: ipython" in t:
+        tools = "llama3_json"
+    return reasoning, tools
