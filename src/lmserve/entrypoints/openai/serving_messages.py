@@ -86,6 +86,8 @@ class MessagesGeneration(ChatGeneration):
     def final_response(self, finals: list[RequestOutput]) -> ap.MessageObject:  # type: ignore[override]
         choice = super().final_response(finals).choices[0]
         content: list[dict[str, Any]] = []
+        if choice.message.reasoning_content:  # a reasoning parser split it off (signature: none, nothing is signed)
+            content.append({"type": "thinking", "thinking": choice.message.reasoning_content, "signature": ""})
         if choice.message.content:
             content.append({"type": "text", "text": choice.message.content})
         content.extend(ap.tool_use_block(c) for c in choice.message.tool_calls or [])
@@ -113,17 +115,18 @@ class MessagesGeneration(ChatGeneration):
                 c = out.outputs[0]
                 for chunk in self.stream_choices(0, c, out):
                     choice = chunk.choices[0]
-                    text, calls = choice.delta.content, choice.delta.tool_calls or []
-                    if text:
-                        if block != "text":
+                    pieces = [("thinking", choice.delta.reasoning_content), ("text", choice.delta.content)]
+                    for kind, piece in pieces:
+                        if not piece:
+                            continue
+                        if block != kind:
                             if block is not None:
                                 events.append(_event("content_block_stop", index=index))
-                            index, block = index + 1, "text"
-                            events.append(_event("content_block_start", index=index,
-                                                 content_block={"type": "text", "text": ""}))  # fmt: skip
-                        events.append(_event("content_block_delta", index=index,
-                                             delta={"type": "text_delta", "text": text}))  # fmt: skip
-                    for call in calls:
+                            index, block = index + 1, kind
+                            events.append(_event("content_block_start", index=index, content_block=_EMPTY[kind]))
+                        delta = {"type": f"{kind}_delta", kind: piece}
+                        events.append(_event("content_block_delta", index=index, delta=delta))
+                    for call in choice.delta.tool_calls or []:
                         if block is not None:
                             events.append(_event("content_block_stop", index=index))
                         index, block = index + 1, "tool_use"
@@ -143,6 +146,9 @@ class MessagesGeneration(ChatGeneration):
             yield "".join(end)
         except APIError as e:
             yield _event("error", error=e.anthropic_body()["error"])
+
+
+_EMPTY = {"text": {"type": "text", "text": ""}, "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
 
 
 def _event(kind: str, **fields: Any) -> str:
