@@ -26,7 +26,7 @@ from lmserve.entrypoints.openai.state import ServerState
 RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
-def _chat_body(body: ap.CountTokensRequest, max_tokens: int | None = None) -> p.ChatCompletionRequest:
+def _chat_body(body: ap.CountTokensRequest) -> p.ChatCompletionRequest:
     try:
         messages = ap.system_message(body.system) + ap.chat_messages(body.messages)
         chat_tools = ap.chat_tools(body.tools)
