@@ -1,5 +1,5 @@
 """Run pytest as on the README's plain install (`.[test]` only), whatever else this machine has installed:
-the optional extras' modules are made unimportable first, as tests/test_grpc_optional.py does for grpc.
+the optional extras' modules are made unimportable first, as tests/server/test_grpc_optional.py does for grpc.
 
     python .ci/without_extras.py --collect-only -q
 """

@@ -71,7 +71,7 @@ from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 from machine import machine_info
 
 from lmserve.bench.experiments import ServerError, free_loopback_port, running_server
-from lmserve.model.gguf import GGUFCheckpoint, find_gguf_file
+from lmserve.checkpoint.gguf import GGUFCheckpoint, find_gguf_file
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16  # the engine's default KV block size

@@ -85,10 +85,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
-    from lmserve.config import EngineArgs
+    from lmserve.config.engine import EngineArgs
     from lmserve.engine.async_engine import AsyncEngine
     from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.metrics import Metrics
+    from lmserve.observability.prometheus import Metrics
 
     if args.quick:
         from lmserve.default_model import default_model_path

@@ -20,7 +20,7 @@ from pathlib import Path
 from benchmark_model import build_benchmark_model
 from machine import write_result
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.sampling_params import SamplingParams
 

@@ -96,7 +96,7 @@ def measure_memory_child(gguf_file: str, tokenizer: str, quantization: str | Non
     from transformers import AutoTokenizer
 
     from lmserve import LLM
-    from lmserve.model.gguf import GGUFCheckpoint, resident_weight_bytes
+    from lmserve.checkpoint.gguf import GGUFCheckpoint, resident_weight_bytes
 
     AutoTokenizer.from_pretrained(tokenizer)  # (its imports and tables are not the model's)
     with torch.device("meta"):  # torch's one-time meta-device setup (~17 MiB of registrations, whatever the model)

@@ -4,7 +4,8 @@
 
 Per KV dtype: offline output tok/s for `--requests` requests (prompt/output lengths as given), the decode step time
 with the whole batch decoding (every request past its prefill), and the maximum number of concurrent 4096-token
-requests a 4 GiB pool holds, from the ledger (lmserve.memory) and from the engine's configuration (asserted equal).
+requests a 4 GiB pool holds, from the ledger (lmserve.memory.ledger) and from the engine's configuration (asserted
+equal).
 Prints a table and writes benchmarks/results/kv-dtype-<timestamp>.json.
 """
 
@@ -24,8 +25,8 @@ DTYPES = ("float32", "bfloat16", "int8", "fp8_e4m3")
 
 def pool_capacity(model_dir: Path, kv_dtype: str, pool_gib: float, seq_len: int, block_size: int = 16) -> dict:
     """Concurrent seq_len-token requests in a pool_gib pool: the ledger's answer and the engine's must agree."""
-    from lmserve import memory
-    from lmserve.config import EngineArgs
+    from lmserve.config.engine import EngineArgs
+    from lmserve.memory import ledger as memory
 
     shape = memory.load_model_shape(model_dir)
     per_token = memory.kv_cache_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype)

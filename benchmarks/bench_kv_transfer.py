@@ -28,7 +28,7 @@ from machine import write_result  # noqa: E402
 
 from lmserve.engine.kv_transfer import block_nbytes, cache_tensors  # noqa: E402
 from lmserve.model.kv_cache import KVCache  # noqa: E402
-from lmserve.sim.calibrate import time_kv_pulls  # noqa: E402
+from lmserve.sim.kv_transfer_timing import time_kv_pulls  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 FULL = {"num_blocks": 1024, "repeats": 20}

@@ -23,11 +23,13 @@ from pathlib import Path
 
 from lmserve.bench.datasets import DatasetConfig, load_tokenizer
 from lmserve.bench.metrics import summarize
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.default_model import default_model_path
 from lmserve.sim.inputs import engine_config
+from lmserve.sim.linear_fit import LinearStepModel
 from lmserve.sim.simulator import SimConfig, Simulator, paused_gc
-from lmserve.sim.step_model import LinearStepModel, Overheads, StepProfile, profile_for
+from lmserve.sim.step_features import Overheads
+from lmserve.sim.step_model import StepProfile, profile_for
 from lmserve.sim.workload import Workload, build_workload
 
 REFERENCE = LinearStepModel(

@@ -24,7 +24,7 @@ from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 from machine import machine_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.test_structured_output import ARITH_GBNF, CHOICES, CODES, DATE, ORDER, PERSON  # noqa: E402
+from tests.sample.test_structured_output import ARITH_GBNF, CHOICES, CODES, DATE, ORDER, PERSON  # noqa: E402
 
 # A schema the random-weight model keeps writing for a long time: an open array of records.
 RECORDS = {
@@ -42,8 +42,8 @@ RECORDS = {
 
 
 def compile_times(engine, repeats: int) -> dict[str, dict[str, float]]:
+    from lmserve.sample.structured_output import StructuredOutputManager
     from lmserve.sampling_params import StructuredOutputsParams
-    from lmserve.structured_output import StructuredOutputManager
 
     cases = {
         "json: flat object + enum": StructuredOutputsParams(json=PERSON),

@@ -47,7 +47,7 @@ HIDDEN, VOCAB = CONFIG["hidden_size"], CONFIG["vocab_size"]
 def _collective_rank(rank: int, port: int, mode: str, iters: int, queue) -> None:  # noqa: ANN001
     os.environ["LMSERVE_TP_ALL_REDUCE"] = mode
     torch.set_num_threads(1)
-    from lmserve.worker.distributed import Rendezvous, TPGroup
+    from lmserve.distributed.group import Rendezvous, TPGroup
 
     group = TPGroup(Rendezvous("127.0.0.1", port, 2), rank)
     out = {}
@@ -78,7 +78,7 @@ def _collective_rank(rank: int, port: int, mode: str, iters: int, queue) -> None
 
 
 def bench_collectives(iters: int) -> dict:
-    from lmserve.worker.distributed import free_port
+    from lmserve.distributed.group import free_port
 
     results = {}
     ctx = mp.get_context("spawn")

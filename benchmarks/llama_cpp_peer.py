@@ -115,7 +115,7 @@ def requantize(llama_cpp_dir: Path, gguf_file: Path, kind: str, cache: Path = CA
 
 def main_type(gguf_file: Path) -> str:
     """The GGML type holding most of a GGUF file's bytes (what the file is "a Q4_1" of)."""
-    from lmserve.model.gguf import GGUFCheckpoint
+    from lmserve.checkpoint.gguf import GGUFCheckpoint
 
     by_type = GGUFCheckpoint(gguf_file).bytes_by_type()
     return max(by_type, key=lambda t: by_type[t][1])

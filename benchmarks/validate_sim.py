@@ -57,12 +57,13 @@ from lmserve.bench.experiments import lmserve_server
 from lmserve.bench.loadgen import LoadConfig, arrival_offsets_s, finalize_all, run_load
 from lmserve.bench.metrics import BenchSummary, request_latency, summarize
 from lmserve.bench.report import json_safe
-from lmserve.engine.step_trace import ENV
+from lmserve.observability.step_trace import ENV
 from lmserve.sim.api_costs import held_sends, process_cpu_s
-from lmserve.sim.calibrate import overheads_on_server, scrape_step_counters
 from lmserve.sim.inputs import engine_config
+from lmserve.sim.served_steps import overheads_on_server, scrape_step_counters
 from lmserve.sim.simulator import SimConfig, Simulator
-from lmserve.sim.step_model import Overheads, StepProfile
+from lmserve.sim.step_features import Overheads
+from lmserve.sim.step_model import StepProfile
 from lmserve.sim.workload import Workload
 
 METRICS = (
@@ -378,7 +379,7 @@ def _noise_pct(values: list[float | None]) -> float | None:
 
 
 def trace_rows(trace: Path) -> list[tuple[float, ...]]:
-    from lmserve.engine.step_trace import read_trace
+    from lmserve.observability.step_trace import read_trace
 
     return [row for path in sorted(trace.parent.glob(trace.name + ".*")) for row in read_trace(str(path))]
 
@@ -389,9 +390,9 @@ def served_fit(
     """The served iterations' total time / the step model's on their features, with the model's API stretch on the
     API work beside each (api_costs.stretch_inputs: the previous step's chunks, the requests sent while it ran) and
     the sends' stalls on each (the requests sent while it runs; `held`: those a concurrency cap had held)."""
-    from lmserve.engine.step_trace import OLD_COLUMNS
+    from lmserve.observability.step_trace import OLD_COLUMNS
     from lmserve.sim.api_costs import api_work, sends_during, stretch_inputs
-    from lmserve.sim.step_model import StepFeatures, mark_decode_after_prefill
+    from lmserve.sim.step_features import StepFeatures, mark_decode_after_prefill
 
     ov = profile.overheads
     inputs = stretch_inputs(rows, sends, held or []) if len(rows[0]) > OLD_COLUMNS else [(0,) * 6] * len(rows)

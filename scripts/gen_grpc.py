@@ -1,9 +1,9 @@
-"""Regenerate the committed gRPC stubs of src/lmserve/entrypoints/grpc/lmserve.proto (needs grpcio-tools):
+"""Regenerate the committed gRPC stubs of src/lmserve/grpc_proto/lmserve.proto (needs grpcio-tools):
 
     python scripts/gen_grpc.py
 
 which runs `python -m grpc_tools.protoc -I src --python_out=src --pyi_out=src --grpc_python_out=src
-src/lmserve/entrypoints/grpc/lmserve.proto`. The generated code checks at import that the protobuf and grpcio
+src/lmserve/grpc_proto/lmserve.proto`. The generated code checks at import that the protobuf and grpcio
 installed are at least the versions it was generated with: keep the `grpc` extra's lower bounds in
 pyproject.toml at or below what the header of lmserve_pb2.py / lmserve_pb2_grpc.py names.
 """
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
-PROTO = "lmserve/entrypoints/grpc/lmserve.proto"
+PROTO = "lmserve/grpc_proto/lmserve.proto"
 
 
 def main() -> int:

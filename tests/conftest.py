@@ -10,7 +10,7 @@ import torch
 from tests.helpers import build_model, train_tokenizer
 
 # Tests that count kernel calls need the C kernel on the few-row path, not a choice timed on a busy machine;
-# tests/test_small_m_linear.py sets the other modes itself.
+# tests/model/test_small_m_linear.py sets the other modes itself.
 os.environ.setdefault("LMSERVE_SMALL_M_LINEAR", "kernel")
 
 MODEL_SPECS = {

@@ -16,22 +16,14 @@ ARCHITECTURE_MD = SRC.parent / "docs" / "architecture.md"
 
 # lowest first; a module takes the floor of its longest matching entry (a package name covers its submodules)
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    (
-        "leaves",
-        (
-            "sampling_params", "request", "hub", "default_model", "generation_defaults", "tokenizer",
-            "byte_units", "model_shape", "memory", "memory_report", "memory_presets", "memory_disaggregation",
-            "lora_request",
-            # torch-free readers of a checkpoint's metadata (the family table, a GGUF file's header), which the
-            # config and the ledger read: a leaf each, though their files are in model/
-            "model.registry", "model.gguf",
-        ),
-    ),
-    ("config", ("model_config", "config", "spec_decode.config", "kv_transfer_config")),
+    # torch-free nouns and readers: a request and its parameters, what is read from a checkpoint, the ledger, and
+    # the LoRA request (its file is in lora/, the rest of which runs on the model floor)
+    ("leaves", ("sampling_params", "request", "default_model", "checkpoint", "memory", "lora.request", "grpc_proto")),
+    ("config", ("config",)),
     ("core", ("core",)),
-    ("model", ("kernels", "model", "worker", "spec_decode", "structured_output", "lora")),
-    ("engine", ("engine", "metrics")),
-    ("entrypoints", ("lmserve", "entrypoints", "diagnose", "metrics_window", "bench", "sim", "web")),
+    ("model", ("kernels", "model", "distributed", "sample", "worker", "spec_decode", "lora")),
+    ("engine", ("engine", "observability")),
+    ("entrypoints", ("lmserve", "llm", "entrypoints", "bench", "sim", "web")),
 ]
 
 # Known exceptions (module names without the "lmserve." prefix): a circle as its set of modules, an upward import as
@@ -41,7 +33,9 @@ ALLOWED_UPWARD: set[tuple[str, str]] = set()
 # The floors below the model never import torch (the scheduler is tested without a model, `lmserve memory` answers
 # without one); config asks torch for a CUDA device's free memory, only when the device is CUDA.
 TORCH_FREE_FLOORS = ("leaves", "config", "core")
-ALLOWED_TORCH = {"config"}
+ALLOWED_TORCH = {"config.engine"}
+# modules that stand below their folder's floor (a noun the lower floors need, kept beside its capability)
+FOLDER_FLOOR_EXCEPTIONS = {"lora.request"}
 
 
 def module_files(src: Path = SRC) -> dict[str, Path]:
@@ -191,6 +185,35 @@ def test_lower_floors_import_no_torch() -> None:
             if any(n == "torch" or n.startswith("torch.") for n in imported):
                 bad.append(mod)
     assert not bad, f"modules on {TORCH_FREE_FLOORS} that import torch: {sorted(set(bad))}"
+
+
+def folder_of(mod: str) -> str:
+    """A module's folder: the package right under lmserve, or the loose module itself (`lmserve` for the root)."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        out.setdefault(folder_of(a), set()).update(folder_of(b) for b in targets if folder_of(b) != folder_of(a))
+    return out
+
+
+def test_no_folder_imports_a_folder_that_imports_it() -> None:
+    """A folder is one room: no circle of imports between folders (or loose modules), however long."""
+    found = sorted(sorted(c) for c in circles(folder_graph(import_graph())))
+    assert not found, f"folders that import each other: {found}"
+
+
+def test_each_folder_stands_on_one_floor() -> None:
+    names = [name for name, _ in FLOORS]
+    floors: dict[str, set[str]] = {}
+    for mod in module_files():
+        if mod.removeprefix("lmserve.") not in FOLDER_FLOOR_EXCEPTIONS:
+            floors.setdefault(folder_of(mod), set()).add(names[floor_of(mod)])
+    spread = {f: sorted(s) for f, s in floors.items() if len(s) > 1}
+    assert not spread, f"folders whose modules stand on several floors: {spread}"
 
 
 def test_floor_table_is_documented() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.entrypoints.llm import LLM
+from lmserve.llm import LLM
 from lmserve.sampling_params import SamplingParams
 from tests.scripted_model import build_scripted_model
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.entrypoints.openai.server import build_app

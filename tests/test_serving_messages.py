@@ -16,12 +16,12 @@ import jsonschema
 import openai
 import pytest
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.default_model import default_model_path
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.entrypoints.openai.server import build_app
-from tests.test_structured_server import HERMES
+from tests.server.test_structured_server import HERMES
 from tests.thread_server import serve_in_thread
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -17,14 +17,14 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.default_model import default_model_path
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from lmserve.entrypoints.openai.server import build_app
 from tests.helpers import steps_held_after_first
-from tests.test_structured_server import HERMES
+from tests.server.test_structured_server import HERMES
 from tests.thread_server import serve_in_thread
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from tests.test_server import free_port
+from tests.server.test_server import free_port
 
 
 @contextlib.contextmanager

@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lmserve.core.outputs import CompletionOutput, RequestOutput
-    from lmserve.entrypoints.beam_search import BeamSearchParams
-    from lmserve.entrypoints.llm import LLM
-    from lmserve.lora_request import LoRARequest
+    from lmserve.engine.beam_search import BeamSearchParams
+    from lmserve.llm import LLM
+    from lmserve.lora.request import LoRARequest
     from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
-    "LLM": "lmserve.entrypoints.llm",
+    "LLM": "lmserve.llm",
     "SamplingParams": "lmserve.sampling_params",
     "StructuredOutputsParams": "lmserve.sampling_params",
-    "BeamSearchParams": "lmserve.entrypoints.beam_search",
+    "BeamSearchParams": "lmserve.engine.beam_search",
     "RequestOutput": "lmserve.core.outputs",
     "CompletionOutput": "lmserve.core.outputs",
-    "LoRARequest": "lmserve.lora_request",
+    "LoRARequest": "lmserve.lora.request",
 }
 __all__ = [
     "LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 
 
@@ -82,6 +82,11 @@ class Request:
     spec_acceptance: Any = None  # AcceptanceTracker (spec_decode/acceptance.py): how many tokens to propose
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     lora_slot: int = -1  # the compute slot the scheduler gave its adapter while running (core/lora_slots.py)
+    # a pooling request (sampling_params.pooling): the runner's sum of hidden rows so far (mean pooling), the
+    # first row (cls); its pooled vector (or scores) once its prompt is computed
+    pooling_state: Any = None
+    pooled: list[float] | None = None
+    state_slot: int = -1  # a hybrid model's recurrent-state slot while running (core/state_pool.py)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 MAX_LOGPROBS = 20
 """Upper bound for `logprobs` / `prompt_logprobs` (OpenAI's limit)."""
@@ -64,7 +64,7 @@ def _range_text(lo: int | None, hi: int | None) -> str:
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's names): exactly one of `json` (a JSON schema, as a dict or JSON text),
     `regex`, `choice` (the output is one of these strings), `grammar` (GBNF as llama.cpp writes it, or Lark)
-    or `json_object=True` (any JSON object). Enforced token by token by lmserve.structured_output."""
+    or `json_object=True` (any JSON object). Enforced token by token by lmserve.sample.structured_output."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -158,6 +158,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    pooling: PoolingParams | None = None  # a pooling request (max_tokens 0): its prompt's hidden states, pooled
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, lo=1)
@@ -219,6 +220,13 @@ class SamplingParams:
                     f"ends (got min_tokens={self.min_tokens})"
                 )
 
+        if isinstance(self.pooling, dict):
+            self.pooling = PoolingParams(**self.pooling)
+        if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
+            raise ValueError(f"pooling must be a PoolingParams, got {self.pooling!r}")
+        if self.pooling is not None and (self.max_tokens != 0 or self.n != 1 or (self.best_of or 1) != 1):
+            raise ValueError("pooling: a pooling request generates nothing (max_tokens 0) and has one sequence (n 1)")
+
     @staticmethod
     def _normalise_stop_token_ids(value: object) -> list[int]:
         if value is None:
@@ -277,3 +285,45 @@ class SamplingParams:
         if not self.stop or self.include_stop_str_in_output:
             return 0
         return max(len(s) for s in self.stop) - 1
+
+
+# ---- pooling requests: a prefill that returns its hidden states pooled, not tokens ----------------------------
+
+PoolingType = Literal["last", "mean", "cls"]
+POOLING_TYPES = ("last", "mean", "cls")
+RUNNERS = ("auto", "generate", "pooling")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    pooling_type: PoolingType = "last"
+    normalize: bool = True
+    dimensions: int | None = None  # keep the first `dimensions` values (before normalising)
+    score_token_ids: tuple[int, ...] = ()  # non-empty: the probabilities of these tokens among them, last position
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+        if self.score_token_ids and self.pooling_type != "last":
+            raise ValueError("score_token_ids: scoring tokens reads the last position's logits (pooling_type 'last')")
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Mean and first-token pooling read positions a prefix-cache hit would skip: such requests compute all."""
+        return self.pooling_type != "last"
+
+
+def check_runner(runner: str, pooling: PoolingParams | None) -> None:
+    """A pooling request on a generating engine, or a generation request on a pooling one: ValueError naming it."""
+    if runner == "pooling" and pooling is None:
+        raise ValueError(
+            "runner: this engine runs the pooling runner (--runner pooling): it embeds and scores, it does not "
+            "generate; start one with --runner generate for completions"
+        )
+    if runner != "pooling" and pooling is not None:
+        raise ValueError(
+            "runner: this engine runs the generate runner: embeddings and scores need --runner pooling "
+            "(or --runner auto with an embedding checkpoint)"
+        )

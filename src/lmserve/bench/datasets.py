@@ -75,7 +75,7 @@ class DatasetConfig:
 
 
 def load_tokenizer(path: str) -> Any:
-    from lmserve.tokenizer import load_tokenizer as load_model_tokenizer
+    from lmserve.checkpoint.tokenizer import load_tokenizer as load_model_tokenizer
 
     try:
         return load_model_tokenizer(path)
@@ -304,3 +304,13 @@ def dataset_config_from_args(args: argparse.Namespace, num_requests: int | None 
         sharegpt_output_len=args.sharegpt_output_len,
         seed=args.seed,
     )
+
+
+def parse_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of requests per second or 'inf', got {text!r}"
+        ) from None
+    return value

@@ -294,8 +294,7 @@ def build_grpc_request(req: BenchRequest, cfg: LoadConfig, model: str | None) ->
     keys are SamplingParams fields (lmserve.proto)."""
     from google.protobuf import json_format
 
-    from lmserve.entrypoints.grpc import lmserve_pb2 as pb
-
+    from lmserve.grpc_proto import lmserve_pb2 as pb
     sp = pb.SamplingParams(max_tokens=req.output_len, temperature=cfg.temperature)
     if cfg.ignore_eos:
         sp.ignore_eos = True
@@ -321,9 +320,8 @@ async def _grpc_client(cfg: LoadConfig) -> AsyncIterator[_Client]:
     messages and their arrival times, turned into `finalize`'s chunk JSON after the stream ends."""
     import grpc
 
-    from lmserve.entrypoints.grpc import lmserve_pb2 as pb
-    from lmserve.entrypoints.grpc import lmserve_pb2_grpc as pb_grpc
-
+    from lmserve.grpc_proto import lmserve_pb2 as pb
+    from lmserve.grpc_proto import lmserve_pb2_grpc as pb_grpc
     target = cfg.base_url[len(GRPC_SCHEME) :].rstrip("/")
     metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else None
     async with grpc.aio.insecure_channel(target) as channel:

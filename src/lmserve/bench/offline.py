@@ -40,7 +40,7 @@ class OfflineRun:
 def run_lmserve(llm: Any, requests: list[BenchRequest], temperature: float = 0.0) -> list[RequestRecord]:
     """Queue every request, then step the engine to completion exactly as LLM.generate does, keeping each
     step's new-token count and time per request (LLM.generate only returns the final outputs)."""
-    from lmserve import SamplingParams
+    from lmserve.sampling_params import SamplingParams
 
     engine = llm.engine
     params = [
@@ -229,7 +229,7 @@ def offline_runs(
         raise ValueError(f"--hf-batch-size must be >= 1, got {hf_batch_size}")
     runs: list[OfflineRun] = []
     if backend in ("lmserve", "all"):
-        from lmserve import LLM
+        from lmserve.llm import LLM
 
         llm = LLM(model_dir, **(engine_kwargs or {}))
         if warmup:
@@ -253,7 +253,7 @@ def offline_runs(
 
 def run_bench_offline(args: argparse.Namespace) -> int:
     from lmserve.bench.datasets import build_requests, dataset_config_from_args, load_tokenizer
-    from lmserve.entrypoints.engine_args_cli import engine_kwargs, model_path
+    from lmserve.config.args import engine_kwargs, model_path
 
     try:
         if args.warmup_requests < 0:
@@ -312,7 +312,7 @@ def _print_and_save(args: argparse.Namespace, runs: list[OfflineRun]) -> None:
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
     from lmserve.bench.datasets import add_dataset_args
-    from lmserve.entrypoints.engine_args_cli import add_engine_args
+    from lmserve.config.args import add_engine_args
 
     p.add_argument("--backend", default="lmserve", choices=BACKENDS, help="all = lmserve + HF")
     p.add_argument(

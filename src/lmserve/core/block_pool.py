@@ -40,10 +40,6 @@ class KVCacheBlock:
     ref_cnt: int = 0
     key: BlockKey | None = None  # set while the block is registered in the prefix index
 
-    @property
-    def block_hash(self) -> int | None:
-        return None if self.key is None else hash(self.key)
-
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from lmserve.core.block_pool import BlockPool, KVCacheBlock, block_key, hash_blocks, root_hash
 from lmserve.core.outputs import BlockMap
-from lmserve.memory import kv_blocks_held
+from lmserve.memory.ledger import kv_blocks_held
 from lmserve.request import Request
 
 NULL_BLOCK = KVCacheBlock(-1)  # a table entry whose block was freed: outside every future query's window
@@ -61,8 +61,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks that prefixes the request's tokens, and how many tokens it
         covers. Never the whole sequence: at least one token must be computed to produce logits."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed
+        pooling = request.sampling_params.pooling
+        if (not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None
+                or (pooling is not None and pooling.needs_every_position)):  # fmt: skip
+            return [], 0  # prompt logprobs (and mean / first-token pooling) need every prompt position computed
         root = root_hash(request.lora_int_id)
         request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, root)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

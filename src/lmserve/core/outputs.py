@@ -69,6 +69,7 @@ class ModelRunnerOutput:
     accepted_logprobs: dict[str, list[Any]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_draft_probs: dict[str, Any] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # request id → its pooled output (worker/pooler.py)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[Any] | None = None  # None for the first prompt token, then TokenLogprobs per token
     kv_transfer_params: dict[str, Any] | None = None  # a kv_producer server's answer: where the KV waits (handoff)
+    pooled: list[float] | None = None  # a pooling request's embedding (or token scores), once finished
 
 
 def step_features(sched: Any, sampling: list[Any] | None = None) -> tuple[int, int, int, int, float]:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from lmserve.config import SchedulerConfig
+from lmserve.config.engine import SchedulerConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.lora_slots import NO_SLOT, LoRASlotTable
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
+from lmserve.core.state_pool import NO_STATE_SLOT, StateSlotPool
 from lmserve.request import FinishReason, Request, RequestStatus
 
 FINISHED = RequestStatus.FINISHED
@@ -27,7 +28,7 @@ FINISHED = RequestStatus.FINISHED
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock=None, num_lookahead_tokens: int = 0,
-        lora_slots: LoRASlotTable | None = None,
+        lora_slots: LoRASlotTable | None = None, state_slots: StateSlotPool | None = None,
     ) -> None:  # fmt: skip
         import time
 
@@ -53,6 +54,8 @@ class Scheduler:
         # them off (no decision reads them; building them touches every block of every running request per step)
         self.emit_block_ids = True
         self.lora_slots = lora_slots  # LoRA compute slots (None: LoRA disabled): a request's adapter must hold one
+        # a hybrid model's recurrent-state slots (None: no linear-attention layers): a running request holds one
+        self.state_slots = state_slots
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -93,6 +96,7 @@ class Scheduler:
         """Prefill side: the request leaves this scheduler after its first token with its blocks still held (its
         KV is handed to a decode engine); the caller frees them with KVCacheManager.free when the lease ends."""
         assert request.status == RequestStatus.RUNNING, f"detach of {request.request_id} in {request.status}"
+        self._release_state_slot(request)
         self.running.remove(request)
         del self.requests[request.request_id]
 
@@ -100,6 +104,7 @@ class Scheduler:
         """Decode side: a request whose prompt KV (and first token) come from a prefill engine; it waits, holding
         no blocks yet, until remote_kv_loaded / remote_kv_failed."""
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        assert self.state_slots is None, "a hybrid model's state is not transferred (config refuses kv_transfer)"
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote_kv[request.request_id] = request
@@ -212,6 +217,8 @@ class Scheduler:
         # grammar not ready yet, or its LoRA adapter has no compute slot: stay queued, in order, without blocking others
         compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self.state_slots is not None and not self.state_slots.can_allocate():
+                break  # every state slot is held by a running request
             request = self.waiting[0]
             if not request.is_grammar_ready or not self._lora_slot_ready(request):
                 compiling.append(self.waiting.popleft())
@@ -238,6 +245,8 @@ class Scheduler:
                 request = self.waiting[0]
                 if not request.is_grammar_ready or not self._lora_slot_ready(request):
                     break
+                if self.state_slots is not None and not self.state_slots.can_allocate():
+                    break
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
                 if not self.kv.can_allocate(request.num_tokens + 1, hits):
                     break
@@ -249,6 +258,7 @@ class Scheduler:
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         """Move the head of the waiting queue to running, its first num_hit_tokens found in the prefix cache."""
         assert request is self.waiting[0], "requests are admitted in FCFS order"
+        assert self.state_slots is None or num_hit_tokens == 0, "a hybrid model's prefix hit would need its state"
         self.waiting.popleft()
         self.prefix_cache_queries_total += request.num_tokens
         self.prefix_cache_hits_total += num_hit_tokens
@@ -258,6 +268,8 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         if request.lora_request is not None and self.lora_slots is not None:
             request.lora_slot = self.lora_slots.acquire(request.lora_int_id)
+        if self.state_slots is not None:
+            request.state_slot = self.state_slots.allocate(request.request_id)
         self.running.append(request)
 
     def _lora_slot_ready(self, request: Request) -> bool:
@@ -269,6 +281,12 @@ class Scheduler:
         if request.lora_slot != NO_SLOT and self.lora_slots is not None:
             self.lora_slots.release(request.lora_slot)
             request.lora_slot = NO_SLOT
+
+    def _release_state_slot(self, request: Request) -> None:
+        """Finished, aborted or preempted: the state is dropped (a preempted request recomputes it on resume)."""
+        if self.state_slots is not None:
+            self.state_slots.free(request.request_id)
+            request.state_slot = NO_STATE_SLOT
 
     def _share_in_step(self, request: Request, num_new: int) -> None:
         """Make the blocks this step fills findable now, so requests scheduled after it in the same step
@@ -295,6 +313,7 @@ class Scheduler:
         request.num_draft_computed_tokens = 0
         self.kv.free(request)
         self._release_lora_slot(request)
+        self._release_state_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -382,6 +401,7 @@ class Scheduler:
         request.metrics.finished_time = self.clock()
         self.kv.free(request)
         self._release_lora_slot(request)
+        self._release_state_slot(request)
         del self.requests[request.request_id]
 
     def stats(self) -> SchedulerStats:

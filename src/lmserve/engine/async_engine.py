@@ -29,16 +29,17 @@ from typing import Any
 
 # Admission, snapshots and streams live in admission.py / snapshot.py / streams.py (shared with the engine-core
 # client); the "as" imports keep the names importable from here, as before.
-from lmserve.config import EngineArgs
+from lmserve.config.engine import EngineArgs
 from lmserve.core.outputs import RequestOutput
 from lmserve.engine.admission import Admission, _Room, measure_room
 from lmserve.engine.admission import QueueFullError as QueueFullError
 from lmserve.engine.admission import num_unstartable as num_unstartable
+from lmserve.engine.closing import shut_down_at_exit
 from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.engine.snapshot import BLOCK_MAP_INTERVAL_S as BLOCK_MAP_INTERVAL_S
 from lmserve.engine.snapshot import BlockMapWatch, EngineSnapshot, take_snapshot
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -123,13 +124,21 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
             self._thread.start()
+            shut_down_at_exit(self)
         return self
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread (pending requests fail), then close the engine: its processes, threads and
+        memory (engine/closing.py). Idempotent; requests after it raise EngineDeadError."""
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        with self._lock:
+            if self._dead is None:
+                self._dead = EngineDeadError("engine was shut down")
+        if self._thread is None or not self._thread.is_alive():  # (a step still running keeps its engine)
+            self.engine.close()
 
     @property
     def is_running(self) -> bool:

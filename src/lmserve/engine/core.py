@@ -40,10 +40,10 @@ from lmserve.engine.messages import (
     WatchBlockMap,
 )
 from lmserve.engine.snapshot import BlockMapWatch, EngineSnapshot, take_snapshot
-from lmserve.engine.step_trace import StepTrace, trace_path
+from lmserve.observability.step_trace import StepTrace, trace_path
 
 if TYPE_CHECKING:
-    from lmserve.config import EngineConfig
+    from lmserve.config.engine import EngineConfig
     from lmserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -230,8 +230,10 @@ class EngineCore:
                         self._live.discard(rid)
                         self.engine.abort_request(rid)
                         self._num_aborted += 1
-                    elif self.engine.kv_producer is not None:
-                        self.engine.abort_request(rid)  # handed off: its KV leases end
+                    elif self.engine.kv_producer is not None:  # handed off: its KV leases end
+                        # still leased: the client aborted it before any decode core had it (counted here)
+                        self._num_aborted += self.engine.kv_producer.holds(rid)
+                        self.engine.abort_request(rid)
             elif isinstance(msg, WatchBlockMap):
                 self._block_map_watch.watch(msg.on)
             elif isinstance(msg, ResetPrefixCache):

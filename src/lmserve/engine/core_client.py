@@ -48,9 +48,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from lmserve.config import EngineConfig
+from lmserve.config.engine import EngineConfig
 from lmserve.core.outputs import BlockMap, RequestOutput
 from lmserve.engine.admission import Admission
+from lmserve.engine.closing import shut_down_at_exit
 from lmserve.engine.core import CoreLaunch
 from lmserve.engine.core_handles import _ProcessHandle, _RayHandle
 from lmserve.engine.cpu_slices import CPU_POLICIES, DEFAULT_CPU_POLICY, cpu_slices, default_num_threads
@@ -74,7 +75,7 @@ from lmserve.engine.router import AFFINITY_SLACK as AFFINITY_SLACK
 from lmserve.engine.router import choose_core
 from lmserve.engine.snapshot import EngineSnapshot, aggregate_snapshots
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
 from lmserve.request import FinishReason
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -141,9 +142,9 @@ class EngineCoreClient:
         tokenizer: Any = None,
         startup_timeout_s: float = 600.0,
     ) -> None:
-        from lmserve.generation_defaults import sampling_defaults
-        from lmserve.structured_output import StructuredOutputManager
-        from lmserve.tokenizer import load_tokenizer
+        from lmserve.checkpoint.generation_defaults import sampling_defaults
+        from lmserve.checkpoint.tokenizer import load_tokenizer
+        from lmserve.sample.structured_output import StructuredOutputManager
 
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
@@ -196,6 +197,7 @@ class EngineCoreClient:
         if self._started:
             return self
         self._started = True
+        shut_down_at_exit(self)
         try:
             self._launch()
         except BaseException:
@@ -234,6 +236,7 @@ class EngineCoreClient:
             import ray
 
             ray.shutdown()
+        self._structured.shutdown()
 
     @property
     def is_running(self) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lmserve.config.kv_transfer import KVTransferConfig
 from lmserve.engine.kv_transfer import (
     ChildHandoff,
     KVHandoff,
@@ -35,7 +36,6 @@ from lmserve.engine.kv_transfer import (
     import_blocks,
     kv_geometry,
 )
-from lmserve.kv_transfer_config import KVTransferConfig
 from lmserve.request import FinishReason, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class KVProducer:
         self.address = self.server.start()
         self.handoffs: list[KVHandoff] = []  # taken by the engine core (or a test) after each step
         self._parents: dict[str, dict[int, ChildHandoff]] = {}  # do_remote_decode parent → sequences recorded
+        self._num_seqs: dict[str, int] = {}  # its sequence count (the engine may forget the parent first)
         self._child_parent: dict[str, str] = {}
         self._leased: dict[str, list[str]] = {}  # handed-off parent → its sequences' leases
         self.num_handoffs_total = 0
@@ -63,6 +64,7 @@ class KVProducer:
     def watch(self, parent: Any) -> None:
         """A request added with do_remote_decode: hand it off after its first token."""
         self._parents[parent.request_id] = {}
+        self._num_seqs[parent.request_id] = len(parent.children)
         for child in parent.children:
             self._child_parent[child.request_id] = parent.request_id
 
@@ -72,18 +74,18 @@ class KVProducer:
 
     def hand_off(self, updated: list[Any]) -> None:
         """After a step's outputs were made: detach the sequences that got their first token."""
-        done: list[str] = []
+        done: dict[str, None] = {}  # each parent once, however many of its sequences completed it this step
         for req in updated:
-            pid = self._child_parent.get(req.request_id)
+            pid = self._child_parent.pop(req.request_id, None)
             if pid is None:
                 continue
-            ch = self._parents[pid][_index(req.request_id)] = self._record(req)
+            recorded = self._parents[pid]
+            ch = recorded[_index(req.request_id)] = self._record(req)
             if ch.block_ids:
                 self._leased.setdefault(pid, []).append(req.request_id)
-            del self._child_parent[req.request_id]
-            parent = self.engine._parents.get(pid)
-            if len(self._parents[pid]) == len(parent.children if parent is not None else self._parents[pid]):
-                done.append(pid)
+            # counted against watch()'s number: when every sequence finished here, the engine forgot the parent
+            if len(recorded) == self._num_seqs[pid]:
+                done[pid] = None
         for pid in done:
             self._finish(pid)
 
@@ -106,8 +108,10 @@ class KVProducer:
 
     def _finish(self, pid: str) -> None:
         children = self._parents.pop(pid)
+        del self._num_seqs[pid]
         parent = self.engine._parents.pop(pid, None)
         if parent is None or not any(c.block_ids for c in children.values()):
+            assert pid not in self._leased, f"{pid}: leases held, but no sequence to hand off"
             return  # every sequence finished on this side: its output was final, nothing to hand off
         for child in parent.children:
             self.engine._child_to_parent.pop(child.request_id, None)
@@ -128,15 +132,19 @@ class KVProducer:
         out, self.handoffs = self.handoffs, []
         return out
 
-    def abort(self, request_id: str) -> None:
-        """The client aborted: a request still prefilling is aborted by the engine; a handed-off one's leases end."""
+    def abort(self, request_id: str) -> int:
+        """The client aborted: a request still prefilling is aborted by the engine; a handed-off one's leases end.
+        Returns the sequences that ended here under a lease (no decode engine has them: this side counts them)."""
         children = self._parents.pop(request_id, None)
+        self._num_seqs.pop(request_id, None)
         if children is not None:
             for child_id in [c for c, p in self._child_parent.items() if p == request_id]:
                 del self._child_parent[child_id]
-        for child_id in self._leased.pop(request_id, []):
+        leased = self._leased.pop(request_id, [])
+        for child_id in leased:
             self.leases.release(child_id)
         self.collect()
+        return len(leased)
 
     def collect(self) -> int:
         """Free the blocks of every ended (pulled, released) or expired lease; the engine loop calls this often."""
@@ -255,10 +263,6 @@ class KVConsumer:
             child.num_delta_tokens = len(ch.output_token_ids)
             child.delta_text = child.detokenizer.output_text
 
-    @property
-    def has_remote(self) -> bool:
-        return bool(self._remote)
-
     def resolve(self) -> list[Any]:
         """Between steps: finish the pulls that answered, start the ones there is room for. Returns the outputs
         of requests that ended here (policy fail)."""
@@ -275,6 +279,8 @@ class KVConsumer:
                 continue
             error = result.error
             if result.frames is not None and (error := geometry_mismatch(self.geometry, result.geometry)) is None:
+                if remote.local_ids:  # committed (worker/kv_pool.py) before they are written
+                    self.engine.runner.kv_pool.ensure(max(remote.local_ids))
                 import_blocks(self.engine.runner.kv_caches, remote.local_ids, result.frames)
                 self.num_bytes_pulled_total += sum(memoryview(f).nbytes for f in result.frames)
                 self._loaded(remote)
@@ -340,7 +346,8 @@ class KVConsumer:
         if parent is None:
             return None
         self.forget([c.request_id for c in parent.children])
-        self.engine.scheduler.finish_requests([c.request_id for c in parent.children], FinishReason.ABORT)
+        ended = self.engine.scheduler.finish_requests([c.request_id for c in parent.children], FinishReason.ABORT)
+        self.engine.counters.num_finished_by_reason[FinishReason.ABORT.value] += len(ended)
         return self.engine._make_output(parent)
 
     def forget(self, child_ids: list[str]) -> None:

@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from lmserve.model.kv_cache import KVCache
-from lmserve.worker.sampler import TokenLogprobs
+from lmserve.sample.sampler import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -10,20 +10,22 @@ from typing import Any
 
 import torch
 
-from lmserve.config import EngineArgs, EngineConfig
+from lmserve.checkpoint.generation_defaults import generation_eos_ids, read_generation_config, sampling_defaults
+from lmserve.config.engine import EngineArgs, EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.lora_slots import LoRASlotTable
 from lmserve.core.outputs import BlockMap, CompletionOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from lmserve.core.prefix_shadow import SharedPrefixCounter
 from lmserve.core.scheduler import Scheduler
+from lmserve.core.state_pool import StateSlotPool
+from lmserve.engine.closing import check_open, close_engine
 from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.engine.disaggregation import make_roles
 from lmserve.engine.kv_transfer import KVHandoff
-from lmserve.generation_defaults import generation_eos_ids, read_generation_config, sampling_defaults
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
 from lmserve.request import FinishReason, Request, RequestMetrics
-from lmserve.sampling_params import SamplingParams
-from lmserve.structured_output import StructuredOutputManager
+from lmserve.sample.structured_output import StructuredOutputManager
+from lmserve.sampling_params import SamplingParams, check_runner
 
 Prompt = str | list[int]
 
@@ -48,7 +50,7 @@ class EngineCounters:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps_total: int = 0
-    # what the diagnosis (lmserve.diagnose) reads: tokens by kind, and model-step wall time split by the
+    # what the diagnosis (lmserve.observability.diagnose) reads: tokens by kind, and model-step wall time split by the
     # step's mix (decode-only steps vs steps computing prompt tokens beside decodes)
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
@@ -91,7 +93,7 @@ class LLMEngine:
     ) -> None:
         """tp_threads / tp_cpus: a tensor-parallel group's threads and CPUs, split between its ranks; tp_backend:
         its workers as subprocesses ("mp") or Ray actors ("ray")."""
-        from lmserve.tokenizer import load_tokenizer
+        from lmserve.checkpoint.tokenizer import load_tokenizer
         from lmserve.worker.model_runner import ModelRunner
 
         self.config = config
@@ -106,7 +108,10 @@ class LLMEngine:
         )  # fmt: skip
         lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
         lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots)
+        # a hybrid model's per-sequence recurrent state: one slot per running request (core/state_pool.py)
+        state_slots = StateSlotPool(config.cache.num_state_slots) if config.cache.num_state_slots else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots,
+                                   state_slots=state_slots)  # fmt: skip
         self.executor = None  # tensor parallel: the worker processes rank 0 drives (engine/tp_executor.py)
         if config.tensor_parallel_size > 1:
             from lmserve.engine.tp_executor import TPExecutor
@@ -126,11 +131,12 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         self._ids = itertools.count()
         self.kv_producer, self.kv_consumer = make_roles(self)  # prefill/decode disaggregation (None, None: colocated)
+        self.closed = False
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do for one process); the engine is unusable after."""
-        if self.executor is not None:
-            self.executor.close()
+        """End the processes and threads the engine started and free its model and KV pool (engine/closing.py);
+        the engine raises EngineClosedError after; a second close does nothing."""
+        close_engine(self)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -170,6 +176,7 @@ class LLMEngine:
                 "use_beam_search: beam search runs through LLM.beam_search(prompts, BeamSearchParams(...)), "
                 "not through generate / add_request"
             )
+        check_runner(self.config.runner, params.pooling)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -207,6 +214,7 @@ class LLMEngine:
     ) -> str:
         """do_remote_decode (a kv_producer engine): stop after the first token and hand the KV off
         (kv_producer.take_handoffs()); remote_kv (a kv_consumer engine): continue from such a handoff."""
+        check_open(self)
         params = params or self.default_sampling_params()
         request_id = self.new_request_id() if request_id is None else request_id
         if request_id in self._parents or (self.kv_producer is not None and self.kv_producer.holds(request_id)):
@@ -271,15 +279,16 @@ class LLMEngine:
         if do_remote_decode:
             self.kv_producer.watch(parent)
         self.counters.num_requests_total += 1
-        self.counters.prompt_tokens_total += len(prompt_ids)
+        if remote_kv is None:  # a handed-off request's prompt was counted where it was prefilled
+            self.counters.prompt_tokens_total += len(prompt_ids)
         self.counters.prefix_shareable_tokens_total += self.shared_prefix.observe(prompt_ids)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         for rid in ids:
-            if self.kv_producer is not None:
-                self.kv_producer.abort(rid)
+            if self.kv_producer is not None:  # sequences handed off (or about to be) end under their leases
+                self.counters.num_finished_by_reason[FinishReason.ABORT.value] += self.kv_producer.abort(rid)
             parent = self._parents.get(rid)
             if parent is None:
                 continue
@@ -328,6 +337,7 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        check_open(self)
         refused = self._finish_refused_grammars() if self._grammar_pending else []
         if self.kv_producer is not None or self.kv_consumer is not None:
             refused += self._resolve_kv_transfer()
@@ -341,6 +351,9 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, runner_out, self.config.scheduler.max_model_len)
         self.counters.count_step(sched, time.perf_counter() - start)
         self._record_prompt_logprobs(sched, runner_out.prompt_logprobs)
+        for s in sched.scheduled:  # a pooling request's output, the step its prompt is computed
+            if s.request.request_id in runner_out.pooled:
+                s.request.pooled = runner_out.pooled[s.request.request_id]
         parents: dict[str, _ParentRequest] = {}
         for req in updated:
             rid = req.request_id
@@ -491,6 +504,7 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             metrics=m,
             prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+            pooled=first.pooled,
         )
 
     # ---- observability ----------------------------------------------------------------------
@@ -503,6 +517,7 @@ class LLMEngine:
         return self.kv.block_map()
 
     def get_metrics(self) -> dict[str, Any]:
+        check_open(self)
         s = self.scheduler.stats()
         c = self.counters
         return {
@@ -520,6 +535,7 @@ class LLMEngine:
             "kv_cache_capacity_tokens": self.config.cache.num_tokens,
             "kv_cache_bytes_per_token": self.config.cache.kv_bytes_per_token,
             "kv_cache_capacity_bytes": self.config.cache.pool_bytes,
+            "kv_cache_committed_bytes": self.runner.kv_pool.committed_bytes,  # (blocks first used so far)
             "kv_cache_dtype": self.config.cache.kv_cache_dtype,
             "kv_cache_scale_bytes_per_token": self.config.cache.kv_scale_bytes_per_token,
             "kv_cache_max_concurrent_requests": self.config.cache.max_concurrent_requests(
@@ -527,11 +543,20 @@ class LLMEngine:
             ),  # of max_model_len tokens each: the concurrency the pool buys
             "finished_requests_by_reason": dict(c.num_finished_by_reason),
             **self._lora_metrics(),
+            **self._state_slot_metrics(),
             **spec_decode_metrics(s),
             **step_metrics(s, c),
             **config_metrics(self.config),
             **(role.metrics() if (role := self.kv_producer or self.kv_consumer) is not None else {}),
         }
+
+    def _state_slot_metrics(self) -> dict[str, Any]:
+        """A hybrid model's state slots: held by running requests, in all, and the bytes of one."""
+        pool = self.scheduler.state_slots
+        if pool is None:
+            return {}
+        return {"num_state_slots_used": pool.num_used, "num_state_slots": pool.num_slots,
+                "state_bytes_per_sequence": self.config.cache.state_bytes_per_sequence}  # fmt: skip
 
     def _lora_metrics(self) -> dict[str, Any]:
         """Running requests per adapter name (the base model's under ""), the slots' bytes (the ledger's LoRA line)."""

@@ -27,9 +27,9 @@ import msgspec
 from lmserve.core.outputs import RequestOutput
 from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.snapshot import EngineSnapshot
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
+from lmserve.sample.sampler import TokenLogprobs
 from lmserve.sampling_params import SamplingParams
-from lmserve.worker.sampler import TokenLogprobs
 
 
 class AddRequest(msgspec.Struct, tag=True):

@@ -20,13 +20,13 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from lmserve.config import EngineConfig
+from lmserve.config.engine import EngineConfig
+from lmserve.config.kv_transfer import KVTransferConfig
 from lmserve.engine.core_client import EngineCoreClient, _Core
 from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.messages import AbortRequests, AddRequest, StepOutputs
 from lmserve.engine.router import choose_core
 from lmserve.engine.streams import EngineDeadError
-from lmserve.kv_transfer_config import KVTransferConfig
 from lmserve.sampling_params import SamplingParams
 
 _SHAPE = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
@@ -157,14 +157,14 @@ class DisaggregatedClient(EngineCoreClient):
                     if prompt_lps is not None:
                         self._prompt_logprobs[rid] = prompt_lps
                     self._tails.forget(rid)
+                    params, arrival, _ = info
+                    if params.prompt_logprobs is not None:  # computed on the prefill side; the decode side reads
+                        params = dataclasses.replace(params, prompt_logprobs=None)  # the cached KV
+                    handoff = dataclasses.replace(handoff, first_token_delivered=True)  # the producer's output had it
+                    # sent under the lock: an abort from now on goes to the decode core, after this add
+                    self._send(decode, AddRequest(rid, entry.prompt_token_ids, params, arrival, remote_kv=handoff))
         if decode is None:  # aborted meanwhile (or no decode core): the prefill core ends the lease
             self._send(prefill, AbortRequests([rid]))
-            return
-        params, arrival, _ = info
-        if params.prompt_logprobs is not None:  # computed on the prefill side; the decode side reads cached KV
-            params = dataclasses.replace(params, prompt_logprobs=None)
-        handoff = dataclasses.replace(handoff, first_token_delivered=True)  # the producer's output had it
-        self._send(decode, AddRequest(rid, entry.prompt_token_ids, params, arrival, remote_kv=handoff))
 
     def _watch(self, core: _Core) -> None:
         super()._watch(core)

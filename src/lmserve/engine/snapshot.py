@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmserve.core.outputs import BlockMap
 from lmserve.engine.admission import _Room
-from lmserve.metrics import CONFIG_LABELS
+from lmserve.observability.prometheus import CONFIG_LABELS
 
 if TYPE_CHECKING:
     from lmserve.engine.llm_engine import LLMEngine
@@ -81,6 +81,7 @@ SAME_ON_EVERY_CORE = {
     "kv_cache_bytes_per_token",
     "kv_cache_scale_bytes_per_token",
     "kv_cache_dtype",
+    "state_bytes_per_sequence",
     *CONFIG_LABELS,  # llm_engine.config_metrics: every core runs the same configuration
 }
 SMALLEST_NONZERO = {"decode_step_time_min_s"}  # the fastest core's figure (0 = none yet)

@@ -39,8 +39,8 @@ import msgspec
 import torch
 import zmq
 
-from lmserve.config import EngineConfig
-from lmserve.worker.distributed import Rendezvous, TPGroup, backend_for, free_port
+from lmserve.config.engine import EngineConfig
+from lmserve.distributed.group import Rendezvous, TPGroup, backend_for, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -240,9 +240,10 @@ class TPExecutor:
             parent = os.getpid() if backend == "mp" else None
             launch = WorkerLaunch(config, rank, rv, address, threads, slices[rank], parent)
             self._workers.append(_RayWorker(launch, pg) if backend == "ray" else _ProcessWorker(launch, self._dir))
-        for rank, worker in enumerate(self._workers, start=1):
+        for rank, worker in enumerate(self._workers, start=1):  # (a weak reference: the threads keep no executor alive)
             name = f"lmserve-tp-watch-{rank}"
-            threading.Thread(target=self._watch, args=(rank, worker), daemon=True, name=name).start()
+            args = (weakref.ref(self), rank, worker)
+            threading.Thread(target=TPExecutor._watch, args=args, daemon=True, name=name).start()
         if slices[0] is not None:
             os.sched_setaffinity(0, slices[0])
         torch.set_num_threads(threads)
@@ -273,9 +274,11 @@ class TPExecutor:
     def worker_pids(self) -> list[int | str]:
         return [w.pid for w in self._workers]
 
-    def _watch(self, rank: int, worker: _ProcessWorker | _RayWorker) -> None:
+    @staticmethod
+    def _watch(ref: weakref.ref[TPExecutor], rank: int, worker: _ProcessWorker | _RayWorker) -> None:
         how = worker.wait()
-        if not self._closed:
+        self = ref()
+        if self is not None and not self._closed:
             self.failure = f"tensor-parallel rank {rank} (pid {worker.pid}) died: {how}"
             logger.error("%s", self.failure)
 
@@ -313,6 +316,10 @@ class TPExecutor:
             w.stop(10)
         self.group.close()
         self._finalizer()
+        model = self.runner.model
+        for name in ("forward", "compute_logits"):  # the patched methods close over self: break the cycle
+            model.__dict__.pop(name, None)
+        self.runner = None  # (its model and KV pool go with the engine's reference)
 
 
 def _cleanup(workers: list, socks: list, ctx: zmq.Context, tmp: str, pg: object | None) -> None:
@@ -413,6 +420,8 @@ def _serve_steps(launch: WorkerLaunch, sock: zmq.Socket, runner) -> None:  # noq
                 meta.prefills.append(PrefillSegment.for_chunk(start, n, ctx_tokens, blocks, bs, dev))
             ids = torch.tensor(msg.input_ids, dtype=torch.long, device=dev)
             pos = torch.tensor(msg.positions, dtype=torch.long, device=dev)
+            if msg.slots:  # this rank's shard of the blocks the step writes: committed as rank 0's are
+                runner.kv_pool.ensure(max(msg.slots) // bs)
             model(ids, pos, runner.kv_caches, meta)
 
 

@@ -43,18 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     e.set_defaults(func=run_bench_experiments)
 
 
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of requests per second or 'inf', got {text!r}"
-        ) from None
-    return value
-
-
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from lmserve.bench.datasets import add_dataset_args
+    from lmserve.bench.datasets import add_dataset_args, parse_rate
 
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default=None, help="default http://127.0.0.1:8000 (grpc://127.0.0.1:50051 for grpc)")
@@ -83,7 +73,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     t = p.add_argument_group("traffic")
-    t.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (inf = all at once)")
+    t.add_argument("--request-rate", type=parse_rate, default=math.inf, help="requests/s (inf = all at once)")
     t.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     t.add_argument(
         "--max-concurrency", type=int, default=None, help="cap on requests in flight (closed loop)"

@@ -1,4 +1,5 @@
-"""`lmserve diagnose --url URL [--window 30] | --report bench.json`: the bottleneck finder (lmserve.diagnose)."""
+"""`lmserve diagnose --url URL [--window 30] | --report bench.json`: the bottleneck finder
+(lmserve.observability.diagnose)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from lmserve import diagnose as dx
-
+    from lmserve.observability import diagnose as dx
     th = dx.Thresholds()
     try:
         if args.window <= 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs, model_path
+from lmserve.config.args import add_engine_args, engine_kwargs, model_path
 
 DEFAULT_PROMPTS = ["ROMEO:", "床前明月光"]
 
@@ -32,7 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import json
 
-    from lmserve import LLM, SamplingParams
+    from lmserve.llm import LLM
+    from lmserve.sampling_params import SamplingParams
 
     try:
         llm = LLM(model_path(args), **engine_kwargs(args))

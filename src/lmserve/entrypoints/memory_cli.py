@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmserve.memory import (
+from lmserve.memory.ledger import (
     DTYPE_BYTES,
     ModelShape,
     dtype_bytes,
@@ -18,8 +18,8 @@ from lmserve.memory import (
     load_model_shape,
     parse_bytes,
 )
-from lmserve.memory_presets import PRESETS, get_preset, preset_names
-from lmserve.memory_report import memory_report
+from lmserve.memory.presets import PRESETS, get_preset, preset_names
+from lmserve.memory.report import memory_report
 
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "int8")
 
@@ -118,7 +118,7 @@ def _resolve_shape(args: argparse.Namespace) -> tuple[ModelShape, str]:
         preset = get_preset(value)
         return preset.shape(), preset.name
     if flag == "--model" and not Path(value).exists():
-        from lmserve.hub import is_repo_id, resolve_model_path
+        from lmserve.checkpoint.hub import is_repo_id, resolve_model_path
 
         if is_repo_id(value):  # a Hub id: its config.json alone, through the HF cache
             return load_model_shape(resolve_model_path(value, patterns=("config.json",))), str(value)
@@ -190,7 +190,7 @@ def run_memory(args: argparse.Namespace) -> int:
         exact = None
         keep = getattr(args, "quantization", None) is None and getattr(args, "tp", 1) == 1
         if gguf_file is not None and keep and _keeps_gguf_blocks(gguf_file, weight_dtype):
-            from lmserve.model.gguf import GGUFCheckpoint, resident_weight_bytes
+            from lmserve.checkpoint.gguf import GGUFCheckpoint, resident_weight_bytes
 
             panels = getattr(args, "int4_compute", "w4a8") == "w4a8"
             exact, _ = resident_weight_bytes(GGUFCheckpoint(gguf_file), dtype_bytes(weight_dtype), True, panels)
@@ -216,7 +216,7 @@ def run_memory(args: argparse.Namespace) -> int:
         if getattr(args, "disaggregation", None):
             import re
 
-            from lmserve.memory_disaggregation import disaggregated_memory
+            from lmserve.memory.disaggregation import disaggregated_memory
 
             m = re.fullmatch(r"(\d+)P(\d+)D", args.disaggregation.strip(), re.IGNORECASE)
             if m is None:
@@ -235,7 +235,7 @@ def run_memory(args: argparse.Namespace) -> int:
 
 
 def _gguf_file(args: argparse.Namespace) -> Path | None:
-    from lmserve.model.gguf import find_gguf_file
+    from lmserve.checkpoint.gguf import find_gguf_file
 
     model = getattr(args, "model", None)
     return find_gguf_file(model) if model else None
@@ -244,7 +244,7 @@ def _gguf_file(args: argparse.Namespace) -> Path | None:
 def _keeps_gguf_blocks(gguf_file: Path, weight_dtype: str) -> bool:
     """Whether the engine keeps this GGUF's block-32 / K-quant tensors as they are (float32 weights, no
     --quantization)."""
-    from lmserve.model.gguf import KEPT_TYPES, GGUFCheckpoint
+    from lmserve.checkpoint.gguf import KEPT_TYPES, GGUFCheckpoint
 
     return dtype_bytes(weight_dtype) == 4 and bool(set(GGUFCheckpoint(gguf_file).bytes_by_type()) & set(KEPT_TYPES))
 
@@ -254,7 +254,13 @@ def gguf_notes(gguf_file: Path, weight_dtype: str, keep: bool = False, kquant_pa
     (`keep`: its Q8_0 / Q4_0 / Q4_1 projections and LM head, and its K-quant ones and K-quant token embedding,
     stay as they are, the rest is dequantized; kquant_panels: the Q4_K / Q5_K projections are held as W4A8
     panels)."""
-    from lmserve.model.gguf import BLOCK32_TYPES, KQUANT_TYPES, UNQUANTIZED_TYPES, GGUFCheckpoint, resident_weight_bytes
+    from lmserve.checkpoint.gguf import (
+        BLOCK32_TYPES,
+        KQUANT_TYPES,
+        UNQUANTIZED_TYPES,
+        GGUFCheckpoint,
+        resident_weight_bytes,
+    )
 
     ckpt = GGUFCheckpoint(gguf_file)
     by_type = ckpt.bytes_by_type()
@@ -303,7 +309,7 @@ def _quantization(args: argparse.Namespace) -> tuple[str | None, int]:
     if method == "none":
         return None, group
     if method is None and getattr(args, "model", None):
-        from lmserve.config import checkpoint_quantization
+        from lmserve.config.engine import checkpoint_quantization
 
         saved = checkpoint_quantization(args.model)
         if saved is not None:

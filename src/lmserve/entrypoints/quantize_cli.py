@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from lmserve.config import EngineArgs, checkpoint_quantization
+    from lmserve.config.engine import EngineArgs, checkpoint_quantization
     from lmserve.model.layers import quantize_linear_weights
     from lmserve.model.loader import load_model
     from lmserve.model.quantization import write_quantized_checkpoint

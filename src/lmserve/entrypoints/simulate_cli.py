@@ -48,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_roofline_args(p: argparse.ArgumentParser) -> None:
-    from lmserve.sim.step_model import HARDWARE
+    from lmserve.sim.roofline import HARDWARE
 
     p.add_argument("--hardware", required=True, choices=sorted(HARDWARE), help="published figures of this accelerator")
     src = p.add_mutually_exclusive_group()
@@ -72,7 +72,7 @@ def run_roofline(args: argparse.Namespace) -> int:
 
     try:
         if args.preset:
-            from lmserve.memory_presets import get_preset
+            from lmserve.memory.presets import get_preset
 
             preset = get_preset(args.preset)
             hf, name = dict(preset.config), preset.hf_id
@@ -104,7 +104,7 @@ def run_roofline(args: argparse.Namespace) -> int:
 
 
 def add_sim_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
-    from lmserve.entrypoints.engine_args_cli import add_engine_args
+    from lmserve.config.args import add_engine_args
     from lmserve.sim.inputs import add_workload_args
 
     s = p.add_argument_group("simulation")
@@ -151,7 +151,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 def prepare(args: argparse.Namespace, overrides: dict[str, Any] | None = None, tp: int = 1) -> tuple[Any, Any, Any]:
     """(profile, engine config, workload) from the flags; ValueError names the bad one."""
-    from lmserve.entrypoints.engine_args_cli import engine_kwargs
+    from lmserve.config.args import engine_kwargs
     from lmserve.sim.inputs import build_workload_from_args, engine_config
     from lmserve.sim.step_model import StepProfile
 
@@ -310,7 +310,7 @@ def run_plan(args: argparse.Namespace) -> int:
         try:
             key = (tuple(sorted(cand.engine_overrides().items())), cand.tp)
             if key not in configs:
-                from lmserve.entrypoints.engine_args_cli import engine_kwargs
+                from lmserve.config.args import engine_kwargs
                 from lmserve.sim.inputs import engine_config
 
                 configs[key] = engine_config(profile, {**engine_kwargs(args), **cand.engine_overrides()}, args.model,

@@ -4,7 +4,7 @@ The source is compiled on first use with the system C compiler (`$CC`, else `cc`
 directory (`$LMSERVE_KERNEL_CACHE`, else `~/.cache/lmserve/kernels`), keyed by a hash of the source, the
 flags and this CPU's feature list, and loaded with ctypes. Without a compiler, or with
 `LMSERVE_CPU_KERNELS=0`, `available()` is False and callers use their PyTorch path: results agree to
-float32 rounding (tests/test_kernels.py compares both).
+float32 rounding (tests/kernels/test_kernels.py compares both).
 
 Past 500 lines because it is one thing: the ctypes binding of the one C library, its build and load, and one thin
 wrapper per kernel (shapes and dtypes asserted, tensors passed as pointers).
@@ -26,7 +26,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")  # the unity file: it #includes one source per kernel family
+SOURCES = sorted([*SOURCE.parent.glob("*.c"), *SOURCE.parent.glob("*.h")])
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 MAX_HEADS = 256  # query heads the attention kernel's stack arrays hold (MAX_GROUP_HEADS in the C source)
 # KV cache storage dtypes the attention and RoPE+KV-write kernels read and write (the `kind` of the *_q variants;
@@ -79,7 +80,9 @@ def _compiler() -> str | None:
 def library_path(cc: str) -> Path:
     """Where the library built by `cc` for this source, these flags and this CPU is cached."""
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode() + _cpu_fingerprint().encode()
+        b"".join(s.name.encode() + s.read_bytes() for s in SOURCES)
+        + " ".join([cc, *CFLAGS]).encode()
+        + _cpu_fingerprint().encode()
     ).hexdigest()[:16]
     return _cache_dir() / f"cpu_kernels-{key}.so"
 

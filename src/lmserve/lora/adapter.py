@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from lmserve.config import ModelConfig
-from lmserve.lora_request import LoRARequest
+from lmserve.config.engine import ModelConfig
+from lmserve.lora.request import LoRARequest
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

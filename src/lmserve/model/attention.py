@@ -13,6 +13,7 @@ then each prefill chunk as a contiguous segment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,6 +67,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_num_blocks) long
     decode_context_lens: torch.Tensor | None = None  # (num_decodes,) long: tokens each decode query sees
     prefills: list[PrefillSegment] = field(default_factory=list)
+    linear: Any = None  # hybrid models: the step's state slots (model/linear_attention.LinearAttentionMetadata)
 
     def set_decodes(self, context_lens: list[int], block_tables: list[list[int]], block_size: int) -> None:
         """One query token per decode: each sees `context_lens[i]` tokens through its block table (padded with

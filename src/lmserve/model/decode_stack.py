@@ -3,7 +3,7 @@
 On the module path a decode step of a 30-layer model makes ~270 Python-level kernel calls, each with its
 module dispatch, argument checks and ctypes crossing: ~270 µs a layer, a third of a single-stream step of
 the benchmark model at int4. The C function runs the same kernels in the same order on the same arguments,
-so hidden states are bit-identical to the module path (tests/test_decode_stack.py compares them); it only
+so hidden states are bit-identical to the module path (tests/model/test_decode_stack.py compares them); it only
 removes the Python in between.
 
 Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per
@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from lmserve import kernels
+from lmserve.distributed.shm_allreduce import ShmAllReduce
 from lmserve.model import quantization as quant
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
-from lmserve.worker.shm_allreduce import ShmAllReduce
 
 # ls_linear.kind in cpu_kernels.c
 _KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8}

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lmserve.model.kv_pool import lazy_zeros
+
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -69,10 +71,11 @@ class KVCache:
         assert kv_dtype in STORAGE_DTYPES, f"kv dtype {kv_dtype!r} is not one of {list(STORAGE_DTYPES)}"
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         dtype = STORAGE_DTYPES[kv_dtype]
-        k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        # zeros committed as written (worker/kv_pool.py); an unwritten row reads value 0 x scale 0 = 0
+        k, v = (lazy_zeros(shape, dtype, device) for _ in range(2))
         if kv_dtype not in QUANT_MAX:
             return KVCache(k, v)
-        k_scale, v_scale = (torch.ones(shape[:3], dtype=torch.float32, device=device) for _ in range(2))
+        k_scale, v_scale = (lazy_zeros(shape[:3], torch.float32, device) for _ in range(2))
         return KVCache(k, v, k_scale, v_scale)
 
     @property

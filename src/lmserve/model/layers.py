@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lmserve import kernels
-from lmserve.config import QuantizationConfig, RopeConfig
+from lmserve.config.engine import QuantizationConfig, RopeConfig
 from lmserve.model import quantization as quant
 
 I8_KERNEL_MAX_ROWS = kernels.I8_MAX_ROWS  # int8 W8A8: rows the VNNI kernel serves in one pass over the weights

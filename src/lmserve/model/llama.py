@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lmserve import kernels
-from lmserve.config import ModelConfig
+from lmserve.config.engine import ModelConfig
 from lmserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from lmserve.model.decode_stack import DecodeStack
 from lmserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary

@@ -12,12 +12,12 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from lmserve.config import ModelConfig, QuantizationConfig
+from lmserve.config.engine import ModelConfig, QuantizationConfig
 from lmserve.model.llama import CausalLM
 from lmserve.model.parallel import TPShard, local_config, shard_tensor
 
 if TYPE_CHECKING:
-    from lmserve.model.gguf import GGUFCheckpoint
+    from lmserve.checkpoint.gguf import GGUFCheckpoint
 
 # HF checkpoint name fragment → (our fused parameter fragment, shard index within the fused output)
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -91,6 +91,8 @@ def load_model(
         if name.endswith(IGNORED_SUFFIXES):
             continue
         target, shard = _map_name(name)
+        if target not in params and f"model.{target}" in params:  # a base model's checkpoint (Qwen3Model, ...)
+            target = f"model.{target}"
         if target not in params:
             if cfg.tie_word_embeddings and target == "lm_head.weight":
                 continue  # some tied checkpoints still save the head
@@ -117,7 +119,7 @@ def _open_gguf(cfg: ModelConfig) -> GGUFCheckpoint | None:
     """The GGUF checkpoint of a .gguf model (model/gguf.GGUFCheckpoint), else None."""
     if not cfg.path.endswith(".gguf"):
         return None
-    from lmserve.model.gguf import GGUFCheckpoint
+    from lmserve.checkpoint.gguf import GGUFCheckpoint
 
     return GGUFCheckpoint(cfg.path)
 
@@ -127,7 +129,7 @@ def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig, ckpt: GGUFCheckpoint
     layout (Q8_0 → int8w, Q4_0 → int4, Q4_1 → int4 with mins, Q5_0 / Q5_1 → int5, group 32, or the layout of the
     type a fused mix is held as; Q4_K / Q5_K / Q6_K → kquant, the fused parts' types in their order); returns the
     kept tensors."""
-    from lmserve.model.gguf import KQUANT_TYPES, held_block32_types, kept_quantized, log_kept
+    from lmserve.checkpoint.gguf import KQUANT_TYPES, held_block32_types, kept_quantized, log_kept
     from lmserve.model.layers import Embedding
     from lmserve.model.quantization import GGUF_GROUP_SIZE, GGUF_LAYOUTS
 
@@ -165,7 +167,7 @@ def _checkpoint_tensors(
     `kept` come as their layout's buffers (`<name>.qweight`, `.scales`, `.mins`) instead of `<name>.weight`
     (K-quants: `<name>.qweight`, the file's (rows, row bytes) block view itself, copied once into the model)."""
     if cfg.path.endswith(".gguf"):
-        from lmserve.model.gguf import KQUANT_TYPES, held_block32_types, iter_hf_tensors
+        from lmserve.checkpoint.gguf import KQUANT_TYPES, held_block32_types, iter_hf_tensors
         from lmserve.model.quantization import GGUF_LAYOUTS, gguf_block32_tensors
 
         assert ckpt is not None, f"{cfg.path}: the GGUF checkpoint load_model opened (_open_gguf)"
@@ -297,7 +299,8 @@ def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], cfg: Mode
     for name in params:
         fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in name), None)
         if fused is None:
-            ok = name in loaded or (cfg.tie_word_embeddings and name == "lm_head.weight")
+            headless = cfg.architecture.endswith("Model")  # a base model: no LM head (the pooling runner's)
+            ok = name in loaded or ((cfg.tie_word_embeddings or headless) and name == "lm_head.weight")
         else:
             n = 3 if fused == "qkv_proj" else 2  # in parts (HF), or fused (Phi-3 checkpoints, `lmserve quantize`)
             ok = name in loaded or all(f"{name}#{i}" in loaded for i in range(n))

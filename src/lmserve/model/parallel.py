@@ -29,8 +29,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from lmserve.config import ModelConfig, QuantizationConfig
-from lmserve.memory import kv_heads_per_rank
+from lmserve.config.engine import ModelConfig, QuantizationConfig
+from lmserve.memory.ledger import kv_heads_per_rank
 
 
 class Collectives(Protocol):

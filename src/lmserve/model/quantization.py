@@ -57,9 +57,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmserve.config import QUANTIZATION_FORMAT, QuantizationConfig
+from lmserve.checkpoint.gguf import KQUANT_PANEL_BITS  # the K-quants W4A8 panels run (Q6_K's sub-blocks of 16 do not)
+from lmserve.config.engine import QUANTIZATION_FORMAT, QuantizationConfig
 from lmserve.kernels import KQ_BLOCK, KQ_BLOCK_BYTES, KQ_TYPES
-from lmserve.model.gguf import KQUANT_PANEL_BITS  # the K-quants W4A8 panels run (Q6_K's sub-blocks of 16 do not)
 
 INT4_BLOCK = 32  # inputs per packed run (16 bytes); group sizes are multiples of it
 INT8W_GROUP = 32  # the int8w layout's group (GGUF Q8_0's block)

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lmserve.config import EngineArgs, EngineConfig
+from lmserve.config.engine import EngineArgs, EngineConfig
 from lmserve.sim.model_dir import ARCHITECTURES as ARCHITECTURES
 from lmserve.sim.model_dir import hf_config_with_architecture as hf_config_with_architecture
 from lmserve.sim.model_dir import materialize_model_dir
@@ -73,7 +73,7 @@ def engine_config(profile: StepProfile, kwargs: dict[str, Any], model: str | Non
 
 def roofline_kv_gib(profile: StepProfile, tp: int) -> float:
     """What ROOFLINE_MEMORY_UTILIZATION of tp accelerators holds beside one copy of the weights."""
-    from lmserve import memory
+    from lmserve.memory import ledger as memory
 
     r = profile.roofline
     assert r is not None, "a roofline profile has its roofline description"
@@ -91,11 +91,10 @@ def roofline_kv_gib(profile: StepProfile, tp: int) -> float:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """`lmserve bench serve`'s workload flags (those not already engine flags: --seed, --tokenizer, --model are
     shared with the engine's)."""
-    from lmserve.bench.datasets import add_dataset_args
-    from lmserve.entrypoints.bench_cli import _rate
+    from lmserve.bench.datasets import add_dataset_args, parse_rate
 
     t = p.add_argument_group("traffic (as lmserve bench serve)")
-    t.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (inf = all at once)")
+    t.add_argument("--request-rate", type=parse_rate, default=math.inf, help="requests/s (inf = all at once)")
     t.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     t.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (closed loop)")
     t.add_argument("--trace", default=None, help="a `lmserve bench serve` JSON: replay its arrivals and lengths")

@@ -5,7 +5,7 @@ objects and most of a simulation's start-up, while a simulation touches a fracti
 always [never-used blocks in id order] + [freed blocks, least recently freed first] (a never-used block holds no
 key, so touch() never takes one out of the middle), so handing out never-used ids in order before the freed ones
 is the same sequence. Everything else (reference counts, the prefix index, eviction) is BlockPool's own code.
-tests/test_sim_simulator.py drives both pools with the same random operations and compares every result.
+tests/sim/test_simulator.py drives both pools with the same random operations and compares every result.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
 }
 
+
 def hf_config_with_architecture(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = dict(cfg)
     if not cfg.get("architectures"):

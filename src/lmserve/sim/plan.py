@@ -51,7 +51,7 @@ class Candidate:
 
     @property
     def disaggregation(self) -> str | None:
-        """"xPyD" when prefill / decode replicas are searched (one of them alone: the other is 1), else None."""
+        """ "xPyD" when prefill / decode replicas are searched (one of them alone: the other is 1), else None."""
         if not any(k in self.values for k in PD_FLAGS):
             return None
         return f"{self.values.get('prefill-replicas', 1)}P{self.values.get('decode-replicas', 1)}D"

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmserve.bench.metrics import RequestRecord
-from lmserve.config import EngineConfig
+from lmserve.config.engine import EngineConfig
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.core.scheduler import Scheduler
@@ -54,7 +54,8 @@ from lmserve.engine.router import choose_core
 from lmserve.request import Request, RequestStatus
 from lmserve.sampling_params import SamplingParams
 from lmserve.sim.lazy_pool import LazyBlockPool
-from lmserve.sim.step_model import Overheads, StepProfile, StepTimeFn
+from lmserve.sim.step_features import Overheads, StepTimeFn
+from lmserve.sim.step_model import StepProfile
 from lmserve.sim.workload import Workload
 
 # event kinds, in the order simultaneous events are handled: a step's end (its outputs, then the next step's
@@ -81,7 +82,7 @@ def step_features_and_tokens(
 ) -> tuple[int, int, int, int, float, dict[str, int]]:
     """core.outputs.step_features of a step and, in the same pass, the token each request that samples after it
     gets (sim_token of its prompt's hash at its position, which the step does not move): the simulator's hot path,
-    one loop where step_features and then its sampling list took two. tests/test_sim_simulator.py checks it against
+    one loop where step_features and then its sampling list took two. tests/sim/test_simulator.py checks it against
     step_features and sim_token on a real scheduler's steps."""
     prefill = segments = rows = context = 0
     pairs = 0.0

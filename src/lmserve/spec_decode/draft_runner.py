@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from lmserve.config import EngineConfig, available_ram_bytes
+from lmserve.config.engine import EngineConfig, available_ram_bytes
 from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import pack_linear_weights
 from lmserve.model.loader import load_model
+from lmserve.sample.sampler import _SAMPLING_EPS, apply_token_bitmask
+from lmserve.sample.structured_output import fill_bitmasks
 from lmserve.spec_decode.proposal import ProposalInput
-from lmserve.structured_output import fill_bitmasks
-from lmserve.worker.sampler import _SAMPLING_EPS, apply_token_bitmask
 
 
 def _ended(item: ProposalInput) -> bool:

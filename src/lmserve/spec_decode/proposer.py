@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmserve.config.speculative import SpeculativeConfig
 from lmserve.core.outputs import ScheduledRequest
 from lmserve.spec_decode.acceptance import AcceptanceTracker
-from lmserve.spec_decode.config import SpeculativeConfig
 from lmserve.spec_decode.proposal import ProposalInput, Proposer
 
 

@@ -8,11 +8,11 @@ import os
 import torch
 
 from lmserve import kernels
-from lmserve.config import EngineConfig, available_ram_bytes
+from lmserve.config.engine import EngineConfig, available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from lmserve.lora.slots import LoRASlotPool
 from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment, long_tensor
 from lmserve.model.kv_cache import KVCache
+from lmserve.model.kv_pool import KVPoolMemory, pool_tensors
 from lmserve.model.layers import (
     I8_KERNEL_MAX_ROWS,
     choose_small_m_paths,
@@ -24,11 +24,13 @@ from lmserve.model.layers import (
 from lmserve.model.loader import load_model
 from lmserve.model.parallel import Collectives, TPShard, local_only, parallelize
 from lmserve.model.parallel import quantize_linear_weights as quantize_sharded_weights
+from lmserve.sample.rejection_sampler import verify
+from lmserve.sample.sampler import Sampler, SamplingMetadata, token_logprobs
+from lmserve.sample.structured_output import fill_bitmasks
 from lmserve.spec_decode.proposer import cut_at_grammar, make_proposer, proposal_inputs
-from lmserve.spec_decode.rejection_sampler import verify
-from lmserve.structured_output import fill_bitmasks
 from lmserve.worker.host_memory import release_freed_memory, tune_malloc_for_tensors
-from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
+from lmserve.worker.lora_slots import LoRASlotPool
+from lmserve.worker.pooler import pool_step
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +137,14 @@ class ModelRunner:
                 logger.info("projections quantized to %s (embeddings, LM head, norms: %s)",
                             config.quantization.method, mc.dtype)
         self.kv_caches: list[KVCache] = self._allocate_kv_caches()
+        self.kv_pool = KVPoolMemory(config.cache.num_blocks, pool_tensors(self.kv_caches))  # committed as used
         # few-row linears: C kernel or oneDNN / torch.mm, measured before the first step, in the thread (and
         # OpenMP team) that runs the steps: `serve` loads the model with one thread
         self._small_m_pending = self.device.type == "cpu"
         self.sampler = Sampler()
         self.proposer = make_proposer(config)
+        if hasattr(self.proposer, "kv_caches"):  # a draft model's KV: the same blocks, committed with the target's
+            self.kv_pool.add(pool_tensors(self.proposer.kv_caches))
         self.lora = LoRASlotPool(self.model, config) if config.lora is not None else None
 
     def _allocate_kv_caches(self) -> list[KVCache]:
@@ -151,8 +156,8 @@ class ModelRunner:
         ]
         scales = f", of which scales {cc.kv_scale_bytes_per_token} B" if cc.kv_scale_bytes_per_token else ""
         logger.info(
-            "KV cache %s: %d blocks × %d = %d tokens, %.1f MiB (%d B/token%s); %d concurrent requests of "
-            "max_model_len=%d",
+            "KV cache %s: %d blocks × %d = %d tokens, %.1f MiB (%d B/token%s, committed as blocks are first used); "
+            "%d concurrent requests of max_model_len=%d",
             cc.kv_cache_dtype, cc.num_blocks, cc.block_size, cc.num_tokens, cc.pool_bytes / 2**20,
             cc.kv_bytes_per_token, scales, cc.max_concurrent_requests(sc.max_model_len), sc.max_model_len,
         )  # fmt: skip
@@ -198,12 +203,15 @@ class ModelRunner:
             )
         if self.lora is not None:
             self.lora.begin_step(ordered)
+        if ordered:  # the blocks this step writes, and (spec decode) its requests' lookahead tails
+            self.kv_pool.ensure(max(max(slots) // self.block_size, max(s.block_ids[-1] for s in ordered)))
         hidden = self.model(long_tensor(input_ids, dev), long_tensor(positions, dev), self.kv_caches, meta)
         if self.lora is not None:
             self.lora.end_step()
         # Only the last token of each request that reaches the end of its known tokens is sampled; a request
         # with proposals has all 1 + k of its last rows scored (verified after the plain rows are sampled).
         prompt_logprobs = self._prompt_logprobs(ordered, first_row, hidden)
+        pooled = pool_step(ordered, first_row, hidden, self.model) if self.config.runner == "pooling" else {}
         sampling = [s for s in sched.scheduled if s.samples and not s.num_spec_tokens]  # scheduled order
         verifying = [s for s in sched.scheduled if s.samples and s.num_spec_tokens]
         sample_rows = [first_row[s.request.request_id] + s.num_new_tokens - 1 for s in sampling]
@@ -211,11 +219,11 @@ class ModelRunner:
             last = first_row[s.request.request_id] + s.num_new_tokens
             sample_rows += range(last - s.num_spec_tokens - 1, last)
         if not sample_rows:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, pooled=pooled)
         every_row = sample_rows == list(range(hidden.shape[0]))  # (a decode step: no gather, no slice)
         all_logits = self.model.compute_logits(hidden if every_row else hidden[long_tensor(sample_rows, dev)])
         logits = all_logits if len(sampling) == len(sample_rows) else all_logits[: len(sampling)]
-        out = ModelRunnerOutput({}, logits, prompt_logprobs=prompt_logprobs)
+        out = ModelRunnerOutput({}, logits, prompt_logprobs=prompt_logprobs, pooled=pooled)
         if sampling:
             sampled = self.sampler(logits, self._sampling_metadata(sampling))
             ids = [s.request.request_id for s in sampling]

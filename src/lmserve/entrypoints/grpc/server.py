@@ -32,16 +32,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lmserve.core.outputs import CompletionOutput, RequestOutput
-from lmserve.entrypoints.grpc import lmserve_pb2 as pb
-from lmserve.entrypoints.grpc import lmserve_pb2_grpc as pb_grpc
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import request_inputs as inputs
+from lmserve.entrypoints.openai import serving_pooling as pooling
 from lmserve.entrypoints.openai.errors import APIError, from_validation_errors
 from lmserve.entrypoints.openai.logprobs import prompt_texts
 from lmserve.entrypoints.openai.middleware import bearer_ok
 from lmserve.entrypoints.openai.serving_completion import CompletionGeneration
 from lmserve.entrypoints.openai.state import ServerState
-from lmserve.metrics import GRPC_REQUEST_ID_PREFIX
+from lmserve.grpc_proto import lmserve_pb2 as pb
+from lmserve.grpc_proto import lmserve_pb2_grpc as pb_grpc
+from lmserve.observability.prometheus import GRPC_REQUEST_ID_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -306,6 +307,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
         return pb.ListModelsResponse(models=[card])
 
+    # -- pooling
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        engine = self.state.ready_engine()
+        inputs.check_model(self.state, request.model or None)
+        items: list[str | list[int]] = [*request.texts, *(list(t.ids) for t in request.token_ids)]
+        prompts = pooling.tokenized(engine, items, "texts")
+        dims = request.dimensions if request.HasField("dimensions") else None
+        gen = pooling.start_pooling(self.state, prompts, dims)
+        context.add_done_callback(lambda _: gen.abort())
+        try:
+            finals = await gen.collect()
+        finally:
+            gen.abort()
+        return pb.EmbedResponse(
+            model=request.model or self.state.served_model_name,
+            embeddings=[pb.Embedding(values=o.pooled) for o in finals],
+            prompt_tokens=sum(map(len, prompts)),
+        )
+
 
 def _guard_unary(servicer: GenerationServicer, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     @functools.wraps(fn)
@@ -342,7 +363,7 @@ def _guard_stream(servicer: GenerationServicer, fn: Callable[..., AsyncIterator[
 
 def _guarded(servicer: GenerationServicer) -> GenerationServicer:
     """The servicer with every method wrapped: auth first, then APIError → a gRPC status."""
-    for name in ("Generate", "Tokenize", "Detokenize", "ListModels"):
+    for name in ("Generate", "Tokenize", "Detokenize", "ListModels", "Embed"):
         setattr(servicer, name, _guard_unary(servicer, getattr(servicer, name)))
     servicer.GenerateStream = _guard_stream(servicer, servicer.GenerateStream)  # type: ignore[method-assign]
     return servicer

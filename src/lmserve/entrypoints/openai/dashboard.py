@@ -4,7 +4,7 @@ GET /v1/dashboard/stream (SSE, one JSON update per interval, behind the API key 
 The feed reads what /metrics counts (the server's registry, so the numbers are the same) plus the engine
 snapshot's block map, which the engine builds only while a feed is open (AsyncEngine.watch_block_map). A window
 of registry readings (the last WINDOW_S seconds, shared by all open feeds) gives rates, latency percentiles and
-histograms, and the same diagnosis `lmserve diagnose` prints (lmserve.diagnose: one implementation).
+histograms, and the same diagnosis `lmserve diagnose` prints (lmserve.observability.diagnose: one implementation).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from lmserve import diagnose as dx
 from lmserve.entrypoints.openai.sse import SSEResponse
+from lmserve.observability import diagnose as dx
 
 STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "web" / "static"
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}  # open (no key): the pages ask for it

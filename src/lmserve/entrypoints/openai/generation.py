@@ -25,7 +25,7 @@ from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai.errors import APIError, from_value_error
 from lmserve.entrypoints.openai.sse import ChunkTemplate, ClientGone, SSEResponse, cancel_on_disconnect, sse, sse_json
 from lmserve.entrypoints.openai.state import ServerState
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from lmserve.config import ModelConfig
+from lmserve.config.engine import ModelConfig
 from lmserve.lora.adapter import load_adapter
-from lmserve.lora_request import LoRARequest
+from lmserve.lora.request import LoRARequest
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:

@@ -15,9 +15,9 @@ from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from lmserve.entrypoints.openai.parsers import ReasoningParser
 from lmserve.entrypoints.openai.state import ServerState
-from lmserve.lora_request import LoRARequest
-from lmserve.sampling_params import SamplingParams
-from lmserve.structured_output import GrammarError
+from lmserve.lora.request import LoRARequest
+from lmserve.sample.structured_output import GrammarError
+from lmserve.sampling_params import SamplingParams, check_runner
 
 MAX_SEQS_PER_REQUEST = 256  # n × number of prompts
 
@@ -58,6 +58,10 @@ def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
 def sampling_params_of(
     engine: AsyncEngine, body: p.CompletionRequest | p.ChatCompletionRequest, rename: dict[str, str]
 ) -> SamplingParams:
+    try:  # a generation request on a pooling server: refused before anything else about it
+        check_runner(getattr(engine.config, "runner", "generate"), None)
+    except ValueError as e:
+        raise bad_request(str(e), None, "wrong_runner") from None
     try:
         params = p.to_sampling_params(body, engine.generation_defaults)
     except p.RequestError as e:
@@ -159,7 +163,7 @@ def render_chat(
     add_generation_prompt: bool,
     tool_list: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    return chat_prompt(engine, messages, add_generation_prompt, tool_list)[1]
+    return chat_prompt(engine, messages, add_generation_prompt, tool_list, template_kwargs)[1]
 
 
 def chat_prompt(

@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-from lmserve.entrypoints.engine_args_cli import add_engine_args, engine_kwargs, model_path
-from lmserve.memory import format_bytes
+from lmserve.config.args import add_engine_args, engine_kwargs, model_path
+from lmserve.memory.ledger import format_bytes
 
 # lmserve.engine.core_client.CPU_POLICIES (kept import-free)
 CPU_POLICY_NAMES = ("adaptive", "bounded", "passive", "spin")
@@ -160,7 +160,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from lmserve.config import EngineArgs
+    from lmserve.config.engine import EngineArgs
     from lmserve.engine.async_engine import AsyncEngine
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.entrypoints.openai.response_store import ResponseStore

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from lmserve.engine.async_engine import AsyncEngine
+from lmserve.engine.protocol import EngineClient
 from lmserve.engine.token_bytes import TokenBytes
 from lmserve.entrypoints.openai.chat_settings import ChatSettings
 from lmserve.entrypoints.openai.dashboard import add_web_routes
@@ -35,9 +36,11 @@ from lmserve.entrypoints.openai.middleware import GuardMiddleware, add_exception
 from lmserve.entrypoints.openai.response_store import ResponseStore
 from lmserve.entrypoints.openai.routes import add_routes
 from lmserve.entrypoints.openai.serving_messages import add_messages_routes
+from lmserve.entrypoints.openai.serving_ollama import add_ollama_routes
+from lmserve.entrypoints.openai.serving_pooling import add_pooling_routes
 from lmserve.entrypoints.openai.serving_responses import add_responses_routes
 from lmserve.entrypoints.openai.state import ServerState
-from lmserve.metrics import Metrics
+from lmserve.observability.prometheus import Metrics
 
 __all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "ServerState", "bearer_ok", "build_app"]
 
@@ -66,7 +69,7 @@ def build_app(
     stop before the engine does. `lora_modules`: the LoRA adapters served by name (the engine needs enable_lora).
     `chat_settings`: reasoning / tool-call parsers and chat template options (default: chosen from the template).
     `response_store`: the Responses API's stored responses (default: ResponseStore's bounds)."""
-    loader = None if hasattr(engine, "add_request") else engine
+    loader = None if isinstance(engine, EngineClient) else engine
     if loader is not None and not served_model_name:
         raise ValueError("served_model_name is required when the engine is loaded in the background")
     name = served_model_name or engine.config.model.path  # type: ignore[union-attr]
@@ -112,6 +115,8 @@ def build_app(
     add_routes(app, state)
     add_responses_routes(app, state, response_store if response_store is not None else ResponseStore())
     add_messages_routes(app, state)
+    add_ollama_routes(app, state)
+    add_pooling_routes(app, state)
     add_kv_info_route(app, state)
     add_lora_routes(app, state)
     add_web_routes(app, state)

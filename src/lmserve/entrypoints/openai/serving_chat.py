@@ -39,13 +39,14 @@ async def chat_generation(
     if not body.messages:
         raise bad_request("messages must be a non-empty list", "messages")
     try:
-        template_kwargs = state.chat.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
+        kwargs = state.chat.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
     except p.RequestError as e:
         raise bad_request(str(e), e.param) from None
+    kwargs.update(template_kwargs or {})
     constraint = inputs.constraint_of(engine, body)
     plan = constraint.tools
     shown = plan.tools if plan is not None and tools.template_supports_tools(engine.tokenizer) else None
-    text, ids = inputs.chat_prompt(engine, body.messages, body.add_generation_prompt, shown, template_kwargs)
+    text, ids = inputs.chat_prompt(engine, body.messages, body.add_generation_prompt, shown, kwargs)
     # the grammar follows this prompt's reasoning block
     params = await inputs.apply_constraint(engine, constraint, params, state.chat.reasoning(text))
     if state.chat.keeps_special_tokens or (plan is not None and state.chat.tools.keeps_special_tokens):

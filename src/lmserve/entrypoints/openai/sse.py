@@ -32,7 +32,7 @@ def sse_json(obj: dict[str, Any]) -> str:
 class ChunkTemplate:
     """The SSE event of one chunk model with only its text changing: the chunk is written once by pydantic with a
     marker for the text, and each event splices the new text, serialized by pydantic's own string encoder, in
-    place of the marker. The bytes are the model's (tests/test_sse.py checks them against model_dump_json);
+    place of the marker. The bytes are the model's (tests/server/test_sse.py checks them against model_dump_json);
     building and dumping a chunk's two or three models costs ~6-8 µs a token, the splice ~0.3 µs."""
 
     MARKER = "\x00lmserve-chunk-text\x00"

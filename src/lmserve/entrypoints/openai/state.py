@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmserve.engine.async_engine import AsyncEngine
+from lmserve.engine.protocol import EngineClient
 from lmserve.engine.token_bytes import TokenBytes
 from lmserve.entrypoints.openai.chat_settings import ChatSettings
 from lmserve.entrypoints.openai.errors import APIError
 from lmserve.entrypoints.openai.lora_modules import LoRAModules
-from lmserve.metrics import Metrics
+from lmserve.observability.prometheus import Metrics
 
 LOADING_RETRY_AFTER_S = 5
 
@@ -21,14 +21,14 @@ class ServerState:
     served_model_name: str
     api_key: str | None
     max_request_body_bytes: int
-    engine: AsyncEngine | None = None
+    engine: EngineClient | None = None
     token_bytes: TokenBytes | None = None  # of the engine's tokenizer, for logprobs
     metrics: Metrics | None = None
     load_error: BaseException | None = None
     loras: LoRAModules | None = None  # the LoRA adapters served by name (--enable-lora), else None
     chat: ChatSettings = field(default_factory=ChatSettings)  # parsers and chat template options
 
-    def ready_engine(self) -> AsyncEngine:
+    def ready_engine(self) -> EngineClient:
         engine = self.engine
         if engine is None:
             if self.load_error is not None:

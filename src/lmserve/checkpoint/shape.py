@@ -1,0 +1,416 @@
+"""The model as its checkpoint describes it, before any weight is read: `ModelShape` (the numbers that decide its
+memory footprint), parsed from an HF ``config.json`` or a GGUF file's metadata; a mixture-of-experts decoder's
+expert layout and router variant (`MoEShape`, `RouterSpec`); the attention window of each layer; and the layout
+each quantization method gives the LM head.
+
+One reading of the shape fields for the memory ledger (memory.py) and for ModelConfig.from_hf
+(model_config.py). No torch: `lmserve memory` answers without loading a model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The LM head's layout per quantization method (lmserve/model/quantization.py): int8 quantizes it as a projection
+# (W8A8); int4 gives it 8 bits, weight-only with group-32 scales ("int8w", GGUF Q8_0's block).
+HEAD_LAYOUTS = {"int8": "int8", "int4": "int8w"}
+
+# scoring: "softmax_topk": softmax over every expert (float32), top-k of the probabilities, optionally renormalised
+#          (Qwen2/3-MoE, Mixtral, OLMoE); "topk_softmax": top-k of the logits, softmax over the k chosen (gpt-oss).
+ROUTER_SCORINGS = ("softmax_topk", "topk_softmax")
+# activation of a routed expert: "silu" (SwiGLU, gate rows first) | "swiglu_clamped" (gpt-oss: clamps, alpha, +1)
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """One router variant as data: route() in model/moe.py computes every family's from these fields."""
+
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax_topk"
+    renormalize: bool = False  # divide the k weights by their sum (HF's norm_topk_prob; Mixtral always)
+    bias: bool = False  # the router projection has a bias (gpt-oss)
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router scoring must be one of {list(ROUTER_SCORINGS)}, got {self.scoring!r}")
+        _positive_field("num_experts", self.num_experts)
+        _positive_field("num_experts_per_tok", self.top_k)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the {self.num_experts} experts")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The expert layout of a MoE decoder: per sparse layer `router.num_experts` experts of width
+    `expert_intermediate_size`, `router.top_k` run per token, plus an always-run shared expert of width
+    `shared_expert_intermediate_size` (0: none) behind a sigmoid gate; dense layers keep the config's MLP."""
+
+    router: RouterSpec
+    expert_intermediate_size: int
+    sparse_layers: tuple[bool, ...]  # per layer: the MoE block (True) or the dense MLP (False)
+    dense_intermediate_size: int = 0  # the dense layers' MLP width (0 when every layer is sparse)
+    shared_expert_intermediate_size: int = 0
+    activation: str = "silu"
+    expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
+    mxfp4: bool = False  # the checkpoint holds the experts as MXFP4 (gpt-oss's quantization_config)
+    swiglu_alpha: float = 1.702  # swiglu_clamped only
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        _positive_field("moe_intermediate_size", self.expert_intermediate_size)
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation must be one of {list(EXPERT_ACTIVATIONS)}, got {self.activation!r}")
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+
+def _positive_field(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+    return value
+
+
+# model_type → (field holding the expert count, field holding the expert width, scoring, renormalize: a bool, or
+# the config field that says, with its HF default)
+_FAMILIES: dict[str, tuple[str, str, str, bool | tuple[str, bool]]] = {
+    "qwen3_moe": ("num_experts", "moe_intermediate_size", "softmax_topk", ("norm_topk_prob", False)),
+    "qwen2_moe": ("num_experts", "moe_intermediate_size", "softmax_topk", ("norm_topk_prob", False)),
+    "mixtral": ("num_local_experts", "intermediate_size", "softmax_topk", True),
+    "olmoe": ("num_experts", "intermediate_size", "softmax_topk", ("norm_topk_prob", False)),
+    "gpt_oss": ("num_local_experts", "intermediate_size", "topk_softmax", False),
+    # the hybrid (linear-attention) MoE families: a gated shared expert beside the routed ones, as Qwen2-MoE
+    "qwen3_next": ("num_experts", "moe_intermediate_size", "softmax_topk", ("norm_topk_prob", True)),
+    "qwen3_5_moe_text": ("num_experts", "moe_intermediate_size", "softmax_topk", True),
+}
+_SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
+MOE_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # a config with experts sets one
+MOE_MODEL_TYPES = tuple(_FAMILIES)
+
+
+def is_moe_config(cfg: dict[str, Any]) -> bool:
+    return any(cfg.get(f) for f in MOE_EXPERT_FIELDS)
+
+
+def moe_shape_from_hf_config(cfg: dict[str, Any], num_layers: int) -> MoEShape:
+    """The MoEShape of an HF config with experts; ValueError naming the field for a family without a router
+    variant here, or fields that contradict each other."""
+    model_type = cfg.get("model_type")
+    if model_type not in _FAMILIES:
+        field = next(f for f in MOE_EXPERT_FIELDS if cfg.get(f))
+        raise ValueError(
+            f"config field model_type={model_type!r} (with {field}={cfg[field]!r}): no router variant for it; "
+            f"mixture-of-experts families: {', '.join(MOE_MODEL_TYPES)}"
+        )
+    experts_field, width_field, scoring, renorm = _FAMILIES[model_type]
+    if isinstance(renorm, tuple):
+        renorm = cfg.get(renorm[0], renorm[1])
+        if not isinstance(renorm, bool):
+            raise ValueError(f"config field norm_topk_prob must be true or false, got {renorm!r}")
+    if cfg.get(experts_field) is None:  # (transformers v5 saves num_experts as num_local_experts)
+        experts_field = next((f for f in MOE_EXPERT_FIELDS if cfg.get(f) is not None), experts_field)
+    router = RouterSpec(
+        num_experts=_positive_field(experts_field, cfg.get(experts_field)),
+        top_k=_positive_field("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+        scoring=scoring,
+        renormalize=renorm,
+        bias=model_type == "gpt_oss",
+    )
+    sparse = [True] * num_layers
+    dense_width = 0
+    # HF: sparse unless in mlp_only_layers, every decoder_sparse_step-th
+    if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+        step = _positive_field("decoder_sparse_step", cfg.get("decoder_sparse_step", 1))
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+            raise ValueError(f"config field mlp_only_layers must be a list of layer indices, got {only!r}")
+        sparse = [i not in only and (i + 1) % step == 0 for i in range(num_layers)]
+        if not all(sparse):
+            dense_width = _positive_field("intermediate_size", cfg.get("intermediate_size"))
+    shared = 0
+    if model_type in _SHARED_EXPERT_TYPES:
+        shared = _positive_field("shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"))
+    gpt_oss = model_type == "gpt_oss"
+    return MoEShape(
+        router=router,
+        expert_intermediate_size=_positive_field(width_field, cfg.get(width_field)),
+        sparse_layers=tuple(sparse),
+        dense_intermediate_size=dense_width,
+        shared_expert_intermediate_size=shared,
+        activation="swiglu_clamped" if gpt_oss else "silu",
+        expert_bias=gpt_oss,
+        mxfp4=(cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4",
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+    )
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """A hybrid model's Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their heads and the conv window."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv (q, k and v before the split)."""
+        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
+
+    @property
+    def state_elements(self) -> int:
+        """One layer's state per sequence: the conv window (conv_dim x (kernel - 1)) and v_heads x k_dim x v_dim."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.k_dim * self.v_dim
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a dense Llama-family decoder that decide its memory footprint."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2, Llama attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    model_type: str = "llama"
+    rope_theta: float | None = None
+    max_position_embeddings: int | None = None
+    sliding_window: int | None = None  # the largest window of the sliding layers
+    num_sliding_layers: int = 0  # layers attending within sliding_window (0: all attend to everything)
+    # hybrid models: layers with linear attention (a per-sequence state, no KV) and their shape
+    num_linear_layers: int = 0
+    linear: LinearAttentionShape | None = None
+    attn_output_gate: bool = False  # Qwen3.5 / Qwen3-Next: q_proj also yields a sigmoid gate on the output
+    moe: MoEShape | None = None  # mixture of experts: the sparse layers' expert layout (None: dense)
+    qk_norm_whole: bool = False  # RMSNorm over the whole q / k projection (OLMoE)
+    attention_sinks: bool = False  # one learned sink logit per head and layer (gpt-oss)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep per-token K/V (all but the linear-attention ones)."""
+        return self.num_layers - self.num_linear_layers
+
+    @property
+    def kv_free_window(self) -> int | None:
+        """The window outside which the engine frees KV blocks: only when every layer slides."""
+        return self.sliding_window if self.num_sliding_layers == self.num_layers else None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "intermediate_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def gqa_ratio(self) -> float:
+        """Query heads per KV head: how many times smaller the KV cache is than with MHA."""
+        return self.num_attention_heads / self.num_kv_heads
+
+
+_REQUIRED_HF_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
+    """Build a ModelShape from an HF ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3...).
+
+    ``head_dim`` defaults to hidden_size / num_attention_heads and ``num_key_value_heads`` to
+    num_attention_heads. A multimodal config's ``text_config`` is used when the top level has
+    no layers. A mixture-of-experts config (Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss) gets its MoEShape; one of
+    another family is a ValueError naming model_type.
+    """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config must be a JSON object, got {type(cfg).__name__}")
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    missing = [f for f in _REQUIRED_HF_FIELDS if cfg.get(f) is None]
+    if missing:
+        raise ValueError(f"config is missing required field(s): {', '.join(missing)}")
+
+    def _int(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config field {name} must be an integer, got {value!r}")
+        return value
+
+    hidden = _int("hidden_size", cfg["hidden_size"])
+    heads = _int("num_attention_heads", cfg["num_attention_heads"])
+    kv_heads = _int("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if heads <= 0 or hidden % heads != 0:
+            raise ValueError(
+                f"config has no head_dim and hidden_size ({hidden}) is not divisible by "
+                f"num_attention_heads ({heads})"
+            )
+        head_dim = hidden // heads
+    model_type = str(cfg.get("model_type") or "llama")
+    num_layers = _int("num_hidden_layers", cfg["num_hidden_layers"])
+    moe = moe_shape_from_hf_config(cfg, num_layers) if is_moe_config(cfg) else None
+    sliding_window, num_sliding = _sliding_layers(cfg, num_layers)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    max_pos = cfg.get("max_position_embeddings")
+    rope_theta = cfg.get("rope_theta")
+    linear, linear_types = linear_attention_layers(cfg, num_layers)
+    return ModelShape(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_int("head_dim", head_dim),
+        vocab_size=_int("vocab_size", cfg["vocab_size"]),
+        intermediate_size=_int("intermediate_size", cfg["intermediate_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v bias (and no o bias); Llama's attention_bias covers all four.
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type.startswith("qwen3"),
+        model_type=model_type,
+        rope_theta=float(rope_theta) if rope_theta is not None else None,
+        max_position_embeddings=int(max_pos) if max_pos is not None else None,
+        sliding_window=sliding_window,
+        num_sliding_layers=num_sliding,
+        num_linear_layers=sum(linear_types),
+        linear=linear,
+        attn_output_gate=linear is not None,
+        moe=moe,
+        qk_norm_whole=model_type == "olmoe",
+        attention_sinks=model_type == "gpt_oss",
+    )
+
+
+def linear_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[LinearAttentionShape | None, list[bool]]:
+    """A hybrid config's Gated DeltaNet shape and which layers use it (layer_types' "linear_attention", else every
+    layer but each full_attention_interval-th, as Qwen3-Next's configs say); (None, all False) for other models."""
+    if "linear_num_value_heads" not in cfg:
+        return None, [False] * num_layers
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"layer_types: unknown layer type(s) {unknown} in a linear-attention model")
+        is_linear = [t == "linear_attention" for t in types]
+    else:
+        interval = cfg.get("full_attention_interval", 4)
+        is_linear = [bool((i + 1) % interval) for i in range(num_layers)]
+    fields = {
+        "num_k_heads": "linear_num_key_heads", "num_v_heads": "linear_num_value_heads",
+        "k_dim": "linear_key_head_dim", "v_dim": "linear_value_head_dim", "conv_kernel": "linear_conv_kernel_dim",
+    }  # fmt: skip
+    values = {}
+    for name, key in fields.items():
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config field {key} must be a positive integer, got {value!r}")
+        values[name] = value
+    if values["num_v_heads"] % values["num_k_heads"]:
+        raise ValueError(
+            f"linear_num_value_heads ({values['num_v_heads']}) must be a multiple of linear_num_key_heads "
+            f"({values['num_k_heads']})"
+        )
+    if values["conv_kernel"] < 2:
+        raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {values['conv_kernel']}")
+    return LinearAttentionShape(**values), is_linear
+
+
+def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, int]:
+    """(window, number of sliding layers) as the engine reads them (layer_sliding_windows); (None, 0)
+    for architectures the engine does not know (the ledger still counts their KV, in full)."""
+    from lmserve.checkpoint.registry import resolve_architecture
+
+    try:
+        family = resolve_architecture(cfg.get("architectures"))
+    except ValueError:
+        return None, 0
+    windows = [w for w in layer_sliding_windows(family, cfg, num_layers) if w]
+    return (max(windows) if windows else None), len(windows)
+
+
+def load_model_shape(path: str | Path) -> ModelShape:
+    """Read an HF ``config.json`` (a file, or a model directory containing one), or a GGUF file's metadata."""
+    from lmserve.checkpoint.gguf import GGUFCheckpoint, find_gguf_file  # numpy + gguf, no torch
+
+    p = Path(path)
+    gguf_file = find_gguf_file(p)
+    if gguf_file is not None:
+        try:
+            return model_shape_from_hf_config(GGUFCheckpoint(gguf_file).hf_config())
+        except ValueError as e:
+            raise ValueError(f"{gguf_file}: {e}") from None
+    if p.is_dir():
+        config_file = p / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model directory {p} has no config.json")
+    elif p.is_file():
+        config_file = p
+    else:
+        raise ValueError(f"config not found: {p} (expected a model directory or a config.json file)")
+    try:
+        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    try:
+        return model_shape_from_hf_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
+
+
+
+def layer_sliding_windows(family: Any, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """The attention window of each layer (None: full attention); () when no layer slides."""
+    window = cfg.get("sliding_window")
+    if family.name == "qwen" and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window or family.sliding_layers == "none":
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        sliding = [t == "sliding_attention" for t in types]
+    elif family.sliding_layers == "all":
+        sliding = [True] * num_layers
+    elif family.sliding_layers == "from_max_window_layers":  # Qwen2: layers from max_window_layers on
+        sliding = [i >= cfg.get("max_window_layers", 28) for i in range(num_layers)]
+    else:  # "pattern": every `pattern`-th layer is global (Gemma 2: 2, Gemma 3: sliding_window_pattern or 6)
+        pattern = int(cfg.get("sliding_window_pattern") or family.sliding_pattern)
+        sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
+    if not any(sliding):
+        return ()
+    return tuple(int(window) if s else None for s in sliding)

@@ -1,0 +1,1 @@
+"""Engine, model, KV-transfer and speculative configs, and the CLI's engine arguments."""

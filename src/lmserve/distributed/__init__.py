@@ -1,0 +1,1 @@
+"""Tensor-parallel collectives: the process group and the shared-memory all-reduce."""

@@ -1,0 +1,145 @@
+/* Part of the one kernel library: compiled inside cpu_kernels.c, after the files it #includes before it. */
+/* ==================================================================================================== *
+ * The decoder stack of a decode step in one call (decode_stack).                                        *
+ * ==================================================================================================== *
+ *
+ * A pure decode step of a few rows spends as long in Python between the kernels above (module calls,
+ * argument checks, ctypes, ~9 calls a layer) as in some of the kernels themselves: ~270 us a layer on the
+ * benchmark model. decode_stack runs every layer of a plain pre-norm Llama-family decoder (RMSNorm,
+ * fused qkv, RoPE, paged attention, o, RMSNorm, gate_up, SiLU*up, down) and the final norm by calling the
+ * same kernels in the same order with the same arguments as lmserve/model/llama.py does, so its output is
+ * bit-identical to the module path. The Python side (lmserve/model/decode_stack.py) fills the layer
+ * descriptions once and checks which models and steps qualify.
+ */
+enum { LS_F32 = 0, LS_BF16W = 1, LS_I8 = 2, LS_I4 = 3, LS_I8W = 4, LS_KQ = 5, LS_W4A8 = 6, LS_W5A8 = 7, LS_W8A8 = 8 };
+
+/* one projection; every field 8 bytes (the ctypes Structure mirrors it). LS_KQ (GGUF K-quants): scales points at
+ * the (G, 3) int64 segment table linear_kq_f32 reads, G its row count. */
+typedef struct {
+    int64_t kind, O, K, G;
+    const void *w, *scales, *mins, *row_sums;
+    const float *bias;
+    int64_t isa; /* LS_W4A8: the W4A8_* path (the Python side resolved it once) */
+} ls_linear;
+
+typedef struct {
+    const float *in_norm, *post_norm;
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale; /* int8 / fp8 caches only */
+    int64_t window;           /* 0: full attention */
+    ls_linear qkv, o, gate_up, down;
+} ls_layer;
+
+struct ls_lora;      /* the LoRA section at the end of the file */
+struct ls_allreduce; /* the shared-memory all-reduce section after decode_stack */
+
+/* x (n floats) summed over the ranks in place (a tensor-parallel decode stack, after o and after down).
+ * Returns 0, LS_AR_ABORTED or LS_AR_TIMEOUT. */
+static int ls_all_reduce(const struct ls_allreduce *a, float *x, int64_t n);
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, kv_kind; /* kv_kind -1: float32 */
+    double eps, scale;
+    const ls_layer *layers;
+    const float *final_norm;
+    const struct ls_lora *lora;           /* NULL: no LoRA row in the step */
+    const struct ls_allreduce *allreduce; /* NULL: one rank; else the sum after o and down (tensor parallel) */
+    const ls_linear *head;                /* NULL: none; else the LM head, run on the final norm when asked */
+} ls_model;
+
+/* y (B, O) += the LoRA delta of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l for x (B, K); -1: no memory */
+static int ls_lora_add(const struct ls_lora *lora, int64_t l, int p, const float *x, float *y, int nthreads);
+
+/* Returns 0, or -1 when a kernel could not allocate its scratch. */
+static int ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M, int nthreads) {
+    switch (l->kind) {
+    case LS_F32: linear_f32(x, (const float *)l->w, l->bias, y, M, l->O, l->K, nthreads); break;
+    case LS_BF16W: linear_bf16w_f32(x, (const uint16_t *)l->w, l->bias, y, M, l->O, l->K, nthreads); break;
+    case LS_I8:
+        linear_i8_f32(x, (const int8_t *)l->w, (const float *)l->scales, (const int32_t *)l->row_sums, l->bias, y, M,
+                      l->O, l->K, nthreads);
+        break;
+    case LS_I4:
+        linear_i4_f32(x, (const uint8_t *)l->w, (const uint16_t *)l->scales, (const uint16_t *)l->mins, l->bias, y,
+                      M, l->O, l->K, l->G, nthreads);
+        break;
+    case LS_KQ:
+        linear_kq_f32(x, (const uint8_t *)l->w, (const int64_t *)l->scales, l->G, l->bias, y, M, l->O, l->K,
+                      nthreads);
+        break;
+    case LS_W4A8: /* the W4A8 panels of 4-, 5- and 8-bit codes (GGUF Q5_0 / Q5_1, Q8_0 and the int4 head) */
+    case LS_W5A8:
+    case LS_W8A8:
+        return linear_w4a8_f32(x, (const uint8_t *)l->w, (const uint16_t *)l->scales, (const uint16_t *)l->mins,
+                               l->bias, y, M, l->O, l->K, l->G, l->kind == LS_W4A8 ? 4 : l->kind == LS_W5A8 ? 5 : 8,
+                               (int)l->isa, nthreads);
+    default:
+        linear_i8w_f32(x, (const int8_t *)l->w, (const uint16_t *)l->scales, l->bias, y, M, l->O, l->K, l->G,
+                       nthreads);
+    }
+    return 0;
+}
+
+/* h (B, hidden): the embeddings of the step's B decode tokens; out (B, hidden): the final norm of the last
+ * residual stream. cos, sin (B, head_dim); slots (B,); tables (B, max_blocks); lens (B,): as the kernels
+ * above take them. With m->allreduce (a rank of a tensor-parallel group: o and down are row-parallel), the
+ * outputs of o and down are summed over the ranks where the module path's hooks all-reduce them.
+ * With logits (B, head's O) and m->head, the LM head's kernel then runs on out into logits, as the module path's
+ * Linear runs it.
+ * Returns 0, -1 when the scratch memory could not be allocated (out may be partly written), or the all-reduce's
+ * LS_AR_ABORTED / LS_AR_TIMEOUT. */
+int decode_stack(const ls_model *m, const float *h, float *out, const float *cos, const float *sin,
+                 const int64_t *slots, const int64_t *tables, const int64_t *lens, int64_t B, int64_t max_blocks,
+                 float *logits, int nthreads) {
+    const int64_t Hd = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t qs = NH * D, kvs = KVH * D, qkvw = qs + 2 * kvs;
+    const float eps = (float)m->eps, scale = (float)m->scale;
+    const int64_t n = B * (4 * Hd + qkvw + 2 * qs + 3 * I);
+    float *buf = (float *)malloc(sizeof(float) * (size_t)n);
+    if (!buf) return -1;
+    int rc = -1;
+    float *res = buf, *x = res + B * Hd, *hb = x + B * Hd, *ob = hb + B * Hd, *qkv = ob + B * Hd;
+    float *q = qkv + B * qkvw, *attn = q + B * qs, *gu = attn + B * qs, *act = gu + 2 * B * I;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const ls_layer *L = m->layers + l;
+        if (l == 0) { /* the residual stream starts as the embeddings */
+            memcpy(res, h, sizeof(float) * (size_t)(B * Hd));
+            rmsnorm_f32(h, NULL, L->in_norm, x, B, Hd, eps, nthreads);
+        } else {
+            rmsnorm_f32(hb, res, L->in_norm, x, B, Hd, eps, nthreads);
+        }
+        if (ls_linear_run(&L->qkv, x, qkv, B, nthreads)) goto fail;
+        if (m->lora && ls_lora_add(m->lora, l, 0, x, qkv, nthreads)) goto fail;
+        if (m->kv_kind < 0)
+            rope_write_kv_f32(qkv, qkvw, qkv + qs, qkvw, qkv + qs + kvs, qkvw, cos, sin, (float *)L->k_cache,
+                              (float *)L->v_cache, slots, B, NH, KVH, D, nthreads);
+        else
+            rope_write_kv_q(qkv, qkvw, qkv + qs, qkvw, qkv + qs + kvs, qkvw, cos, sin, L->k_cache, L->v_cache,
+                            L->k_scale, L->v_scale, slots, B, NH, KVH, D, (int)m->kv_kind, nthreads);
+        for (int64_t b = 0; b < B; b++) memcpy(q + b * qs, qkv + b * qkvw, sizeof(float) * (size_t)qs);
+        if (m->kv_kind < 0)
+            paged_decode_attention(q, (const float *)L->k_cache, (const float *)L->v_cache, tables, lens, attn, B, NH,
+                                   KVH, D, m->block_size, max_blocks, scale, L->window, nthreads);
+        else
+            paged_decode_attention_q(q, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables, lens, attn, B, NH,
+                                     KVH, D, m->block_size, max_blocks, scale, L->window, (int)m->kv_kind, nthreads);
+        if (ls_linear_run(&L->o, attn, ob, B, nthreads)) goto fail;
+        if (m->lora && ls_lora_add(m->lora, l, 1, attn, ob, nthreads)) goto fail;
+        if (m->allreduce && (rc = ls_all_reduce(m->allreduce, ob, B * Hd))) goto fail;
+        rmsnorm_f32(ob, res, L->post_norm, x, B, Hd, eps, nthreads);
+        if (ls_linear_run(&L->gate_up, x, gu, B, nthreads)) goto fail;
+        if (m->lora && ls_lora_add(m->lora, l, 2, x, gu, nthreads)) goto fail;
+        silu_mul_f32(gu, act, B, I, nthreads);
+        if (ls_linear_run(&L->down, act, hb, B, nthreads)) goto fail;
+        if (m->lora && ls_lora_add(m->lora, l, 3, act, hb, nthreads)) goto fail;
+        if (m->allreduce && (rc = ls_all_reduce(m->allreduce, hb, B * Hd))) goto fail;
+    }
+    rmsnorm_f32(hb, res, m->final_norm, out, B, Hd, eps, nthreads);
+    free(buf);
+    if (logits && m->head && ls_linear_run(m->head, out, logits, B, nthreads)) return -1;
+    return 0;
+fail:
+    free(buf);
+    return rc;
+}
+/* ========================================= end of decode_stack ========================================= */

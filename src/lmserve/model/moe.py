@@ -1,0 +1,306 @@
+"""The mixture-of-experts feed-forward block: `SparseMoE(hidden_size, MoEShape)` maps (T, hidden) → (T, hidden).
+`route(logits, RouterSpec)` is every family's router (variants as data, lmserve.checkpoint.shape); experts are `Expert`s
+of lmserve Linears (float32, int8, int4 / W4A8 through the usual quantize / pack calls) or Mxfp4Linears; the router
+and the shared expert's gate are torch nn.Linears, so quantizable_linears never touches them (they stay float32).
+Fill weights with set_expert / set_fused_experts / set_mxfp4_experts (HF layouts); ValueError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from lmserve import kernels
+from lmserve.checkpoint.shape import MoEShape, RouterSpec
+from lmserve.model.layers import Linear, SwiGLU
+from lmserve.model.mxfp4 import Mxfp4Linear, check_mxfp4
+
+
+def route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, E) router logits → (weights (T, k) float32, expert ids (T, k) int64), in float32 as HF computes them;
+    ties go as torch.topk breaks them (HF's own call)."""
+    logits = logits.float()
+    if spec.scoring == "topk_softmax":  # gpt-oss: the k largest logits, softmax over those
+        top, ids = torch.topk(logits, spec.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(T, k) expert ids → (token of each routed row, its flat (token, slot) index, rows per expert): the T·k
+    routed rows sorted by expert (stable: token order within an expert), so each expert runs once on its rows."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order // ids.shape[1], order, counts
+
+
+class Expert(nn.Module):
+    """One routed expert: down(act(gate_up(x))) with gate rows first in gate_up_proj. act "silu": SwiGLU;
+    "swiglu_clamped" (gpt-oss): gate ≤ limit, |up| ≤ limit, (up + 1) · gate · sigmoid(alpha · gate)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, shape: MoEShape, mxfp4: bool = False) -> None:
+        super().__init__()
+        make = Mxfp4Linear if mxfp4 else Linear
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = make(hidden_size, 2 * intermediate_size, bias=shape.expert_bias)
+        self.down_proj = make(intermediate_size, hidden_size, bias=shape.expert_bias)
+        self.act, self.alpha, self.limit = shape.activation, shape.swiglu_alpha, shape.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.act == "silu" and kernels.usable(gate_up):
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.act == "silu":
+            return self.down_proj(nn.functional.silu(gate) * up)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+
+
+class SparseMoE(nn.Module):
+    """Router → the top-k experts of each token, run grouped by expert (one pass over each chosen expert's
+    weights: a decode step reads only the chosen experts), weighted by the router and summed into each token's
+    row; plus, when the shape has one, the shared expert scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
+    `expert_counts` holds the last call's rows per expert (a list of num_experts ints)."""
+
+    def __init__(self, hidden_size: int, shape: MoEShape, mxfp4: bool = False) -> None:
+        super().__init__()
+        self.shape, self.spec, self.hidden_size = shape, shape.router, hidden_size
+        self.router = nn.Linear(hidden_size, self.spec.num_experts, bias=self.spec.bias)
+        inter = shape.expert_intermediate_size
+        self.experts = nn.ModuleList(Expert(hidden_size, inter, shape, mxfp4) for _ in range(self.spec.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if shape.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(hidden_size, shape.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.expert_counts: list[int] = [0] * self.spec.num_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.dim() == 2 and x.shape[1] == self.hidden_size, f"MoE input {tuple(x.shape)}"
+        weights, ids = route(self.router(x), self.spec)
+        tokens, flat, counts = group_by_expert(ids, self.spec.num_experts)
+        w = weights.reshape(-1)[flat].to(x.dtype).unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start : start + n]
+                out.index_add_(0, rows, self.experts[e](x[rows]) * w[start : start + n])
+                start += n
+        self.expert_counts = counts
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    # ---- weights from HF checkpoints' layouts ----------------------------------------------------------------
+
+    def set_router(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        _copy("router.weight", self.router.weight, weight)
+        if self.spec.bias:
+            if bias is None:
+                raise ValueError("router.bias: missing (the config's router has a bias)")
+            _copy("router.bias", self.router.bias, bias)
+
+    def set_expert(
+        self,
+        e: int,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        down: torch.Tensor,
+        gate_bias: torch.Tensor | None = None,
+        up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+    ) -> None:
+        """Expert e from separate (I, H) gate, (I, H) up and (H, I) down weights (Qwen / Mixtral / OLMoE per-expert
+        tensors: w1 = gate, w3 = up, w2 = down), with biases when the shape has them."""
+        if not 0 <= e < self.spec.num_experts:
+            raise ValueError(f"expert {e}: the config has {self.spec.num_experts} experts (num_experts)")
+        ex = self.experts[e]
+        assert isinstance(ex.gate_up_proj, Linear), "set_expert: float experts (MXFP4 ones: set_mxfp4_experts)"
+        inter = ex.intermediate_size
+        _copy(f"experts.{e}.gate_proj", ex.gate_up_proj.weight[:inter], gate)
+        _copy(f"experts.{e}.up_proj", ex.gate_up_proj.weight[inter:], up)
+        _copy(f"experts.{e}.down_proj", ex.down_proj.weight, down)
+        if self.shape.expert_bias:
+            _copy(f"experts.{e}.gate_proj.bias", ex.gate_up_proj.bias[:inter], gate_bias)
+            _copy(f"experts.{e}.up_proj.bias", ex.gate_up_proj.bias[inter:], up_bias)
+            _copy(f"experts.{e}.down_proj.bias", ex.down_proj.bias, down_bias)
+
+    def set_fused_experts(
+        self,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        layout: str = "gpt_oss",
+    ) -> None:
+        """All experts from 3-D tensors. layout "gpt_oss": gate_up (E, H, 2I) input-major with gate / up
+        interleaved (columns 0::2 / 1::2), down (E, I, H), biases (E, 2I) / (E, H); "hf": transformers' own
+        (E, 2I, H) gate rows then up rows, down (E, H, I) (no biases)."""
+        if layout == "gpt_oss":
+            for name, t in (("gate_up_proj", gate_up), ("down_proj", down), ("gate_up_proj_bias", gate_up_bias),
+                            ("down_proj_bias", down_bias)):  # fmt: skip
+                if t is not None:
+                    self.load_tensor(f"experts.{name}", t)
+            return
+        e_n, inter = self.spec.num_experts, self.shape.expert_intermediate_size
+        if gate_up.dim() != 3 or gate_up.shape[0] != e_n:
+            raise ValueError(f"experts.gate_up_proj: shape {tuple(gate_up.shape)}, the config has {e_n} experts")
+        for e in range(e_n):
+            self.set_expert(e, gate_up[e, :inter], gate_up[e, inter:], down[e])
+
+    def set_mxfp4_experts(
+        self,
+        gate_up_blocks: torch.Tensor,
+        gate_up_scales: torch.Tensor,
+        down_blocks: torch.Tensor,
+        down_scales: torch.Tensor,
+        gate_up_bias: torch.Tensor,
+        down_bias: torch.Tensor,
+    ) -> None:
+        """All experts from gpt-oss's MXFP4 tensors, kept in 4 bits: gate_up_proj_blocks (E, 2I, H/32, 16) with
+        gate / up rows interleaved (reordered here, bytes unchanged), _scales (E, 2I, H/32); down_proj_blocks
+        (E, H, I/32, 16), _scales (E, H, I/32); biases (E, 2I) interleaved and (E, H)."""
+        for name, t in (("gate_up_proj_blocks", gate_up_blocks), ("gate_up_proj_scales", gate_up_scales),
+                        ("down_proj_blocks", down_blocks), ("down_proj_scales", down_scales),
+                        ("gate_up_proj_bias", gate_up_bias), ("down_proj_bias", down_bias)):  # fmt: skip
+            self.load_tensor(f"experts.{name}", t)
+
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """One checkpoint tensor, named relative to the layer's MoE module (`model.layers.N.mlp.` or Mixtral's
+        `.block_sparse_moe.` stripped), copied where it belongs as it arrives (expert by expert): per-expert
+        `experts.E.{gate,up,down}_proj.weight` (Qwen / OLMoE) or `experts.E.{w1,w3,w2}.weight` (Mixtral); gpt-oss's
+        fused `experts.{gate_up,down}_proj[_bias]` (3-D) or `_blocks` + `_scales` (MXFP4, applied once both came);
+        the router `gate.weight` / `router.{weight,bias}`; `shared_expert.*`, `shared_expert_gate.weight`. An
+        unknown name or a tensor that does not match the config: ValueError naming it. check_loaded() then says
+        what is missing."""
+        loaded = self.__dict__.setdefault("_loaded", set())
+        m = re.fullmatch(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)", name)
+        if m:
+            e, proj, kind = int(m.group(1)), _PER_EXPERT[m.group(2)], m.group(3)
+            if not 0 <= e < self.spec.num_experts:
+                raise ValueError(f"{name}: expert {e}, the config has {self.spec.num_experts} (num_experts)")
+            self._expert_part(e, proj, kind, tensor, name)
+            loaded.add(name if m.group(2)[0] != "w" else f"experts.{e}.{proj}.{kind}")
+            return
+        m = re.fullmatch(r"experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?", name)
+        if m and m.group(2) in ("_blocks", "_scales"):
+            self._mxfp4_part(m.group(1), m.group(2), tensor)
+        elif m:
+            self._fused_part(m.group(1), m.group(2) or "", tensor, name)
+        elif name in ("gate.weight", "router.weight", "router.bias"):
+            dst = self.router.bias if name.endswith("bias") else self.router.weight
+            if dst is None:
+                raise ValueError(f"{name}: the config's router has no bias")
+            _copy(name, dst, tensor)
+            name = "router." + name.split(".")[1]
+        elif name.startswith("shared_expert") and self.shared_expert is not None:
+            m = re.fullmatch(r"shared_expert\.(gate_proj|up_proj|down_proj)\.weight|shared_expert_gate\.weight", name)
+            if not m:
+                raise ValueError(f"{name}: not a tensor of the shared expert")
+            s = self.shape.shared_expert_intermediate_size
+            gu = self.shared_expert.gate_up_proj.weight
+            dst = {"gate_proj": gu[:s], "up_proj": gu[s:], "down_proj": self.shared_expert.down_proj.weight,
+                   None: self.shared_expert_gate.weight}[m.group(1)]  # fmt: skip
+            _copy(name, dst, tensor)
+        else:
+            raise ValueError(f"{name}: not a tensor of this MoE block ({self.spec.num_experts} experts)")
+        loaded.add(name)
+
+    def expected_tensors(self) -> set[str]:
+        """The names load_tensor must have seen (Qwen / OLMoE spelling for per-expert ones) for a whole block."""
+        names = {"router.weight"} | ({"router.bias"} if self.spec.bias else set())
+        mxfp4 = isinstance(self.experts[0].gate_up_proj, Mxfp4Linear)
+        if self.shape.expert_bias or mxfp4:  # gpt-oss: fused tensors
+            suffixes = ("_blocks", "_scales", "_bias") if mxfp4 else ("", "_bias")
+            names |= {f"experts.{p}{x}" for p in ("gate_up_proj", "down_proj") for x in suffixes}
+        else:
+            names |= {f"experts.{e}.{p}.weight" for e in range(self.spec.num_experts) for p in _PER_EXPERT.values()}
+        if self.shared_expert is not None:
+            names |= {f"shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+            names.add("shared_expert_gate.weight")
+        return names
+
+    def check_loaded(self, prefix: str = "") -> None:
+        """ValueError naming the first tensors the checkpoint did not hold for this block."""
+        missing = sorted(self.expected_tensors() - self.__dict__.get("_loaded", set()))
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise ValueError(f"checkpoint is missing {', '.join(prefix + n for n in missing[:3])}{more}")
+
+    def _expert_part(self, e: int, proj: str, kind: str, tensor: torch.Tensor, name: str) -> None:
+        ex, inter = self.experts[e], self.shape.expert_intermediate_size
+        target = ex.down_proj if proj == "down_proj" else ex.gate_up_proj
+        dst = target.weight if kind == "weight" else target.bias
+        if dst is None:
+            raise ValueError(f"{name}: the config's experts have no {kind} here")
+        if proj != "down_proj":
+            dst = dst[:inter] if proj == "gate_proj" else dst[inter:]
+        _copy(name, dst, tensor)
+
+    def _fused_part(self, proj: str, suffix: str, tensor: torch.Tensor, name: str) -> None:
+        """gpt-oss's float 3-D tensors: gate_up (E, H, 2I) with gate / up interleaved, down (E, I, H), biases."""
+        e_n = self.spec.num_experts
+        if tensor.dim() < 2 or tensor.shape[0] != e_n:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the config has {e_n} experts (num_experts)")
+        if suffix == "_bias" and not self.shape.expert_bias:
+            raise ValueError(f"{name}: the config's experts have no bias")
+        for e in range(e_n):
+            t = tensor[e] if suffix else tensor[e].t()  # (out, in) for weights
+            if proj == "down_proj":
+                self._expert_part(e, "down_proj", "bias" if suffix else "weight", t, f"{name}[{e}]")
+            else:
+                kind = "bias" if suffix else "weight"
+                self._expert_part(e, "gate_proj", kind, t[0::2], f"{name}[{e}] (gate: even rows)")
+                self._expert_part(e, "up_proj", kind, t[1::2], f"{name}[{e}] (up: odd rows)")
+
+    def _mxfp4_part(self, proj: str, suffix: str, tensor: torch.Tensor) -> None:
+        if not isinstance(self.experts[0].gate_up_proj, Mxfp4Linear):
+            raise ValueError(f"experts.{proj}{suffix}: MXFP4 tensors, but the config has no mxfp4 quantization_config")
+        pending = self.__dict__.setdefault("_mxfp4_pending", {})
+        pending[(proj, suffix)] = tensor
+        blocks, scales = pending.get((proj, "_blocks")), pending.get((proj, "_scales"))
+        if blocks is None or scales is None:
+            return
+        e_n, inter = self.spec.num_experts, self.shape.expert_intermediate_size
+        if blocks.dim() != 4 or blocks.shape[0] != e_n or scales.shape[0] != e_n:
+            raise ValueError(f"experts.{proj}_blocks: shape {tuple(blocks.shape)}, the config has {e_n} experts")
+        perm = torch.cat((torch.arange(0, 2 * inter, 2), torch.arange(1, 2 * inter, 2)))
+        for e in range(e_n):
+            target = getattr(self.experts[e], proj)
+            check_mxfp4(f"experts.{e}.{proj}", blocks[e], scales[e], target.out_features, target.in_features)
+            b, s = (blocks[e][perm], scales[e][perm]) if proj == "gate_up_proj" else (blocks[e], scales[e])
+            target.set_mxfp4(b, s)
+        del pending[(proj, "_blocks")], pending[(proj, "_scales")]
+
+    def set_shared_expert(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gate_w: torch.Tensor) -> None:
+        """Qwen2-MoE's shared expert (gate / up (S, H), down (H, S)) and its (1, H) sigmoid gate."""
+        if self.shared_expert is None:
+            raise ValueError("shared_expert: the config has no shared expert (shared_expert_intermediate_size)")
+        s = self.shape.shared_expert_intermediate_size
+        _copy("shared_expert.gate_proj", self.shared_expert.gate_up_proj.weight[:s], gate)
+        _copy("shared_expert.up_proj", self.shared_expert.gate_up_proj.weight[s:], up)
+        _copy("shared_expert.down_proj", self.shared_expert.down_proj.weight, down)
+        _copy("shared_expert_gate", self.shared_expert_gate.weight, gate_w)
+
+
+_PER_EXPERT = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj",
+               "w3": "up_proj", "w2": "down_proj"}  # fmt: skip
+
+
+def _copy(name: str, dst: torch.Tensor, src: torch.Tensor | None) -> None:
+    """dst ← src, or ValueError naming the tensor when it is missing or its shape does not match the config."""
+    if src is None:
+        raise ValueError(f"{name}: missing")
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"{name}: shape {tuple(src.shape)}, the config gives {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)

@@ -1,0 +1,68 @@
+"""MXFP4 weights (OCP microscaling, gpt-oss checkpoints' experts) kept as the checkpoint's 4-bit bytes:
+`blocks` (O, K/32, 16) uint8, two e2m1 values a byte (the even input in the low nibble), and `scales` (O, K/32)
+uint8 e8m0 exponents: w = E2M1[nibble] * 2^(scale - 127). transformers' convert_moe_packed_tensors is the
+reference dequantize_mxfp4 matches bit for bit; Mxfp4Linear multiplies by dequantizing only its own rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MXFP4_BLOCK = 32  # weights per e8m0 scale
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_LUT = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks (..., G, 16) uint8, scales (..., G) uint8 → (..., G * 32) float32 (exact: every value is a power of two
+    times a 3-bit mantissa)."""
+    assert blocks.dtype == torch.uint8 and scales.dtype == torch.uint8, f"MXFP4: uint8, got {blocks.dtype}"
+    assert blocks.shape[:-1] == scales.shape and blocks.shape[-1] == MXFP4_BLOCK // 2, (
+        f"MXFP4 blocks {tuple(blocks.shape)} vs scales {tuple(scales.shape)}"
+    )
+    values = torch.stack((_LUT[(blocks & 0x0F).long()], _LUT[(blocks >> 4).long()]), dim=-1)  # (..., G, 16, 2)
+    values = torch.ldexp(values.flatten(-2), (scales.to(torch.int32) - 127).unsqueeze(-1))  # (int: as transformers)
+    return values.flatten(-2)
+
+
+def check_mxfp4(name: str, blocks: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int) -> None:
+    """ValueError naming the tensor when blocks / scales are not an (out_features, in_features) MXFP4 weight."""
+    want_b = (out_features, in_features // MXFP4_BLOCK, MXFP4_BLOCK // 2)
+    if in_features % MXFP4_BLOCK or tuple(blocks.shape) != want_b or blocks.dtype != torch.uint8:
+        raise ValueError(f"{name}_blocks: {tuple(blocks.shape)} {blocks.dtype}, expected {want_b} uint8")
+    if tuple(scales.shape) != want_b[:2] or scales.dtype != torch.uint8:
+        raise ValueError(f"{name}_scales: {tuple(scales.shape)} {scales.dtype}, expected {want_b[:2]} uint8")
+
+
+class Mxfp4Linear(nn.Module):
+    """y = x W^T + b with W held as MXFP4 (4.25 bits a weight); each call dequantizes the weight in float32 tiles
+    of DEQUANT_ROWS output rows (only this Linear's bytes are read: an expert not chosen costs nothing)."""
+
+    DEQUANT_ROWS = 512
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        assert in_features % MXFP4_BLOCK == 0, f"MXFP4: {in_features} inputs, not a multiple of {MXFP4_BLOCK}"
+        self.in_features, self.out_features = in_features, out_features
+        g = in_features // MXFP4_BLOCK
+        self.register_buffer("blocks", torch.zeros(out_features, g, MXFP4_BLOCK // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(out_features, g, dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def set_mxfp4(self, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        check_mxfp4("weight", blocks, scales, self.out_features, self.in_features)
+        self.blocks, self.scales = blocks.contiguous(), scales.contiguous()
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_mxfp4(self.blocks, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o, step = self.out_features, self.DEQUANT_ROWS
+        if o <= step:
+            return nn.functional.linear(x, self.dequantized_weight(), self.bias)
+        out = torch.empty(*x.shape[:-1], o, dtype=torch.float32)
+        for start in range(0, o, step):
+            w = dequantize_mxfp4(self.blocks[start : start + step], self.scales[start : start + step])
+            out[..., start : start + w.shape[0]] = x @ w.t()
+        return out + self.bias if self.bias is not None else out

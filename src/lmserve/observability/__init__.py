@@ -1,0 +1,1 @@
+"""Prometheus metrics, the metrics window, `lmserve diagnose`'s rules, the step trace."""

@@ -1,0 +1,1 @@
+"""Sampling: the batched sampler, speculative decoding's rejection sampler, grammar masks."""
