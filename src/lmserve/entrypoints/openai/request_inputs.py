@@ -162,6 +162,7 @@ def render_chat(
     messages: list[p.ChatMessage],
     add_generation_prompt: bool,
     tool_list: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     return chat_prompt(engine, messages, add_generation_prompt, tool_list, template_kwargs)[1]
 

@@ -28,10 +28,14 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
 
 
 async def chat_generation(
-    state: ServerState, body: p.ChatCompletionRequest, cls: type[ChatGeneration], request_id: str
+    state: ServerState,
+    body: p.ChatCompletionRequest,
+    cls: type[ChatGeneration],
+    request_id: str,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ChatGeneration:
     """A chat body's generation, not started: `cls` formats it (the Responses and Anthropic Messages APIs translate
-    their bodies to a chat body and give their own subclass)."""
+    their bodies to a chat body and give their own subclass); `template_kwargs` go to the chat template."""
     engine = state.ready_engine()
     lora = inputs.check_model(state, body.model)
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
