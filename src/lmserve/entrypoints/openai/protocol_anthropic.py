@@ -139,10 +139,10 @@ def chat_tool_choice(choice: dict[str, Any] | None, has_tools: bool) -> tuple[An
     raise _bad(f"tool_choice.type must be auto, any, tool or none, got {kind!r}", "tool_choice")
 
 
-def template_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any]:
+def template_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
     """`thinking` for chat templates that read enable_thinking (Qwen3 and kin)."""
     if thinking is None:
-        return {}
+        return None
     kind = thinking.get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
         raise _bad(f"thinking.type must be enabled, disabled or adaptive, got {kind!r}", "thinking")

@@ -241,7 +241,9 @@ class ResponseObject(BaseModel):
         return "".join(c.text for item in self.output if isinstance(item, OutputMessage) for c in item.content)
 
 
-def response_usage(usage: p.Usage, reasoning_tokens: int = 0) -> ResponseUsage:
+def response_usage(usage: p.Usage) -> ResponseUsage:
+    details = usage.completion_tokens_details
+    reasoning_tokens = 0 if details is None else details.reasoning_tokens
     return ResponseUsage(
         input_tokens=usage.prompt_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),

@@ -26,17 +26,19 @@ from lmserve.entrypoints.openai.state import ServerState
 RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
-def _chat_body(body: ap.CountTokensRequest, max_tokens: int | None = None) -> p.ChatCompletionRequest:
+def _chat_body(body: ap.CountTokensRequest) -> p.ChatCompletionRequest:
     try:
         messages = ap.system_message(body.system) + ap.chat_messages(body.messages)
         chat_tools = ap.chat_tools(body.tools)
         choice, parallel = ap.chat_tool_choice(body.tool_choice, bool(chat_tools))
+        template_kwargs = ap.template_kwargs(body.thinking)
     except p.RequestError as e:
         raise bad_request(str(e), e.param) from None
     if not body.messages:
         raise bad_request("messages must be a non-empty list", "messages")
     if not isinstance(body, ap.MessagesRequest):
-        return p.ChatCompletionRequest(model=body.model, messages=messages, tools=chat_tools, tool_choice=choice)
+        return p.ChatCompletionRequest(model=body.model, messages=messages, tools=chat_tools, tool_choice=choice,
+                                       chat_template_kwargs=template_kwargs)  # fmt: skip
     return p.ChatCompletionRequest(
         model=body.model,
         messages=messages,
@@ -48,22 +50,16 @@ def _chat_body(body: ap.CountTokensRequest, max_tokens: int | None = None) -> p.
         tools=chat_tools,
         tool_choice=choice,
         parallel_tool_calls=parallel,
+        chat_template_kwargs=template_kwargs,
         stream=body.stream,
     )
-
-
-def _template_kwargs(body: ap.CountTokensRequest) -> dict[str, Any]:
-    try:
-        return ap.template_kwargs(body.thinking)
-    except p.RequestError as e:
-        raise bad_request(str(e), e.param) from None
 
 
 async def create_message(state: ServerState, body: ap.MessagesRequest, request: Request) -> Response:
     state.ready_engine()
     chat = _chat_body(body)
     try:
-        gen = await chat_generation(state, chat, MessagesGeneration, f"msg_{uuid.uuid4().hex}", _template_kwargs(body))
+        gen = await chat_generation(state, chat, MessagesGeneration, f"msg_{uuid.uuid4().hex}")
     except APIError as e:
         if e.param in RENAMED:
             e.message, e.param = e.message.replace(e.param, RENAMED[e.param]), RENAMED[e.param]
@@ -78,10 +74,11 @@ def count_tokens(state: ServerState, body: ap.CountTokensRequest) -> dict[str, i
     chat = _chat_body(body)
     try:
         plan = tools.constraint_of(chat, engine.tokenizer).tools
+        template_kwargs = state.chat.template_kwargs(chat.chat_template_kwargs, None)
     except p.RequestError as e:
         raise bad_request(str(e), e.param) from None
     shown = plan.tools if plan is not None and tools.template_supports_tools(engine.tokenizer) else None
-    ids = inputs.render_chat(engine, chat.messages, True, shown, _template_kwargs(body))
+    _, ids = inputs.chat_prompt(engine, chat.messages, True, shown, template_kwargs)
     return {"input_tokens": len(ids)}
 
 
@@ -89,6 +86,8 @@ class MessagesGeneration(ChatGeneration):
     def final_response(self, finals: list[RequestOutput]) -> ap.MessageObject:  # type: ignore[override]
         choice = super().final_response(finals).choices[0]
         content: list[dict[str, Any]] = []
+        if choice.message.reasoning_content:  # a reasoning parser split it off (signature: none, nothing is signed)
+            content.append({"type": "thinking", "thinking": choice.message.reasoning_content, "signature": ""})
         if choice.message.content:
             content.append({"type": "text", "text": choice.message.content})
         content.extend(ap.tool_use_block(c) for c in choice.message.tool_calls or [])
@@ -116,17 +115,18 @@ class MessagesGeneration(ChatGeneration):
                 c = out.outputs[0]
                 for chunk in self.stream_choices(0, c, out):
                     choice = chunk.choices[0]
-                    text, calls = choice.delta.content, choice.delta.tool_calls or []
-                    if text:
-                        if block != "text":
+                    pieces = [("thinking", choice.delta.reasoning_content), ("text", choice.delta.content)]
+                    for kind, piece in pieces:
+                        if not piece:
+                            continue
+                        if block != kind:
                             if block is not None:
                                 events.append(_event("content_block_stop", index=index))
-                            index, block = index + 1, "text"
-                            events.append(_event("content_block_start", index=index,
-                                                 content_block={"type": "text", "text": ""}))  # fmt: skip
-                        events.append(_event("content_block_delta", index=index,
-                                             delta={"type": "text_delta", "text": text}))  # fmt: skip
-                    for call in calls:
+                            index, block = index + 1, kind
+                            events.append(_event("content_block_start", index=index, content_block=_EMPTY[kind]))
+                        delta = {"type": f"{kind}_delta", kind: piece}
+                        events.append(_event("content_block_delta", index=index, delta=delta))
+                    for call in choice.delta.tool_calls or []:
                         if block is not None:
                             events.append(_event("content_block_stop", index=index))
                         index, block = index + 1, "tool_use"
@@ -146,6 +146,9 @@ class MessagesGeneration(ChatGeneration):
             yield "".join(end)
         except APIError as e:
             yield _event("error", error=e.anthropic_body()["error"])
+
+
+_EMPTY = {"text": {"type": "text", "text": ""}, "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
 
 
 def _event(kind: str, **fields: Any) -> str:

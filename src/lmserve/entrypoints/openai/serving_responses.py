@@ -24,7 +24,8 @@ from lmserve.entrypoints.openai.sse import ClientGone, SSEResponse, cancel_on_di
 from lmserve.entrypoints.openai.state import ServerState
 
 # chat's field names in the errors of a translated body → the Responses field
-RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
+           "reasoning_effort": "reasoning.effort"}  # fmt: skip
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _background_tasks: set[asyncio.Task[Any]] = set()  # held until done (the loop keeps only weak references)
 
@@ -37,14 +38,12 @@ def _renamed(e: APIError) -> APIError:
     return e
 
 
-def _template_kwargs(reasoning: dict[str, Any] | None) -> dict[str, Any]:
-    """reasoning.effort for chat templates that read it (gpt-oss: reasoning_effort; Qwen3: enable_thinking)."""
+def _effort(reasoning: dict[str, Any] | None) -> str | None:
+    """reasoning.effort, which reaches the chat template as chat's reasoning_effort does (chat_settings.py)."""
     effort = (reasoning or {}).get("effort")
-    if effort is None:
-        return {}
-    if effort not in EFFORTS:
+    if effort is not None and effort not in EFFORTS:
         raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}", "reasoning.effort")
-    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+    return effort
 
 
 def _chat_body(body: rp.ResponsesRequest, history: list[p.ChatMessage]) -> tuple[p.ChatCompletionRequest, list]:
@@ -72,6 +71,7 @@ def _chat_body(body: rp.ResponsesRequest, history: list[p.ChatMessage]) -> tuple
         tool_choice=tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=response_format,
+        reasoning_effort=_effort(body.reasoning),
         stream=body.stream,
     )
     return chat, conversation
@@ -94,7 +94,7 @@ async def create_response(
     chat, conversation = _chat_body(body, history)
     rid = f"resp_{uuid.uuid4().hex}"
     try:
-        gen = await chat_generation(state, chat, ResponsesGeneration, rid, _template_kwargs(body.reasoning))
+        gen = await chat_generation(state, chat, ResponsesGeneration, rid)
     except APIError as e:
         raise _renamed(e) from None
     assert isinstance(gen, ResponsesGeneration)
@@ -168,6 +168,9 @@ class ResponsesGeneration(ChatGeneration):
         choice = chat.choices[0]
         calls = choice.message.tool_calls or []
         items: list[rp.OutputItem] = []
+        if choice.message.reasoning_content:
+            thought = rp.ReasoningText(text=choice.message.reasoning_content)
+            items.append(rp.ReasoningItem(id=_item_id("rs"), content=[thought]))
         if choice.message.content or not calls:
             text = rp.OutputText(text=choice.message.content or "")
             status = _item_status(choice.finish_reason)
@@ -206,46 +209,31 @@ class ResponsesGeneration(ChatGeneration):
         ev = _Events()
         yield ev("response.created", response=self.base)
         yield ev("response.in_progress", response=self.base)
-        items: list[rp.OutputItem] = []
-        message: rp.OutputMessage | None = None
+        out = _StreamedOutput(ev)
         latest: RequestOutput | None = None
         self._finish_reason = None
         try:
-            async for _, out in self.outputs():
-                latest = out
-                c = out.outputs[0]
-                for chunk in self.stream_choices(0, c, out):
+            async for _, step in self.outputs():
+                latest = step
+                events: list[str] = []
+                for chunk in self.stream_choices(0, step.outputs[0], step):
                     choice = chunk.choices[0]
-                    text, calls = choice.delta.content, choice.delta.tool_calls or []
-                    out_events = []
-                    if text:
-                        if message is None:
-                            message = rp.OutputMessage(id=_item_id("msg"), status="in_progress")
-                            items.append(message)
-                            out_events += _open_message(ev, message, len(items) - 1)
-                        message.content[0].text += text
-                        out_events.append(ev("response.output_text.delta", item_id=message.id,
-                                             output_index=items.index(message), content_index=0, delta=text,
-                                             logprobs=[]))  # fmt: skip
-                    if calls and message is not None:
-                        out_events += _close_message(ev, message, items.index(message), "completed")
-                        message = None
-                    for call in calls:
-                        fc = rp.FunctionCallItem(id=_item_id("fc"), call_id=call.id, name=call.function.name,
-                                                 arguments=call.function.arguments)  # fmt: skip
-                        items.append(fc)
-                        out_events += _function_call(ev, fc, len(items) - 1)
+                    if choice.delta.reasoning_content:
+                        events += out.reasoning(choice.delta.reasoning_content)
+                    if choice.delta.content:
+                        events += out.text(choice.delta.content)
+                    for call in choice.delta.tool_calls or []:
+                        events += out.call(rp.FunctionCallItem(id=_item_id("fc"), call_id=call.id,
+                                                               name=call.function.name,
+                                                               arguments=call.function.arguments))  # fmt: skip
                     if choice.finish_reason is not None:
                         self._finish_reason = choice.finish_reason
-                    if out_events:
-                        yield "".join(out_events)
-            if not items:  # nothing was written: an empty message, as the non-streamed answer has
-                message = rp.OutputMessage(id=_item_id("msg"), status="in_progress")
-                items.append(message)
-                yield "".join(_open_message(ev, message, 0))
-            if message is not None:
-                yield "".join(_close_message(ev, message, items.index(message), _item_status(self._finish_reason)))
-            response = self.finish(items, latest)
+                if events:
+                    yield "".join(events)
+            if not any(isinstance(i, (rp.OutputMessage, rp.FunctionCallItem)) for i in out.items):
+                yield "".join(out.text(""))  # no answer written: an empty message, as the non-streamed one has
+            yield "".join(out.close(_item_status(self._finish_reason)))
+            response = self.finish(out.items, latest)
             kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
             yield ev(kind, response=response)
         except APIError as e:
@@ -280,36 +268,75 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _open_message(ev: _Events, message: rp.OutputMessage, index: int) -> list[str]:
-    added = ev("response.output_item.added", output_index=index, item=message)
-    message.content.append(rp.OutputText(text=""))
-    part = ev("response.content_part.added", item_id=message.id, output_index=index, content_index=0,
-              part=message.content[0])  # fmt: skip
-    return [added, part]
+class _StreamedOutput:
+    """A streamed response's output items and their events: a reasoning item or a message receives deltas until
+    another item starts; a function call comes whole (the tool path sends calls once complete)."""
 
+    def __init__(self, ev: _Events) -> None:
+        self.ev = ev
+        self.items: list[rp.OutputItem] = []
+        self.open: rp.OutputMessage | rp.ReasoningItem | None = None
 
-def _close_message(ev: _Events, message: rp.OutputMessage, index: int, status: str) -> list[str]:
-    text = message.content[0].text
-    message.status = status
-    return [
-        ev("response.output_text.done", item_id=message.id, output_index=index, content_index=0, text=text,
-           logprobs=[]),
-        ev("response.content_part.done", item_id=message.id, output_index=index, content_index=0,
-           part=message.content[0]),
-        ev("response.output_item.done", output_index=index, item=message),
-    ]  # fmt: skip
+    def reasoning(self, text: str) -> list[str]:
+        out = [] if isinstance(self.open, rp.ReasoningItem) else self._start(rp.ReasoningItem(id=_item_id("rs")))
+        assert isinstance(self.open, rp.ReasoningItem)
+        self.open.content[0].text += text
+        index = len(self.items) - 1
+        out.append(self.ev("response.reasoning_text.delta", item_id=self.open.id, output_index=index, content_index=0,
+                           delta=text))  # fmt: skip
+        return out
 
+    def text(self, text: str) -> list[str]:
+        out = [] if isinstance(self.open, rp.OutputMessage) else self._start(rp.OutputMessage(id=_item_id("msg")))
+        assert isinstance(self.open, rp.OutputMessage)
+        self.open.content[0].text += text
+        index = len(self.items) - 1
+        if text:
+            out.append(self.ev("response.output_text.delta", item_id=self.open.id, output_index=index,
+                               content_index=0, delta=text, logprobs=[]))  # fmt: skip
+        return out
 
-def _function_call(ev: _Events, fc: rp.FunctionCallItem, index: int) -> list[str]:
-    """A whole call (the tool path sends calls complete): added with empty arguments, one delta, done."""
-    added = fc.model_copy(update={"arguments": "", "status": "in_progress"})
-    return [
-        ev("response.output_item.added", output_index=index, item=added),
-        ev("response.function_call_arguments.delta", item_id=fc.id, output_index=index, delta=fc.arguments),
-        ev("response.function_call_arguments.done", item_id=fc.id, output_index=index, arguments=fc.arguments,
-           name=fc.name),
-        ev("response.output_item.done", output_index=index, item=fc),
-    ]  # fmt: skip
+    def call(self, fc: rp.FunctionCallItem) -> list[str]:
+        out = self.close("completed")
+        self.items.append(fc)
+        index, ev = len(self.items) - 1, self.ev
+        added = fc.model_copy(update={"arguments": "", "status": "in_progress"})
+        return out + [
+            ev("response.output_item.added", output_index=index, item=added),
+            ev("response.function_call_arguments.delta", item_id=fc.id, output_index=index, delta=fc.arguments),
+            ev("response.function_call_arguments.done", item_id=fc.id, output_index=index, arguments=fc.arguments,
+               name=fc.name),
+            ev("response.output_item.done", output_index=index, item=fc),
+        ]  # fmt: skip
+
+    def _start(self, item: rp.OutputMessage | rp.ReasoningItem) -> list[str]:
+        out = self.close("completed")
+        item.status = "in_progress"
+        self.items.append(item)
+        self.open, index = item, len(self.items) - 1
+        out.append(self.ev("response.output_item.added", output_index=index, item=item))
+        part: rp.OutputText | rp.ReasoningText = (
+            rp.OutputText(text="") if isinstance(item, rp.OutputMessage) else rp.ReasoningText(text="")
+        )
+        item.content.append(part)  # type: ignore[arg-type]
+        out.append(self.ev("response.content_part.added", item_id=item.id, output_index=index, content_index=0,
+                           part=part))  # fmt: skip
+        return out
+
+    def close(self, status: str) -> list[str]:
+        """The open item's done events (none open: none)."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, part = self.items.index(item), item.content[0]
+        item.status = status
+        kind = "response.output_text.done" if isinstance(item, rp.OutputMessage) else "response.reasoning_text.done"
+        extra = {"logprobs": []} if isinstance(item, rp.OutputMessage) else {}
+        return [
+            self.ev(kind, item_id=item.id, output_index=index, content_index=0, text=part.text, **extra),
+            self.ev("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part),
+            self.ev("response.output_item.done", output_index=index, item=item),
+        ]
 
 
 def _not_found(response_id: str) -> APIError:
