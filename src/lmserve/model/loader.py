@@ -88,8 +88,8 @@ def load_model(
     kquant = {f"{n}.qweight": m for n, m in model.named_modules() if _is_kquant(m)}  # GGUF K-quant modules
     loaded: set[str] = set()
     for file_name, name, tensor in _checkpoint_tensors(cfg, kept, gguf):
-        if name.endswith(IGNORED_SUFFIXES):
-            continue
+        if name.endswith(IGNORED_SUFFIXES) or (name == "score.weight" and cfg.architecture.endswith("Classification")):
+            continue  # (a classifier head: the pooling runner loads it, worker/pooler.py)
         target, shard = _map_name(name)
         if target not in params and f"model.{target}" in params:  # a base model's checkpoint (Qwen3Model, ...)
             target = f"model.{target}"
@@ -299,7 +299,7 @@ def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], cfg: Mode
     for name in params:
         fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in name), None)
         if fused is None:
-            headless = cfg.architecture.endswith("Model")  # a base model: no LM head (the pooling runner's)
+            headless = cfg.architecture.endswith(("Model", "ForSequenceClassification"))  # (the pooling runner's)
             ok = name in loaded or ((cfg.tie_word_embeddings or headless) and name == "lm_head.weight")
         else:
             n = 3 if fused == "qkv_proj" else 2  # in parts (HF), or fused (Phi-3 checkpoints, `lmserve quantize`)
