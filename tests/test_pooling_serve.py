@@ -13,7 +13,7 @@ import torch
 from tests.helpers import require_extra
 from tests.pooling_helpers import build_embedding_model, hf_embeddings
 
-require_extra("grpc", "grpc", "google.protobuf")
+require_extra("grpc", "grpc", "google.protobuf", "grpc_health", "grpc_reflection")
 
 import grpc  # noqa: E402
 

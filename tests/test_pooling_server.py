@@ -182,3 +182,29 @@ def test_yes_no_scorer_rerank_equals_hf_p_yes(tmp_path: Path, tokenizer_dir: Pat
         assert [x["relevance_score"] for x in results] == pytest.approx(sorted(want, reverse=True), abs=1e-5)
         r = post(app, "/score", {"text_1": QUERY, "text_2": DOCS[0]})
         assert r.json()["data"][0]["score"] == pytest.approx(want[0], abs=1e-5)
+
+
+def test_sequence_classification_cross_encoder_equals_hf(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A Qwen3ForSequenceClassification checkpoint (one label): --runner auto scores with its classifier head on the
+    last token of query + document, sigmoid, as HF's model computes it."""
+    import shutil
+
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(7)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=512, eos_token_id=0, pad_token_id=0,
+                      num_labels=1, tie_word_embeddings=True, initializer_range=0.2)  # fmt: skip
+    hf = Qwen3ForSequenceClassification(cfg).eval()
+    hf.save_pretrained(tmp_path / "ce", safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / "ce" / f.name)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "ce")
+    with torch.no_grad():
+        want = [float(torch.sigmoid(hf(torch.tensor([tok.encode(QUERY + d)])).logits[0, 0])) for d in DOCS]
+    for app, engine in serve(tmp_path / "ce"):
+        assert engine.config.runner == "pooling" and engine.config.pooler.classifier
+        r = post(app, "/rerank", {"query": QUERY, "documents": DOCS})
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == sorted(range(len(DOCS)), key=lambda i: -want[i])
+        assert [x["relevance_score"] for x in results] == pytest.approx(sorted(want, reverse=True), abs=1e-5)

@@ -300,13 +300,14 @@ class PoolingParams:
     normalize: bool = True
     dimensions: int | None = None  # keep the first `dimensions` values (before normalising)
     score_token_ids: tuple[int, ...] = ()  # non-empty: the probabilities of these tokens among them, last position
+    classify: bool = False  # the model's classifier head on the last position: sigmoid (one label) or softmax
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
-        if self.score_token_ids and self.pooling_type != "last":
+        if (self.score_token_ids or self.classify) and self.pooling_type != "last":
             raise ValueError("score_token_ids: scoring tokens reads the last position's logits (pooling_type 'last')")
 
     @property

@@ -196,8 +196,9 @@ class ModelConfig:
         else:
             cfg = json.loads(cfg_file.read_text())
         names = list(cfg.get("architectures") or [])
-        # a base model saved without its LM head (Qwen3Model, ...: embedding checkpoints) is its causal LM's family
-        as_lm = [n[: -len("Model")] + "ForCausalLM" if n.endswith("Model") else n for n in names]
+        # a base model saved without its LM head (Qwen3Model, ...: embedding checkpoints), or with a classifier
+        # head instead (Qwen3ForSequenceClassification: a cross-encoder), is its causal LM's family
+        as_lm = [_as_causal_lm(n) for n in names]
         family = resolve_architecture(as_lm)
         if cfg is not text_config(cfg):
             logger.info("%s: serving the text model of %s (the vision / audio towers are skipped)",
@@ -304,10 +305,11 @@ class PoolerConfig:
     normalize: bool = True
     matryoshka_dimensions: tuple[int, ...] = ()  # the `dimensions` the model was trained for (empty: any)
     score_tokens: tuple[str, ...] = ()  # a yes/no reranker: score = p(last of these) among them (e.g. no, yes)
+    classifier: bool = False  # *ForSequenceClassification: the checkpoint's `score` head on the last token
 
     @property
     def is_scorer(self) -> bool:
-        return bool(self.score_tokens)
+        return bool(self.score_tokens) or self.classifier
 
 
 def _read_json(path: Path) -> Any:
@@ -345,19 +347,33 @@ def _matryoshka(root: Path) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
+HEADLESS_SUFFIXES = ("Model", "ForSequenceClassification")  # architectures without an LM head
+
+
+def _as_causal_lm(name: str) -> str:
+    for suffix in HEADLESS_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + "ForCausalLM"
+    return name
+
+
 def resolve_runner(runner: str, path: str, architecture: str, overrides: dict[str, Any] | None) -> PoolerConfig | None:
     """The pooler of the engine (None: the generate runner). `overrides` (--pooler-config) set pooling_type,
     normalize or score_tokens over what the checkpoint declares."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {list(RUNNERS)}, got {runner!r}")
     declared = read_sentence_transformers(path)
-    headless = architecture.endswith("Model")  # Qwen3Model, LlamaModel, ...: saved without an LM head
+    headless = architecture.endswith(HEADLESS_SUFFIXES)  # Qwen3Model, ...: saved without an LM head
     if runner == "generate":
         if headless:
             raise ValueError(f"runner: {architecture} has no LM head to generate with; use --runner pooling")
         return None
     if runner == "auto" and declared is None and not headless and not overrides:
         return None
+    if architecture.endswith("ForSequenceClassification"):  # a cross-encoder: its classifier on the last token
+        if overrides:
+            raise ValueError(f"pooler_config: {architecture} scores with its classifier head; give no overrides")
+        return PoolerConfig("last", normalize=False, classifier=True)
     base = declared or PoolerConfig(matryoshka_dimensions=_matryoshka(Path(path)) if Path(path).is_dir() else ())
     if not overrides:
         return base

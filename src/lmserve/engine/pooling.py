@@ -26,8 +26,8 @@ def pooling_params(config: EngineConfig, tokenizer: Any, dimensions: int | None 
         dims = pooler.matryoshka_dimensions
         if dims and dimensions not in dims:
             raise ValueError(f"dimensions: the model was trained for {sorted(dims)}, got {dimensions}")
-    ids = tuple(score_token_ids(tokenizer, pooler.score_tokens)) if pooler.is_scorer else ()
-    return PoolingParams(pooler.pooling_type, pooler.normalize, dimensions, ids)  # type: ignore[arg-type]
+    ids = tuple(score_token_ids(tokenizer, pooler.score_tokens)) if pooler.score_tokens else ()
+    return PoolingParams(pooler.pooling_type, pooler.normalize, dimensions, ids, pooler.classifier)  # type: ignore
 
 
 def score_token_ids(tokenizer: Any, tokens: tuple[str, ...]) -> list[int]:

@@ -92,8 +92,8 @@ def load_model(
     loaded: set[str] = set()
     skipped = 0
     for file_name, name, tensor in _checkpoint_tensors(cfg, kept, gguf):
-        if name.endswith(IGNORED_SUFFIXES):
-            continue
+        if name.endswith(IGNORED_SUFFIXES) or (name == "score.weight" and cfg.architecture.endswith("Classification")):
+            continue  # (a classifier head: the pooling runner loads it, worker/pooler.py)
         if name.startswith(cfg.checkpoint_skips or "\0"):  # (a vision / audio tower: not served)
             skipped += 1
             continue
@@ -312,7 +312,7 @@ def _check_complete(
     for name in params:
         fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in name), None)
         if fused is None:
-            headless = cfg.architecture.endswith("Model")  # a base model: no LM head (the pooling runner's)
+            headless = cfg.architecture.endswith(("Model", "ForSequenceClassification"))  # (the pooling runner's)
             ok = name in loaded or ((cfg.tie_word_embeddings or headless) and name == "lm_head.weight")
         else:  # in parts (HF), or fused (Phi-3 checkpoints, `lmserve quantize`)
             n = len(_shard_sizes(name, model))

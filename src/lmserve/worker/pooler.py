@@ -1,10 +1,12 @@
 """The pooling runner's step: each pooling request's share of the step's hidden states (rows after the final
 norm) reduced to its output once its prompt is computed — the last row, the mean of all rows (summed across
 prefill chunks), or the first — cut to `dimensions` and L2-normalised; or, with score_token_ids, the softmax over
-those tokens' logits at the last row (a yes/no reranker's p(yes) is the last of them)."""
+those tokens' logits at the last row (a yes/no reranker's p(yes) is the last of them), or a cross-encoder's
+classifier head on the last row."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +33,10 @@ def pool_step(
             req.pooling_state = rows[0].float()
         if not s.reaches_end:
             continue
+        if params.classify:
+            logits = classifier(model)(rows[-1:].float())[0]
+            out[req.request_id] = (torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, -1)).tolist()
+            continue
         if params.score_token_ids:
             logits = model.compute_logits(rows[-1:])[0]
             ids = torch.tensor(params.score_token_ids, dtype=torch.long, device=logits.device)
@@ -49,3 +55,24 @@ def pool_step(
         req.pooling_state = None
         out[req.request_id] = vec.tolist()
     return out
+
+
+def classifier(model: Any) -> torch.nn.Linear:
+    """The checkpoint's classifier head (`score.weight`, labels × hidden) of a *ForSequenceClassification model,
+    read from its safetensors once, in float32."""
+    head = getattr(model, "_lmserve_classifier", None)
+    if head is None:
+        from safetensors import safe_open
+
+        from lmserve.model.loader import checkpoint_files
+
+        weight = None
+        for f in checkpoint_files(Path(model.config.path)):
+            with safe_open(str(f), framework="pt") as st:
+                if "score.weight" in st.keys():
+                    weight = st.get_tensor("score.weight").float()
+        assert weight is not None, f"{model.config.path}: a *ForSequenceClassification checkpoint without score.weight"
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        head.weight.data = weight.to(next(model.parameters()).device)
+        model._lmserve_classifier = head
+    return head
