@@ -125,7 +125,8 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
 
 def run_split(mine: GatedDeltaNet, x: torch.Tensor, seqs: list[list[int]]) -> list[torch.Tensor]:
     """Run sequences (rows of x (S, n, hidden)) through `mine` in steps: seqs[i] lists sequence i's chunk
-    lengths; a length-1 entry after the first is a decode row. Returns each sequence's outputs (n, hidden)."""
+    lengths; a length-1 entry is a decode row (at position 0 too: a one-token prompt, from a zeroed slot). Returns
+    each sequence's outputs (n, hidden)."""
     d = mine.dims
     conv = torch.zeros(len(seqs) + 1, d.conv_dim, d.conv_kernel - 1)
     ssm = torch.zeros(len(seqs) + 1, d.num_v_heads, d.k_dim, d.v_dim)
@@ -133,7 +134,7 @@ def run_split(mine: GatedDeltaNet, x: torch.Tensor, seqs: list[list[int]]) -> li
     pos = [0] * len(seqs)
     outs = [[] for _ in seqs]
     for step in range(max(len(s) for s in seqs)):
-        decodes = [i for i, s in enumerate(seqs) if step < len(s) and step > 0 and s[step] == 1]
+        decodes = [i for i, s in enumerate(seqs) if step < len(s) and s[step] == 1]
         chunks = [i for i, s in enumerate(seqs) if step < len(s) and i not in decodes]
         rows, prefills, start = [], [], len(decodes)
         for i in decodes:
@@ -144,7 +145,8 @@ def run_split(mine: GatedDeltaNet, x: torch.Tensor, seqs: list[list[int]]) -> li
             prefills.append((start, start + n, i + 1, pos[i] == 0))
             start += n
         slots = torch.tensor([i + 1 for i in decodes], dtype=torch.long)
-        meta = LinearAttentionMetadata(slots, len(decodes), prefills)
+        fresh = [i + 1 for i in decodes if pos[i] == 0]
+        meta = LinearAttentionMetadata(slots, len(decodes), prefills, torch.tensor(fresh) if fresh else None)
         out = mine(torch.cat(rows), conv, ssm, meta)
         for i in decodes:
             outs[i].append(out[decodes.index(i) : decodes.index(i) + 1])

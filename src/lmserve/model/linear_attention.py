@@ -63,6 +63,8 @@ class LinearAttentionMetadata:
     num_decode_tokens: int = 0
     # (start, end, slot, fresh): a chunk's flat rows, its state slot, and whether it starts at position 0
     prefills: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    # slots of decode rows at position 0 (a one-token prompt): zeroed before the step reads them
+    fresh_decode_slots: torch.Tensor | None = None
 
 
 def step_metadata(
@@ -72,13 +74,15 @@ def step_metadata(
     chunk starting at position 0 starts from a zero state (a new request, or one preempted and recomputed)."""
     slots = [s.request.state_slot for s in decodes]
     assert all(slot >= 0 for slot in slots), "a decode row of a request holding no state slot"
+    fresh = [s.request.state_slot for s in decodes if s.start == 0]
     chunks = []
     for s in prefills:
         row = first_row[s.request.request_id]
         assert s.request.state_slot >= 0, f"request {s.request.request_id} holds no state slot"
         chunks.append((row, row + s.num_new_tokens, s.request.state_slot, s.start == 0))
     decode_slots = torch.tensor(slots, dtype=torch.long, device=device) if slots else None
-    return LinearAttentionMetadata(decode_slots, len(slots), chunks)
+    fresh_slots = torch.tensor(fresh, dtype=torch.long, device=device) if fresh else None
+    return LinearAttentionMetadata(decode_slots, len(slots), chunks, fresh_slots)
 
 
 # ---- the convolution ----------------------------------------------------------------------------------------------
@@ -251,6 +255,9 @@ class GatedDeltaNet(nn.Module):
         if nd:
             slots = meta.decode_slots
             assert slots is not None and slots.shape[0] == nd, "decode rows without their state slots"
+            if meta.fresh_decode_slots is not None:  # a sequence's first token: from a zero state, not the slot's
+                conv_state[meta.fresh_decode_slots] = 0.0
+                ssm_state[meta.fresh_decode_slots] = 0.0
             core[:nd] = self._decode(mixed[:nd], g[:nd], beta[:nd], weight, conv_state, ssm_state, slots)
         for start, end, slot, fresh in meta.prefills:
             conv_out, conv_state[slot] = conv1d_chunk(mixed[start:end], None if fresh else conv_state[slot], weight)
