@@ -55,6 +55,24 @@ MODEL_SPECS = {
                              "long_factor": [2.0 + 0.5 * i for i in range(6)]}},
     ),  # fmt: skip
     "olmo2": ("olmo2", {"pad_token_id": 0}),
+    # the dense families of 2026: NoPE layers; sliding layers by layer_types with their own rotary; Gemma 4's
+    # wider global heads with keys as values (one KV head), proportional rotary, KV shared by the last two layers,
+    # double-wide MLPs there, per-layer inputs
+    "smollm3": ("smollm3", {"num_hidden_layers": 4, "pad_token_id": 0}),
+    "olmo3": (
+        "olmo3",
+        {"num_hidden_layers": 4, "sliding_window": 12, "pad_token_id": 0,
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}}},
+    ),  # fmt: skip
+    "gemma4": (
+        "gemma4",
+        {"num_hidden_layers": 4, "head_dim": 16, "global_head_dim": 32, "sliding_window": 12, "pad_token_id": 0,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+         "attention_k_eq_v": True, "num_global_key_value_heads": 1, "num_kv_shared_layers": 2,
+         "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512,
+         "final_logit_softcapping": 8.0},
+    ),  # fmt: skip
 }
 
 

@@ -13,8 +13,8 @@ import torch
 
 from lmserve import LLM, SamplingParams, kernels
 from lmserve.model.decode_stack import W4A8_STACK_MAX_ROWS
+from lmserve.model.decoder import CausalLM, DecoderModel
 from lmserve.model.layers import choose_small_m_paths
-from lmserve.model.llama import CausalLM, DecoderModel
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: kernels not built")
 

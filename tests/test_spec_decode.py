@@ -111,7 +111,7 @@ def test_verification_runs_are_decode_rows(llama_dir, monkeypatch: pytest.Monkey
     """A run of 1 + k tokens is verified as k + 1 decode queries (each over its own prefix), in the same step as
     plain decodes, with no prefill segment: the decode kernels (and, where the rows fit, the one-call stack) take
     it. Greedy output is that of no speculation."""
-    from lmserve.model.llama import DecoderModel
+    from lmserve.model.decoder import DecoderModel
 
     seen = []
     orig = DecoderModel.forward

@@ -311,7 +311,7 @@ def test_tp2_decode_stack_is_bit_identical_to_the_module_path(
     same sequence of calls; rank 1 is sent the step again) and must give the same bits. Greedy tokens equal TP = 1's.
     """
     from lmserve.engine.tp_executor import _forward_message
-    from lmserve.model.llama import DecoderModel
+    from lmserve.model.decoder import DecoderModel
 
     one = make(engines, model_dirs[name], num_kv_blocks=64)
     two = make(engines, model_dirs[name], num_kv_blocks=64, tensor_parallel_size=2)

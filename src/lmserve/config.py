@@ -238,7 +238,7 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         _check_tensor_parallel(tp, model, quantization, self.device)
         kv_heads = memory.kv_heads_per_rank(model.num_kv_heads, tp)  # the pool is sized per rank (the ledger's)
-        kv_bytes_per_token = memory.kv_cache_bytes_per_token(model.num_layers, kv_heads, model.head_dim, kv_dtype)
+        kv_bytes_per_token = memory.kv_cache_bytes_per_token(model.num_kv_layers, kv_heads, model.head_dim, kv_dtype)
         spec = None
         if self.speculative_config is not None:
             from lmserve.spec_decode.config import SpeculativeConfig
@@ -254,7 +254,7 @@ class EngineArgs:
         free_window = model.kv_free_window if spec is None or spec.draft is None else None
         cache = CacheConfig(
             self.block_size, num_blocks, self.enable_prefix_caching, kv_bytes_per_token, kv_dtype,
-            memory.kv_scale_bytes_per_token(model.num_layers, kv_heads, kv_dtype), draft_bpt,
+            memory.kv_scale_bytes_per_token(model.num_kv_layers, kv_heads, kv_dtype), draft_bpt,
             free_window,
         )  # fmt: skip
         fitted = ""
@@ -467,6 +467,9 @@ def _check_tensor_parallel(tp: int, model: ModelConfig, quantization: Quantizati
     _check_positive("tensor_parallel_size", tp)
     if tp == 1:
         return
+    if not model.uniform_layers:
+        raise ValueError(f"tensor_parallel_size={tp}: {model.architecture}'s per-layer head shapes, shared K/V or "
+                         "per-layer inputs are not split; use tensor_parallel_size=1")  # fmt: skip
     why = {
         "num_attention_heads": model.num_heads % tp and f"{model.num_heads} attention heads",
         "intermediate_size": model.intermediate_size % tp and f"intermediate_size {model.intermediate_size}",

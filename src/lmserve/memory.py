@@ -205,7 +205,7 @@ def _count_parameters(shape: ModelShape, tp: int, active: bool) -> int:
     embeddings = vocab * h
     lm_head = 0 if shape.tie_word_embeddings else vocab * h
     final_norm = h
-    return shape.num_layers * (attn + norms) + mlp_total + embeddings + lm_head + final_norm
+    return shape.num_layers * (attn + norms) + mlp_total + embeddings + lm_head + final_norm + shape.extra_parameters
 
 
 def _sparse_layers(shape: ModelShape) -> tuple[bool, ...]:

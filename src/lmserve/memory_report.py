@@ -300,7 +300,7 @@ def memory_report(
         )
 
     # per-token sizes: values plus, for the 8-bit KV dtypes, their scales
-    layers, heads_rank = shape.num_layers, kv_heads_per_rank(shape.num_kv_heads, tp)
+    layers, heads_rank = shape.kv_layers, kv_heads_per_rank(shape.num_kv_heads, tp)  # (layers of KV)
     per_token = kv_cache_bytes_per_token(layers, shape.num_kv_heads, shape.head_dim, kv_dtype)
     scales = kv_scale_bytes_per_token(layers, shape.num_kv_heads, kv_dtype)
     per_layer = kv_cache_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, kv_dtype)
@@ -319,8 +319,8 @@ def memory_report(
         )
     elif shape.num_sliding_layers:
         notes.append(
-            f"{shape.num_sliding_layers} of {layers} layers slide (window {shape.sliding_window:,}), the others "
-            "attend to everything: a block holds every layer's K/V, so the engine keeps all blocks (the sliding "
+            f"{shape.num_sliding_layers} of {shape.num_layers} layers slide (window {shape.sliding_window:,}), the "
+            "others attend to everything: a block holds every layer's K/V, so the engine keeps all blocks (the sliding "
             "layers only stop reading outside their window); KV counted in full"
         )
     if shape.num_kv_heads < tp:

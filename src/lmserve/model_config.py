@@ -5,15 +5,18 @@ flags of model/registry.py; with its rotary embedding (RopeConfig) and compute d
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmserve.model_shape import layer_sliding_windows
+from lmserve.model.registry.family import LayerSpec, kv_layer_count, layer_specs, text_config
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    proportion: float = 1.0  # proportional (Gemma 4): the share of the rotary pairs that turn
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], layer_type: str | None = None, default_theta: float = 10000.0) -> RopeConfig:
@@ -60,6 +64,9 @@ class RopeConfig:
                 kwargs[key] = params[key]
         if rope_type == "longrope":
             kwargs.update(_longrope_kwargs(cfg, params))
+        if rope_type == "proportional":
+            kwargs["factor"] = float(params.get("factor", 1.0))
+            kwargs["proportion"] = float(params.get("partial_rotary_factor", 1.0))
         return RopeConfig(**kwargs)
 
 
@@ -108,20 +115,52 @@ class ModelConfig:
     sliding_window: int | None
     dtype: str  # resolved: float32 | bfloat16 | float16
     eos_token_ids: tuple[int, ...]
-    # Family flags beyond Llama (defaults: Llama). See model/registry.py and docs/adding_a_model.md.
+    # Family flags beyond Llama (defaults: Llama). See model/family.py and docs/adding_a_model.md.
     family: str = "llama"
     hidden_act: str = "silu"  # MLP gate activation: silu | gelu_tanh
-    norm_weight_offset: float = 0.0  # Gemma: norms scale by (1 + weight); added to the weights at load
-    sandwich_norms: bool = False  # Gemma 2/3: norms before and after attention and the MLP
-    post_norms_only: bool = False  # OLMo 2: norms on the sublayer outputs, none on their inputs
+    norm_weight_offset: float = 0.0  # Gemma 2/3: norms scale by (1 + weight); added to the weights at load
+    norm_layout: str = "pre"  # pre | sandwich (Gemma) | post (OLMo 2/3): see model/decoder.DecoderLayer
     qk_norm_whole: bool = False  # OLMo 2: q/k norm over the whole projection, not per head
+    v_norm: bool = False  # Gemma 4: a weightless RMSNorm per head on v
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcap: float | None = None  # Gemma 2: tanh soft-capping of attention scores
     final_logit_softcap: float | None = None  # Gemma 2: tanh soft-capping of the LM head's logits
     layer_sliding_windows: tuple[int | None, ...] = ()  # per layer; () or None entries: full attention
-    rope_local: RopeConfig | None = None  # Gemma 3: the sliding layers' rotary base
+    rope_local: RopeConfig | None = None  # the rotary of layers whose LayerSpec.rope is "local" (Gemma 3's sliding)
     rotary_dim: int | None = None  # None: head_dim; Phi-4-mini rotates only the first part of each head
+    layers: tuple[LayerSpec, ...] = ()  # every layer's blocks (model/family.py); () = Llama layers, num_layers
+    hidden_size_per_layer_input: int = 0  # Gemma 4: per-layer input width (0: none)
+    vocab_size_per_layer_input: int = 0  # Gemma 4: the per-layer input table's rows
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (prefix, replacement) of checkpoint tensor names
+    checkpoint_skips: tuple[str, ...] = ()  # prefixes of checkpoint tensors not served (a vision tower)
+
+    def __post_init__(self) -> None:
+        if not self.layers:  # (a config built by hand: plain attention + dense layers, the windows as given)
+            windows = self.layer_sliding_windows or (None,) * self.num_layers
+            object.__setattr__(self, "layers", tuple(LayerSpec(sliding_window=w) for w in windows))
+        assert len(self.layers) == self.num_layers, f"{len(self.layers)} layer specs for {self.num_layers} layers"
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer of the model's shapes, with its own K/V (what tensor parallelism splits)."""
+        over = any(s.head_dim or s.num_kv_heads or s.intermediate_size or s.kv_source is not None for s in self.layers)
+        return not over and not self.hidden_size_per_layer_input
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The KV the layers hold, in layers of (num_kv_heads, head_dim), rounded up: num_layers unless layers share
+        K/V or have their own head shapes (Gemma 4); what the KV pool is sized by."""
+        return kv_layer_count(self.layers, self.num_kv_heads, self.head_dim)
+
+    @property
+    def layer_kv_shapes(self) -> list[tuple[int, int] | int]:
+        """Per layer, the (num_kv_heads, head_dim) of its own paged KV cache, or the index of the earlier layer
+        whose cache it reads (Gemma 4's KV sharing)."""
+        return [
+            (s.num_kv_heads or self.num_kv_heads, s.head_dim or self.head_dim) if s.kv_source is None else s.kv_source
+            for s in self.layers
+        ]
 
     @property
     def kv_free_window(self) -> int | None:
@@ -151,17 +190,22 @@ class ModelConfig:
         else:
             cfg = json.loads(cfg_file.read_text())
         family = resolve_architecture(cfg.get("architectures"))
+        if cfg is not text_config(cfg):
+            logger.info("%s: serving the text model of %s (the vision / audio towers are skipped)",
+                        cfg_file, family.architecture_of(cfg["architectures"]))  # fmt: skip
+        top, cfg = cfg, text_config(cfg)
         try:
             shape = model_shape_from_hf_config(cfg)  # the ledger's parser: one reading of the shape fields
+            layers = layer_specs(family, cfg, shape.num_layers)
         except ValueError as e:
             raise ValueError(f"model config {cfg_file}: {e}") from None
         if shape.o_bias or shape.mlp_bias:
             raise ValueError(
                 f"model config {cfg_file}: biases on o_proj / the MLP (attention_bias / mlp_bias) are not supported"
             )
-        windows = layer_sliding_windows(family, cfg, shape.num_layers)
+        windows = tuple(s.sliding_window for s in layers) if any(s.sliding_window for s in layers) else ()
         sliding_window = max((w for w in windows if w), default=None)
-        eos = cfg.get("eos_token_id")
+        eos = cfg.get("eos_token_id", top.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
             path=str(path),
@@ -182,30 +226,41 @@ class ModelConfig:
             sliding_window=int(sliding_window) if sliding_window else None,
             dtype=resolve_dtype(dtype, cfg, device),
             eos_token_ids=eos_ids,
-            **family_fields(family, cfg, shape.head_dim, shape.hidden_size, windows),
+            layers=layers,
+            **family_fields(family, cfg, shape.head_dim, shape.hidden_size, windows, layers),
         )
 
 
 def family_fields(
-    family: Any, cfg: dict[str, Any], head_dim: int, hidden_size: int, windows: tuple[int | None, ...]
+    family: Any,
+    cfg: dict[str, Any],
+    head_dim: int,
+    hidden_size: int,
+    windows: tuple[int | None, ...],
+    layers: tuple[LayerSpec, ...] = (),
 ) -> dict[str, Any]:
     """ModelConfig's family fields from the registry flags and the config's values."""
     out: dict[str, Any] = {
         "family": family.name,
         "hidden_act": family.hidden_act,
         "norm_weight_offset": family.norm_weight_offset,
-        "sandwich_norms": family.sandwich_norms,
-        "post_norms_only": family.post_norms_only,
+        "norm_layout": family.norm_layout,
         "qk_norm_whole": family.qk_norm_whole,
+        "v_norm": family.v_norm,
         "layer_sliding_windows": windows,
+        "attn_scale": family.attn_scale,
+        "final_logit_softcap": cfg.get("final_logit_softcapping"),
+        "hidden_size_per_layer_input": int(cfg.get("hidden_size_per_layer_input") or 0),
+        "vocab_size_per_layer_input": int(cfg.get("vocab_size_per_layer_input") or 0),
+        "checkpoint_renames": family.checkpoint_renames,
+        "checkpoint_skips": family.checkpoint_skips,
     }
     if family.scaled_embeddings:
         out["embed_scale"] = float(hidden_size) ** 0.5
     if family.uses_query_pre_attn_scalar:
         out["attn_scale"] = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
         out["attn_logit_softcap"] = cfg.get("attn_logit_softcapping")
-        out["final_logit_softcap"] = cfg.get("final_logit_softcapping")
-    if family.local_rope:
+    if family.local_rope or any(s.rope == "local" for s in layers):
         out["rope_local"] = RopeConfig.from_hf(
             cfg, layer_type="sliding_attention", default_theta=float(cfg.get("rope_local_base_freq", 10000.0))
         )

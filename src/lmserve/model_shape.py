@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmserve.model.registry.family import kv_layer_count, layer_sliding_windows, layer_specs, text_config
+
 # The LM head's layout per quantization method (lmserve/model/quantization.py): int8 quantizes it as a projection
 # (W8A8); int4 gives it 8 bits, weight-only with group-32 scales ("int8w", GGUF Q8_0's block).
 HEAD_LAYOUTS = {"int8": "int8", "int4": "int8w"}
@@ -170,6 +172,16 @@ class ModelShape:
     moe: MoEShape | None = None  # mixture of experts: the sparse layers' expert layout (None: dense)
     qk_norm_whole: bool = False  # RMSNorm over the whole q / k projection (OLMoE)
     attention_sinks: bool = False  # one learned sink logit per head and layer (gpt-oss)
+    # the K/V the layers hold, in layers of (num_kv_heads, head_dim) (None: num_layers; Gemma 4 shares and widens)
+    num_kv_layers: int | None = None
+    # parameters beside the Llama layout's (Gemma 4: wider global layers, shared K/V, per-layer inputs), counted
+    # at the weight dtype
+    extra_parameters: int = 0
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers of K/V per token the KV pool holds (model_config.ModelConfig.num_kv_layers, the same count)."""
+        return self.num_layers if self.num_kv_layers is None else self.num_kv_layers
 
     @property
     def kv_free_window(self) -> int | None:
@@ -220,8 +232,7 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
     """
     if not isinstance(cfg, dict):
         raise ValueError(f"config must be a JSON object, got {type(cfg).__name__}")
-    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
-        cfg = cfg["text_config"]
+    cfg = text_config(cfg)
     missing = [f for f in _REQUIRED_HF_FIELDS if cfg.get(f) is None]
     if missing:
         raise ValueError(f"config is missing required field(s): {', '.join(missing)}")
@@ -245,7 +256,9 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
     model_type = str(cfg.get("model_type") or "llama")
     num_layers = _int("num_hidden_layers", cfg["num_hidden_layers"])
     moe = moe_shape_from_hf_config(cfg, num_layers) if is_moe_config(cfg) else None
-    sliding_window, num_sliding = _sliding_layers(cfg, num_layers)
+    head_dim = _int("head_dim", head_dim)
+    sliding_window, num_sliding, kv_units, known = _sliding_layers(cfg, num_layers, kv_heads, head_dim)
+    intermediate = _int("intermediate_size", cfg["intermediate_size"])
     attention_bias = bool(cfg.get("attention_bias", False))
     max_pos = cfg.get("max_position_embeddings")
     rope_theta = cfg.get("rope_theta")
@@ -254,9 +267,9 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
         hidden_size=hidden,
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=_int("head_dim", head_dim),
+        head_dim=head_dim,
         vocab_size=_int("vocab_size", cfg["vocab_size"]),
-        intermediate_size=_int("intermediate_size", cfg["intermediate_size"]),
+        intermediate_size=intermediate,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v bias (and no o bias); Llama's attention_bias covers all four.
         qkv_bias=attention_bias or model_type == "qwen2",
@@ -271,20 +284,49 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
         moe=moe,
         qk_norm_whole=model_type == "olmoe",
         attention_sinks=model_type == "gpt_oss",
+        num_kv_layers=kv_units if kv_units != num_layers else None,
+        extra_parameters=0 if known is None else _extra_parameters(cfg, *known, hidden, heads, kv_heads, head_dim,
+                                                                   intermediate),  # fmt: skip
     )
 
 
-def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, int]:
-    """(window, number of sliding layers) as the engine reads them (layer_sliding_windows); (None, 0)
+def _sliding_layers(cfg: dict[str, Any], num_layers: int, kv_heads: int, head_dim: int) -> tuple:
+    """(window, number of sliding layers, KV layers, LayerSpecs) as the engine reads them; (None, 0, num_layers, ())
     for architectures the engine does not know (the ledger still counts their KV, in full)."""
     from lmserve.model.registry import resolve_architecture
 
     try:
         family = resolve_architecture(cfg.get("architectures"))
     except ValueError:
-        return None, 0
-    windows = [w for w in layer_sliding_windows(family, cfg, num_layers) if w]
-    return (max(windows) if windows else None), len(windows)
+        return None, 0, num_layers, None
+    specs = layer_specs(family, cfg, num_layers)
+    windows = [s.sliding_window for s in specs if s.sliding_window]
+    return (max(windows) if windows else None), len(windows), kv_layer_count(specs, kv_heads, head_dim), (family, specs)
+
+
+def _extra_parameters(
+    cfg: dict[str, Any], family: Any, specs: tuple, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int
+) -> int:
+    """Parameters the layers hold beyond num_layers Llama layers of the config's shape (projections, the norms of
+    the Gemma / OLMo layouts, per-head q/k norms outside Qwen3), plus per-layer inputs."""
+    norms = {"pre": 0, "sandwich": 2 * hidden, "post": 0}[family.norm_layout]
+    qk_norm = family.qk_norm and not str(cfg.get("model_type", "")).startswith("qwen3")  # (Qwen3's: counted)
+
+    def layer(spec: Any) -> int:
+        d = spec.head_dim or head_dim
+        q, kv = heads * d, (spec.num_kv_heads or kv_heads) * d
+        kv_rows = 0 if spec.kv_source is not None else kv * (1 if spec.k_eq_v else 2)
+        qk = (d + (d if spec.kv_source is None else 0)) if qk_norm else (q + kv if family.qk_norm_whole else 0)
+        return hidden * (2 * q + kv_rows) + 3 * hidden * (spec.intermediate_size or inter) + qk + norms
+
+    base = hidden * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 3 * hidden * inter
+    extra = sum(layer(s) - base for s in specs)
+    per_layer = int(cfg.get("hidden_size_per_layer_input") or 0)
+    if per_layer:  # the token table, the projection of the embeddings, and each layer's gate and projection
+        n = len(specs) * per_layer
+        extra += int(cfg.get("vocab_size_per_layer_input") or 0) * n + hidden * n + per_layer  # (+ its norm)
+        extra += len(specs) * (2 * hidden * per_layer + hidden + 1)  # gate, projection, norm, layer scalar
+    return extra
 
 
 def load_model_shape(path: str | Path) -> ModelShape:
@@ -316,26 +358,4 @@ def load_model_shape(path: str | Path) -> ModelShape:
         raise ValueError(f"{config_file}: {e}") from None
 
 
-
-def layer_sliding_windows(family: Any, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """The attention window of each layer (None: full attention); () when no layer slides."""
-    window = cfg.get("sliding_window")
-    if family.name == "qwen" and not cfg.get("use_sliding_window", False):
-        window = None
-    if not window or family.sliding_layers == "none":
-        return ()
-    types = cfg.get("layer_types")
-    if types:
-        if len(types) != num_layers:
-            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
-        sliding = [t == "sliding_attention" for t in types]
-    elif family.sliding_layers == "all":
-        sliding = [True] * num_layers
-    elif family.sliding_layers == "from_max_window_layers":  # Qwen2: layers from max_window_layers on
-        sliding = [i >= cfg.get("max_window_layers", 28) for i in range(num_layers)]
-    else:  # "pattern": every `pattern`-th layer is global (Gemma 2: 2, Gemma 3: sliding_window_pattern or 6)
-        pattern = int(cfg.get("sliding_window_pattern") or family.sliding_pattern)
-        sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
-    if not any(sliding):
-        return ()
-    return tuple(int(window) if s else None for s in sliding)
+__all__ = ["HEAD_LAYOUTS", "ModelShape", "layer_sliding_windows", "load_model_shape", "model_shape_from_hf_config"]

@@ -41,7 +41,7 @@ from lmserve import kernels
 from lmserve.model import quantization as quant
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
-from lmserve.model.layers import Linear, kernel_max_rows
+from lmserve.model.layers.linear import Linear, kernel_max_rows
 from lmserve.worker.shm_allreduce import ShmAllReduce
 
 # ls_linear.kind in cpu_kernels.c
@@ -228,18 +228,16 @@ class DecodeStack:
 
     @staticmethod
     def supports_layout(model: torch.nn.Module) -> bool:
-        """Whether model (a DecoderModel) has the plain pre-norm layout the C stack computes, kernels loaded."""
+        """Whether model (a DecoderModel) has the plain pre-norm layout the C stack computes, kernels loaded: every
+        layer Llama's (DecoderLayer.stack_plain; a block kind with no C path keeps the whole model on torch)."""
         if not kernels.available() or model.rotary_local is not None or len(model.layers) == 0:
+            return False
+        if not all(layer.stack_plain for layer in model.layers):
             return False
         attn = model.layers[0].self_attn
         if attn.num_heads > kernels.MAX_HEADS or attn.head_dim % 2 or model.norm.weight.dtype != torch.float32:
             return False
         for layer in model.layers:
-            a = layer.self_attn
-            if layer.post_norms_only or layer.sandwich_norms or a.qk_norm or a.qk_norm_whole:
-                return False
-            if a.partial_rotary or a.logit_softcap is not None or layer.mlp.act != "silu":
-                return False
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in norms):
                 return False
@@ -334,3 +332,76 @@ class DecodeStack:
         if logits is not None:
             self.step_logits = (out, logits)
         return out, logits
+
+
+class DecodeStackDispatch:
+    """The decoder's side of the C stack (DecoderModel mixes it in): whether a step takes it, its description kept
+    per set of KV caches, the LM head's logits it may compute in the same call."""
+
+    _decode_stack: DecodeStack | None = None
+    lora_active = False  # LoRA hooks on the projections (lora/layers.py); the C stack adds their deltas itself
+    lora_hooks: Any = None  # the installed lora.layers.LoRAHooks (its linears and the step's groups), else None
+    tensor_parallel_size = 1  # > 1 (model/parallel.py): the decode stack only with a shared-memory all-reduce
+    tp_all_reduce: Any = None  # that all-reduce (worker/shm_allreduce.ShmAllReduce, its C description set)
+    _decode_stack_checked: tuple | None = None  # the KV caches supports() was last asked about
+    _decode_stack_caches: list[KVCache] | None = None  # the list they came in (its caches are not replaced)
+    # (the LM head,) the stack may run after the final norm (CausalLM sets it; a tuple, so not a submodule here)
+    stack_head: tuple[Linear] | None = None
+
+    def decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
+        """The C description of this decoder over kv_caches, when DecodeStack.supports it (built once per
+        set of caches; reset_decode_stack() after changing weights or their kernel paths). A tensor-parallel
+        rank has one when its group's all-reduce is the shared memory's, which the C stack calls itself."""
+        if not self._stack_possible():
+            return None
+        if kv_caches is self._decode_stack_caches:  # (the runner passes the same list every step)
+            return self._decode_stack
+        self._decode_stack_caches = kv_caches
+        key = DecodeStack.cache_key(kv_caches)
+        if key != self._decode_stack_checked:
+            self._decode_stack_checked = key
+            ok = DecodeStack.supports(self, kv_caches)
+            head = self.stack_head[0] if self.stack_head is not None and self.tensor_parallel_size == 1 else None
+            self._decode_stack = DecodeStack(self, kv_caches, self.tp_all_reduce, head) if ok else None
+        return self._decode_stack
+
+    def stack_for_step(
+        self, input_ids: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> tuple[DecodeStack | None, Any]:
+        """(the stack, the LoRA hooks it adds) when it takes this step's row count and LoRA rows, else (None, _);
+        whether the embeddings qualify too is the stack's applies()."""
+        stack = self.decode_stack(kv_caches)
+        lora = self.lora_hooks if self.lora_active else None
+        takes = stack is not None and stack.takes(input_ids.shape[0], meta) and (lora is None or stack.takes_lora(lora))
+        return (stack if takes else None), lora
+
+    def _stack_possible(self) -> bool:
+        """One rank, or a tensor-parallel rank whose all-reduce C can call."""
+        if self.tensor_parallel_size == 1:
+            return True
+        return self.tp_all_reduce is not None and self.tp_all_reduce.desc is not None
+
+    def stack_linears(self) -> list[Linear]:
+        """The projections a decode stack would run when they take their C kernels ([] if the layout has none)."""
+        if not self._stack_possible() or not DecodeStack.supports_layout(self):
+            return []
+        return [m for layer in self.layers for m in DecodeStack.layer_linears(layer)]
+
+    def _run_stack(self, stack: DecodeStack, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, lora: Any) -> torch.Tensor:
+        """The stack's hidden states; when it takes the LM head for these rows, it computes their logits in the
+        same call (kept for take_logits: no second crossing into C for the head, no Python around it)."""
+        return stack.run(h, cos, sin, meta, lora, with_logits=h.shape[0] <= stack.head_rows)[0]
+
+    def take_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head's logits of hidden when the decode stack computed them with it (hidden is that step's
+        output tensor itself, every row), else None."""
+        stack = self._decode_stack
+        step = None if stack is None else stack.step_logits
+        if step is None or step[0] is not hidden:
+            return None
+        stack.step_logits = None
+        return step[1]
+
+    def reset_decode_stack(self) -> None:
+        self._decode_stack = self._decode_stack_checked = self._decode_stack_caches = None

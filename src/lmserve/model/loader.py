@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from lmserve.config import ModelConfig, QuantizationConfig
-from lmserve.model.llama import CausalLM
+from lmserve.model.decoder import CausalLM
 from lmserve.model.parallel import TPShard, local_config, shard_tensor
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
     ("gate_up_proj", "up_proj", 1),
 )
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,9 +90,16 @@ def load_model(
     params.update((n, b) for n, b in model.named_buffers() if n.endswith((".qweight", ".scales", ".mins")))
     kquant = {f"{n}.qweight": m for n, m in model.named_modules() if _is_kquant(m)}  # GGUF K-quant modules
     loaded: set[str] = set()
+    skipped = 0
     for file_name, name, tensor in _checkpoint_tensors(cfg, kept, gguf):
         if name.endswith(IGNORED_SUFFIXES):
             continue
+        if name.startswith(cfg.checkpoint_skips or "\0"):  # (a vision / audio tower: not served)
+            skipped += 1
+            continue
+        for prefix, replacement in cfg.checkpoint_renames:
+            if name.startswith(prefix):
+                name = replacement + name.removeprefix(prefix)
         target, shard = _map_name(name)
         if target not in params:
             if cfg.tie_word_embeddings and target == "lm_head.weight":
@@ -97,15 +107,18 @@ def load_model(
             raise ValueError(f"checkpoint tensor {name!r} in {file_name} has no place in {cfg.architecture}")
         if tp is not None:
             tensor = shard_tensor(target, tensor, shard, full_cfg, tp)
+        sizes = [] if shard is None else _shard_sizes(target, model)
         try:
             if target in kquant:
-                _copy_kquant(kquant[target], target, tensor, shard, cfg)
+                _copy_kquant(kquant[target], target, tensor, shard, sizes)
             else:
-                _copy_into(params[target], target, tensor, shard, cfg)
+                _copy_into(params[target], target, tensor, shard, sizes)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r} in {file_name}: {e}") from None
         loaded.add(target if shard is None else f"{target}#{shard}")
-    _check_complete(params, loaded, cfg)
+    if skipped:
+        logger.info("%s: %d checkpoint tensors of the vision / audio towers skipped", cfg.path, skipped)
+    _check_complete(params, loaded, cfg, model)
     if quantization is not None and quantization.prequantized:
         _check_scales(model)
     if cfg.norm_weight_offset:
@@ -239,7 +252,7 @@ def _map_name(name: str) -> tuple[str, int | None]:
 
 
 def _copy_into(
-    param: torch.Tensor, target: str, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig
+    param: torch.Tensor, target: str, tensor: torch.Tensor, shard: int | None, sizes: list[int]
 ) -> None:
     quantized = target.endswith((".qweight", ".scales"))
     if (quantized or not tensor.is_floating_point()) and tensor.dtype != param.dtype:
@@ -252,7 +265,6 @@ def _copy_into(
                 )
             param.copy_(tensor)
             return
-        sizes = _shard_sizes(target, cfg)
         start = sum(sizes[:shard])
         dst = param.narrow(0, start, sizes[shard])
         if dst.shape != tensor.shape:
@@ -269,14 +281,14 @@ def _is_kquant(m: torch.nn.Module) -> bool:
 
 
 def _copy_kquant(
-    module: torch.nn.Module, target: str, blocks: torch.Tensor, shard: int | None, cfg: ModelConfig
+    module: torch.nn.Module, target: str, blocks: torch.Tensor, shard: int | None, sizes: list[int]
 ) -> None:
     """A K-quant part's (rows, row bytes) blocks into the rows of module's kquant bytes it covers."""
     if blocks.dtype != torch.uint8 or blocks.dim() != 2:
         raise ValueError(
             f"{target} needs (rows, row bytes) uint8 K-quant blocks, got {blocks.dtype} {tuple(blocks.shape)}"
         )
-    start = 0 if shard is None else sum(_shard_sizes(target, cfg)[:shard])
+    start = 0 if shard is None else sum(sizes[:shard])
     dst = module.kquant_rows(start, blocks.shape[0])
     if dst.shape != blocks.shape:
         raise ValueError(f"shape mismatch: K-quant rows {tuple(dst.shape)} vs checkpoint {tuple(blocks.shape)}")
@@ -284,22 +296,23 @@ def _copy_kquant(
         dst.copy_(blocks)
 
 
-def _shard_sizes(fused_name: str, cfg: ModelConfig) -> list[int]:
-    if ".qkv_proj." in fused_name:
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return [q, kv, kv]
-    assert ".gate_up_proj." in fused_name, f"no shard layout for {fused_name}"
-    return [cfg.intermediate_size, cfg.intermediate_size]
+def _shard_sizes(fused_name: str, model: torch.nn.Module) -> list[int]:
+    """The output rows of each checkpoint part of a fused projection (the module's shard_sizes: q, k, v / gate, up)."""
+    sizes = getattr(model.get_submodule(fused_name.rsplit(".", 1)[0]), "shard_sizes", None)
+    assert sizes is not None, f"no shard layout for {fused_name}"
+    return list(sizes)
 
 
-def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], cfg: ModelConfig) -> None:
+def _check_complete(
+    params: dict[str, torch.Tensor], loaded: set[str], cfg: ModelConfig, model: torch.nn.Module
+) -> None:
     missing = []
     for name in params:
         fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in name), None)
         if fused is None:
             ok = name in loaded or (cfg.tie_word_embeddings and name == "lm_head.weight")
-        else:
-            n = 3 if fused == "qkv_proj" else 2  # in parts (HF), or fused (Phi-3 checkpoints, `lmserve quantize`)
+        else:  # in parts (HF), or fused (Phi-3 checkpoints, `lmserve quantize`)
+            n = len(_shard_sizes(name, model))
             ok = name in loaded or all(f"{name}#{i}" in loaded for i in range(n))
         if not ok:
             missing.append(name)

@@ -144,11 +144,14 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[KVCache]:
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
-        kv_heads = mc.num_kv_heads if self.tp is None else self.tp.num_kv_heads
-        caches = [
-            KVCache.allocate(cc.num_blocks, cc.block_size, kv_heads, mc.head_dim, cc.kv_cache_dtype, self.device)
-            for _ in range(mc.num_layers)
-        ]
+        caches: list[KVCache] = []
+        for shape in mc.layer_kv_shapes:  # (a layer reading an earlier layer's K/V shares its cache object)
+            if isinstance(shape, int):
+                caches.append(caches[shape])
+                continue
+            kv_heads = shape[0] if self.tp is None else self.tp.num_kv_heads
+            caches.append(KVCache.allocate(cc.num_blocks, cc.block_size, kv_heads, shape[1], cc.kv_cache_dtype,
+                                           self.device))  # fmt: skip
         scales = f", of which scales {cc.kv_scale_bytes_per_token} B" if cc.kv_scale_bytes_per_token else ""
         logger.info(
             "KV cache %s: %d blocks × %d = %d tokens, %.1f MiB (%d B/token%s); %d concurrent requests of "

@@ -1,4 +1,5 @@
-"""Building blocks of the Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""The quantized / fast-path Linear (float32 C kernel for few rows, oneDNN packing, int8 / int4 / GGUF block
+layouts) and the model-wide passes over its instances: quantize, pack, bf16-round, choose the few-row path."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from torch import nn
 
 from lmserve import kernels
-from lmserve.config import QuantizationConfig, RopeConfig
+from lmserve.config import QuantizationConfig
 from lmserve.model import quantization as quant
+from lmserve.model.layers.embedding import Embedding
 
 I8_KERNEL_MAX_ROWS = kernels.I8_MAX_ROWS  # int8 W8A8: rows the VNNI kernel serves in one pass over the weights
 PACK_HINT_ROWS = 32  # batch size oneDNN lays the packed weights out for (any row count works)
@@ -424,157 +426,3 @@ def pack_linear_weights(model: nn.Module, max_extra_bytes: int) -> int:
     for m in layers:
         m.pack_for_onednn()
     return extra
-
-
-class Embedding(nn.Embedding):
-    """nn.Embedding, or for a GGUF K-quant token embedding its rows kept as the file's super-blocks (`qweight`
-    (bytes,) uint8, `weight` None), each looked-up row dequantized exactly as gguf's dequantizer does (the C
-    kernel, else gguf itself). A tied LM head kept as K-quant shares the same bytes (one copy for both)."""
-
-    kq_type: str | None = None
-    head_rows = False  # a GGUF block-32 tied table: rows looked up in the LM head's blocks (set_head)
-    _head: tuple[Linear] | None = None  # (a tuple: not a submodule of the embedding)
-
-    def prepare_head_rows(self) -> None:
-        """No table of its own: set_head names the tied LM head whose (block-32) weight rows are the table's."""
-        self.register_parameter("weight", None)
-        self.head_rows = True
-
-    def set_head(self, head: Linear) -> None:
-        assert self.head_rows and head.out_features == self.num_embeddings and head.in_features == self.embedding_dim
-        self._head = (head,)
-
-    def prepare_kquant(self, type_name: str) -> None:
-        row_bytes = quant.kquant_row_bytes(type_name, self.embedding_dim, "token embedding")
-        dev = self.weight.device
-        self.register_parameter("weight", None)
-        self.register_buffer("qweight", torch.empty(self.num_embeddings * row_bytes, dtype=torch.uint8, device=dev))
-        self.kq_type = type_name
-
-    @property
-    def kq_segments(self) -> tuple[quant.KQuantSegment, ...] | None:
-        """The table as one K-quant segment (as a K-quant Linear's), or None."""
-        if self.kq_type is None:
-            return None
-        row_bytes = quant.kquant_row_bytes(self.kq_type, self.embedding_dim)
-        return (quant.KQuantSegment(self.kq_type, 0, self.num_embeddings, 0, row_bytes),)
-
-    def kquant_rows(self, start: int, rows: int) -> torch.Tensor:
-        """The (rows, row bytes) view of embedding rows start..start + rows."""
-        row_bytes = self.qweight.numel() // self.num_embeddings
-        assert 0 <= start and start + rows <= self.num_embeddings, f"rows {start}+{rows} of {self.num_embeddings}"
-        return self.qweight[start * row_bytes : (start + rows) * row_bytes].view(rows, row_bytes)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._head is not None:
-            unique, inverse = ids.reshape(-1).unique(return_inverse=True)
-            values = self._head[0].weight_rows(unique)[inverse]
-            return values.reshape(*ids.shape, self.embedding_dim)
-        if self.kq_type is None:
-            return super().forward(ids)
-        rows = self.kquant_rows(0, self.num_embeddings)[ids.reshape(-1)]
-        if kernels.available() and rows.device.type == "cpu":
-            values = kernels.dequant_kq(self.kq_type, rows, self.embedding_dim)
-        else:
-            values = quant.dequantize_kquant(self.kq_type, rows.cpu(), self.embedding_dim).to(rows.device)
-        return values.reshape(*ids.shape, self.embedding_dim)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and kernels.usable(x) and self.weight.dtype == torch.float32:
-            return kernels.rmsnorm(x, self.weight, self.eps)
-        # Same arithmetic as HF's LlamaRMSNorm: normalise in fp32, scale in the input dtype.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder's skip connection and the next norm in one pass: residual = x + residual (updated in
-        place on the kernel path), returns (norm(residual), residual)."""
-        if x.dim() == 2 and kernels.usable(x) and kernels.usable(residual) and residual.is_contiguous():
-            return kernels.rmsnorm(x, self.weight, self.eps, residual=residual), residual
-        residual = x + residual
-        return self(residual), residual
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int = 0) -> torch.Tensor:
-    """Inverse frequencies per rotary pair, including `linear`, `llama3` and `longrope` scaling (HF's
-    formulas). longrope: HF switches from short to long factors once a sequence passes the original
-    context; here the choice is made once per engine, by max_positions (the engine's max_model_len)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    if rope.rope_type == "longrope":
-        long = max_positions > rope.original_max_position_embeddings
-        ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
-        return 1.0 / (ext * rope.theta**exponents)
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        old_len = rope.original_max_position_embeddings
-        low_freq_wavelen = old_len / rope.low_freq_factor
-        high_freq_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_positions, looked up per token."""
-
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
-        """head_dim: the rotated dimensions per head (all of it, or the rotary part with partial rotary)."""
-        super().__init__()
-        inv_freq = rope_inv_freq(rope, head_dim, max_positions)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
-        scale = rope.attention_factor  # longrope scales cos and sin (1.0 otherwise)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # (num_tokens, 1, head_dim): broadcasts over heads
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (num_tokens, num_heads, head_dim), rotate-half convention as HF Llama. With partial rotary
-    (cos narrower than head_dim) only the first cos.shape[-1] dimensions turn; the rest pass through."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
-        super().__init__()
-        assert act in ("silu", "gelu_tanh"), f"MLP activation {act!r}"
-        self.act = act  # gelu_tanh: Gemma's GeGLU, same layout
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.act == "gelu_tanh":
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
-        if gate_up.dim() == 2 and kernels.usable(gate_up):
-            return self.down_proj(kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)

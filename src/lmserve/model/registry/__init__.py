@@ -1,0 +1,37 @@
+"""HF `architectures` names → the model family: one module per family here (model/registry/<family>.py), each a
+torch-free `FAMILY` (family.py) saying only what differs from Llama. Torch-free: the config and the memory ledger
+resolve a checkpoint's family and its layers without loading a model."""
+
+from __future__ import annotations
+
+from lmserve.model.registry import (
+    gemma2,
+    gemma3,
+    gemma4,
+    llama,
+    mistral,
+    olmo2,
+    olmo3,
+    phi3,
+    qwen2,
+    qwen3,
+    smollm3,
+)  # fmt: skip
+from lmserve.model.registry.family import ModelFamily
+
+# in the order resolve_architecture searches them
+FAMILIES = tuple(
+    m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, olmo2, smollm3, olmo3, gemma4)
+)
+
+SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
+
+
+def resolve_architecture(names: list[str] | None) -> ModelFamily:
+    for name in names or []:
+        for family in FAMILIES:
+            if name in family.architectures:
+                return family
+    raise ValueError(
+        f"unsupported model architecture {names!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
