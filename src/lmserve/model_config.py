@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.model.registry.family import LayerSpec, kv_layer_count, layer_specs, text_config
+from lmserve.model.registry.moe import MoEShape
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class ModelConfig:
     vocab_size_per_layer_input: int = 0  # Gemma 4: the per-layer input table's rows
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (prefix, replacement) of checkpoint tensor names
     checkpoint_skips: tuple[str, ...] = ()  # prefixes of checkpoint tensors not served (a vision tower)
+    moe: MoEShape | None = None  # mixture of experts: the "moe" feed-forward layers' experts and router
 
     def __post_init__(self) -> None:
         if not self.layers:  # (a config built by hand: plain attention + dense layers, the windows as given)
@@ -227,6 +229,7 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, cfg, device),
             eos_token_ids=eos_ids,
             layers=layers,
+            moe=shape.moe,
             **family_fields(family, cfg, shape.head_dim, shape.hidden_size, windows, layers),
         )
 
