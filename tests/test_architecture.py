@@ -22,7 +22,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("config",)),
     ("core", ("core",)),
     ("model", ("kernels", "model", "distributed", "sample", "worker", "spec_decode", "lora")),
-    ("engine", ("engine", "observability")),
+    ("engine", ("engine", "observability", "parsers")),
     ("entrypoints", ("lmserve", "llm", "entrypoints", "bench", "sim", "web")),
 ]
 

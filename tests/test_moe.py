@@ -1,4 +1,4 @@
-"""model/moe.py against HF transformers' own MoE modules on random tiny weights: the router's variants (ties
+"""model/layers/moe.py against HF transformers' own MoE modules on random tiny weights: the router's variants (ties
 included), the grouped expert execution of every family, the shared expert, gpt-oss's biases and clamped SwiGLU,
 MXFP4 experts, and bad weights (ValueError naming the tensor)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.checkpoint.shape import moe_shape_from_hf_config
-from lmserve.model.moe import SparseMoE, group_by_expert, route
+from lmserve.checkpoint.registry.moe import moe_shape_from_hf_config
+from lmserve.model.layers.moe import SparseMoE, group_by_expert, route
 
 H, I_EXPERT, E, K = 64, 32, 8, 3
 

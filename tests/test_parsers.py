@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lmserve.entrypoints.openai.parsers import (
+from lmserve.parsers import (
     TOOL_PARSERS,
     ToolParser,
     detect_parsers,

@@ -21,9 +21,9 @@ from fastapi import FastAPI
 from lmserve.config.engine import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.entrypoints.openai.chat_settings import ChatSettings
 from lmserve.entrypoints.openai.serve_cli import add_parser, chat_settings_of, run_serve
 from lmserve.entrypoints.openai.server import build_app
+from lmserve.parsers.chat_settings import ChatSettings
 from tests.helpers import require_extra
 from tests.scripted_model import build_scripted_model
 

@@ -136,7 +136,7 @@ class LLM:
         them, through the chat template (with `tools` and `chat_template_kwargs`, e.g. {"enable_thinking": False}).
         Each output is a ChatCompletionOutput: `text` the content, `reasoning_content` and, with tools, the
         `tool_calls` — split by the named parsers ("auto": chosen from the template; reasoning "none": no split)."""
-        from lmserve.entrypoints.openai.chat_settings import ChatSettings
+        from lmserve.parsers.chat_settings import ChatSettings
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.checkpoint.registry.family import LayerSpec, kv_layer_count, layer_specs, text_config
+from lmserve.checkpoint.registry.moe import MoEShape
 from lmserve.checkpoint.shape import LinearAttentionShape
 from lmserve.sampling_params import POOLING_TYPES, RUNNERS
 
@@ -140,6 +141,7 @@ class ModelConfig:
     vocab_size_per_layer_input: int = 0  # Gemma 4: the per-layer input table's rows
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (prefix, replacement) of checkpoint tensor names
     checkpoint_skips: tuple[str, ...] = ()  # prefixes of checkpoint tensors not served (a vision tower)
+    moe: MoEShape | None = None  # mixture of experts: the "moe" feed-forward layers' experts and router
 
     def __post_init__(self) -> None:
         if not self.layers:  # (a config built by hand: plain attention + dense layers, the windows as given)
@@ -239,6 +241,7 @@ class ModelConfig:
             linear=shape.linear,
             num_linear_layers=shape.num_linear_layers,
             layers=layers,
+            moe=shape.moe,
             **family_fields(family, cfg, shape.head_dim, shape.hidden_size, windows, layers),
         )
 

@@ -200,8 +200,6 @@ def _count_parameters(shape: ModelShape, tp: int, active: bool) -> int:
         attn += h  # row-parallel bias: applied once after the all-reduce, kept on every rank
     if shape.qk_norm:
         attn += 2 * d
-    if shape.qk_norm_whole:
-        attn += q_out + kv_out
     if shape.attention_sinks:
         attn += shape.num_attention_heads // tp
     norms = 2 * h

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from safetensors import safe_open
 
 from lmserve.config.engine import ModelConfig, QuantizationConfig
 from lmserve.model.decoder import CausalLM
+from lmserve.model.layers.moe import SparseMoE
 from lmserve.model.parallel import TPShard, local_config, shard_tensor
 
 if TYPE_CHECKING:
@@ -91,9 +93,17 @@ def load_model(
     kquant = {f"{n}.qweight": m for n, m in model.named_modules() if _is_kquant(m)}  # GGUF K-quant modules
     loaded: set[str] = set()
     skipped = 0
+    moe_blocks = _moe_blocks(model, cfg, quantization, tp)
     for file_name, name, tensor in _checkpoint_tensors(cfg, kept, gguf):
         if name.endswith(IGNORED_SUFFIXES) or (name == "score.weight" and cfg.architecture.endswith("Classification")):
             continue  # (a classifier head: the pooling runner loads it, worker/pooler.py)
+        moe = _MOE_TENSOR.fullmatch(name)
+        if moe is not None and int(moe.group(1)) in moe_blocks:  # experts: copied in place one by one as they come
+            try:
+                moe_blocks[int(moe.group(1))].load_tensor(moe.group(2), tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r} in {file_name}: {e}") from None
+            continue
         if name.startswith(cfg.checkpoint_skips or "\0"):  # (a vision / audio tower: not served)
             skipped += 1
             continue
@@ -120,12 +130,35 @@ def load_model(
         loaded.add(target if shard is None else f"{target}#{shard}")
     if skipped:
         logger.info("%s: %d checkpoint tensors of the vision / audio towers skipped", cfg.path, skipped)
-    _check_complete(params, loaded, cfg, model)
+    moe_params = tuple(f"model.layers.{i}.mlp." for i in moe_blocks)
+    _check_complete({n: p for n, p in params.items() if not n.startswith(moe_params or "\0")}, loaded, cfg, model)
+    for i, block in moe_blocks.items():
+        try:
+            block.check_loaded(f"model.layers.{i}.mlp.")
+        except ValueError as e:
+            raise ValueError(f"{cfg.path}: {e}") from None
     if quantization is not None and quantization.prequantized:
         _check_scales(model)
     if cfg.norm_weight_offset:
         _offset_norm_weights(model, cfg.norm_weight_offset)
     return model.eval()
+
+
+_MOE_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)")
+
+
+def _moe_blocks(
+    model: CausalLM, cfg: ModelConfig, quantization: QuantizationConfig | None, tp: TPShard | None
+) -> dict[int, SparseMoE]:
+    """Layer index → its MoE block (SparseMoE.load_tensor takes the block's checkpoint tensors); the combinations
+    not served yet are a ValueError."""
+    blocks = {i: layer.mlp for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)}
+    if blocks and tp is not None:
+        raise ValueError(f"{cfg.architecture}: tensor parallelism over mixture-of-experts layers is not supported")
+    if blocks and quantization is not None and quantization.prequantized:
+        raise ValueError(f"{cfg.architecture}: pre-quantized (GGUF / `lmserve quantize`) MoE checkpoints are not "
+                         "supported; load the HF checkpoint with --quantization int8 | int4")  # fmt: skip
+    return blocks
 
 
 def _open_gguf(cfg: ModelConfig) -> GGUFCheckpoint | None:

@@ -10,18 +10,39 @@ from lmserve.checkpoint.registry import (
     gemma4,
     llama,
     mistral,
+    mixtral,
     olmo2,
     olmo3,
+    olmoe,
     phi3,
     qwen2,
+    qwen2_moe,
     qwen3,
+    qwen3_moe,
     smollm3,
 )  # fmt: skip
 from lmserve.checkpoint.registry.family import ModelFamily
 
 # in the order resolve_architecture searches them
 FAMILIES = tuple(
-    m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, olmo2, smollm3, olmo3, gemma4)
+    m.FAMILY
+    for m in (
+        llama,
+        mistral,
+        qwen2,
+        qwen3,
+        gemma2,
+        gemma3,
+        phi3,
+        olmo2,
+        smollm3,
+        olmo3,
+        gemma4,
+        qwen3_moe,
+        qwen2_moe,
+        mixtral,
+        olmoe,
+    )  # fmt: skip
 )
 
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
@@ -32,6 +53,4 @@ def resolve_architecture(names: list[str] | None) -> ModelFamily:
         for family in FAMILIES:
             if name in family.architectures:
                 return family
-    raise ValueError(
-        f"unsupported model architecture {names!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    raise ValueError(f"unsupported model architecture {names!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

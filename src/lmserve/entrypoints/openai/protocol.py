@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
+from lmserve.parsers.chat_settings import RequestError as RequestError
 from lmserve.sampling_params import SamplingParams
 
 MAX_N = 128
@@ -373,14 +374,6 @@ class DetokenizeResponse(BaseModel):
 
 
 # ---- request → SamplingParams -------------------------------------------------------------------
-
-
-class RequestError(ValueError):
-    """A request value the server refuses, with the API field it belongs to."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def to_sampling_params(

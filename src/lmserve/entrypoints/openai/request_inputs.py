@@ -13,9 +13,9 @@ from lmserve.engine.async_engine import AsyncEngine
 from lmserve.entrypoints.openai import protocol as p
 from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_value_error
-from lmserve.entrypoints.openai.parsers import ReasoningParser
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.lora.request import LoRARequest
+from lmserve.parsers import ReasoningParser
 from lmserve.sample.structured_output import GrammarError
 from lmserve.sampling_params import SamplingParams, check_runner
 

@@ -327,7 +327,7 @@ def chat_settings_of(args: argparse.Namespace):
     """ChatSettings from the flags; ValueError (an unknown parser lists the known ones) or OSError (the template)."""
     import json
 
-    from lmserve.entrypoints.openai.chat_settings import ChatSettings
+    from lmserve.parsers.chat_settings import ChatSettings
 
     template = None
     if args.chat_template is not None:

@@ -28,7 +28,6 @@ from fastapi import FastAPI
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.protocol import EngineClient
 from lmserve.engine.token_bytes import TokenBytes
-from lmserve.entrypoints.openai.chat_settings import ChatSettings
 from lmserve.entrypoints.openai.dashboard import add_web_routes
 from lmserve.entrypoints.openai.kv_info import add_kv_info_route
 from lmserve.entrypoints.openai.lora_modules import LoRAModules
@@ -42,6 +41,7 @@ from lmserve.entrypoints.openai.serving_pooling import add_pooling_routes
 from lmserve.entrypoints.openai.serving_responses import add_responses_routes
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.observability.prometheus import Metrics
+from lmserve.parsers.chat_settings import ChatSettings
 
 __all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "ServerState", "bearer_ok", "build_app"]
 

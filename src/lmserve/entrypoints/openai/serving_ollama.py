@@ -24,10 +24,10 @@ from lmserve.entrypoints.openai import request_inputs as inputs
 from lmserve.entrypoints.openai import tools
 from lmserve.entrypoints.openai.errors import APIError, bad_request, from_validation_errors
 from lmserve.entrypoints.openai.generation import Generation
-from lmserve.entrypoints.openai.parsers import ReasoningParser
 from lmserve.entrypoints.openai.sse import ClientGone, SSEResponse, cancel_on_disconnect
 from lmserve.entrypoints.openai.state import ServerState
 from lmserve.lora.request import LoRARequest
+from lmserve.parsers import ReasoningParser
 
 NS = 1_000_000_000
 M = TypeVar("M", bound=BaseModel)

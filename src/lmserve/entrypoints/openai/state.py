@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 from lmserve.engine.protocol import EngineClient
 from lmserve.engine.token_bytes import TokenBytes
-from lmserve.entrypoints.openai.chat_settings import ChatSettings
 from lmserve.entrypoints.openai.errors import APIError
 from lmserve.entrypoints.openai.lora_modules import LoRAModules
 from lmserve.observability.prometheus import Metrics
+from lmserve.parsers.chat_settings import ChatSettings
 
 LOADING_RETRY_AFTER_S = 5
 

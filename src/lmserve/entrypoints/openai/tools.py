@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 from lmserve.core.outputs import CompletionOutput
 from lmserve.entrypoints.openai import protocol as p
-from lmserve.entrypoints.openai.parsers import HermesToolParser, ToolCall, ToolParser
-from lmserve.entrypoints.openai.parsers.base import call_id
+from lmserve.parsers import HermesToolParser, ToolCall, ToolParser
+from lmserve.parsers.base import call_id
 from lmserve.sampling_params import StructuredOutputsParams
 
 ToolMode = Literal["named", "required", "auto"]

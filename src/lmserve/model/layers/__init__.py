@@ -22,13 +22,15 @@ from lmserve.model.layers.linear import (
     small_m_mode,
 )
 from lmserve.model.layers.mlp import DenseMLP, SwiGLU
+from lmserve.model.layers.moe import MoEFeedForward, SparseMoE
 from lmserve.model.layers.norm import RMSNorm
 from lmserve.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 TOKEN_MIXERS: dict[str, type] = {"attention": Attention}
-FEED_FORWARDS: dict[str, type] = {"dense": DenseMLP}
+FEED_FORWARDS: dict[str, type] = {"dense": DenseMLP, "moe": MoEFeedForward}
 
 __all__ = [
+    "MoEFeedForward", "SparseMoE",
     "DEQUANT_TILE_BYTES", "FEED_FORWARDS", "I8_KERNEL_MAX_ROWS", "SMALL_M_ENV", "TOKEN_MIXERS", "Attention",
     "DenseMLP", "Embedding", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary",
     "choose_small_m_paths", "kernel_max_rows", "onednn_packing_available", "pack_linear_weights",

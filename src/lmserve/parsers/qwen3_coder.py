@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any
 
-from lmserve.entrypoints.openai.parsers.base import ToolCall, ToolParser
+from lmserve.parsers.base import ToolCall, ToolParser
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)

@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from lmserve.entrypoints.openai.parsers.base import ToolCall, ToolParser
+from lmserve.parsers.base import ToolCall, ToolParser
 
 START, END = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(START) + r"\s*(.*?)\s*(?:" + re.escape(END) + r"|$)", re.S)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lmserve.entrypoints.openai.parsers.base import TagReasoningParser
+from lmserve.parsers.base import TagReasoningParser
 
 
 class GraniteReasoningParser(TagReasoningParser):

@@ -10,8 +10,8 @@ import re
 import string
 from typing import Any
 
-from lmserve.entrypoints.openai.parsers.base import ToolCall, ToolParser
-from lmserve.entrypoints.openai.parsers.hermes import json_call
+from lmserve.parsers.base import ToolCall, ToolParser
+from lmserve.parsers.hermes import json_call
 
 BOT = "[TOOL_CALLS]"
 ARGS = "[ARGS]"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lmserve.entrypoints.openai.parsers.base import ToolCall, ToolParser, partial_suffix
-from lmserve.entrypoints.openai.parsers.hermes import json_call
+from lmserve.parsers.base import ToolCall, ToolParser, partial_suffix
+from lmserve.parsers.hermes import json_call
 
 PYTHON_TAG = "<|python_tag|>"
 

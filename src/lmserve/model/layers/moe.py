@@ -1,8 +1,9 @@
 """The mixture-of-experts feed-forward block: `SparseMoE(hidden_size, MoEShape)` maps (T, hidden) → (T, hidden).
-`route(logits, RouterSpec)` is every family's router (variants as data, lmserve.checkpoint.shape); experts are `Expert`s
-of lmserve Linears (float32, int8, int4 / W4A8 through the usual quantize / pack calls) or Mxfp4Linears; the router
-and the shared expert's gate are torch nn.Linears, so quantizable_linears never touches them (they stay float32).
-Fill weights with set_expert / set_fused_experts / set_mxfp4_experts (HF layouts); ValueError naming the tensor.
+`route(logits, RouterSpec)` is every family's router (variants as data: model/registry/moe.py); experts are
+`Expert`s of lmserve Linears (float32, int8, int4 / W4A8 by the usual quantize / pack calls) or Mxfp4Linears; the
+router and the shared expert's gate are torch nn.Linears, which quantizable_linears skips (they stay float32).
+Weights: load_tensor (checkpoint names) or set_expert / set_fused_experts / set_mxfp4_experts; ValueError naming
+the tensor. MoEFeedForward is the decoder's "moe" feed-forward kind.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import torch
 from torch import nn
 
 from lmserve import kernels
-from lmserve.checkpoint.shape import MoEShape, RouterSpec
-from lmserve.model.layers import Linear, SwiGLU
+from lmserve.checkpoint.registry.family import LayerSpec
+from lmserve.checkpoint.registry.moe import MoEShape, RouterSpec
+from lmserve.config.engine import ModelConfig
+from lmserve.model.layers.linear import Linear
+from lmserve.model.layers.mlp import SwiGLU
 from lmserve.model.mxfp4 import Mxfp4Linear, check_mxfp4
 
 
@@ -290,6 +294,17 @@ class SparseMoE(nn.Module):
         _copy("shared_expert.up_proj", self.shared_expert.gate_up_proj.weight[s:], up)
         _copy("shared_expert.down_proj", self.shared_expert.down_proj.weight, down)
         _copy("shared_expert_gate", self.shared_expert_gate.weight, gate_w)
+
+
+class MoEFeedForward(SparseMoE):
+    """The "moe" feed-forward block of a decoder layer (LayerSpec.feed_forward): SparseMoE over the config's
+    MoEShape (ModelConfig.moe); the C decode stack stands aside for a model with one (the torch path runs it)."""
+
+    plain = False  # (DecoderLayer.stack_plain: not Llama's MLP)
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer_idx: int) -> None:
+        assert cfg.moe is not None, f"layer {layer_idx}: a MoE feed-forward in a config without experts"
+        super().__init__(cfg.hidden_size, cfg.moe, mxfp4=cfg.moe.mxfp4)
 
 
 _PER_EXPERT = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj",

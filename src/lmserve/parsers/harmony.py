@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lmserve.entrypoints.openai.parsers.base import ReasoningParser, ToolCall, ToolParser, partial_suffix
+from lmserve.parsers.base import ReasoningParser, ToolCall, ToolParser, partial_suffix
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")

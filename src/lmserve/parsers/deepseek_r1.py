@@ -4,7 +4,7 @@ block itself (`<think></think>`: thinking off) makes the output all content."""
 
 from __future__ import annotations
 
-from lmserve.entrypoints.openai.parsers.base import TagReasoningParser
+from lmserve.parsers.base import TagReasoningParser
 
 
 class DeepSeekR1ReasoningParser(TagReasoningParser):

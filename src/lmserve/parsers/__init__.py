@@ -14,7 +14,7 @@ content. Decode with special tokens kept when `keeps_special_tokens` (gpt_oss, o
 
 from __future__ import annotations
 
-from lmserve.entrypoints.openai.parsers.base import (
+from lmserve.parsers.base import (
     ReasoningParser,
     TagReasoningParser,
     ToolCall,
@@ -22,15 +22,15 @@ from lmserve.entrypoints.openai.parsers.base import (
     ToolCallStream,
     ToolParser,
 )
-from lmserve.entrypoints.openai.parsers.deepseek_r1 import DeepSeekR1ReasoningParser
-from lmserve.entrypoints.openai.parsers.granite import GraniteReasoningParser
-from lmserve.entrypoints.openai.parsers.harmony import GptOssReasoningParser, OpenAIToolParser
-from lmserve.entrypoints.openai.parsers.hermes import HermesToolParser
-from lmserve.entrypoints.openai.parsers.llama3_json import Llama3JsonToolParser
-from lmserve.entrypoints.openai.parsers.mistral import MistralToolParser
-from lmserve.entrypoints.openai.parsers.pythonic import PythonicToolParser
-from lmserve.entrypoints.openai.parsers.qwen3 import Qwen3ReasoningParser
-from lmserve.entrypoints.openai.parsers.qwen3_coder import Qwen3CoderToolParser
+from lmserve.parsers.deepseek_r1 import DeepSeekR1ReasoningParser
+from lmserve.parsers.granite import GraniteReasoningParser
+from lmserve.parsers.harmony import GptOssReasoningParser, OpenAIToolParser
+from lmserve.parsers.hermes import HermesToolParser
+from lmserve.parsers.llama3_json import Llama3JsonToolParser
+from lmserve.parsers.mistral import MistralToolParser
+from lmserve.parsers.pythonic import PythonicToolParser
+from lmserve.parsers.qwen3 import Qwen3ReasoningParser
+from lmserve.parsers.qwen3_coder import Qwen3CoderToolParser
 
 __all__ = [
     "REASONING_PARSERS", "TOOL_PARSERS", "ReasoningParser", "TagReasoningParser", "ToolCall", "ToolCallDelta",

@@ -8,8 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmserve.entrypoints.openai import parsers
-from lmserve.entrypoints.openai.protocol import RequestError
+from lmserve import parsers
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +21,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 @dataclass
+
+class RequestError(ValueError):
+    """A request value the server refuses, with the API field it belongs to."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
 class ChatSettings:
     """reasoning_parser / tool_parser: a parser name, "auto" (chosen from the chat template: parsers.detect_parsers)
     or "none" (reasoning: not split; tools: Hermes). ValueError listing the known names for an unknown one."""

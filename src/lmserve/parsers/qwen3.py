@@ -3,7 +3,7 @@ from the start when the template opened `<think>` in the prompt; no `<think>` (e
 
 from __future__ import annotations
 
-from lmserve.entrypoints.openai.parsers.base import TagReasoningParser
+from lmserve.parsers.base import TagReasoningParser
 
 
 class Qwen3ReasoningParser(TagReasoningParser):

@@ -8,7 +8,7 @@ import ast
 import json
 from typing import Any
 
-from lmserve.entrypoints.openai.parsers.base import ToolCall, ToolParser, partial_suffix
+from lmserve.parsers.base import ToolCall, ToolParser, partial_suffix
 
 START, END = "<|python_start|>", "<|python_end|>"
 
