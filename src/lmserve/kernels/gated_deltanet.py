@@ -1,6 +1,6 @@
 """The C decode step of a Gated DeltaNet layer (gdn_conv_decode_f32, gdn_recurrent_decode_f32 in cpu_kernels.c):
 one token per sequence, the conv window and the delta-rule state updated in place at each sequence's slot. The
-torch path (model/linear_attention.py) is the reference; tests/test_linear_attention.py compares both."""
+torch path (model/linear_attention.py) is the reference; tests/model/test_linear_attention.py compares both."""
 
 from __future__ import annotations
 

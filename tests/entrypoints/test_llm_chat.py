@@ -11,7 +11,7 @@ import pytest
 from lmserve.llm import LLM
 from lmserve.sampling_params import SamplingParams
 from tests.scripted_model import build_scripted_model
-from tests.test_reasoning_server import ANSWER, CALLS, FAMILIES, MSG, THOUGHT, TOOLS
+from tests.server.test_reasoning import ANSWER, CALLS, FAMILIES, MSG, THOUGHT, TOOLS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
