@@ -20,8 +20,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
-@dataclass
-
 class RequestError(ValueError):
     """A request value the server refuses, with the API field it belongs to."""
 
@@ -29,6 +27,8 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param = param
 
+
+@dataclass
 class ChatSettings:
     """reasoning_parser / tool_parser: a parser name, "auto" (chosen from the chat template: parsers.detect_parsers)
     or "none" (reasoning: not split; tools: Hermes). ValueError listing the known names for an unknown one."""
