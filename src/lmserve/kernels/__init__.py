@@ -160,6 +160,12 @@ from lmserve.kernels.stack import (
     LORA_MAX_ROWS as LORA_MAX_ROWS,
 )
 from lmserve.kernels.stack import (
+    SHM_ABORTED as SHM_ABORTED,
+)
+from lmserve.kernels.stack import (
+    SHM_TIMEOUT as SHM_TIMEOUT,
+)
+from lmserve.kernels.stack import (
     decode_stack as decode_stack,
 )
 from lmserve.kernels.stack import (
