@@ -84,5 +84,6 @@ def test_memory_ledger_counts_the_checkpoint(model_dirs: dict[str, Path], name: 
         held = sum(f.get_tensor(k).numel() for k in f.keys())
     shape = load_model_shape(model_dirs[name])
     assert num_parameters(shape) == held
-    runner = LLM(str(model_dirs[name]), num_kv_blocks=8).engine.runner
+    llm = LLM(str(model_dirs[name]), num_kv_blocks=8)  # kept alive: collecting an LLM closes its engine
+    runner = llm.engine.runner
     assert shape.kv_layers == len({id(c) for c in runner.kv_caches}) == runner.config.model.num_kv_layers

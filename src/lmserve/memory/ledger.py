@@ -204,7 +204,7 @@ def _count_parameters(shape: ModelShape, tp: int, active: bool) -> int:
         attn += shape.num_attention_heads // tp
     norms = 2 * h
     mlp_total = sum(_mlp_parameters(shape, tp, sparse, active) for sparse in _sparse_layers(shape))
-    mixers = shape.num_kv_layers * attn
+    mixers = (shape.num_layers - shape.num_linear_layers) * attn  # every attention layer (shared K/V or not)
     if shape.linear is not None:  # tp is 1 here (the engine refuses tensor parallelism for hybrid models)
         mixers += shape.num_linear_layers * _linear_attention_parameters(shape)
 
