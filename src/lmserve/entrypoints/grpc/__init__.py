@@ -16,7 +16,7 @@ def missing_grpc() -> str | None:
         import grpc_reflection.v1alpha.reflection  # noqa: F401
         from google.protobuf import runtime_version  # noqa: F401
 
-        from lmserve.entrypoints.grpc import lmserve_pb2, lmserve_pb2_grpc  # noqa: F401
+        from lmserve.grpc_proto import lmserve_pb2, lmserve_pb2_grpc  # noqa: F401
     except ImportError as e:
         return f"{EXTRA_HINT} ({e})"
     except Exception as e:  # the stubs' version checks (protobuf / grpcio too old) raise other errors
