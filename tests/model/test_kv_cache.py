@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmserve import LLM, SamplingParams, kernels, memory
+from lmserve import LLM, SamplingParams, kernels
 from lmserve.config.engine import EngineArgs
 from lmserve.engine.beam_search import BeamSearchParams
+from lmserve.memory import ledger as memory
 from lmserve.model.attention import AttentionMetadata, _decode_attention, _Spec
 from lmserve.model.kv_cache import KVCache, dequantize, quantize
 from tests.conftest import MODEL_SPECS
