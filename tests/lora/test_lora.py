@@ -326,7 +326,8 @@ def test_async_engine_in_process_with_adapters(bases, adapters) -> None:
     from lmserve.engine.async_engine import AsyncEngine
 
     base = bases["llama"]
-    engine = AsyncEngine(make_llm(base).engine).start()
+    llm = make_llm(base)  # kept alive: collecting an LLM closes its engine
+    engine = AsyncEngine(llm.engine).start()
     reqs = lora_requests(adapters["llama"])
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     names = ["all8", None, "qv64"]
