@@ -27,7 +27,8 @@ from lmserve.config.engine import EngineArgs
 from lmserve.default_model import default_model_path
 from lmserve.sim.inputs import engine_config
 from lmserve.sim.linear_fit import LinearStepModel
-from lmserve.sim.simulator import SimConfig, Simulator, paused_gc
+from lmserve.sim.sim_config import SimConfig
+from lmserve.sim.simulator import Simulator, paused_gc
 from lmserve.sim.step_features import Overheads
 from lmserve.sim.step_model import StepProfile, profile_for
 from lmserve.sim.workload import Workload, build_workload

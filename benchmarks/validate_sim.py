@@ -61,7 +61,8 @@ from lmserve.observability.step_trace import ENV
 from lmserve.sim.api_costs import held_sends, process_cpu_s
 from lmserve.sim.inputs import engine_config
 from lmserve.sim.served_steps import overheads_on_server, scrape_step_counters
-from lmserve.sim.simulator import SimConfig, Simulator
+from lmserve.sim.sim_config import SimConfig
+from lmserve.sim.simulator import Simulator
 from lmserve.sim.step_features import Overheads
 from lmserve.sim.step_model import StepProfile
 from lmserve.sim.workload import Workload

@@ -12,7 +12,8 @@ from lmserve.config.engine import EngineArgs
 from lmserve.core.outputs import CompletionOutput, RequestOutput
 from lmserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from lmserve.engine.closing import EngineClosedError
-from lmserve.engine.llm_engine import LLMEngine, Prompt
+from lmserve.engine.input_processor import Prompt
+from lmserve.engine.llm_engine import LLMEngine
 from lmserve.engine.pooling import pooling_params
 from lmserve.lora.request import LoRARequest
 from lmserve.sampling_params import SamplingParams

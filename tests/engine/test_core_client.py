@@ -19,8 +19,8 @@ from lmserve.engine import core_client
 from lmserve.engine.async_engine import Admission, EngineDeadError, EngineSnapshot
 from lmserve.engine.core_client import (
     AFFINITY_SLACK,
+    CoreView,
     EngineCoreClient,
-    _Core,
     aggregate_snapshots,
     cpu_slices,
 )
@@ -42,7 +42,7 @@ def _snap(running: int = 0, waiting: int = 0, usage: float = 0.0, **extra) -> En
 def _client_with_fake_cores(snaps: list[EngineSnapshot], llama_dir: Path) -> EngineCoreClient:
     config = EngineArgs.from_kwargs(str(llama_dir), num_kv_blocks=64, block_size=BLOCK).create_engine_config()
     client = EngineCoreClient(config, data_parallel_size=len(snaps))
-    client._cores = [_Core(i, None, None, Admission(None), 1, snapshot=s) for i, s in enumerate(snaps)]
+    client._cores = [CoreView(i, None, None, Admission(None), 1, snapshot=s) for i, s in enumerate(snaps)]
     return client
 
 

@@ -129,7 +129,7 @@ def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM, llama_dir: Path) -> N
     first = ref.index(stop_tok)
     assert c.token_ids == ref[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
     # the same token as EOS: finish_reason stop, no stop_reason; ignore_eos runs to max_tokens
-    llm.engine.eos_token_ids = (stop_tok,)
+    saved_eos, llm.engine.eos_token_ids = llm.engine.eos_token_ids, (stop_tok,)
     try:
         eos = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0]
         assert eos.token_ids == ref[: first + 1] and eos.finish_reason == "stop" and eos.stop_reason is None
@@ -138,7 +138,7 @@ def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM, llama_dir: Path) -> N
         low = SamplingParams(max_tokens=12, temperature=0, min_tokens=first + 2)
         assert len(llm.generate([prompt], low, use_tqdm=False)[0].outputs[0].token_ids) >= first + 2
     finally:
-        llm.engine.eos_token_ids = llm.engine._resolve_eos()
+        llm.engine.eos_token_ids = saved_eos
 
 
 def test_stop_string_cuts_text_and_frees_blocks(llm: LLM) -> None:

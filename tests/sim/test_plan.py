@@ -13,7 +13,8 @@ from lmserve.config.engine import EngineArgs
 from lmserve.entrypoints.cli import main
 from lmserve.sim.linear_fit import LinearStepModel
 from lmserve.sim.plan import Candidate, format_plan, parse_space, search, slo_lower_bound
-from lmserve.sim.simulator import SimConfig, Simulator
+from lmserve.sim.sim_config import SimConfig
+from lmserve.sim.simulator import Simulator
 from lmserve.sim.step_model import profile_for
 from lmserve.sim.workload import Workload
 

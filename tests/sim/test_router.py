@@ -10,7 +10,8 @@ from pathlib import Path
 from lmserve.config.engine import EngineArgs
 from lmserve.engine import core_client, router
 from lmserve.engine.async_engine import Admission, EngineSnapshot
-from lmserve.engine.core_client import EngineCoreClient, _Core
+from lmserve.engine.core_client import EngineCoreClient
+from lmserve.engine.core_handles import CoreView
 from lmserve.engine.router import choose_core, first_block_key
 
 BLOCK = 16
@@ -30,7 +31,7 @@ def test_choose_core_matches_engine_core_client_route(llama_dir: Path) -> None:
     num_cores = 4
     config = EngineArgs.from_kwargs(str(llama_dir), num_kv_blocks=64, block_size=BLOCK).create_engine_config()
     client = EngineCoreClient(config, data_parallel_size=num_cores)
-    client._cores = [_Core(i, None, None, Admission(None), 1, snapshot=_snap(0, 0, 0.0)) for i in range(num_cores)]
+    client._cores = [CoreView(i, None, None, Admission(None), 1, snapshot=_snap(0, 0, 0.0)) for i in range(num_cores)]
     affinity: OrderedDict[int, int] = OrderedDict()
     rng = random.Random(0)
     prefixes = [[rng.randrange(1, 500) for _ in range(BLOCK)] for _ in range(6)]

@@ -16,7 +16,9 @@ from lmserve.core.outputs import ModelRunnerOutput
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.sampling_params import SamplingParams
 from lmserve.sim.linear_fit import LinearStepModel, fit_linear
-from lmserve.sim.simulator import SimConfig, Simulator, StepTrace, check_disaggregation, sim_token
+from lmserve.sim.sim_config import SimConfig, check_disaggregation
+from lmserve.sim.sim_result import StepTrace
+from lmserve.sim.simulator import Simulator, sim_token
 from lmserve.sim.step_features import Overheads, StepFeatures
 from lmserve.sim.step_model import StepProfile, profile_for
 from lmserve.sim.workload import Workload, build_workload, fast_prompts, trace_workload
@@ -793,7 +795,7 @@ def test_disaggregated_tokens_and_records_match_colocated(llama_dir: Path) -> No
 
 def test_the_kv_transfer_cost_comes_from_the_flags_then_the_step_model_then_the_defaults(llama_dir: Path) -> None:
     from lmserve.sim.kv_transfer_timing import measure_kv_transfer
-    from lmserve.sim.simulator import DEFAULT_KV_TRANSFER_BLOCK_S, DEFAULT_KV_TRANSFER_LATENCY_S, kv_transfer_cost
+    from lmserve.sim.sim_config import DEFAULT_KV_TRANSFER_BLOCK_S, DEFAULT_KV_TRANSFER_LATENCY_S, kv_transfer_cost
 
     config = _config(llama_dir, num_kv_blocks=64, block_size=16)
     profile = _profile(config, 10.0, prefill_tokens=0.1, decode_rows=1.0)

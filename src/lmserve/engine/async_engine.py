@@ -35,7 +35,8 @@ from lmserve.engine.admission import Admission, _Room, measure_room
 from lmserve.engine.admission import QueueFullError as QueueFullError
 from lmserve.engine.admission import num_unstartable as num_unstartable
 from lmserve.engine.closing import shut_down_at_exit
-from lmserve.engine.llm_engine import LLMEngine, Prompt
+from lmserve.engine.input_processor import Prompt
+from lmserve.engine.llm_engine import LLMEngine
 from lmserve.engine.snapshot import BLOCK_MAP_INTERVAL_S as BLOCK_MAP_INTERVAL_S
 from lmserve.engine.snapshot import BlockMapWatch, EngineSnapshot, take_snapshot
 from lmserve.engine.streams import EngineDeadError, RequestStream, StatLogger, _deliver, _Delivery

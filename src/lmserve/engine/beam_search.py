@@ -34,7 +34,8 @@ from lmserve.request import FinishReason
 from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
-    from lmserve.engine.llm_engine import LLMEngine, Prompt
+    from lmserve.engine.input_processor import Prompt
+    from lmserve.engine.llm_engine import LLMEngine
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 """Each beam asks for its top 2 * beam_width logprobs, and logprobs are capped at MAX_LOGPROBS."""

@@ -9,7 +9,7 @@
     watcher thread per core: its process sentinel (or Ray ObjectRef) → the core's streams fail at once
 
 The API process loads the tokenizer and the config, never the weights, and runs no torch compute (1 thread).
-Validation (LLMEngine.validate / tokenize on a facade holding only the config, tokenizer and KV geometry) and
+Validation (engine/input_processor.py, as the engine runs it) and
 grammar compilation happen here, so bad requests get their 400 before queueing, exactly as with AsyncEngine.
 
 Data parallel routing (N cores, each with its own KV pool and threads): a request goes to the live core with
@@ -42,22 +42,22 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 
 from lmserve.config.engine import EngineConfig
-from lmserve.core.outputs import BlockMap, RequestOutput
+from lmserve.core.outputs import RequestOutput
 from lmserve.engine.admission import Admission
 from lmserve.engine.closing import shut_down_at_exit
 from lmserve.engine.core import CoreLaunch
-from lmserve.engine.core_handles import _ProcessHandle, _RayHandle
+from lmserve.engine.core_handles import CoreView, _ProcessHandle, _RayHandle, bind_host, ray_init
 from lmserve.engine.cpu_slices import CPU_POLICIES, DEFAULT_CPU_POLICY, cpu_slices, default_num_threads
 from lmserve.engine.disaggregation import KVTransferError
+from lmserve.engine.input_processor import InputProcessor, Prompt
 from lmserve.engine.kv_transfer import KVHandoff
-from lmserve.engine.llm_engine import LLMEngine, Prompt
 from lmserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -83,45 +83,12 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("mp", "ray")
 
-class _Facts:
-    """What LLMEngine.tokenize / validate read (config, tokenizer, KV geometry), without the weights."""
-
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
-        from lmserve.core.kv_cache_manager import KVCacheManager
-
-        self.config = config
-        self.tokenizer = tokenizer
-        self.kv = KVCacheManager(1, config.cache.block_size, False)  # num_blocks_for only
-
 
 @dataclass
 class _Stream:
     stream: RequestStream
-    core: _Core
+    core: CoreView
     prompt_token_ids: list[int]
-
-
-@dataclass
-class _Core:
-    """The client's view of one engine core."""
-
-    index: int
-    handle: Any  # _ProcessHandle | _RayHandle
-    socket: zmq.Socket  # PUSH: requests to the core
-    admission: Admission
-    num_threads: int
-    snapshot: EngineSnapshot | None = None
-    block_map: BlockMap | None = None  # the latest the core sent while watched
-    pid: int | None = None
-    alive: bool = True
-    error: str | None = None  # why it died (CoreFailed message or exit status)
-    pending: dict[str, tuple[int, int]] = field(default_factory=dict)  # unacknowledged adds: seqs, blocks
-    streams: set[str] = field(default_factory=set)
-
-    def load(self) -> tuple[int, float]:
-        m = self.snapshot.metrics if self.snapshot is not None else {}
-        queued = m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0)
-        return queued + sum(s for s, _ in self.pending.values()), m.get("kv_cache_usage", 0.0)
 
 
 class EngineCoreClient:
@@ -165,17 +132,17 @@ class EngineCoreClient:
         self.startup_timeout_s = startup_timeout_s
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
         self.generation_defaults: dict[str, Any] = sampling_defaults(config.model.path, config.generation_config)
-        self._facts = _Facts(config, copy.deepcopy(self.tokenizer))
-        eos = LLMEngine._resolve_eos(self._facts)  # type: ignore[arg-type]
+        self._inputs = InputProcessor(config, copy.deepcopy(self.tokenizer))
+        eos = self._inputs.eos_token_ids
         self._structured = StructuredOutputManager(
-            self._facts.tokenizer, config.model.vocab_size, eos,
+            self._inputs.tokenizer, config.model.vocab_size, eos,
             allow_additional_properties=config.structured_outputs_allow_additional_properties,
         )  # fmt: skip
         self.stat_loggers: list[StatLogger] = []
         self._lock = threading.Lock()  # guards _streams, the cores' pending / streams / alive, _affinity, _dead
         self._send_lock = threading.Lock()  # zmq sockets and the encoder are not thread-safe
         self._codec = Codec()
-        self._cores: list[_Core] = []
+        self._cores: list[CoreView] = []
         self._streams: dict[str, _Stream] = {}
         self._tails = LogprobTails()  # the cumulative logprobs of running requests (they cross as tails)
         self._affinity: OrderedDict[int, int] = OrderedDict()  # first-block hash → core index
@@ -270,14 +237,14 @@ class EngineCoreClient:
     # ---- requests (event-loop side) ---------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt, as LLMEngine.tokenize does it."""
+        """Token ids of a prompt, as the engine tokenizes it."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return LLMEngine.tokenize(self._facts, prompt)[1]  # type: ignore[arg-type]
+        return self._inputs.tokenize(prompt)[1]
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """LLMEngine.validate: resolved max_tokens, or ValueError."""
-        return LLMEngine.validate(self._facts, prompt_token_ids, params)  # type: ignore[arg-type]
+        """The engine's validation: resolved max_tokens, or ValueError."""
+        return self._inputs.validate(prompt_token_ids, params)
 
     async def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile a constraint here (raises GrammarError if refused), before the request is queued."""
@@ -366,7 +333,7 @@ class EngineCoreClient:
         for core in cores:
             self._send(core, message)
 
-    def _send(self, core: _Core, message: Any) -> None:
+    def _send(self, core: CoreView, message: Any) -> None:
         with self._send_lock:
             try:
                 core.socket.send(self._codec.encode(message), zmq.NOBLOCK)
@@ -375,7 +342,7 @@ class EngineCoreClient:
 
     # ---- routing ----------------------------------------------------------------------------
 
-    def _route(self, prompt_ids: list[int], lora_int_id: int = 0) -> _Core:
+    def _route(self, prompt_ids: list[int], lora_int_id: int = 0) -> CoreView:
         """The core for a new request (with _lock held): engine/router.choose_core on the live cores' loads."""
         loads = {c.index: c.load() for c in self._cores if c.alive}
         assert loads, "routing with no live core (dead_error is set first)"
@@ -389,8 +356,8 @@ class EngineCoreClient:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         if self.backend == "ray":
-            host = _ray_init(self)
-            output_address = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{_bind_host(host)}')}"
+            host = ray_init(self)
+            output_address = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{bind_host(host)}')}"
         else:
             self._ipc_dir = tempfile.mkdtemp(prefix="lmserve-")
             output_address = f"ipc://{self._ipc_dir}/out"
@@ -401,7 +368,7 @@ class EngineCoreClient:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             if self.backend == "ray":
-                input_address = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{_bind_host(host)}')}"
+                input_address = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{bind_host(host)}')}"
             else:
                 input_address = f"ipc://{self._ipc_dir}/in-{i}"
                 sock.bind(input_address)
@@ -420,7 +387,7 @@ class EngineCoreClient:
             )
             handle = _RayHandle(launch, env) if self.backend == "ray" else _ProcessHandle(launch, env)
             admission = Admission(self.max_queued_requests, self.retry_after_s)
-            self._cores.append(_Core(i, handle, sock, admission, self.num_threads))
+            self._cores.append(CoreView(i, handle, sock, admission, self.num_threads))
         self._wait_ready()
         for core in self._cores:
             t = threading.Thread(target=self._watch, args=(core,), name=f"lmserve-watch-{core.index}", daemon=True)
@@ -479,7 +446,7 @@ class EngineCoreClient:
             elif isinstance(msg, CoreFailed):
                 core.error = msg.error
 
-    def _on_step(self, core: _Core, msg: StepOutputs) -> None:
+    def _on_step(self, core: CoreView, msg: StepOutputs) -> None:
         if msg.handoffs and self.config.kv_transfer is not None:
             _end_handed_off(msg)  # a kv_producer server: the request's answer is its first token and the handoff
         now = time.time()
@@ -521,7 +488,7 @@ class EngineCoreClient:
             delivery.setdefault(stream._loop, _Delivery()).items.append((stream, out))
         _send_delivery(delivery)
 
-    def _watch(self, core: _Core) -> None:
+    def _watch(self, core: CoreView) -> None:
         """Blocks until the core's process (actor) ends; unless shutting down, that is a failure."""
         status = core.handle.wait_exit()
         if self._stopping:
@@ -596,20 +563,3 @@ def _send_delivery(delivery: dict[asyncio.AbstractEventLoop, _Delivery]) -> None
             loop.call_soon_threadsafe(_deliver, d.items)
         except RuntimeError:  # that event loop is closed; its consumers are gone
             pass
-
-
-def _ray_init(client: EngineCoreClient) -> str:
-    """Connect to RAY_ADDRESS's cluster, or start a local Ray (shut down with the client); returns the IP
-    the cores reach this process at."""
-    try:
-        import ray
-    except ImportError:
-        raise RuntimeError("--distributed-executor-backend ray needs Ray: pip install 'lmserve[ray]'") from None
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
-        client._ray_started = True
-    return ray.util.get_node_ip_address()
-
-
-def _bind_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

@@ -10,8 +10,15 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import threading
+from dataclasses import dataclass, field
+from typing import Any
 
+import zmq
+
+from lmserve.core.outputs import BlockMap
+from lmserve.engine.admission import Admission
 from lmserve.engine.core import CoreLaunch, run_engine_core
+from lmserve.engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -131,3 +138,43 @@ class _EngineCoreActor:
 
     def run(self, launch: CoreLaunch) -> None:
         run_engine_core(launch)
+
+
+@dataclass
+class CoreView:
+    """The client's view of one engine core."""
+
+    index: int
+    handle: Any  # _ProcessHandle | _RayHandle
+    socket: zmq.Socket  # PUSH: requests to the core
+    admission: Admission
+    num_threads: int
+    snapshot: EngineSnapshot | None = None
+    block_map: BlockMap | None = None  # the latest the core sent while watched
+    pid: int | None = None
+    alive: bool = True
+    error: str | None = None  # why it died (CoreFailed message or exit status)
+    pending: dict[str, tuple[int, int]] = field(default_factory=dict)  # unacknowledged adds: seqs, blocks
+    streams: set[str] = field(default_factory=set)
+
+    def load(self) -> tuple[int, float]:
+        m = self.snapshot.metrics if self.snapshot is not None else {}
+        queued = m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0)
+        return queued + sum(s for s, _ in self.pending.values()), m.get("kv_cache_usage", 0.0)
+
+
+def ray_init(client: Any) -> str:
+    """Connect to RAY_ADDRESS's cluster, or start a local Ray (shut down with the client); returns the IP
+    the cores reach this process at."""
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--distributed-executor-backend ray needs Ray: pip install 'lmserve[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
+        client._ray_started = True
+    return ray.util.get_node_ip_address()
+
+
+def bind_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

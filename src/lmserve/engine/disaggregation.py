@@ -109,12 +109,10 @@ class KVProducer:
     def _finish(self, pid: str) -> None:
         children = self._parents.pop(pid)
         del self._num_seqs[pid]
-        parent = self.engine._parents.pop(pid, None)
+        parent = self.engine.outputs.pop(pid)
         if parent is None or not any(c.block_ids for c in children.values()):
             assert pid not in self._leased, f"{pid}: leases held, but no sequence to hand off"
             return  # every sequence finished on this side: its output was final, nothing to hand off
-        for child in parent.children:
-            self.engine._child_to_parent.pop(child.request_id, None)
         first = parent.children[0]
         cc = self.engine.config.cache
         self.handoffs.append(
@@ -266,7 +264,8 @@ class KVConsumer:
     def resolve(self) -> list[Any]:
         """Between steps: finish the pulls that answered, start the ones there is room for. Returns the outputs
         of requests that ended here (policy fail)."""
-        announced = [self.engine._make_output(p) for p in self._announce if p.request_id in self.engine._parents]
+        outs = self.engine.outputs
+        announced = [outs.make_output(p) for p in self._announce if p.request_id in outs.parents]
         self._announce = []
         if not self._remote:
             return [o for o in announced if o is not None]
@@ -342,13 +341,13 @@ class KVConsumer:
 
     def _end(self, pid: str) -> Any:
         """Policy fail: every sequence of the request ends (ABORT); its output is the request's last."""
-        parent = self.engine._parents.get(pid)
+        parent = self.engine.outputs.parents.get(pid)
         if parent is None:
             return None
         self.forget([c.request_id for c in parent.children])
         ended = self.engine.scheduler.finish_requests([c.request_id for c in parent.children], FinishReason.ABORT)
         self.engine.counters.num_finished_by_reason[FinishReason.ABORT.value] += len(ended)
-        return self.engine._make_output(parent)
+        return self.engine.outputs.make_output(parent)
 
     def forget(self, child_ids: list[str]) -> None:
         """The sequences ended (aborted or failed): cancel their pulls, release the producer's leases."""

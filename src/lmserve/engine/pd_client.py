@@ -22,7 +22,8 @@ from typing import Any
 
 from lmserve.config.engine import EngineConfig
 from lmserve.config.kv_transfer import KVTransferConfig
-from lmserve.engine.core_client import EngineCoreClient, _Core
+from lmserve.engine.core_client import EngineCoreClient
+from lmserve.engine.core_handles import CoreView
 from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.messages import AbortRequests, AddRequest, StepOutputs
 from lmserve.engine.router import choose_core
@@ -95,11 +96,11 @@ class DisaggregatedClient(EngineCoreClient):
             kv = KVTransferConfig("kv_consumer", **self._kv)
         return dataclasses.replace(self.config, kv_transfer=kv)
 
-    def _route(self, prompt_ids: list[int], lora_int_id: int = 0) -> _Core:
+    def _route(self, prompt_ids: list[int], lora_int_id: int = 0) -> CoreView:
         assert lora_int_id == 0, "LoRA is refused with disaggregation (DisaggregatedClient.__init__)"
         return self._route_role(prompt_ids, "prefill", self._affinity)
 
-    def _route_role(self, prompt_ids: list[int], role: str, affinity: OrderedDict[int, int]) -> _Core:
+    def _route_role(self, prompt_ids: list[int], role: str, affinity: OrderedDict[int, int]) -> CoreView:
         loads = {c.index: c.load() for c in self._cores if c.alive and self.role(c.index) == role}
         if not loads:
             raise EngineDeadError(f"no live {role} engine core")
@@ -117,7 +118,7 @@ class DisaggregatedClient(EngineCoreClient):
             self._in_transfer.pop(request_id, None)
             self._prompt_logprobs.pop(request_id, None)
 
-    def _on_step(self, core: _Core, msg: StepOutputs) -> None:
+    def _on_step(self, core: CoreView, msg: StepOutputs) -> None:
         if self.role(core.index) == "decode":
             with self._lock:
                 for out in msg.outputs:
@@ -138,7 +139,7 @@ class DisaggregatedClient(EngineCoreClient):
                 for f in msg.failed:
                     self._requests.pop(f.request_id, None)
 
-    def _hand_to_decode(self, prefill: _Core, handoff: KVHandoff) -> None:
+    def _hand_to_decode(self, prefill: CoreView, handoff: KVHandoff) -> None:
         rid = handoff.request_id
         with self._lock:
             entry = self._streams.get(rid)
@@ -170,7 +171,7 @@ class DisaggregatedClient(EngineCoreClient):
         if decode is None:  # aborted meanwhile (or no decode core): the prefill core ends the lease
             self._send(prefill, AbortRequests([rid]))
 
-    def _watch(self, core: _Core) -> None:
+    def _watch(self, core: CoreView) -> None:
         super()._watch(core)
         if self._stopping:
             return

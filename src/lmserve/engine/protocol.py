@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from lmserve.config.engine import EngineConfig
-    from lmserve.engine.llm_engine import Prompt
+    from lmserve.engine.input_processor import Prompt
     from lmserve.engine.snapshot import EngineSnapshot
     from lmserve.engine.streams import RequestStream
     from lmserve.lora.request import LoRARequest

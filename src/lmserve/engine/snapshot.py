@@ -103,7 +103,7 @@ SAME_ON_EVERY_CORE = {
     "kv_cache_scale_bytes_per_token",
     "kv_cache_dtype",
     "state_bytes_per_sequence",
-    *CONFIG_LABELS,  # llm_engine.config_metrics: every core runs the same configuration
+    *CONFIG_LABELS,  # counters.config_metrics: every core runs the same configuration
 }
 SMALLEST_NONZERO = {"decode_step_time_min_s"}  # the fastest core's figure (0 = none yet)
 
@@ -111,7 +111,7 @@ SMALLEST_NONZERO = {"decode_step_time_min_s"}  # the fastest core's figure (0 = 
 def aggregate_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
     """One snapshot for N cores: counters and gauges summed (dicts per key), ratios recomputed, per-core
     constants taken from the first; `engines` keeps each core's own."""
-    from lmserve.engine.llm_engine import spec_decode_metrics
+    from lmserve.engine.counters import spec_decode_metrics
 
     first = {k: v for s in reversed(snaps) for k, v in s.metrics.items()}  # every key (roles differ), core 0's first
     metrics: dict[str, Any] = {}

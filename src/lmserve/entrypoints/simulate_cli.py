@@ -165,7 +165,8 @@ def prepare(args: argparse.Namespace, overrides: dict[str, Any] | None = None, t
 def simulate(profile: Any, config: Any, workload: Any, dp: int, tp: int, max_concurrency: int | None,
              step_noise: bool = False, seed: int = 0, pd: dict[str, Any] | None = None) -> Any:  # fmt: skip
     """pd: SimConfig's disaggregation fields (disaggregation, kv_transfer_latency_s, kv_transfer_block_s)."""
-    from lmserve.sim.simulator import SimConfig, Simulator
+    from lmserve.sim.sim_config import SimConfig
+    from lmserve.sim.simulator import Simulator
 
     sim_cfg = SimConfig(config, dp, tp, max_concurrency, step_noise=step_noise, seed=seed, **(pd or {}))
     return Simulator(profile, sim_cfg, config.model.eos_token_ids).run(workload)
@@ -188,7 +189,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     from lmserve.bench.metrics import parse_slos, summarize
     from lmserve.bench.report import format_summary, json_safe, load_pyplot, save_plots, write_json
-    from lmserve.sim.simulator import SimConfig, kv_transfer_cost
+    from lmserve.sim.sim_config import SimConfig, kv_transfer_cost
 
     try:
         slos = parse_slos(args.goodput)
@@ -196,7 +197,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
         pd = disaggregation_args(args)
         if args.disaggregation is not None:
-            from lmserve.sim.simulator import check_disaggregation
+            from lmserve.sim.sim_config import check_disaggregation
 
             check_disaggregation(args.disaggregation)
         if args.plot:

@@ -42,8 +42,6 @@ import operator
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 from lmserve.bench.metrics import RequestRecord
 from lmserve.config.engine import EngineConfig
@@ -54,6 +52,8 @@ from lmserve.engine.router import choose_core
 from lmserve.request import Request, RequestStatus
 from lmserve.sampling_params import SamplingParams
 from lmserve.sim.lazy_pool import LazyBlockPool
+from lmserve.sim.sim_config import SimConfig, check_disaggregation, kv_transfer_cost
+from lmserve.sim.sim_result import ReplicaStats, SimResult, StepTrace
 from lmserve.sim.step_features import Overheads, StepTimeFn
 from lmserve.sim.step_model import StepProfile
 from lmserve.sim.workload import Workload
@@ -66,12 +66,6 @@ from lmserve.sim.workload import Workload
 # (a send's stall before a delivery or a wake-up at the same time: a step they start was not in progress at the send)
 _PULL_DONE, _STEP_END, _STALL, _HANDOFF, _DELIVER_REMOTE, _DELIVER, _ARRIVE, _WAKE = 0, 1, 2, 3, 4, 5, 6, 7
 FINISHED = RequestStatus.FINISHED
-# the KV transfer's cost when the config gives none: a ZeroMQ round trip on one host, and a 16-token block of a
-# small model copied at memory speed (calibrate measures both into the step model; --kv-transfer-*-us set them)
-DEFAULT_KV_TRANSFER_LATENCY_S = 200e-6
-DEFAULT_KV_TRANSFER_BLOCK_S = 20e-6
-
-
 def sim_token(prompt_hash: int, position: int, vocab_size: int) -> int:
     """The token a simulated request 'samples' at `position`: a function of its prompt, as greedy decoding is."""
     return (prompt_hash + 7919 * position) % vocab_size
@@ -104,125 +98,6 @@ def step_features_and_tokens(
     return prefill, segments, rows, context, pairs, sampled
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    engine: EngineConfig
-    data_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    max_concurrency: int | None = None  # the client's cap on requests in flight (bench serve --max-concurrency)
-    disaggregation: str | None = None  # "xPyD": x prefill replicas, y decode replicas (instead of data parallel)
-    # a KV pull's cost: per pull (a request's missing blocks) and per block; None: the step model's measured figures
-    # (calibrate), else DEFAULT_KV_TRANSFER_*
-    kv_transfer_latency_s: float | None = None
-    kv_transfer_block_s: float | None = None
-    record_steps: bool = False  # keep a StepTrace per step (tests, debugging; costs memory)
-    step_noise: bool = False  # multiply each step by a draw from the profile's measured/fitted ratios
-    seed: int = 0  # of the step noise
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
-            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size!r}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
-        if self.disaggregation is not None:
-            check_disaggregation(self.disaggregation)
-            if self.data_parallel_size != 1:
-                raise ValueError("--disaggregation sets the replicas (xPyD); --data-parallel-size must stay 1")
-        for name, flag in (("kv_transfer_latency_s", "latency"), ("kv_transfer_block_s", "block")):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"the KV transfer's cost: {name} (--kv-transfer-{flag}-us) must be a number of "
-                                 f"seconds >= 0, got {value!r}")  # fmt: skip
-        if self.engine.speculative is not None:
-            raise ValueError("--speculative-config: speculative decoding is not simulated (acceptance is not modelled)")
-
-
-def check_disaggregation(spec: str) -> tuple[int, int]:
-    """Parse "xPyD" (x prefill replicas, y decode replicas), as `lmserve serve --disaggregation`."""
-    import re
-
-    m = re.fullmatch(r"(\d+)P(\d+)D", spec.strip(), re.IGNORECASE)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise ValueError(f"--disaggregation must look like 2P1D (prefill and decode replicas), got {spec!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
-def kv_transfer_cost(config: SimConfig, overheads: Overheads) -> tuple[float, float]:
-    """(seconds per pull, seconds per block) of a KV transfer: the config's, else the step model's measured ones
-    (calibrate), else the defaults."""
-
-    def first(*values: float | None) -> float:
-        return next(v for v in values if v is not None)
-
-    return (
-        first(config.kv_transfer_latency_s, overheads.kv_transfer_latency_s, DEFAULT_KV_TRANSFER_LATENCY_S),
-        first(config.kv_transfer_block_s, overheads.kv_transfer_block_s, DEFAULT_KV_TRANSFER_BLOCK_S),
-    )
-
-
-@dataclass
-class StepTrace:
-    """One simulated step of one replica (SimConfig.record_steps)."""
-
-    replica: int
-    index: int  # the replica's step number, from 0
-    start_s: float
-    end_s: float
-    scheduled: list[tuple[str, int, int]]  # (request id, start, num_new_tokens) in scheduled order
-    admitted: list[str]  # requests that were not running before this step's schedule()
-    preempted: list[str]
-    finished: list[str]
-
-
-@dataclass
-class ReplicaStats:
-    num_steps: int = 0
-    busy_s: float = 0.0
-    step_s: float = 0.0  # of busy_s, the step model's time (without the core loop's overhead)
-    num_requests: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    max_running: int = 0
-    role: str = "colocated"  # or "prefill" / "decode" (disaggregation)
-    num_blocks_pulled: int = 0  # decode role: KV blocks pulled from prefill replicas
-    num_blocks_hit: int = 0  # decode role: prompt blocks found in the local prefix cache instead
-
-
-@dataclass
-class SimResult:
-    records: list[RequestRecord]
-    duration_s: float  # first arrival to the last response's end (bench serve's duration)
-    replicas: list[ReplicaStats]
-    wall_s: float  # what the simulation itself took
-    steps: list[StepTrace] = field(default_factory=list)
-
-    @property
-    def num_steps(self) -> int:
-        return sum(r.num_steps for r in self.replicas)
-
-    def stats_dict(self) -> dict[str, Any]:
-        reps = self.replicas
-        queries = sum(r.prefix_cache_queries for r in reps)
-        return {
-            "num_replicas": len(reps),
-            "num_steps": self.num_steps,
-            "num_preemptions": sum(r.num_preemptions for r in reps),
-            "prefix_cache_hit_rate": sum(r.prefix_cache_hits for r in reps) / queries if queries else 0.0,
-            "mean_replica_utilization": (
-                sum(r.busy_s for r in reps) / (len(reps) * self.duration_s) if self.duration_s > 0 else 0.0
-            ),
-            "roles": [r.role for r in reps],
-            "kv_blocks_pulled": sum(r.num_blocks_pulled for r in reps),
-            "kv_blocks_hit_on_decode": sum(r.num_blocks_hit for r in reps),
-            "requests_per_replica": [r.num_requests for r in reps],
-            "max_running_per_replica": [r.max_running for r in reps],
-            "simulation_wall_s": self.wall_s,
-        }
-
-
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
     """The cyclic garbage collector off for a block: a simulation allocates millions of long-lived objects
@@ -244,14 +119,6 @@ def paused_gc() -> Iterator[None]:
             gc.freeze()
             gc.unfreeze()
             gc.enable()
-
-
-class _Facts:
-    """What LLMEngine.validate reads (the config and the KV geometry), as the API process holds them."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.kv = KVCacheManager(1, config.cache.block_size, False, config.cache.sliding_window)
 
 
 class _Replica:
@@ -318,7 +185,7 @@ class Simulator:
             return self._run(workload)
 
     def _run(self, workload: Workload) -> SimResult:
-        from lmserve.engine.llm_engine import LLMEngine
+        from lmserve.engine.input_processor import InputProcessor  # (the engine's modules load torch)
 
         wall0 = time.perf_counter()
         cfg = self.config
@@ -342,7 +209,7 @@ class Simulator:
         post_prefill = self.post_prefill_s
         noise = self.noise
         record_steps = cfg.record_steps
-        facts = _Facts(engine)
+        inputs = InputProcessor(engine, tokenizer=None)  # validation only
         num_prefill, num_decode = (
             check_disaggregation(cfg.disaggregation) if cfg.disaggregation else (cfg.data_parallel_size, 0)
         )
@@ -434,7 +301,7 @@ class Simulator:
             raw = prompt if tolist is None else tolist()
             try:
                 ids = list(map(ints.__getitem__, raw))
-            except IndexError:  # an id past the vocabulary: LLMEngine.validate refuses it below, with its message
+            except IndexError:  # an id past the vocabulary: the engine's validation refuses it below, with its message
                 ids = list(raw)
             if raw and min(raw) < 0:  # (ints[-1] would read as a valid id): validate refuses it too
                 ids = list(raw)
@@ -443,7 +310,7 @@ class Simulator:
             if params is None:
                 params = params_by_len[out_len] = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
             try:
-                max_tokens = LLMEngine.validate(facts, ids, params)  # type: ignore[arg-type]
+                max_tokens = inputs.validate(ids, params)
             except ValueError as e:
                 rec.error, rec.end_s = f"HTTP 400: {e}", t + egress
                 finish_client(i, t + egress)
