@@ -1,13 +1,9 @@
-"""Paged attention: K/V of new tokens are written into the block-structured cache by slot mapping,
-and queries read their history back through block tables.
+"""Paged attention: K/V of new tokens are written into the block-structured cache by slot mapping (write_kv),
+and queries read their history back through block tables (paged_attention).
 
-Cache layout per layer (one tensor for K, one for V; see kv_cache.py for the storage dtypes and scales):
-
-    (num_blocks, block_size, num_kv_heads, head_dim)
-    slot = block_id * block_size + offset_in_block   →   flat row of view(-1, num_kv_heads, head_dim)
-
-A step's tokens are flat (no batch dimension): first the decode tokens (one query per request),
-then each prefill chunk as a contiguous segment.
+Per layer K and V are (num_blocks, block_size, num_kv_heads, head_dim), slot = block_id * block_size + offset.
+A step's tokens are flat: the decode tokens first (one query per request), then each prefill chunk as a contiguous
+segment (AttentionMetadata). Storage dtypes and scales: kv_cache.py; docs/kv_cache.md.
 """
 
 from __future__ import annotations
