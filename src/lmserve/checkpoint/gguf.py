@@ -1,9 +1,8 @@
 """GGUF checkpoints (llama.cpp's format): metadata → an HF-style config dict, tensors → HF-named arrays.
 
-GGUFCheckpoint maps the file (via the `gguf` package) onto what lmserve reads from an HF directory, with llama.cpp's
-q/k RoPE permutation undone; iter_hf_tensors yields the weights, keeping the types the quantized kernels run
-(kept_quantized) and dequantizing the rest. No torch, so `lmserve memory --model file.gguf` stays torch-free.
-Which types run as they are is in docs/quantization.md.
+GGUFCheckpoint maps the file (the `gguf` package) onto what lmserve reads from an HF directory, q/k RoPE permutation
+undone; iter_hf_tensors keeps the types the quantized kernels run (kept_quantized) and dequantizes the rest. No torch.
+Which types run as they are: docs/quantization.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Iteration-level scheduling with a token budget (Scheduler). Imports no torch.
 
-Each step: running requests first (a decode token, or a chunk of an unfinished prefill), then waiting requests FCFS
-while the budget, max_num_seqs and free blocks allow; out of blocks, the most recently admitted running request is
-preempted by recompute. `static` admits a whole batch and lets nothing join until it drains. Speculative
-proposals are tentatively appended tokens, rolled back when rejected.
+Running requests first, then waiting ones FCFS while the budget, max_num_seqs and free blocks allow; out of blocks,
+the most recently admitted running request is preempted by recompute. `static` admits a batch and lets nothing join
+until it drains. Speculative proposals are tentatively appended tokens, rolled back when rejected.
 """
 
 from __future__ import annotations

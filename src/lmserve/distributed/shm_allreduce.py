@@ -1,9 +1,8 @@
-"""A shared-memory all-reduce and gather for the ranks of one tensor-parallel group on one host (ShmAllReduce):
-a /dev/shm file mapped by every rank, sequence flags spun on then slept on, no sockets.
+"""A shared-memory all-reduce and gather for the ranks of one tensor-parallel group on one host (ShmAllReduce).
 
-Every rank sums the slots in rank order, so results are identical on all ranks; the C kernels
-(cpu_kernels.c: shm_all_reduce_f32) share the same call sequence. x86-64 only (total store order).
-The protocol is in docs/tensor_parallel.md.
+A /dev/shm file mapped by every rank, sequence flags spun on then slept on, slots summed in rank order (the same bits
+on every rank); the C kernels (cpu_kernels.c: shm_all_reduce_f32) share the call sequence. x86-64 only (total store
+order). The protocol: ShmAllReduce and docs/tensor_parallel.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Beam search on top of the engine, as vLLM's `LLM.beam_search` (beam_search, BeamSearchParams): every step
-re-submits each live beam as a one-token greedy request asking for its top logprobs, all beams of all prompts
-together; prefix caching spares the re-submitted beams' cached blocks.
+"""Beam search on top of the engine, as vLLM's `LLM.beam_search` (beam_search, BeamSearchParams).
 
-The selection follows HF transformers' `_beam_search` exactly (scores in float32), reproducing
-`generate(num_beams=k, do_sample=False, ...)` token for token; the rules are in docs/serving.md.
+Every step re-submits each live beam as a one-token greedy request for its top logprobs, all beams of all prompts
+together (prefix caching spares their cached blocks). Selection follows HF's `_beam_search` exactly (float32 scores),
+reproducing `generate(num_beams=k, do_sample=False, ...)` token for token; the rules are in docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """EngineCoreClient: AsyncEngine's interface, with the engine in separate engine-core processes.
 
-The API process tokenizes, validates, routes (router.choose_core) and admits here, sends AddRequest /
-AbortRequests to the cores, and a receiver thread delivers their StepOutputs to the RequestStreams; a watcher
-thread per core fails a dead core's streams at once. Launching is core_handles.py, CPU slices cpu_slices.py.
-The layout, routing and faults are in docs/processes.md.
+The API process tokenizes, validates, routes (router.choose_core) and admits here; a receiver thread delivers the
+cores' StepOutputs to the RequestStreams and a watcher thread per core fails a dead core's streams at once.
+Launching: core_handles.py; CPU slices: cpu_slices.py. Layout, routing and faults: docs/processes.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Incremental detokenization and stop-string matching for one streamed sequence (IncrementalDetokenizer).
 
-Each step decodes only a short window of the newest tokens (vLLM's prefix_offset / read_offset technique), holds
-back unfinished UTF-8 characters, tokenization-space cleanup and possible stop-string prefixes; without a stop
-match the deltas plus flush() concatenate to exactly `tokenizer.decode(output_ids, skip_special_tokens=...)`.
-min_tokens follows vLLM: no stop string may end within the text of the first min_tokens tokens.
+Each step decodes a short window of the newest tokens (vLLM's prefix_offset / read_offset), holding back unfinished
+UTF-8, space cleanup and possible stop-string prefixes; without a stop match the deltas plus flush() equal
+`tokenizer.decode(output_ids)`. min_tokens follows vLLM: no stop string may end within the first min_tokens tokens.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Prefill/decode disaggregation inside one LLMEngine: the producer role (KVProducer: hand a request off after its
-first token, its KV under a lease) and the consumer role (KVConsumer: continue a handed-off request from pulled KV,
-resolving it between steps from the local prefix cache plus a pull of the missing blocks).
+"""Prefill/decode disaggregation inside one LLMEngine: the producer (KVProducer) and the consumer role (KVConsumer).
 
-A failed pull follows kv_load_failure_policy (fail or recompute). The engine is passed in, duck-typed (no import
-of llm_engine). The flow is in docs/disaggregation.md.
+The producer hands a request off after its first token, its KV under a lease; the consumer continues it, resolving
+it between steps from its prefix cache plus a pull of the missing blocks (kv_load_failure_policy on failure). The
+engine is passed in, duck-typed (no import of llm_engine). The flow: docs/disaggregation.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Moving KV blocks between engines (prefill/decode disaggregation): the handoff record (KVHandoff), block export
-and import, the producer's leases (KVLeases) and KV server (KVServer), the consumer's puller (KVPuller).
+"""Moving KV blocks between engines (prefill/decode disaggregation): KVHandoff, block export / import, the producer's
+leases (KVLeases) and KV server (KVServer), the consumer's puller (KVPuller).
 
-ZeroMQ carries the blocks (ipc inside one server, tcp between hosts) as raw tensor bytes, nothing unpickled.
-The KV server copies leased blocks only under KVLeases.lock, under which the engine thread frees them, so a block
-is never reused while it is being copied. See docs/disaggregation.md.
+ZeroMQ carries raw tensor bytes (ipc in one server, tcp between hosts; nothing unpickled). Blocks are copied and freed
+only under KVLeases.lock, so a block is never reused mid-copy. See docs/disaggregation.md.
 """
 
 from __future__ import annotations

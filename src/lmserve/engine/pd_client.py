@@ -1,9 +1,8 @@
-"""DisaggregatedClient: `lmserve serve --disaggregation NPmD`, EngineCoreClient over P prefill cores and D decode
-cores (disjoint CPU slices, as data parallel), one ordinary response per request.
+"""DisaggregatedClient: `lmserve serve --disaggregation NPmD`, EngineCoreClient over P prefill and D decode cores.
 
-A request goes to a prefill core, its handoff to a decode core (each chosen by router.choose_core among the live
-cores of its role), which pulls the missing blocks from the prefill core's KV server; both cores' outputs feed the
-same stream. Aborts and dead cores: docs/disaggregation.md.
+A request goes to a prefill core and its handoff to a decode core (each by router.choose_core among the live cores
+of its role), which pulls the missing blocks from the prefill core's KV server; both feed one stream, one ordinary
+response per request. Aborts and dead cores: docs/disaggregation.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Tensor parallelism's processes (TPExecutor): the engine (scheduler, sampler) runs rank 0 in its own process and
-drives ranks 1..N-1, spawned worker processes (worker_main), SPMD.
+"""Tensor parallelism's processes (TPExecutor): the engine runs rank 0 and drives ranks 1..N-1, spawned workers, SPMD.
 
-Per step the model's flat inputs (not the SchedulerOutput) cross to each rank, msgpack-encoded once; workers hold
-no request state, and sampling happens once on rank 0 from the gathered logits. A dead worker is seen by a watcher
-thread at once and fails the next step. See docs/tensor_parallel.md.
+Per step the model's flat inputs cross to each rank, msgpack-encoded once; workers hold no request state and
+sampling happens once, on rank 0, from the gathered logits. A watcher thread sees a dead worker at once and the next
+step fails. See docs/tensor_parallel.md.
 """
 
 from __future__ import annotations

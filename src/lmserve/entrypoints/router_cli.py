@@ -1,9 +1,8 @@
-"""`lmserve router --prefill URL [...] --decode URL [...] --port P`: an OpenAI-compatible proxy in front of
-kv_producer and kv_consumer servers (prefill/decode disaggregation across servers, vLLM's proxy shape).
+"""`lmserve router --prefill URL [...] --decode URL [...]`: an OpenAI-compatible proxy in front of kv_producer and
+kv_consumer servers (prefill/decode disaggregation across servers, vLLM's proxy shape).
 
-A request is prefilled on a prefill server (kv_transfer_params {"do_remote_decode": true}), then sent with the
-returned kv_transfer_params to a decode server, which pulls the KV and answers. Router, run_router; see
-docs/disaggregation.md.
+A request is prefilled on a prefill server, then sent with the returned kv_transfer_params to a decode server, which
+pulls the KV and answers (Router, run_router). See docs/disaggregation.md.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request, imported locally)

@@ -1,9 +1,8 @@
 """KV-cache memory ledger: how many bytes the weights and the KV cache take, and how many requests fit in a budget.
 
-Pure arithmetic (no torch), so the engine can size its block pool before it allocates anything and
-`lmserve memory` can answer "will it fit?" without a GPU. Shapes come from checkpoint/shape.py, byte units from
-memory/units.py, the report from memory/report.py. Its conventions (KV bytes, paging, tensor parallel, sliding
-windows) are in docs/memory.md.
+Pure arithmetic (no torch): the engine sizes its block pool with it and `lmserve memory` answers "will it fit?"
+without a GPU. Shapes: checkpoint/shape.py; units: memory/units.py; the report: memory/report.py. Its conventions
+(KV bytes, paging, tensor parallel, sliding windows) are in docs/memory.md.
 """
 
 from __future__ import annotations

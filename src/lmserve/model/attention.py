@@ -1,9 +1,8 @@
-"""Paged attention: K/V of new tokens are written into the block-structured cache by slot mapping (write_kv),
-and queries read their history back through block tables (paged_attention).
+"""Paged attention: new tokens' K/V written into the block cache by slot mapping (write_kv), history read back
+through block tables (paged_attention).
 
-Per layer K and V are (num_blocks, block_size, num_kv_heads, head_dim), slot = block_id * block_size + offset.
-A step's tokens are flat: the decode tokens first (one query per request), then each prefill chunk as a contiguous
-segment (AttentionMetadata). Storage dtypes and scales: kv_cache.py; docs/kv_cache.md.
+Slot = block_id * block_size + offset. A step's tokens are flat: decode tokens first (one query per request), then
+each prefill chunk as a contiguous segment (AttentionMetadata). Layout and dtypes: kv_cache.py, docs/kv_cache.md.
 """
 
 from __future__ import annotations

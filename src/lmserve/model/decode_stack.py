@@ -1,9 +1,8 @@
-"""The whole decoder stack of a small pure-decode step in one C call (kernels.decode_stack), without the Python
-between kernels: the same kernels in the same order, so hidden states are bit-identical to the module path.
+"""The whole decoder stack of a small pure-decode step in one C call (kernels.decode_stack), bit-identical to the
+module path: the same kernels in the same order, without the Python between them.
 
-DecodeStack.supports says which models (the plain pre-norm Llama layout, every projection on its C kernel),
-DecodeStack.applies which steps (all decodes, at most max_rows); tensor-parallel ranks all-reduce from C, and LoRA
-deltas are added in C. See docs/cpu_kernels.md, docs/tensor_parallel.md and docs/lora.md.
+DecodeStack.supports: which models (plain pre-norm Llama layout, every projection on its C kernel); .applies: which
+steps (all decodes, at most max_rows). TP all-reduce and LoRA deltas run from C. See docs/cpu_kernels.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """One layer's paged KV cache in its storage dtype (EngineArgs.kv_cache_dtype), and the quantize / dequantize
 steps between it and the model's activations (KVCache, quantize, dequantize).
 
-Values are (num_blocks, block_size, num_kv_heads, head_dim); int8 and fp8 add a float32 scale per (slot, KV head),
-written with the row from its own absolute maximum (x ≈ scale * value), so scales follow their blocks. The C
-kernels write and read the same bytes. See docs/kv_cache.md.
+int8 and fp8 add a float32 scale per (slot, KV head) from the row's own absolute maximum (x ≈ scale * value), so
+scales follow their blocks; the C kernels read and write the same bytes. See docs/kv_cache.md.
 """
 
 from __future__ import annotations

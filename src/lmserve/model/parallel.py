@@ -1,9 +1,8 @@
-"""Tensor parallelism, Megatron-style (as vLLM's column / row / vocab-parallel layers): which slice of each weight a
-rank holds, the slicing at load, and the collectives a split decoder needs, attached to an unchanged CausalLM.
+"""Tensor parallelism, Megatron-style (vLLM's column / row / vocab-parallel layers): each rank's slice of each
+weight, the slicing at load, and the collectives a split decoder needs, attached to an unchanged CausalLM.
 
-q/k/v and gate/up are column-parallel, o and down row-parallel (one all-reduce each), embedding and LM head
-vocab-parallel, norms replicated. The model is built from `local_config(cfg, tp)`, so the C kernels run on the
-local shard unchanged; `parallelize` attaches the Collectives. See docs/tensor_parallel.md.
+The model is built from `local_config(cfg, tp)`, so the C kernels run on the local shard unchanged; `parallelize`
+attaches the Collectives. The split: docs/tensor_parallel.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Quantized linear weights: their layouts, the quantization math (the PyTorch reference every kernel is
-tested against), and the checkpoint format `lmserve quantize` writes (write_quantized_checkpoint).
+"""Quantized linear weights: their layouts, the quantization math (the PyTorch reference every kernel is tested
+against), and the checkpoint format `lmserve quantize` writes (write_quantized_checkpoint).
 
-Methods int8 (W8A8) and int4 (W4A8 or weight-only), plus GGUF's block-32 and K-quant tensors as they are in the
-file; layouts int8, int4, int8w, int5, kquant and the W4A8 panels (W4A8Weights). The formulas and the byte
-layouts are in docs/quantization.md.
+Methods int8 (W8A8) and int4 (W4A8 or weight-only), GGUF's block-32 and K-quant tensors as in the file; layouts
+int8, int4, int8w, int5, kquant and the W4A8 panels. Formulas and byte layouts: docs/quantization.md.
 """
 
 from __future__ import annotations

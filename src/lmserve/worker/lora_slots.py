@@ -1,9 +1,7 @@
-"""The model runner's adapters (LoRASlotPool): loaded ones in RAM (LRU, max_cpu_loras) and the max_loras compute
-slots' weights.
+"""The model runner's adapters (LoRASlotPool): loaded ones in RAM (LRU, max_cpu_loras) and the compute slots' weights.
 
-The scheduler assigns `request.lora_slot` (core/lora_slots.py); this pool copies the named adapter into its slot
-(from RAM, or from disk if dropped) on the first step that needs it, and builds the step's row groups for the
-hooks (lora/layers.py).
+The scheduler assigns `request.lora_slot` (core/lora_slots.py); this pool copies the adapter into its slot (from RAM,
+or from disk if dropped) on the first step that needs it, and builds the step's row groups for lora/layers.py.
 """
 
 from __future__ import annotations
