@@ -274,3 +274,30 @@ def test_the_package_cli_and_bench_client_load_without_torch() -> None:
         assert "NoSuchName" in str(e)
     else:
         raise AssertionError("an unknown name must raise AttributeError")
+
+
+MAX_MODULE_DOCSTRING_LINES = 6  # a few lines saying what the module is; detail goes to docs/<capability>.md
+
+
+def long_module_docstrings(src: Path = SRC) -> list[str]:
+    """'lines path' for each module (grpc_proto's generated stubs aside) whose docstring, closing quotes included,
+    runs past MAX_MODULE_DOCSTRING_LINES lines."""
+    out = []
+    for path in module_files(src).values():
+        if "grpc_proto" in path.parts:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
+        lines = doc.count("\n") + 1 if doc else 0
+        if lines > MAX_MODULE_DOCSTRING_LINES:
+            out.append(f"{lines} {path.relative_to(src)}")
+    return out
+
+
+def test_module_docstrings_are_short(tmp_path: Path) -> None:
+    """Module docstrings say what the module is in at most 6 lines (measurements: docs/performance.md)."""
+    (tmp_path / "lmserve").mkdir()
+    (tmp_path / "lmserve" / "ok.py").write_text('"""One line."""\n')
+    (tmp_path / "lmserve" / "long.py").write_text('"""Summary.\n\n' + "detail\n" * 4 + '"""\n')
+    assert long_module_docstrings(tmp_path) == ["7 lmserve/long.py"]
+    offenders = long_module_docstrings()
+    assert not offenders, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines: {offenders}"

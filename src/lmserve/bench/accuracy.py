@@ -1,11 +1,7 @@
-"""Held-out accuracy of an engine configuration: perplexity and greedy next-token agreement.
+"""Held-out accuracy of an engine configuration: perplexity and greedy next-token agreement (`score`).
 
-Quantized weights or a quantized KV cache change the model; these numbers say by how much. The text is
-the bundled model's held-out sample (`default_model/heldout.jsonl`, chunks of the validation split that
-`scripts/fetch_corpus.py` writes, never seen in training). Scoring runs through the engine itself with
-`prompt_logprobs=1`, so whatever path the configuration takes (kernels, packed weights, KV dtype) is
-what gets measured. A small `max_num_batched_tokens` makes every window a chunked prefill whose later
-chunks read the earlier ones back from the KV cache.
+Scoring runs through the engine itself with `prompt_logprobs=1` on the bundled model's held-out text
+(`heldout_windows`), so whatever path the configuration takes (kernels, packed weights, KV dtype) is measured.
 """
 
 from __future__ import annotations

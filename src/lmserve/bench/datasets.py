@@ -1,10 +1,7 @@
 """Benchmark prompt sets, all offline: random, prefix (shared prefix groups), sharegpt (local file), jsonl.
 
-Prompts are built with the benchmark tokenizer so their lengths are exact: a random prompt is a string of
-" word" pieces, each of which the tokenizer encodes as exactly one token (the byte-level pre-tokenizer splits
-text at those pieces, so their concatenation encodes to one token per piece). Every request gets a
-different prompt (random models repeat themselves; identical prompts would also hit the prefix cache).
-A prompt's length counts the special tokens the tokenizer adds (as a server's tokenizer does).
+PromptBuilder makes prompts of exact token lengths (counting the tokenizer's special tokens), every request a
+different prompt; build_requests / add_dataset_args / dataset_config_from_args are the entry points.
 """
 
 from __future__ import annotations
@@ -84,7 +81,10 @@ def load_tokenizer(path: str) -> Any:
 
 
 class PromptBuilder:
-    """Makes text prompts of an exact token count from single-token " word" pieces of the vocabulary."""
+    """Makes text prompts of an exact token count from single-token " word" pieces of the vocabulary.
+
+    The byte-level pre-tokenizer splits text at those pieces, so their concatenation encodes to one token per piece.
+    """
 
     def __init__(self, tokenizer: Any, seed: int = 0) -> None:
         self.tokenizer = tokenizer

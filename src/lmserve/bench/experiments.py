@@ -1,20 +1,8 @@
 """`lmserve bench experiments`: the classic serving experiments, written up as Markdown with PNG plots.
 
-    1. fixed output length, prompt length swept        → TTFT
-    2. fixed prompt, output length swept               → E2E, and the check E2E ≈ TTFT + (N−1)·TPOT
-    3. concurrency swept                               → output throughput vs P99 TPOT (the trade-off curve)
-    4. HF transformers one-request loop vs lmserve     → throughput and latency on the same workload
-    5. static vs continuous batching, same engine      → TTFT, TPOT, throughput with mixed output lengths
-    6. prefix cache on vs off, shared system prompt    → TTFT; and a burst sharing a prompt, in-step sharing on/off
-    7. colocated vs prefill/decode disaggregated (1P1D), Poisson rates → SLO attainment, goodput (pd_goodput.py)
-
-The harness starts `lmserve serve` itself (a subprocess on a free loopback port; experiments 5 and 6
-restart it with other engine flags), or targets `--base-url` (then 5 and 6, which need server flags,
-are skipped; 4 needs `--model` to be a local HF directory for the HF side).
-
-One module past 500 lines because it is one thing: the six experiments, each a function that runs its points and
-writes its own Markdown section, and the command that runs them in order and writes report.md and results.json.
-What they stand on (the server subprocess, Workloads, Harness) is harness.py.
+exp1 .. exp6 each run their points and write their own Markdown section (experiment 7 is pd_goodput.py);
+run_bench_experiments runs them in order and writes report.md and results.json. The harness they stand on is
+harness.py; the list of experiments is in docs/benchmarking.md.
 """
 
 from __future__ import annotations

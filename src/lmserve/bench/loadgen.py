@@ -1,17 +1,8 @@
 """Load generator for any OpenAI-compatible endpoint (lmserve, vLLM, llama.cpp's server), or lmserve's gRPC API
-(`backend="grpc"`, `base_url="grpc://host:port"`: GenerateStream over one HTTP/2 channel, timed the same way).
+(`backend="grpc"`, `base_url="grpc://host:port"`): run_load, then finalize into RequestRecords.
 
-One asyncio process, kept light because on a small machine the client steals CPU from the server: the hot
-loop only timestamps network reads and keeps the raw SSE payloads; JSON parsing and any tokenizer work
-happen after the run (`finalize`).
-
-Arrivals: open loop with gamma-distributed gaps (mean 1/rate, shape = burstiness, so burstiness 1 is a
-Poisson process and the gaps' coefficient of variation is 1/sqrt(burstiness)); `rate = inf` sends all at
-once. `max_concurrency` caps requests in flight (closed loop): a request that arrives while the cap is
-reached waits in the client, and that wait counts in latency "from arrival" but not "from send".
-
-Past 500 lines because it is one thing, a load run: the arrivals, the two transports timed the same way (SSE over
-HTTP, gRPC streams), and `finalize`, which turns what was timed into RequestRecords after the run.
+The hot loop only timestamps network reads and keeps raw payloads (the client shares the server's CPUs); parsing
+happens after the run. arrival_offsets_s gives the open-loop arrivals; LoadConfig.max_concurrency caps requests.
 """
 
 from __future__ import annotations
@@ -87,7 +78,11 @@ class LoadConfig:
 def arrival_offsets_s(
     num_requests: int, rate_rps: float, burstiness: float = 1.0, seed: int = 0
 ) -> list[float]:
-    """Scheduled arrival of each request in seconds from the start; the first arrives at 0."""
+    """Scheduled arrival of each request in seconds from the start; the first arrives at 0.
+
+    Gaps are gamma-distributed with mean 1/rate and shape `burstiness` (1 = Poisson); `rate_rps = inf` sends all
+    at once.
+    """
     if num_requests <= 0:
         return []
     if math.isinf(rate_rps):

@@ -1,26 +1,8 @@
 """Serving metrics from per-request timelines: pure math, no I/O, no clock.
 
-Timeline of one streamed request (times in seconds from the benchmark start, the first scheduled arrival):
-
-    scheduled_s ── send_s ─────── chunk 0 ──── chunk 1 ───── ... ──── chunk k (last token)
-    │  client     │                 │ TTFT ends  │                        │ E2E ends
-    │  queueing   │                 │            │                        │
-    └─ latency "from arrival" starts here (the honest one: client queueing cannot hide delay)
-                  └─ latency "from send" starts here
-
-Definitions (one request):
-    TTFT  = first token-bearing chunk − start
-    E2E   = last token-bearing chunk − start
-    TPOT  = (E2E − TTFT) / (output_tokens − 1)           (undefined for 1-token outputs)
-    ITL   = one value per output token after the first: a chunk carrying k tokens that arrived g seconds
-            after the previous chunk contributes k values of g / k; the extra tokens of the first chunk
-            contribute zeros. So the ITLs of a request sum to E2E − TTFT and their mean is its TPOT.
-Aggregate:
-    request throughput  = successful requests / duration
-    output throughput   = output tokens of successful requests / duration
-    total throughput    = (prompt + output tokens of successful requests) / duration
-    goodput             = requests meeting every SLO / duration (a failed request is a miss)
-    SLO attainment      = requests meeting every SLO / all requests, in %
+request_latency gives one request's TTFT, TPOT, E2E and per-token ITLs, from its scheduled arrival and from its
+send; summarize aggregates RequestRecords into a BenchSummary (throughputs, goodput, SLO attainment, percentiles).
+The definitions are in docs/benchmarking.md.
 """
 
 from __future__ import annotations
@@ -78,7 +60,11 @@ class RequestLatency:
 
 
 def itl_per_token_s(chunk_times_s: list[float], chunk_num_tokens: list[int]) -> list[float]:
-    """Inter-token latencies, one per output token after the first (see the module docstring)."""
+    """Inter-token latencies, one per output token after the first.
+
+    A chunk of k tokens arriving g seconds after the previous chunk gives k values of g / k; the first chunk's
+    extra tokens give zeros. So a request's ITLs sum to E2E − TTFT and their mean is its TPOT.
+    """
     if len(chunk_times_s) != len(chunk_num_tokens):
         raise ValueError(f"{len(chunk_times_s)} chunk times but {len(chunk_num_tokens)} chunk token counts")
     itls: list[float] = []

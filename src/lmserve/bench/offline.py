@@ -1,13 +1,7 @@
 """`lmserve bench offline`: in-process throughput and per-request latencies, no HTTP.
 
-Backends on the same model and the same prompts (token ids, so every backend sees identical inputs):
-    lmserve      the engine as `LLM.generate` drives it (all requests queued at once, continuous batching);
-                 TTFT / E2E from RequestOutput.metrics, every step's new tokens timestamped for ITL
-    hf-naive     HF transformers `generate`, one request at a time (the seed's "single-request inference")
-    hf-static    HF `generate` on static batches of --hf-batch-size (left-padded; a batch runs until its
-                 longest request is done)
-Every request arrives at time 0, so TTFT includes the wait for earlier requests or batches: the numbers
-are what a user would see if the whole workload were submitted at once.
+Backends (run_lmserve, run_hf) get the same token ids, all at time 0: lmserve through `LLM.generate`, hf-naive
+(HF `generate` one request at a time) and hf-static (HF `generate` on static batches). See docs/benchmarking.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""Experiment 7 of `lmserve bench experiments`: goodput, colocated vs prefill/decode disaggregated (DistServe's
-measure), on the same machine and the same CPUs.
+"""Experiment 7 of `lmserve bench experiments`: goodput, colocated vs prefill/decode disaggregated (1P1D), on the
+same machine and the same CPUs (exp7_pd_goodput).
 
-    colocated: `lmserve serve --num-threads 2`                          (one engine core, prefill and decode mixed)
-    1P1D:      `lmserve serve --disaggregation 1P1D --num-threads 1`    (a prefill core and a decode core, 1 each)
-
-Workload: long prompts, moderate outputs (full: 768 in / 128 out, which the bundled model's 1,024-token context
-holds; --quick: 256 / 32), Poisson arrivals swept over
-rates that are multiples of the colocated server's idle capacity (1 / its idle E2E). SLOs are scaled to the machine
-from idle measurements on the colocated server: TTFT ≤ 10 × an idle prefill (its idle TTFT), TPOT ≤ 2 × an idle
-decode step (its idle TPOT); both stated in the report. Per rate: SLO attainment (% of requests meeting both, from
-their scheduled arrival), TPOT P99; goodput = the highest swept rate with ≥ 90 % attainment. The TPOT P99 ratio
-(1P1D / colocated) is reported at the highest rate both sustain (≥ 90 %), or at the lowest rate when neither does.
+Poisson rates are swept as multiples of the colocated server's idle capacity; SLOs are scaled from idle TTFT and
+TPOT; goodput is the highest rate with >= 90 % attainment. The method is in docs/benchmarking.md.
 """
 
 from __future__ import annotations

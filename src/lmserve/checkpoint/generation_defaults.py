@@ -1,10 +1,7 @@
 """The model's sampling defaults, read from its generation_config.json (vLLM's `--generation-config auto`).
 
-They fill the fields a request leaves unset: an OpenAI request that omits `temperature` gets the model's,
-and `LLM.generate(prompts)` without sampling_params gets SamplingParams built from them. An explicit
-SamplingParams object is taken as given (as in vLLM: its dataclass defaults count as chosen values).
-`generation_config="vllm"` ignores the file's sampling fields. EOS ids in the file always count (they are
-part of the model, not a sampling preference).
+They fill the fields a request leaves unset (sampling_defaults); an explicit SamplingParams is taken as given, and
+`generation_config="vllm"` ignores them. EOS ids in the file always count (generation_eos_ids).
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """GGUF checkpoints (llama.cpp's format): metadata → an HF-style config dict, tensors → HF-named arrays.
 
-The `gguf` package reads the file (a memory map); this module maps it onto what the rest of lmserve reads
-from an HF directory: the config keys `ModelConfig.from_hf` parses, the HF parameter names the loader fuses
-(`loader.STACKED_PARAMS`), and weights with llama.cpp's RoPE row permutation of q/k undone. It imports no
-torch, so `lmserve memory --model file.gguf` stays torch-free.
-
-Tensor types: F32/F16 arrive as they are, BF16 widened exactly to float32. The block-32 types (Q8_0,
-Q4_0, Q4_1, Q5_0, Q5_1) of the projections and the LM head, and the K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks)
-of the projections, the LM head and the token embedding, are kept as they are in the file by default
-(`kept_quantized`: the loader claims them through `iter_hf_tensors`' hook and hands `GGUFTensor.blocks()`,
-rows already un-permuted, to lmserve.model.quantization's int8w / int4 / kquant layouts, whose kernels run
-the same block math). A fused projection (qkv, gate_up) is kept when its parts share one block-32 type, are
-Q5_0 and Q8_0 (`held_block32_types`: all held as Q8_0, Q5_0's codes converting exactly; llama-quantize's
-fallbacks for rows that are not whole super-blocks give a Q4_K_M file's qkv those two), or are all K-quants (of
-any mix: Q4_K_M files give some layers' attn_v Q6_K beside Q4_K q / k; with int4_compute="w4a8" those all Q4_K
-or all Q5_K become W4A8 panels after loading: `kquant_panel_types`, counted by `resident_weight_bytes`). Everything else
-quantized (a block-32 token embedding's lookup table, a projection fused with a part of another kind, other
-types such as Q3_K, or all of them with quantization="none") is dequantized at load to float32 by
-gguf's own dequantizer (the loader then casts to the compute dtype), logged with what it costs.
-`unpack_block32` splits blocks into scales / mins / integer values (the reference the tests check).
+GGUFCheckpoint maps the file (the `gguf` package) onto what lmserve reads from an HF directory, q/k RoPE permutation
+undone; iter_hf_tensors keeps the types the quantized kernels run (kept_quantized) and dequantizes the rest. No torch.
+Which types run as they are: docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -342,7 +326,11 @@ def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dic
 
 def held_block32_types(kept: dict[str, GGUFTensor]) -> dict[str, str]:
     """HF name → the block-32 type a kept tensor is held as: its own, or for a part of a fused projection whose
-    parts mix types (MIXED_BLOCK32: Q5_0 with Q8_0) the type they are all held as."""
+    parts mix types (MIXED_BLOCK32: Q5_0 with Q8_0) the type they are all held as.
+
+    All are held as Q8_0 then (Q5_0's codes convert exactly): llama-quantize's fallbacks for rows that are not
+    whole super-blocks give a Q4_K_M file's qkv those two types.
+    """
     held = {}
     for name, t in kept.items():
         if t.type_name not in BLOCK32_TYPES:

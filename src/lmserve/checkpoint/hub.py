@@ -1,9 +1,6 @@
-"""A model argument → a local HF model directory.
-
-An existing directory is used as it is. Anything else shaped like a Hub id (`org/name`) is fetched through
-huggingface_hub's cache with `snapshot_download`, taking only the files the engine reads. huggingface_hub
-honours HF_TOKEN, HF_HOME / HF_HUB_CACHE, HF_ENDPOINT (read when the process starts) and HF_HUB_OFFLINE
-(cache only); this module turns its errors into ValueErrors naming the id and the revision.
+"""A model argument → a local HF model directory (resolve_model_path): an existing path as it is, else a Hub id
+fetched through huggingface_hub's cache (`snapshot_download`, only the files the engine reads), its errors turned
+into ValueErrors naming the id and the revision.
 """
 
 from __future__ import annotations

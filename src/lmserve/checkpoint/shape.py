@@ -1,10 +1,8 @@
 """The model as its checkpoint describes it, before any weight is read: `ModelShape` (the numbers that decide its
-memory footprint), parsed from an HF ``config.json`` or a GGUF file's metadata; a mixture-of-experts decoder's
-expert layout and router variant (`MoEShape`, `RouterSpec`); the attention window of each layer; and the layout
-each quantization method gives the LM head.
+memory footprint), parsed from an HF ``config.json`` or a GGUF file's metadata (load_model_shape), with MoE layout,
+per-layer attention windows and the LM head's layout per quantization method.
 
-One reading of the shape fields for the memory ledger (memory.py) and for ModelConfig.from_hf
-(model_config.py). No torch: `lmserve memory` answers without loading a model.
+One reading of the shape fields for the memory ledger and for ModelConfig.from_hf. No torch.
 """
 
 from __future__ import annotations

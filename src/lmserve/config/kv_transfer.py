@@ -1,13 +1,8 @@
-"""KVTransferConfig: prefill/decode disaggregation's settings, vLLM's `--kv-transfer-config` keys (a JSON object).
-
-    {"kv_connector": "lmserve", "kv_role": "kv_producer" | "kv_consumer",
-     "kv_ip": "127.0.0.1", "kv_port": 0,            # the producer's KV server (0: any free port)
-     "kv_lease_s": 30,                              # a producer frees KV a decode side has not pulled by then
-     "kv_load_failure_policy": "fail" | "recompute",
-     "kv_transfer_timeout_s": 5}                    # a consumer's pull that gets no answer by then has failed
+"""KVTransferConfig: prefill/decode disaggregation's settings, vLLM's `--kv-transfer-config` keys (a JSON object:
+kv_connector, kv_role, kv_ip, kv_port, kv_lease_s, kv_load_failure_policy, kv_transfer_timeout_s).
 
 `lmserve serve --disaggregation 1P1D` builds one per core itself (ipc addresses); the two-server form passes it.
-Every bad value raises ValueError naming the key. No torch.
+Every bad value raises ValueError naming the key. No torch. See docs/disaggregation.md.
 """
 
 from __future__ import annotations

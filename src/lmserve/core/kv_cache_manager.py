@@ -1,20 +1,8 @@
-"""Per-request block tables over the BlockPool: prefix lookup, slot allocation, caching, freeing.
+"""Per-request block tables over the BlockPool: prefix lookup, slot allocation, caching, freeing (KVCacheManager).
 
-Sliding windows (`sliding_window`, set only when every layer of the model slides: a block holds the K/V of
-all layers, so a single full-attention layer keeps every block alive). A query at position p reads keys
-p - W + 1 .. p, and future queries sit at positions >= num_computed_tokens, so once
-`num_computed_tokens - W + 1` passes the end of a leading block nobody reads it again. `allocate_slots` hands
-such blocks back to the pool (vLLM's SlidingWindowManager idea) before taking new ones, and puts NULL_BLOCK
-(block id -1) in their place, so table indices stay positions // block_size:
-
-    positions  0..3   4..7   8..11  12..15  16..19       W = 8, block_size 4, num_computed_tokens = 17
-    table      [ -1 ][ -1 ][ b7  ][ b2   ][ b9  ]        first live block: (17 - 8 + 1) // 4 = 2
-
-The attention of a sliding layer starts at the first block inside its window and never reads a -1 entry
-(model/attention.py, the C decode kernel). A freed block keeps its prefix-index entry like any freed block
-(findable until handed out again); prefix lookups walk the chain from block 0, so they stop at the first
-block no longer cached and never claim blocks past a gap. A prefix hit's blocks that are already outside the
-new request's window are not claimed at all (NULL_BLOCK in its table).
+With `sliding_window` (set only when every layer slides) allocate_slots hands blocks that left every future
+query's window back to the pool and puts NULL_BLOCK (-1) in their table entries, so indices stay
+position // block_size; prefix lookups stop at the first gap. See docs/kv_cache.md, "Sliding windows".
 """
 
 from __future__ import annotations

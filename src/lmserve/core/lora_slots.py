@@ -1,10 +1,7 @@
-"""Which adapter holds which of the max_loras compute slots, as the scheduler admits requests. Imports no torch.
+"""Which adapter holds which of the max_loras compute slots, as the scheduler admits requests (LoRASlotTable).
 
-A running request of an adapter holds its slot (a user count); a slot whose users are all gone keeps its adapter
-(a later request of it needs no copy) and is the least recently used candidate for another adapter. A waiting
-request whose adapter has no slot and finds none free or idle stays waiting (the scheduler admits the requests
-behind it): a slot is never taken from an adapter a running request uses. The model runner copies an adapter
-into its slot on the first step that has its rows (lora/slots.py).
+Running requests hold their adapter's slot; an idle slot keeps its adapter and is the LRU candidate for another.
+A request whose adapter finds no slot waits; a slot is never taken from an adapter in use. Imports no torch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """SharedPrefixCounter: how many prompt tokens an earlier prompt already had, whether or not the prefix cache
-kept (or could keep) their blocks. Beside the cache's hit counter it tells a diagnosis apart: prompts that share
-a prefix the cache misses (caching off, or a pool too small to keep it) vs prompts that share nothing.
-
-It remembers the chained hashes of recent prompts' full blocks (the prefix index's keys, hashes only, no
-blocks), least recently seen dropped first, so its memory is bounded and independent of the KV pool.
+kept (or could keep) their blocks, so a diagnosis can tell prompts sharing a prefix the cache misses from prompts
+that share nothing. It keeps recent prompts' chained block hashes only (LRU-bounded, independent of the KV pool).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Iteration-level scheduling with a token budget. Imports no torch.
+"""Iteration-level scheduling with a token budget (Scheduler). Imports no torch.
 
-Each step: running requests first (one token for a decode, a chunk for an unfinished prefill), then
-waiting requests FCFS while the budget, max_num_seqs and free blocks allow. When blocks run out, the
-most recently admitted running request is preempted by recompute. `static` policy admits a whole
-batch at once and lets nothing join until every request in it has finished.
-
-Speculative decoding fits the counter model: a request's proposals (request.spec_token_ids) are tentatively
-appended tokens, so a decode with k proposals is scheduled 1 + k tokens. After the step the accepted ones
-count as computed, the rejected ones are rolled back (num_computed_tokens not advanced over them, their tail
-blocks freed), and `num_lookahead_tokens` extra slots are held for a draft model to write while proposing.
+Running requests first, then waiting ones FCFS while the budget, max_num_seqs and free blocks allow; out of blocks,
+the most recently admitted running request is preempted by recompute. `static` admits a batch and lets nothing join
+until it drains. Speculative proposals are tentatively appended tokens, rolled back when rejected.
 """
 
 from __future__ import annotations

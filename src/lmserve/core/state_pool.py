@@ -1,9 +1,8 @@
 """Per-request recurrent-state slots for hybrid models (Gated DeltaNet layers): which running request owns which
-of the num_slots slots of the worker's state tensors. Imports no torch.
+of the num_slots slots of the worker's state tensors (StateSlotPool). Imports no torch.
 
-A request takes a slot when the scheduler admits it and gives it back when it finishes, aborts or is preempted (a
-preempted request recomputes its state from its tokens on resume, as it does its KV). The worker zeroes nothing on
-free: a request's first chunk starts from a zero state by itself (LinearAttentionMetadata's `fresh`).
+A slot is taken at admission and returned on finish, abort or preemption (state is recomputed on resume); nothing
+is zeroed on free, since a first chunk starts from a zero state by itself. See docs/hybrid_models.md.
 """
 
 from __future__ import annotations

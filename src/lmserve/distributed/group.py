@@ -1,12 +1,8 @@
 """A tensor-parallel group's collectives (model/parallel.Collectives) on torch.distributed: gloo on the CPU, NCCL on
-CUDA; when every rank is on this x86-64 host, the sum all-reduce and the gather go through shared memory instead
-(worker/shm_allreduce.py; the max all-reduce, used once at load, stays on gloo).
+CUDA; on one x86-64 host the sum all-reduce and the gather go through shared memory (shm_allreduce.py).
 
-The process group is built directly on a TCPStore (`ProcessGroupGloo(store, rank, size)`), not through
-`init_process_group`: no global default group, so several engines (data parallel, tests) can live in one process.
-
-Rendezvous: rank 0 hosts the store at (host, port); every rank connects to it with the same world size, whether the
-ranks are spawned processes on one host or Ray actors on several.
+TPGroup is one rank's handle; the process group is built on rank 0's TCPStore (Rendezvous), not through
+`init_process_group`, so several engines (data parallel, tests) can live in one process.
 """
 
 from __future__ import annotations

@@ -1,35 +1,8 @@
-"""A shared-memory all-reduce for the ranks of one tensor-parallel group on one host (vLLM's CPU backend has one
-beside gloo): a /dev/shm file mapped by every rank, sequence flags spun on then slept on, no sockets.
+"""A shared-memory all-reduce and gather for the ranks of one tensor-parallel group on one host (ShmAllReduce).
 
-    header   per rank, 64 bytes apart (no false sharing): an int64 flag, the last call the rank has posted, and
-             an int64 waiters word (a peer sleeps on the flag: the poster wakes it)
-    data     2 buffers (call parity) x ranks x slot_bytes
-
-Call k (per rank, in the same order on all ranks, as every collective): wait until every peer posted call k - 1
-(so it has finished reading call k - 2, the last user of this parity's buffer), copy the input into this rank's
-slot of buffer k % 2, post k, wait until every peer posted k, then sum the slots in rank order into the input. Every
-rank adds the same numbers in the same order: the results are identical on all ranks (as gloo's). Inputs larger
-than a slot go through in slot-sized chunks, one call each.
-
-A rank's flag is also its call counter (its next call is its flag + 1), so the C side (cpu_kernels.c:
-shm_all_reduce_f32, and the tensor-parallel decode stack calling it after o and down) and this Python side share
-one sequence and interleave freely; both add the slots in the same order, so they give the same bits. Float32
-all-reduces go through C when the kernels are loaded (a few microseconds less per call than the torch ops here).
-
-gather (the logits on rank 0) is the same exchange, except that only rank 0 waits for the others' data and reads
-their slots: a peer posts and goes on (its next call waits for rank 0's post of this one, and the call after that,
-which reuses this parity, for rank 0's post of the next: rank 0 has finished reading by then).
-
-Waiting, with the kernels loaded (every wait and post goes through C then, Python's too): spin for SPIN_US
-(LMSERVE_TP_SPIN_US), then sleep on a futex until the peer posts (a poster wakes sleepers; cpu_kernels.c's section
-says how). A rank that is late because another process (the API server, anything else on a crowded machine) took
-its CPU thus gets a CPU back from the waiting rank instead of racing a spinner for it. A rank waiting in C cannot
-call alive(): a watcher thread polls it every WATCH_S and sets this process's abort word, which the C wait checks
-(with the timeout) between sleeps; C returns, Python raises alive()'s reason. Without the kernels: spins, then
-sched_yield between checks.
-
-Ordering relies on x86's total store order (the data is stored before the flag, and read after it): the group uses
-this only on x86-64 (worker/distributed.py), else gloo.
+A /dev/shm file mapped by every rank, sequence flags spun on then slept on, slots summed in rank order (the same bits
+on every rank); the C kernels (cpu_kernels.c: shm_all_reduce_f32) share the call sequence. x86-64 only (total store
+order). The protocol: ShmAllReduce and docs/tensor_parallel.md.
 """
 
 from __future__ import annotations
@@ -74,6 +47,15 @@ class ShmDesc(ctypes.Structure):
 
 
 class ShmAllReduce:
+    """One rank's view of the map: per rank a 64-byte-apart header (flag = last call posted, waiters word), then
+    2 buffers (call parity) x ranks x slot_bytes.
+
+    Call k: wait until every peer posted k - 1 (done reading this parity's buffer), copy in, post k, wait for k,
+    sum the slots in rank order; larger inputs go in slot-sized chunks. gather: only rank 0 waits and reads. With
+    the kernels loaded waits spin for SPIN_US, then sleep on a futex (a poster wakes sleepers), and a watcher
+    thread sets the abort word that C's wait checks; without them, spin then sched_yield.
+    """
+
     def __init__(
         self,
         path: str,

@@ -1,11 +1,8 @@
-"""Admission: the `max_queued_requests` bound of one engine, shared by AsyncEngine (the room measured on its engine
-thread) and EngineCoreClient (the room each engine core reports in its snapshots).
+"""Admission: the `max_queued_requests` bound of one engine (Admission), shared by AsyncEngine and EngineCoreClient.
 
-The bound counts the sequences that could not start now because the engine is full, not those merely waiting
-for the next step: a burst that fits the engine is admitted whole. Queued = the scheduler's waiting sequences +
-those in not-yet-applied adds + the new request's; the engine could start min(free sequence slots, how many of
-them the free KV blocks hold) of them (num_unstartable). A request that would leave more than
-`max_queued_requests` of them is refused (QueueFullError → 429).
+The bound counts the sequences that could not start now because the engine is full (num_unstartable: queued
+minus what free sequence slots and free KV blocks could start), not those merely waiting for the next step.
+A request that would leave more than `max_queued_requests` of them is refused (QueueFullError → 429).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """AsyncEngine: the synchronous LLMEngine on its own thread, streaming outputs to asyncio consumers.
 
-    event-loop thread(s)                         engine thread (owns the LLMEngine; nothing else touches it)
-    ───────────────────                          ──────────────────────────────────────────────────────────
-    add_request() ── ("add", ...) ──▶ commands ─▶ applied between steps: engine.add_request / abort_request
-    stream.abort() ─ ("abort", id) ─▶    (deque)   engine.step() → RequestOutputs
-    RequestStream ◀── loop.call_soon_threadsafe(deliver, batch) ◀── one callback per step per event loop
-
-The engine thread sleeps on an Event while it has no work. Everything the HTTP side may read about the
-engine (counters, queue lengths, KV usage) is an immutable EngineSnapshot published after each step.
-If the engine thread dies, every pending stream fails with EngineDeadError and new requests are refused.
-
-Admission (`max_queued_requests`, admission.py) bounds the sequences that could not start now because the
-engine is full; a request beyond it is refused (QueueFullError → 429).
+Event loops send add / abort commands that the engine thread applies between steps; each step's outputs go back
+through loop.call_soon_threadsafe to the RequestStreams, and an immutable EngineSnapshot is published after each
+step. If the engine thread dies, pending streams fail with EngineDeadError. Admission: admission.py.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
-"""Beam search on top of the engine, as vLLM's `LLM.beam_search`: every step re-submits each live beam as a
-one-token greedy request asking for its top logprobs; prefix caching means a re-submitted beam only computes
-what its cached blocks do not hold. All beams of all prompts go in together so they batch.
+"""Beam search on top of the engine, as vLLM's `LLM.beam_search` (beam_search, BeamSearchParams).
 
-The selection follows HF transformers' `GenerationMixin._beam_search` (checked against transformers 5.24)
-exactly, so `generate(num_beams=k, do_sample=False, length_penalty=lp, early_stopping=es)` is reproduced
-token for token:
-
-- Each step, the K = max(2, 1 + #EOS ids) * beam_width best continuations over all live beams by cumulative
-  logprob (beam score + log_softmax of the raw logits) are the candidates, best first.
-- A candidate ends if its token is an EOS id or it reaches max_tokens. Only ended candidates among the first
-  beam_width become finished hypotheses, scored cumulative_logprob / num_generated_tokens ** length_penalty
-  (generated tokens, EOS included; the prompt is not counted); the best beam_width hypotheses are kept.
-- The best beam_width candidates that did not end are the next live beams.
-- It stops when max_tokens is reached, or (early_stopping=True) once beam_width hypotheses exist, or
-  (default False / "never") once every kept hypothesis is finished and the best live beam can no longer beat
-  the worst of them: best_live_score / L ** length_penalty <= worst_hypothesis_score, with L the current
-  generated length (for "never" with length_penalty > 0, max_tokens). Once that holds, no hypothesis is added.
-- The result is the kept hypotheses, best score first.
-
-Scores are accumulated in float32, as HF does, so near-ties resolve the same way.
+Every step re-submits each live beam as a one-token greedy request for its top logprobs, all beams of all prompts
+together (prefix caching spares their cached blocks). Selection follows HF's `_beam_search` exactly (float32 scores),
+reproducing `generate(num_beams=k, do_sample=False, ...)` token for token; the rules are in docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The engine core: one LLMEngine in its own process (or Ray actor), a busy loop fed over ZeroMQ.
+"""The engine core: one LLMEngine in its own process (or Ray actor), a busy loop fed over ZeroMQ (run_engine_core).
 
-    loop:  drain the input socket (poll 0 ms while requests run, up to IDLE_POLL_MS when idle)
-           → apply AddRequest / AbortRequests (Shutdown: leave the loop)
-           → engine.step()
-           → send ONE StepOutputs: the adds applied, the step's RequestOutputs, a fresh EngineSnapshot
-
-Detokenization and stop strings stay inside LLMEngine (exact; a stop string frees its KV in the step that
-completed it). The process exits when its parent changes (the API process died: no orphans) or after
-Shutdown; an exception in the loop is reported as CoreFailed before the process exits with status 1.
-The OpenMP environment comes from the parent (set before the process starts); the affinity and the torch
-thread count are set first thing here, before torch starts any thread.
+Each iteration drains the input socket, applies AddRequest / AbortRequests, runs engine.step() and sends one
+StepOutputs (adds applied, RequestOutputs, a fresh EngineSnapshot). The process exits when its parent changes or
+after Shutdown; a loop exception is reported as CoreFailed. See docs/processes.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """EngineCoreClient: AsyncEngine's interface, with the engine in separate engine-core processes.
 
-    API process (FastAPI, this client)                              engine core i (engine/core.py)
-    ─────────────────────────────────                               ──────────────────────────────
-    add_request: tokenize, validate, route, admit ── AddRequest ──▶ PULL   busy loop: apply, step()
-    abort ─────────────────────────────────────── AbortRequests ──▶        one StepOutputs per step
-    receiver thread ◀── StepOutputs (outputs, snapshot, acks) ─── PUSH ─┘
-      → loop.call_soon_threadsafe(deliver) to the RequestStreams
-    watcher thread per core: its process sentinel (or Ray ObjectRef) → the core's streams fail at once
-
-The API process loads the tokenizer and the config, never the weights, and runs no torch compute (1 thread).
-Validation (engine/input_processor.py, as the engine runs it) and
-grammar compilation happen here, so bad requests get their 400 before queueing, exactly as with AsyncEngine.
-
-Data parallel routing (N cores, each with its own KV pool and threads): a request goes to the live core with
-the lowest load = running + waiting sequences (latest snapshot) + sequences added but not yet acknowledged;
-ties go to the lower KV usage. Prefix affinity overrides that: the hash of the prompt's first full KV block
-maps (bounded LRU) to the core that served it last, and the request goes there unless that core's load
-exceeds the minimum by more than AFFINITY_SLACK sequences (engine/router.choose_core, which the simulator
-uses too). Admission (max_queued_requests) is per core, with AsyncEngine's code (Admission) and the room each
-core reports in its snapshots.
-
-A core that dies is noticed within milliseconds: its requests fail with EngineDeadError, it leaves the
-routing; while another core lives the client keeps serving (`degraded_error` says what died), with none left
-`dead_error` is set and every new request is refused.
-
-Beside it: how a core runs (core_handles.py: a spawned process or a Ray actor), how the cores divide the CPUs
-(cpu_slices.py), and the aggregate of their snapshots (snapshot.aggregate_snapshots). What is left here is one
-thing past 500 lines: the client, its routing, and its receiver and watcher threads.
+The API process tokenizes, validates, routes (router.choose_core) and admits here; a receiver thread delivers the
+cores' StepOutputs to the RequestStreams and a watcher thread per core fails a dead core's streams at once.
+Launching: core_handles.py; CPU slices: cpu_slices.py. Layout, routing and faults: docs/processes.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""CPU sharing: how much of this engine core's CPUs other processes take, and the thread back-off it drives.
+"""CPU sharing: how much of this engine core's CPUs other processes take (CpuShare), and the thread back-off it
+drives (ThreadBackoff): one torch thread while others use the core's CPUs, all of them again when they stop.
 
-An engine core's OpenMP team of N threads stalls when another busy process takes turns on its cores: at every
-barrier the team waits for its slowest, descheduled member (measured: 8 streams fell to 18-30 % of the quiet
-figure with a `yes` per core). With one thread there is no barrier to wait at, so the core backs off to one
-thread while others use its CPUs, and returns to N when they stop (docs/performance.md, "Sharing the CPU").
-
-"Others" = busy time of the core's CPUs (/proc/stat: user, nice, system, irq, softirq, steal) minus this
-process's and its parent's CPU time (/proc/<pid>/stat utime + stime: the API process is ours, not a rival).
-Linux only; where /proc cannot be read the monitor reports nothing and the thread count never changes.
+"Others" excludes this process and its parent (the API process), read from /proc; Linux only (elsewhere the thread
+count never changes). See docs/processes.md, "Threads and CPUs".
 """
 
 from __future__ import annotations

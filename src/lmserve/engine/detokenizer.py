@@ -1,31 +1,8 @@
-"""Incremental detokenization and stop-string matching for one streamed sequence.
+"""Incremental detokenization and stop-string matching for one streamed sequence (IncrementalDetokenizer).
 
-Why not decode the whole output each step: that is O(n) per token, O(n^2) per request. Instead (vLLM's
-prefix_offset / read_offset technique) each step decodes only a short window of the newest tokens and
-takes the text beyond what the window's already-read part decodes to:
-
-    ids:   ... | prefix_offset ... read_offset | new tokens
-    delta = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
-
-The already-read context makes decoders that treat the first token specially (Metaspace/SentencePiece strip
-its leading space) behave as in a full decode. A window whose text ends in U+FFFD is an unfinished UTF-8
-character (byte-level BPE splits Chinese and emoji across tokens): nothing is emitted and the window grows
-until the character completes, so no replacement character or duplicate leaks into the stream.
-
-The text then goes through two streaming stages, each holding back only the trailing characters whose
-final form is still open:
-  * tokenization-space cleanup (" ." -> "." ...) when the tokenizer's decode applies it;
-  * stop strings: a suffix that is a proper prefix of some stop string is held back (at most
-    max(len(stop)) - 1 characters; none with include_stop_str_in_output), and on a match the text is cut
-    before the stop string (or after it with include_stop_str_in_output).
-
-min_tokens (vLLM's meaning): no stop string may end within the text of the first min_tokens output tokens.
-Those matches are ignored (the text is released), but the hold-back still runs there, so a stop string that
-starts inside that text and ends after it is cut as usual.
-
-Without a stop match, the deltas of update() plus flush() concatenate to exactly
-`tokenizer.decode(all_output_ids, skip_special_tokens=params.skip_special_tokens)`. Output text is decoded
-from the output ids alone (the prompt is not decode context), which is what makes that equality hold.
+Each step decodes a short window of the newest tokens (vLLM's prefix_offset / read_offset), holding back unfinished
+UTF-8, space cleanup and possible stop-string prefixes; without a stop match the deltas plus flush() equal
+`tokenizer.decode(output_ids)`. min_tokens follows vLLM: no stop string may end within the first min_tokens tokens.
 """
 
 from __future__ import annotations

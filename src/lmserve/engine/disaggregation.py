@@ -1,20 +1,8 @@
-"""Prefill/decode disaggregation inside one LLMEngine: the producer role (hand a request off after its first
-token, its KV under a lease) and the consumer role (continue a handed-off request from pulled KV).
+"""Prefill/decode disaggregation inside one LLMEngine: the producer (KVProducer) and the consumer role (KVConsumer).
 
-Producer (kv_role kv_producer): a request added with do_remote_decode runs as usual until a sequence has its
-first token; then that sequence leaves the scheduler (Scheduler.detach) with its blocks held under a lease
-(kv_transfer.KVLeases) and its state (tokens, logprobs, seeded generator) recorded. When every sequence of the
-request is handed off or finished, a KVHandoff goes to `handoffs` (the engine core sends it to the client) and
-the engine forgets the request. The step's output still carries the first token (TTFT is stamped here).
-
-Consumer (kv_role kv_consumer): add_request(remote_kv=KVHandoff) builds the request as the engine always does,
-replays the first token into it (detokenizer, grammar, logprobs, generator state) and parks each live sequence
-in the scheduler as WAITING_FOR_REMOTE_KV. Between steps `resolve` looks the prompt up in the local prefix
-cache, allocates the rest, pulls only the missing blocks, writes them and lets the sequence decode
-(Scheduler.remote_kv_loaded). A pull that fails or times out follows kv_load_failure_policy: `fail` (the
-request ends, its error in `failures`) or `recompute` (the sequence prefills here, counted).
-
-No module above the engine floor is imported; the engine is passed in (duck-typed: no import of llm_engine).
+The producer hands a request off after its first token, its KV under a lease; the consumer continues it, resolving
+it between steps from its prefix cache plus a pull of the missing blocks (kv_load_failure_policy on failure). The
+engine is passed in, duck-typed (no import of llm_engine). The flow: docs/disaggregation.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
-"""Moving KV blocks between engines (prefill/decode disaggregation): the handoff record, block export and import,
-the producer's leases and KV server, the consumer's puller.
+"""Moving KV blocks between engines (prefill/decode disaggregation): KVHandoff, block export / import, the producer's
+leases (KVLeases) and KV server (KVServer), the consumer's puller (KVPuller).
 
-    prefill engine (producer)                                     decode engine (consumer)
-    ─────────────────────────                                     ────────────────────────
-    first token sampled → the request leaves its scheduler         add_request(remote_kv=KVHandoff)
-      with its blocks held: a lease (kv_lease_s)                    → WAITING_FOR_REMOTE_KV; between steps:
-    KVHandoff (address, block ids, first token, ...) ──(client)──▶   own prefix cache first, allocate the rest,
-    KVServer thread: ROUTER ◀── pull(request, block ids) ── DEALER    pull only the missing blocks
-      copies the blocks (values in the cache's dtype, int8 / fp8    write them into its KV tensors, then decode
-      scales too) ──── one frame per tensor ──────────────────▶      (KVPuller; a timeout or an error → the
-      the lease ends (the engine thread frees the blocks)            engine's kv_load_failure_policy)
-
-ZeroMQ carries the blocks: ipc inside one `lmserve serve --disaggregation`, tcp between hosts (the library is
-already the engine cores' transport, frames go out without a copy, and a DEALER/ROUTER pair gives a request and
-its reply with no server loop of ours beyond one thread). Frames are raw tensor bytes: nothing is unpickled.
-
-Thread rule: the KV server thread reads the lease table and the leased blocks under `KVLeases.lock`; the engine
-thread frees a lease's blocks (KVCacheManager.free) only under the same lock, after taking it out of the table,
-so a block is never handed to another request while it is being copied.
+ZeroMQ carries raw tensor bytes (ipc in one server, tcp between hosts; nothing unpickled). Blocks are copied and freed
+only under KVLeases.lock, so a block is never reused mid-copy. See docs/disaggregation.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""The messages between the API process (EngineCoreClient) and its engine-core processes, and their encoding.
+"""The messages between the API process (EngineCoreClient) and its engine-core processes, and their encoding (Codec).
 
-    API process ── AddRequest / AbortRequests / WatchBlockMap / ResetPrefixCache / Shutdown ──▶ engine core i
-                                                                         (one PUSH socket per core)
-    API process ◀── CoreReady, then one StepOutputs per step ── every core    (one PULL socket for all cores)
-
-msgpack via msgspec with typed decoders: the engine's own dataclasses (SamplingParams, RequestOutput,
-EngineSnapshot, ...) are encoded field by field and decoded into the same classes (their __post_init__
-checks run again), so a field added to one of them later crosses without code here. Nothing is unpickled
-from a socket. The one exception to "typed" is what the dataclasses annotate as Any: the TokenLogprobs of
-CompletionOutput.logprobs and RequestOutput.prompt_logprobs, rebuilt by `_restore_logprobs`.
-
-Logprobs cross as tails: an unfinished output's CompletionOutput.logprobs and prompt_logprobs hold only the
-entries added since the request's previous output (`LogprobTails.cut`, engine core), and the client appends them
-to what it has (`LogprobTails.join`), so each output it hands on is cumulative, as in-process. Sent whole they cost
-O(tokens²) per request (a 500-token stream with 20 top logprobs: ~2.5 M entries encoded and decoded). A finished
-output carries them whole (best_of may pick other sequences at the end), and replaces what was joined.
+msgpack via msgspec with typed decoders into the engine's own dataclasses (nothing unpickled from a socket);
+logprobs cross as tails (LogprobTails: cut in the core, joined cumulative by the client), so a long stream with
+top logprobs costs O(tokens), not O(tokens²). See docs/processes.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""DisaggregatedClient: `lmserve serve --disaggregation NPmD`, EngineCoreClient over P prefill cores and D decode
-cores (disjoint CPU slices, as data parallel), one ordinary response per request.
+"""DisaggregatedClient: `lmserve serve --disaggregation NPmD`, EngineCoreClient over P prefill and D decode cores.
 
-    add_request ── AddRequest(do_remote_decode) ──▶ prefill core p (kv_producer, KV server on ipc://…/kv-p)
-    receiver: StepOutputs(outputs: the first token → the stream; TTFT stamped there, handoffs)
-      handoff ── AddRequest(remote_kv=KVHandoff) ──▶ decode core d (kv_consumer): pulls the missing blocks
-                                                       straight from core p's KV server, then decodes
-    receiver: the decode core's outputs → the same stream (text and tokens cumulative from the first token)
-
-Routing: a prefill core and then a decode core, each by engine/router.choose_core (load, prefix affinity) among
-the live cores of its role. Aborts go to the core the request is on (a decode core releases the producer's lease;
-a handoff that arrives for an aborted request is aborted on its prefill core, which ends the lease). A dead prefill
-core fails its own requests (EngineCoreClient) and those whose KV a decode core is still waiting for, at once.
+A request goes to a prefill core and its handoff to a decode core (each by router.choose_core among the live cores
+of its role), which pulls the missing blocks from the prefill core's KV server; both feed one stream, one ordinary
+response per request. Aborts and dead cores: docs/disaggregation.md.
 """
 
 from __future__ import annotations

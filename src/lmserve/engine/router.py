@@ -1,17 +1,8 @@
-"""The data-parallel routing rule as a pure function: which engine core a new request goes to.
+"""The data-parallel routing rule as a pure function (choose_core): which engine core a new request goes to.
 
-`EngineCoreClient._route` (engine/core_client.py) applies this rule to its live cores; the simulator
-(lmserve.sim) applies it to its simulated replicas, so both choose alike on the same loads (a test compares them
-choice by choice). The rule:
-
-    least loaded live core: load = running + waiting sequences (latest snapshot) + added-not-yet-acknowledged,
-                            ties → lower KV usage, then the lower index
-    prefix affinity:        the hash of the prompt's first full KV block maps (LRU, AFFINITY_ENTRIES) to the core
-                            that served it last; that core gets the request unless its load exceeds the minimum
-                            by more than AFFINITY_SLACK sequences. The choice is remembered for the block.
-
-No torch, no sockets: the constants live here so core_client can import them from this module (importing them
-the other way round would make the two modules import each other once core_client calls choose_core).
+Least loaded live core (running + waiting + unacknowledged adds; ties to lower KV usage, then index), overridden
+by prefix affinity on the prompt's first full KV block (first_block_key) unless that core's load exceeds the
+minimum by more than AFFINITY_SLACK. EngineCoreClient and the simulator both apply it. No torch, no sockets.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""The raw bytes of vocabulary tokens, for logprobs: one place that knows how a token id maps to bytes.
+"""The raw bytes of vocabulary tokens, for logprobs: one place that knows how a token id maps to bytes (TokenBytes).
 
-Decoding a single token is wrong for this: with byte-level BPE a Chinese character or an emoji spans
-2-4 tokens, and each decodes alone to "\ufffd". The bytes come from the vocabulary instead:
-
-  * byte-level BPE (GPT-2, Llama 3, Qwen): each character of the token string stands for one byte
-    (GPT-2's printable byte alphabet, `_BYTE_OF_CHAR`);
-  * SentencePiece with byte fallback (Llama 2, Mistral): `<0xE5>` is one raw byte and "▁" is a space;
-  * added / special tokens and other tokenizers: the UTF-8 of the token's decoded text.
-
-`token_text` is what the OpenAI API shows for a token: its text when its bytes are valid UTF-8, else
-`bytes:\\xe5\\x89` (OpenAI's spelling), so two partial-character tokens never share a name.
-`TextOffsets` turns a run of tokens into character offsets in their decoded text, fed token by token.
+Bytes come from the vocabulary (byte-level BPE's byte alphabet, SentencePiece byte fallback, else the token's
+UTF-8), not from decoding one token, which gives "�" for part of a character. `token_text` spells invalid UTF-8
+as `bytes:\\xe5\\x89` (OpenAI's spelling); TextOffsets gives character offsets in the decoded text.
 """
 
 from __future__ import annotations

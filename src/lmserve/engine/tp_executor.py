@@ -1,22 +1,8 @@
-"""Tensor parallelism's processes: the engine (scheduler, sampler) runs rank 0 in its own process and drives ranks
-1..N-1, spawned worker processes, SPMD.
+"""Tensor parallelism's processes (TPExecutor): the engine runs rank 0 and drives ranks 1..N-1, spawned workers, SPMD.
 
-    engine process (rank 0)                                        worker process r (1..N-1)
-    ──────────────────────                                         ─────────────────────────
-    Scheduler.schedule → ModelRunner.execute                       PULL ◀─ TPForward / TPLogits / TPStop
-      model(...)      → TPForward (flat inputs) ─ PUSH per rank ─▶   model(...) on its shard
-      compute_logits  → TPLogits (the rows)     ─────────────────▶   compute_logits on its vocabulary slice
-      └ shm (one host) or gloo: 2 all-reduces per layer, 1 for the embedding, the logits gathered on rank 0 ┘
-      Sampler (rank 0 only)
-
-What crosses per step is the model's flat inputs (token ids, positions, slots, block tables: what ModelRunner.execute
-derives from the SchedulerOutput), msgpack-encoded once and sent to each rank, not the SchedulerOutput: workers
-hold no request state (token histories, generators, grammars), since they never sample. Sampling happens once, on
-rank 0, from the gathered logits; seeded sampling is therefore identical to tp = 1's by construction.
-
-A worker that dies is seen by a watcher thread at once (`failure`); the next step raises, a serving core reports
-CoreFailed (its requests fail, /health 503). Workers exit when the engine process goes (they poll its pid) and on
-close(); they are subprocesses (a serving engine core is daemonic and may not use multiprocessing children).
+Per step the model's flat inputs cross to each rank, msgpack-encoded once; workers hold no request state and
+sampling happens once, on rank 0, from the gathered logits. A watcher thread sees a dead worker at once and the next
+step fails. See docs/tensor_parallel.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""`lmserve bench serve | offline | experiments`: measure an inference service.
+"""`lmserve bench serve | offline | experiments`: measure an inference service (add_parser, run_bench_serve).
 
-    lmserve bench serve --base-url http://127.0.0.1:8000 --num-requests 200 --request-rate 4 \\
-        --input-len 128 --output-len 128 --goodput ttft:500 tpot:50 --plot
-    lmserve bench serve --backend grpc --base-url grpc://127.0.0.1:50051 --max-concurrency 32 ...
-    lmserve bench offline --backend all --num-requests 32 --hf-batch-size 8
-    lmserve bench experiments --quick --out bench_results/experiments
-
-Heavy imports (torch, transformers, aiohttp, matplotlib) happen inside the run functions.
+Heavy imports (torch, transformers, aiohttp, matplotlib) happen inside the run functions. See docs/benchmarking.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""`lmserve router --prefill URL [--prefill URL ...] --decode URL [...] --port P`: an OpenAI-compatible proxy in
-front of kv_producer and kv_consumer servers (prefill/decode disaggregation across servers, vLLM's proxy shape).
+"""`lmserve router --prefill URL [...] --decode URL [...]`: an OpenAI-compatible proxy in front of kv_producer and
+kv_consumer servers (prefill/decode disaggregation across servers, vLLM's proxy shape).
 
-    client ── POST /v1/completions | /v1/chat/completions ──▶ router
-      1. to a prefill server: the body, not streamed, kv_transfer_params {"do_remote_decode": true}; it prefills,
-         samples the first token and answers with kv_transfer_params (its KV server, block ids, first token, ...)
-      2. to a decode server: the client's own body plus those kv_transfer_params; it pulls the KV from the prefill
-         server's KV server (tcp) and answers (streams) the whole completion, the first token included
-    A request the prefill server finished outright (EOS or max_tokens at the first token) goes to the decode server
-    as it came (it recomputes that short prefill: the answer keeps the client's shape, streamed or not).
-
-Choice among several servers of a role: the fewest requests this router has in flight there, with prefix affinity
-(engine/router.choose_core on the prompt's first 64 bytes). At start-up the router asks every server
-GET /v1/kv_transfer and refuses to start (naming the field) when a role is wrong or the KV geometry differs.
-A client that disconnects closes the upstream request, which aborts it there; the prefill server frees KV that no
-decode server pulls after its kv_lease_s.
+A request is prefilled on a prefill server, then sent with the returned kv_transfer_params to a decode server, which
+pulls the KV and answers (Router, run_router). See docs/disaggregation.md.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request, imported locally)
@@ -96,6 +85,8 @@ def build_router_app(router: Router) -> Any:
         return JSONResponse(body, status_code=status)
 
     async def relay(path: str, request: Request) -> Response:
+        """Prefill, then decode. A request the prefill server finished outright (EOS or max_tokens at the first
+        token) goes to the decode server as it came, so the answer keeps the client's shape."""
         try:
             body = await request.json()
         except json.JSONDecodeError as e:

@@ -1,14 +1,7 @@
 """`lmserve simulate calibrate | roofline | run | plan`: the engine's scheduler on a step-time model.
 
-    lmserve simulate calibrate --out step-model.json            # time real steps of the bundled model, fit, save
-    lmserve simulate roofline --hardware h200 --preset llama-3-8b --out h200-llama3.json   # an analytic ESTIMATE
-    lmserve simulate run --step-model step-model.json --dataset random --input-len 256 --output-len 64 \\
-        --request-rate 4 --num-requests 2000 --output-json sim.json [--data-parallel-size 8] [engine flags]
-    lmserve simulate plan --step-model step-model.json --request-rate 400 --goodput ttft:2000 tpot:100 \\
-        --search data-parallel-size,max-num-seqs,max-num-batched-tokens
-
-`run` prints and writes `lmserve bench serve`'s report (the same summary keys), so a measured and a simulated
-run of one workload can be diffed. Heavy imports happen inside the run functions.
+`run` prints and writes `lmserve bench serve`'s report (the same summary keys), so a measured and a simulated run
+of one workload can be diffed. Heavy imports happen inside the run functions. Usage: docs/simulator.md.
 """
 
 from __future__ import annotations

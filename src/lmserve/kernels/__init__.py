@@ -1,9 +1,8 @@
 """Optional C kernels for the CPU (the sources: cpu_kernels.c includes one file per kernel family).
 
-The library is compiled on first use with the system C compiler (`$CC`, else `cc`/`gcc`) into a cache directory
-(`$LMSERVE_KERNEL_CACHE`, else `~/.cache/lmserve/kernels`) keyed by the sources, the flags and this CPU's features, and
-loaded with ctypes (`library.py`). Without a compiler, or with `LMSERVE_CPU_KERNELS=0`, `available()` is False and
-callers use their PyTorch path. The bindings by family are re-exported here: callers use `kernels.<name>`.
+Compiled on first use with the system C compiler into a cache keyed by sources, flags and CPU features, loaded with
+ctypes (library.py). Without a compiler, or with LMSERVE_CPU_KERNELS=0, `available()` is False and callers use
+their PyTorch path. Bindings are re-exported here (`kernels.<name>`). See docs/cpu_kernels.md.
 """
 
 from lmserve.kernels.float32 import (

@@ -1,16 +1,8 @@
 """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) → validated tensors per lmserve Linear.
 
-lmserve fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (model/loader.STACKED_PARAMS), so a PEFT
-target is a slice of a fused projection's output rows:
-
-    qkv_proj rows     [0, q) q_proj · [q, q + kv) k_proj · [q + kv, q + 2 kv) v_proj     (q = heads · head_dim)
-    gate_up_proj rows [0, inter) gate_proj · [inter, 2 inter) up_proj
-    o_proj, down_proj: all rows (one part); Phi-3's own fused qkv_proj / gate_up_proj: all rows
-
-Each part keeps (A, B · scaling): A (r, in_features), B (part_rows, r), scaling lora_alpha / r (lora_alpha / sqrt(r)
-with use_rslora), folded into B once here. What the batched path cannot reproduce is refused with the field named:
-modules_to_save, embedding / LM-head targets, DoRA, LoRA biases, fan_in_fan_out, rank / alpha patterns, a rank
-above max_lora_rank, and tensors whose shapes are not the base model's.
+load_adapter maps each PEFT target onto its rows of lmserve's fused projections (module_parts: qkv_proj,
+gate_up_proj), folds the scaling into B, and refuses what the batched path cannot reproduce, naming the field
+(LoRAAdapter). The accepted and refused adapter features are listed in docs/lora.md.
 """
 
 from __future__ import annotations

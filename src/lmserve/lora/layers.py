@@ -1,20 +1,8 @@
 """The batched LoRA delta of one lmserve Linear: slot-stacked weights and a forward hook that adds them.
 
-Per LoRA'd Linear (qkv_proj, o_proj, gate_up_proj, down_proj of every layer), for max_loras compute slots:
-
-    A: (max_loras, num_parts · max_rank, in_features)    slot s's adapter of rank r packs the A of its k present
-                                                          parts densely: the j-th at rows [j·r, (j + 1)·r)
-    B: (max_loras, out_features, num_parts · max_rank)   block-diagonal: the j-th part's B (· scaling) at its
-                                                          output rows, columns [j·r, (j + 1)·r), zeros elsewhere
-
-A step's rows are ordered so that each slot's rows are contiguous runs (model_runner sorts decodes and prefills
-by slot), and `groups` lists (slot, first row, end row). The delta of a run is two products whatever the parts:
-the shrink xa = x · A_s[:k·r]ᵀ and the expand out += xa · B_s[:, :k·r]ᵀ (in place, one addmm_ on contiguous rows),
-over the adapter's actual rank and present parts, not max_rank (SGMV's grouping, a loop over the few slots
-present). The block-diagonal B spends k× the expand's tiny FLOPs (and B's memory, in the ledger) on zeros to save
-a product and a strided write per part: on the CPU a decode step's LoRA cost is the number of small calls. Rows
-of no adapter are in no group. The hook adds in place to the Linear's output, so any kernel path of the base
-(float, quantized, packed) is unchanged.
+LoRALinear holds every compute slot's A and block-diagonal B and adds a step's delta per contiguous run of rows of
+one slot (shrink, then expand in place); LoRAHooks installs it on the decoder's Linears, leaving the base's
+kernel path unchanged. The layout is in docs/lora.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The memory ledger of prefill/decode disaggregation (`lmserve memory --disaggregation NPmD`): each role's pool.
 
-Every engine core loads its own weights and its own KV pool. With a budget, the memory left after the reserve is
-split evenly over the P + D cores, and each core's KV pool is its share minus the weights. A prefill core's pool
-holds prompts being prefilled and, until pulled (at most kv_lease_s), the KV it handed off; a decode core's holds
-the requests it decodes. The transfer buffer: a pull of one request's KV exists twice while it crosses (the
-producer's export copy and the consumer's received frames), freed as soon as the blocks are written. No torch.
+disaggregated_memory splits the budget over the P + D cores (each its own weights and KV pool, a RolePool per role)
+and counts the transfer buffer of a pull. No torch. See docs/memory.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
-"""KV-cache memory ledger: how many bytes the weights and the KV cache take, and how many
-requests fit in a memory budget.
+"""KV-cache memory ledger: how many bytes the weights and the KV cache take, and how many requests fit in a budget.
 
-Pure arithmetic (no torch), so the engine can size its block pool before it allocates
-anything and `lmserve memory` can answer "will it fit?" without a GPU. Its neighbours: the model's
-numbers (model_shape.py, which reads a config.json or a GGUF file's metadata), byte quantities
-(byte_units.py) and the report `lmserve memory` prints (memory_report.py); the shape and byte names
-are importable from here as before.
-
-Conventions
------------
-* KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * dtype bytes; the 8-bit KV dtypes
-  (int8, fp8) add a float32 scale per (token, KV head) for K and for V: 2 * layers * kv_heads * 4 bytes.
-* Paged KV: a request holds whole blocks, ceil(seq_len / block_size) of them.
-* Tensor parallel (``tp``): attention heads, KV heads, MLP columns and the vocabulary are split
-  across ranks; norms are replicated. If ``num_kv_heads < tp`` each KV head is replicated on
-  ``tp / num_kv_heads`` ranks, so every rank holds exactly one KV head (as vLLM does); this
-  requires ``tp % num_kv_heads == 0``. The memory budget is per device (per rank).
-* Sliding windows: when every layer slides (Mistral v0.1, Qwen2 with use_sliding_window over all layers) the
-  engine frees the blocks that fall out of the window while a request runs, so a request holds at most
-  ``kv_blocks_held`` blocks: the window plus one block of slack (per layer: min(len, window) + a block). When
-  only some layers slide (Gemma 2/3 interleave global layers) every block stays (a block holds all layers'
-  K/V) and the KV is counted in full; the report says which applies.
+Pure arithmetic (no torch): the engine sizes its block pool with it and `lmserve memory` answers "will it fit?"
+without a GPU. Shapes: checkpoint/shape.py; units: memory/units.py; the report: memory/report.py. Its conventions
+(KV bytes, paging, tensor parallel, sliding windows) are in docs/memory.md.
 """
 
 from __future__ import annotations

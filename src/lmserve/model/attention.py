@@ -1,13 +1,8 @@
-"""Paged attention: K/V of new tokens are written into the block-structured cache by slot mapping,
-and queries read their history back through block tables.
+"""Paged attention: new tokens' K/V written into the block cache by slot mapping (write_kv), history read back
+through block tables (paged_attention).
 
-Cache layout per layer (one tensor for K, one for V; see kv_cache.py for the storage dtypes and scales):
-
-    (num_blocks, block_size, num_kv_heads, head_dim)
-    slot = block_id * block_size + offset_in_block   →   flat row of view(-1, num_kv_heads, head_dim)
-
-A step's tokens are flat (no batch dimension): first the decode tokens (one query per request),
-then each prefill chunk as a contiguous segment.
+Slot = block_id * block_size + offset. A step's tokens are flat: decode tokens first (one query per request), then
+each prefill chunk as a contiguous segment (AttentionMetadata). Layout and dtypes: kv_cache.py, docs/kv_cache.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,8 @@
-"""The whole decoder stack of a small pure-decode step in one C call (kernels.decode_stack).
+"""The whole decoder stack of a small pure-decode step in one C call (kernels.decode_stack), bit-identical to the
+module path: the same kernels in the same order, without the Python between them.
 
-On the module path a decode step of a 30-layer model makes ~270 Python-level kernel calls, each with its
-module dispatch, argument checks and ctypes crossing: ~270 µs a layer, a third of a single-stream step of
-the benchmark model at int4. The C function runs the same kernels in the same order on the same arguments,
-so hidden states are bit-identical to the module path (tests/model/test_decode_stack.py compares them); it only
-removes the Python in between.
-
-Which steps take it (`DecodeStack.applies`): every token of the step is a decode (one query token per
-request, no prefill segment), at most `max_rows` of them (what each projection's few-row kernel serves,
-`layers.kernel_max_rows`: 8 for float32 / bf16-stored weights with AVX-512 (else 2), 8 for int8 W8A8, 8 for
-weight-only int4 and GGUF Q4 / Q8_0 blocks; W4A8_STACK_MAX_ROWS where every projection is on W4A8 panels (int4,
-GGUF Q4 / Q5 / Q8_0 with int4_compute="w4a8"): linear_w4a8_f32 computes each row the same whatever the row count,
-and the stack's other kernels (norms, RoPE, attention, SiLU) are the module path's at any row count, so batched
-decode keeps the one call, bit-identical), float32 activations on
-the CPU with the kernels loaded. Which models (`DecodeStack.supports`): the plain pre-norm Llama layout
-(Llama, Mistral, Qwen2, Phi-3, SmolLM ...) with full rotary, SiLU MLP, no q/k norms, no sandwich or post
-norms, no logit soft-capping, a KV cache the kernels read, and every projection on its C kernel (not
-switched to torch / oneDNN by `LMSERVE_SMALL_M_LINEAR` or the measured small-M choice).
-
-Tensor parallelism (model/parallel.py): a rank's stack runs its shard's layers and, as the module path's hooks
-do, sums the outputs of o and down over the ranks, through the shared-memory all-reduce called from C
-(`ls_model.allreduce`: worker/shm_allreduce.py's protocol and summation order, so the same bits as the module
-path's Python calls, with which the C calls share one sequence). A group whose all-reduce is gloo (ranks on
-several hosts, LMSERVE_TP_ALL_REDUCE=backend) has no stack: the module path. LoRA is not served with TP.
-
-LoRA (`takes_lora`, `run(..., lora)`): while LoRA hooks are on (lora/layers.py) the stack, which skips them, adds
-each run's slot delta after each projection itself (`ls_model.lora` → cpu_kernels.c's LoRA section), with the C
-kernel the hooks call for runs of that size, so the step stays bit-identical to the module path. Without LoRA rows
-`lora` is NULL and nothing else changes.
+DecodeStack.supports: which models (plain pre-norm Llama layout, every projection on its C kernel); .applies: which
+steps (all decodes, at most max_rows). TP all-reduce and LoRA deltas run from C. See docs/cpu_kernels.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""One layer's paged KV cache in its storage dtype (EngineArgs.kv_cache_dtype), and the quantize /
-dequantize steps between it and the model's activations.
+"""One layer's paged KV cache in its storage dtype (EngineArgs.kv_cache_dtype), and the quantize / dequantize
+steps between it and the model's activations (KVCache, quantize, dequantize).
 
-    values  k, v        (num_blocks, block_size, num_kv_heads, head_dim)   float32 | bfloat16 | float16 |
-                                                                           int8 | float8_e4m3fn
-    scales  k_scale, …  (num_blocks, block_size, num_kv_heads) float32     int8 and fp8 only
-
-A stored row (one token, one KV head) is x ≈ scale * value, the scale written with the row from the row's
-own absolute maximum (no calibration): int8 value = round(x / s), s = amax / 127; fp8 value = e4m3(x / s),
-s = amax / 448 (e4m3's largest finite value). Scales are indexed by the same slot as their values, so they
-follow block tables, prefix sharing and freeing with their blocks and need no bookkeeping of their own.
-The C kernels (kernels.rope_write_kv / paged_decode_attention) write and read the same bytes.
+int8 and fp8 add a float32 scale per (slot, KV head) from the row's own absolute maximum (x ≈ scale * value), so
+scales follow their blocks; the C kernels read and write the same bytes. See docs/kv_cache.md.
 """
 
 from __future__ import annotations

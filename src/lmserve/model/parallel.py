@@ -1,21 +1,8 @@
-"""Tensor parallelism, Megatron-style (as vLLM's column / row / vocab-parallel layers): which slice of each weight a
-rank holds, the slicing at load, and the collectives a split decoder needs, attached to an unchanged CausalLM.
+"""Tensor parallelism, Megatron-style (vLLM's column / row / vocab-parallel layers): each rank's slice of each
+weight, the slicing at load, and the collectives a split decoder needs, attached to an unchanged CausalLM.
 
-    q/k/v, gate/up   column-parallel: rank r holds its heads' rows (q by heads, k/v by KV heads, replicated when
-                     num_kv_heads < tp: rank r holds KV head r // (tp / num_kv_heads)) and its intermediate rows;
-                     each part of a fused qkv / gate_up is sliced on its own, so the local fused layout is the same
-    o, down          row-parallel: rank r holds the matching input columns; each is followed by one all-reduce
-    embed, lm_head   vocab-parallel: rank r holds rows [r * ceil(V / tp), ...), padded with zero rows; the embedding
-                     looks up its own ids (others give 0) and all-reduces; the LM head's logits are gathered on
-                     rank 0 (the only rank that samples) and cut back to V
-    norms, rotary    replicated (Qwen3's per-head q/k norms too)
-
-The model is built from `local_config(cfg, tp)`: the same classes with a rank's head / row counts, so the C kernels
-(RoPE + KV write, attention, small-M linears) run on the local shard unchanged. The one-call decode stack
-(model/decode_stack.py) runs a whole decoder in one C call: with tp > 1 it calls the group's shared-memory all-reduce
-from C after o and down (DecoderModel.tp_all_reduce, the Collectives' `shm`); a group on gloo (several hosts,
-LMSERVE_TP_ALL_REDUCE=backend) takes the module path. A rank's collectives are a `Collectives`
-(worker/distributed.py's TPGroup).
+The model is built from `local_config(cfg, tp)`, so the C kernels run on the local shard unchanged; `parallelize`
+attaches the Collectives. The split: docs/tensor_parallel.md.
 """
 
 from __future__ import annotations

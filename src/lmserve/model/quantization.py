@@ -1,51 +1,8 @@
-"""Quantized linear weights: their layouts, the quantization math (the PyTorch reference every kernel is
-tested against), and the checkpoint format `lmserve quantize` writes.
+"""Quantized linear weights: their layouts, the quantization math (the PyTorch reference every kernel is tested
+against), and the checkpoint format `lmserve quantize` writes (write_quantized_checkpoint).
 
-Two methods (EngineArgs.quantization):
-
-- "int8" (W8A8): symmetric int8 weights with one float32 scale per output channel, s_w = max|w_row| / 127;
-  activations quantized per token inside the step, s_x = max|x_row| / 127 (dynamic, symmetric); the
-  product accumulates in int32 and is scaled once: y = (x_q . w_q) * s_x * s_w (+ bias).
-- "int4": 4-bit codes with one float16 scale per group of `group_size` inputs along a row,
-  symmetric with no zero point (llama.cpp's Q4_0 rule): d = m / -8 where m is the group's value of
-  largest magnitude, code = clamp(round(w / d), -8, 7) + 8, w ≈ (code - 8) * d. Computed W4A8 by default
-  (EngineArgs.int4_compute: activations int8 per block of 32, integer dot products; the W4A8 section below),
-  or weight-only (activations float32).
-
-The decoder's projections are quantized (qkv, o, gate_up, down), and the LM head too (as llama.cpp's Q8_0 and
-Q4_0 do; a float32 head is half the bytes of an int8 decode step, two thirds of an int4 one): with int8 as a
-projection (W8A8), with int4 at 8 bits weight-only ("int8w" below, group 32, llama.cpp's Q8_0 block rule). A
-tied model keeps its float32 embedding table for the token lookup and gives the head its own 8-bit copy (extra).
-Embeddings and the norms stay float32. Checkpoints record the head's layout (`lm_head` in quantization_config);
-an int4 checkpoint written before the head was quantized has none and keeps a float32 head.
-
-A GGUF checkpoint's block-32 tensors load as they are in the file (QuantizationConfig method "gguf"; the
-same bytes, no re-quantization), into two more per-Linear layouts of the same family:
-  Q4_0 → "int4", group 32, no mins: llama.cpp's Q4_0 block *is* the int4 layout below (same nibble order,
-         same (code - 8) * d).
-  Q4_1 → "int4", group 32, with mins: w = code * d + m (codes 0..15 not offset, one float16 min per group).
-  Q8_0 → "int8w", weight-only int8 with one float16 scale per group of 32: w = q * d; activations float32
-         (not the W8A8 path: that would re-quantize the weights per channel), or with int4_compute="w4a8" the
-         same bytes in 8-bit W4A8 panels (int8 activations per block of 32, llama.cpp's q8_0 x q8_0).
-  Q5_0 → "int5", group 32, no mins: w = (code - 16) * d, codes 0..31 (four bits in the nibbles as Q4_0's, the
-         fifth in a 32-bit word a block); Q5_1 → "int5" with mins: w = code * d + m. Computed on the W4A8
-         kernels' 5-bit panels (int8 activations per block of 32, llama.cpp's q5_0 x q8_0) whatever int4_compute
-         says: there is no weight-only int5 kernel (without the C kernels: the dequantized weight in PyTorch).
-         A fused projection whose parts are Q5_0 and Q8_0 (llama-quantize's fallbacks in one qkv) is "int8w":
-         code - 16 is an int8 value with the same scale, so the Q5_0 parts convert exactly.
-and its K-quant tensors (Q4_K, Q5_K, Q6_K: 256-weight super-blocks with 6-bit sub-block scales) into a
-"kquant" layout that is the file's bytes themselves (see the K-quant section below; weight-only, x float32).
-
-Layouts (what the C kernels read):
-  int8  qweight (O, K) int8, scales (O,) float32, row_sums (O,) int32 (sum of each qweight row; not saved)
-  int4  qweight (O, K / 2) uint8: each run of 32 inputs is 16 bytes, byte i holding input i in its low
-        nibble and input i + 16 in its high nibble; scales (O, K / group_size) float16; optional mins
-        (O, K / group_size) float16 (then w = code * scale + min)
-  int8w qweight (O, K) int8, scales (O, K / group_size) float16 (GGUF Q8_0 blocks; the int4 method's LM head)
-  int5  qweight (O, K / 32 * 20) uint8: per block of 32 inputs 20 bytes, the file's qh (4 bytes, a little-endian
-        word whose bit i is the fifth bit of input i) then qs (16 bytes as the int4 layout's); scales
-        (O, K / 32) float16; optional mins (O, K / 32) float16 (GGUF Q5_0 / Q5_1 blocks without their d / m)
-  kquant qweight (bytes,) uint8: row segments of ggml Q4_K / Q5_K / Q6_K super-blocks, no scales tensor
+Methods int8 (W8A8) and int4 (W4A8 or weight-only), GGUF's block-32 and K-quant tensors as in the file; layouts
+int8, int4, int8w, int5, kquant and the W4A8 panels. Formulas and byte layouts: docs/quantization.md.
 """
 
 from __future__ import annotations

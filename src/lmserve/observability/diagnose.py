@@ -1,24 +1,8 @@
 """The bottleneck finder: a window of serving metrics → findings (symptom, most likely cause, evidence, what to
-change). One set of rules for `lmserve diagnose --url` (two scrapes of /metrics, `window` seconds apart),
-`lmserve diagnose --report` (a `lmserve bench serve` JSON) and the dashboard (its own registry, every second).
+change). One set of rules for `lmserve diagnose --url` (two scrapes of /metrics), `lmserve diagnose --report`
+(a `lmserve bench serve` JSON) and the dashboard (its own registry, every second).
 
-The reasoning is the seeds' self-check ("given high TTFT, high TPOT, a full KV cache or P95 jitter, name the most
-likely root cause"):
-
-    TTFT = queue time (arrival → first scheduled) + prefill time (first scheduled → first token)
-      queue dominates  → static batching holding newcomers | no free slot (max_num_seqs) | no free KV blocks |
-                         arrivals above throughput
-      prefill dominates → prompts sharing a prefix the cache misses | long prompts
-    TPOT / ITL = decode step time (a decode step is memory-bound: it reads every weight once for the batch)
-      preemptions (recompute stalls the batch) | prefill interference (prompt tokens in the decodes' steps) |
-      CPU oversubscribed (decode steps far above their idle figure at a small batch) | decode batch too large
-    KV cache full → preemptions, or requests waiting on a full pool: the ledger's numbers (lmserve.memory.ledger) for
-                    max_num_seqs / max_model_len / KV dtype
-    P95/P99 ≫ P50 → preemptions | mixed prompt lengths | queue spikes
-
-Inputs are plain numbers (a `Window`, metrics_window.py): counters as deltas over the window, gauges as their latest
-value, latencies as `Dist`s (from histogram bucket deltas, or a report's percentiles). A rule whose inputs are missing
-(a client report has no queue time) stays silent or says what it cannot tell.
+Entry points: diagnose (a metrics_window.Window → Diagnosis), diagnose_report. Rules: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -107,6 +91,11 @@ class Thresholds:
 
 
 def diagnose(w: Window, th: Thresholds | None = None) -> Diagnosis:
+    """The findings of every rule on `w`: counters as deltas over the window, gauges latest, latencies as Dists.
+
+    TTFT splits into queue time vs prefill time, TPOT into preemptions / prefill interference / CPU contention /
+    batch size; a rule whose inputs are missing (a client report has no queue time) stays silent or says so.
+    """
     th = th or Thresholds()
     findings: list[Finding] = []
     for rule in (_kv_cache_full, _ttft_high, _tpot_high, _jitter):

@@ -1,14 +1,8 @@
 """Prometheus metrics for the server (the only module that imports prometheus_client).
 
-Two sources, one registry per server:
-- per-request histograms, observed on the engine thread from each RequestOutput (StatLogger protocol of
-  lmserve.engine.async_engine), and counters the HTTP / gRPC layers bump (rejected requests); both carry a
-  `frontend` label ("http" or "grpc", the latter told by its request-id prefix, `frontend_of`);
-- engine counters and gauges, read at scrape time from the latest EngineSnapshot (the engine keeps the
-  running totals; we never double-count them here). With several engine cores the snapshot is their
-  aggregate, and every engine family also has one sample per core labelled `engine="i"`.
-
-Every name is prefixed `lmserve:`; counters carry the `_total` suffix on the wire.
+Metrics is the server's registry: per-request histograms observed from RequestOutputs, counters the HTTP / gRPC
+layers bump, and engine counters and gauges read at scrape time from the latest EngineSnapshot (_EngineCollector).
+Every name is prefixed `lmserve:`; counters carry the `_total` suffix on the wire. See docs/observability.md.
 """
 
 from __future__ import annotations
@@ -261,7 +255,12 @@ class _Histograms:
 
 
 class Metrics:
-    """The server's metrics. Implements the engine's StatLogger (on_request_output / on_request_aborted)."""
+    """The server's metrics. Implements the engine's StatLogger (on_request_output / on_request_aborted).
+
+    Per-request series carry a `frontend` label ("http" or "grpc", from the request-id prefix: frontend_of).
+    Engine series come from the snapshot, which keeps the running totals (never double-counted here); with several
+    engine cores it is their aggregate, and each engine family also has one sample per core, `engine="i"`.
+    """
 
     def __init__(self, model_name: str, snapshot_fn: SnapshotFn) -> None:
         self.registry = CollectorRegistry()

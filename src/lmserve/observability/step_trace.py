@@ -1,22 +1,8 @@
 """A served engine core's steps, one line each: what the scheduler put in the step and how long it took there.
 
-`lmserve simulate calibrate` fits its step-time model on these (sim/calibrate.py): a step timed inside a serving
-core includes what an in-process profile cannot see on a small machine, the API process taking turns on the cores
-the step's OpenMP team runs on (its SSE writes, tokenizing arrivals) and the core loop's own work between steps.
-
-Switched on by the environment variable LMSERVE_STEP_TRACE=<path> in the API process (an engine core inherits it);
-core i appends to `<path>.<i>` (created anew when the core starts). Off (the default), nothing here runs. A line:
-
-    prefill_tokens prefill_segments decode_rows decode_context_tokens prefill_attention_pairs step_s loop_s threads
-    sampled finished end_time
-
-step_s: LLMEngine.step()'s wall time; loop_s: the core loop's iteration around it (drain, step, send the outputs);
-threads: torch's intra-op threads for the step; sampled: the requests that sampled a token in it (the chunks the API
-process then streams); finished: the requests the step finished; end_time: time.time() when LLMEngine.step()
-returned (its outputs exist; the iteration then encodes and sends them), to line steps up with a client's send and
-chunk times (calibrate's API costs). The features are core.outputs.step_features' (read from the SchedulerOutput
-before update_from_output advances the counters). Files written before the last three columns (8 columns) still
-read.
+Switched on by LMSERVE_STEP_TRACE=<path> (core i appends to `<path>.<i>`); `lmserve simulate calibrate` fits its
+step-time model on these lines, which include the API process's contention a lone in-process profile cannot see.
+StepTrace writes a core's file, read_trace reads one; the columns are COLUMNS, described in docs/observability.md.
 """
 
 from __future__ import annotations

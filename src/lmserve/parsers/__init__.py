@@ -1,16 +1,9 @@
 """Reasoning and tool-call parsers per model family, by vLLM's names; independent of FastAPI and the engine.
 
-How to call a parser from a serving module (Responses, Anthropic, Ollama, gRPC, LLM.chat), per output sequence:
-
-    rp = reasoning_parser("qwen3")(prompt_text)       # or state.chat.reasoning(prompt_text): None when off
-    reasoning, content = rp.extract(text)              # whole output; either may be None
-    r_delta, c_delta = rp.feed(delta_text)              # streamed: each new piece, then once rp.finish() at the end
-    tp = tool_parser("hermes")                          # stateless; the server's: state.chat.tools
-    content, calls = tp.extract(content, tools)         # calls: [ToolCall(name, arguments JSON text, id)]
-    ts = tp.stream(tools); ts.feed(c_delta) -> content to send; ts.finish() -> (rest, calls, [ToolCallDelta])
-
-Run the tool parser on the reasoning parser's content. No calls (or a call that does not parse) means the text is
-content. Decode with special tokens kept when `keeps_special_tokens` (gpt_oss, openai, mistral)."""
+reasoning_parser(name) and tool_parser(name) look parsers up; detect_parsers picks them from a chat template.
+Run the tool parser on the reasoning parser's content; how a serving module calls them is in
+docs/reasoning_and_tools.md.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""gpt-oss's harmony format: `--reasoning-parser gpt_oss` (the analysis channel is the reasoning, the final channel
-the content) and `--tool-call-parser openai` (commentary messages to `functions.NAME` are the calls):
-
-    <|channel|>analysis<|message|>THINKING<|end|><|start|>assistant<|channel|>final<|message|>ANSWER<|return|>
-    ...<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{...}<|call|>
-
-The markers are special tokens, so outputs are decoded with special tokens kept. The reasoning parser passes a call
-message on to the content as `<|channel|>commentary to=functions.NAME<|message|>ARGS<|call|>`."""
+"""gpt-oss's harmony format: `--reasoning-parser gpt_oss` (GptOssReasoningParser: the analysis channel is the
+reasoning, the final channel the content) and `--tool-call-parser openai` (OpenAIToolParser: commentary messages
+to `functions.NAME` are the calls). The markers are special tokens, so outputs are decoded with them kept.
+"""
 
 from __future__ import annotations
 
@@ -80,6 +76,9 @@ def call_text(msg: Message) -> str:
 
 
 class GptOssReasoningParser(ReasoningParser):
+    """Analysis → reasoning, final → content; a call message passes on to the content as
+    `<|channel|>commentary to=functions.NAME<|message|>ARGS<|call|>` for the openai tool parser."""
+
     name = "gpt_oss"
     keeps_special_tokens = True
 

@@ -1,7 +1,7 @@
-"""Qwen3-Coder / Qwen3.5 XML tool calls (`--tool-call-parser qwen3_coder`):
-`<tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n</function>\n</tool_call>`. Values are text,
-converted by the tool's JSON schema ("3" → 3 for an integer, JSON for objects and arrays, true/false for booleans);
-a parameter the schema does not type is kept as text unless it is JSON."""
+"""Qwen3-Coder / Qwen3.5 XML tool calls (`--tool-call-parser qwen3_coder`, Qwen3CoderToolParser):
+`<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>`, each value converted by the
+tool's JSON schema (convert).
+"""
 
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ def _schema_type(tools: list[dict[str, Any]] | None, function: str, param: str) 
 
 
 def convert(value: str, kind: Any) -> Any:
-    """A parameter's text as the JSON value its schema type says; ValueError when it is not one."""
+    """A parameter's text as the JSON value its schema type says; ValueError when it is not one.
+
+    "3" → 3 for an integer, JSON for objects and arrays, true/false for booleans; an untyped parameter stays text
+    unless it is JSON.
+    """
     kinds = kind if isinstance(kind, list) else [kind]
     if "string" in kinds or kind == "enum":
         if kind == "enum":

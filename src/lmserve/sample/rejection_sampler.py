@@ -1,18 +1,7 @@
-"""Verification of proposals: the target's distribution at every proposed position, then rejection sampling.
+"""Verification of proposals: the target's distribution at every proposed position, then rejection sampling (verify).
 
-For a request with proposals d_1..d_k the target scored k + 1 positions in one pass (row j predicts the token
-after d_1..d_j). p_j is the distribution the sampler would draw from at that position: the logits processors
-(penalties, logit_bias, min_tokens) see the output so far plus d_1..d_j, then temperature / top-k / top-p /
-min-p. Proposal d_j is accepted with probability min(1, p_j(d_j) / q_j(d_j)), where q_j is the distribution
-the proposer drew it from (one-hot for n-gram lookup and greedy drafts); at the first rejection the token is
-drawn from the normalised residual max(0, p_j - q_j) and the rest are dropped; when all k are accepted, a
-bonus token is drawn from p_{k+1}. Each emitted token is then distributed exactly as p (Leviathan et al.,
-2023; Chen et al., 2023). Greedy requests reduce to: accept while d_j is the processed argmax, then emit the
-argmax. Draws use the request's own torch.Generator when seeded.
-
-A constrained request (structured outputs) is verified against its grammar too: p_j includes the token mask
-of the grammar state after d_1..d_j (the proposals were cut at the first token the grammar refuses, so the
-matcher can move over them), exactly the mask the sampler would apply had d_1..d_j been sampled one by one.
+Each emitted token is distributed exactly as the target's processed distribution p (Leviathan et al., 2023;
+Chen et al., 2023); greedy requests accept while a proposal is the argmax. See docs/speculative_decoding.md.
 """
 
 from __future__ import annotations
@@ -33,7 +22,13 @@ class Verified:
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> list[Verified]:
-    """logits: (sum of 1 + num_spec_tokens, vocab) raw target rows, request by request in `scheduled` order."""
+    """logits: (sum of 1 + num_spec_tokens, vocab) raw target rows, request by request in `scheduled` order.
+
+    Row j predicts the token after proposals d_1..d_j; p_j applies the logits processors to the output plus
+    d_1..d_j (and a constrained request's grammar mask after them), then the warpers. d_j is accepted with
+    probability min(1, p_j(d_j) / q_j(d_j)); the first rejection draws from max(0, p_j - q_j) normalised, and when
+    all are accepted a bonus token is drawn from p_{k+1}. Seeded requests draw from their own torch.Generator.
+    """
     meta = _expanded_metadata(scheduled, logits.shape[1])
     assert logits.shape[0] == len(meta.params), "one logits row per verified position"
     raw = logits.float()

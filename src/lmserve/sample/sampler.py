@@ -1,21 +1,7 @@
-"""Batched sampling on the logits of one step.
+"""Batched sampling on the logits of one step (Sampler, SamplingMetadata, SamplerOutput).
 
-Contract (the model runner depends on it):
-    sampler = Sampler()
-    out = sampler(logits, metadata)   # logits: (num_rows, vocab) float32, one row per sampled request
-    out.sampled_token_ids             # list[int], len == num_rows
-    out.logprobs                      # None, or one TokenLogprobs | None per row (rows asking for logprobs)
-
-Processing order follows HF's logits processors, every stage vectorised over the rows that need it:
-    repetition penalty (prompt+output) and presence/frequency penalties (output) -> logit_bias
-    -> min_tokens (mask stop ids / EOS) -> grammar bitmask (structured outputs: tokens the grammar forbids
-    get -inf, only in the constrained rows) -> temperature -> top-k -> top-p -> min-p -> sample.
-The grammar mask comes before every warper, so sampling is exact within the allowed set.
-Greedy rows take the argmax of the processed logits (penalties and bias still apply); an all-greedy batch
-with nothing to process is a single argmax.
-
-Sampling is the exponential race argmax(p / E), E ~ Exp(1): exact sampling from p, and a row with its own
-torch.Generator draws E only from it, so its token does not depend on what else is in the batch.
+Processing follows HF's logits processors (penalties, logit_bias, min_tokens, grammar mask, then the warpers),
+vectorised over the rows that need each stage; the model runner depends on Sampler's call contract.
 """
 
 from __future__ import annotations
@@ -99,7 +85,15 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
 
 
 class Sampler:
-    """Stateless: all per-request state arrives in SamplingMetadata each step."""
+    """Stateless: all per-request state arrives in SamplingMetadata each step.
+
+    `sampler(logits, metadata)`: logits (num_rows, vocab) float32, one row per sampled request → SamplerOutput
+    (sampled_token_ids, one per row; logprobs None or one TokenLogprobs | None per row). Order: repetition /
+    presence / frequency penalties → logit_bias → min_tokens → grammar bitmask → temperature → top-k → top-p →
+    min-p → sample; the mask precedes every warper, so sampling is exact within the allowed set. Greedy rows take
+    the processed argmax. Sampling is the exponential race argmax(p / E), E ~ Exp(1), a seeded row drawing E from
+    its own torch.Generator, so its token does not depend on the rest of the batch.
+    """
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(metadata.params), "one logits row per request"

@@ -1,17 +1,8 @@
 """Structured outputs: grammars compiled off the step loop, one matcher per constrained sequence, token bitmasks.
 
-    StructuredOutputsParams ─▶ StructuredOutputManager.compile() ─▶ Future[template matcher]   (thread pool,
-                               cached by (kind, spec) for this engine's tokenizer)
-    add_request: each sequence gets a StructuredOutputRequest holding the future; the scheduler leaves it
-    waiting while `is_ready` is False (plain Python, no torch in core/).
-    every step:  fill_bitmasks(constrained rows) ─▶ TokenBitmask ─▶ Sampler masks those rows before temperature
-    every token: StructuredOutputRequest.accept_token(); grammar complete → the engine stops the sequence.
-    speculative decoding: proposals cut at the first refused token (valid_proposals), the draft masked while
-    drafting, verification rows masked per position (fill_verification_bitmasks); tentative moves roll back.
-
-The grammar engine is llguidance (Rust; lazy lexer + Earley parser, masks computed on demand): no
-dependencies of its own, JSON schema / regex / Lark / GBNF front ends, and `validate_tokens` / `rollback` for
-checking several proposed tokens at once (speculative decoding). docs/architecture.md has the measurement.
+StructuredOutputManager compiles (cached, on a thread pool), StructuredOutputRequest holds a sequence's matcher,
+fill_bitmasks / fill_verification_bitmasks give the sampler its masks. The grammar engine is llguidance.
+The flow, including speculative decoding, is in docs/structured_outputs.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,8 @@
-"""The API process's costs, measured on a served engine (calibrate): what the simulator's API queue and step stretch
-(step_model.Overheads.api_*) are made of.
+"""The API process's costs, measured on a served engine (calibrate): step_model.Overheads.api_*.
 
-On a small machine the API process (HTTP, tokenizing, SSE) and the load generator share the cores of the engine
-core's OpenMP team. Two effects, both from their CPU work:
-
-    a queue      the API process is one thread of work: a request's arrival, and each chunk a step streams, wait
-                 for it; a step of 32 rows sends its 32 chunks one after another (the last one 31 chunks later)
-    a stretch    when that work runs it takes turns on the engine's cores, and a team of N threads on N cores waits
-                 at every barrier for the member the kernel handed to it: the step being run is longer
-
-Measured (all from one served engine core tracing its steps, engine/step_trace.py, and the client's records):
-
-* per chunk and per request latency: requests sent one at a time; a chunk's latency is its arrival at the client −
-  the end of the step that sampled it (the trace's end_time: the outputs exist; on a busy machine the chunk can
-  reach the client before the core's iteration around the step is over), by position: the first chunk (the
-  response's start), the middle ones, the last (the finish, usage); the ingress latency is the send → the start
-  of the request's first iteration, less the part of that iteration after its step (end_time − loop_s − send), so
-  that the simulator's TTFT of a lone request, ingress + its iteration + the first chunk's latency, is the
-  measured one. The middle chunks' latency is the per-chunk cost plus the way to the client.
-* CPU per request and per chunk: the API process's (/proc/<pid>/stat) and the load generator's (this process's)
-  CPU time over three loads (the one-at-a-time requests, many one-token requests, a few long streams): least
-  squares on cpu = per request · requests + per chunk · chunks.
-* the stretch: served steps ≈ model(features) + f · W + g · S + h · H, W = the API work beside the step (the
-  previous step's chunks × the per-chunk cost, + its first chunks × the first's extra, + the requests it finished ×
-  the last's extra, + the requests sent while it ran × the arrival's cost), S = the requests sent while this step
-  runs on their own schedule (an open loop's arrivals: the load generator wakes to send), H = those sent while it
-  runs that the client's concurrency cap had held until another finished (a closed loop: the client is awake,
-  reading that last chunk); the model's coefficients, f, g and h fitted together by least absolute relative error,
-  all >= 0 (f: step seconds per second of API work), then g and h again by least squares on the sends' surprise
-  (stall_per_send: a send at a random time lands in a long step more often, and the steps with sends are longer by
-  that alone; means, where the least-absolute fit follows the median). Traced on the 2-core machine: the steps a
-  Poisson send lands in run 5-6.5 ms longer a send, of which ~2.2-3.9 ms is the send's own stall (the rest: long
-  steps collect sends), a closed loop's next request ~1.3-2.5 ms.
+The API process (HTTP, tokenizing, SSE) queues chunks and arrivals, and its CPU work stretches the engine's steps.
+chunk_latencies, cpu_costs and fit_stretch measure these from a traced served engine and the client's records;
+overheads_from assembles them. The method is in docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """`lmserve simulate calibrate`: time real LLMEngine steps over a grid, fit the step-time model, measure the
 server's overheads, save a StepProfile.
 
-The grid is a set of engine states and the steps taken from them:
-
-    for each decode batch D and context L:   D requests with L-token prompts are prefilled (those prefill steps
-                                             are samples too), then `decode_steps` pure decode steps are timed,
-        for each prefill P and cached context c:   one request of c cached + P new tokens joins the D decodes:
-                                             a mixed step (c > 0 reuses an earlier prompt's cached blocks)
-
-Each step's features are read from the SchedulerOutput the engine actually ran (a wrapped schedule()), so a
-point that came out differently from the plan (a prefix block evicted, say) is still a correct sample. The time
-is LLMEngine.step()'s wall time: schedule, the model, update, detokenize. A separate mixed workload (Poisson-like
-arrivals of random lengths through the same engine) is the held-out check of the fitted model.
-
-Overheads: with a server (`lmserve serve` on the same flags, started here unless --no-server), requests sent one
-at a time give TTFT = ingress + prefill step + egress and TPOT = decode step + the core loop's own per-step cost;
-the fitted step times are subtracted. The client cannot tell ingress from egress: the sum is split evenly.
+Entry points: add_calibrate_args, run_calibrate, refit, format_profile. The grid, the fit and the overhead
+measurement are described in docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """From command-line flags and a step model to the simulator's inputs: the EngineConfig, the tokenizer, the workload.
 
-The model defaults to the step model's own: its directory when it still exists, else a config.json written from
-the step model (a roofline profile of a model we do not have needs no weights: the scheduler only reads shapes).
-dtype / KV dtype / quantization / weight dtype left at their defaults take the step model's values; given ones
-must agree with it (StepProfile.check_compatible names the field). The KV pool: the flags, else for a roofline
-profile what the accelerator's memory holds beside the weights, else the engine's own default on this machine.
+Defaults (model, dtypes, KV pool size) come from the step model; given flags must agree with it
+(StepProfile.check_compatible). Entry points: resolve_model, engine_config, build_workload_from_args.
 """
 
 from __future__ import annotations
@@ -26,6 +23,10 @@ ROOFLINE_MEMORY_UTILIZATION = (
 
 
 def resolve_model(profile: StepProfile, model: str | None) -> str:
+    """The model flag, else the step model's directory when it exists, else a config.json written from it.
+
+    The scheduler reads only shapes, so a roofline profile of a model we do not have needs no weights.
+    """
     if model:
         return model
     path = profile.model.get("path")

@@ -1,12 +1,4 @@
-"""BlockPool with the real pool's allocation order, its blocks created on first use.
-
-BlockPool builds every block and a free-list entry for it up front: 64 replicas of an H200-sized pool are 3.4 M
-objects and most of a simulation's start-up, while a simulation touches a fraction of them. The real free list is
-always [never-used blocks in id order] + [freed blocks, least recently freed first] (a never-used block holds no
-key, so touch() never takes one out of the middle), so handing out never-used ids in order before the freed ones
-is the same sequence. Everything else (reference counts, the prefix index, eviction) is BlockPool's own code.
-tests/sim/test_simulator.py drives both pools with the same random operations and compares every result.
-"""
+"""BlockPool with the real pool's allocation order, its blocks created on first use (LazyBlockPool)."""
 
 from __future__ import annotations
 
@@ -16,6 +8,13 @@ from lmserve.core.block_pool import BlockKey, BlockPool, KVCacheBlock
 
 
 class LazyBlockPool(BlockPool):
+    """BlockPool whose blocks exist only once handed out: building every block up front dominated large runs.
+
+    The real free list is always [never-used blocks in id order] + [freed blocks, least recently freed first], so
+    handing out never-used ids in order before freed ones gives the same sequence; everything else (reference
+    counts, prefix index, eviction) is BlockPool's code. tests/sim/test_simulator.py compares both pools op by op.
+    """
+
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:  # noqa: D107 - no super(): nothing eager
         assert num_blocks > 0, "the pool needs at least one block"
         self.num_blocks = num_blocks

@@ -1,14 +1,7 @@
 """`lmserve simulate plan`: the cheapest configuration that meets goodput SLOs, found by simulation.
 
-The space is the product of the searched flags' values. The cost of a configuration is the accelerators it uses
-(replicas × tensor_parallel_size, the replicas being data_parallel_size, or prefill + decode replicas when
-`prefill-replicas` / `decode-replicas` are searched: a disaggregated xPyD deployment); it meets the SLOs when at least
-`target_pct` % of the requests meet every one of them (bench/metrics.meets_slos: TTFT, TPOT, E2E from the scheduled
-arrival). For each combination of the other flags, data-parallel sizes are tried from the smallest up and the first
-that meets ends that line (more replicas of the same kind only cost more), unless `exhaustive`. The winner: the lowest
-cost that meets; ties go to the higher attainment, then the higher goodput. When nothing meets, the closest (highest
-attainment) is shown, and a lower bound says when the SLOs are out of reach for any configuration of the space (an
-idle replica is already too slow for them).
+parse_space and candidates build the searched configurations, search runs them (smallest data-parallel size first),
+slo_lower_bound says when no configuration can meet the SLOs, format_plan / plot_plan show the result.
 """
 
 from __future__ import annotations
@@ -167,7 +160,11 @@ def search(
     exhaustive: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> PlanResult:
-    """Evaluate the space's candidates (evaluate → (summary with SLO attainment, error, wall seconds))."""
+    """Evaluate the space's candidates (evaluate → (summary with SLO attainment, error, wall seconds)).
+
+    Per line of the other flags, data-parallel sizes go smallest first and the first that meets ends the line
+    (unless `exhaustive`). The winner is the lowest cost that meets; ties go to higher attainment, then goodput.
+    """
     if not 0 < target_pct <= 100:
         raise ValueError(f"--attainment must be in (0, 100], got {target_pct}")
     trials: list[Trial] = []

@@ -1,34 +1,8 @@
 """The event-driven simulator: the engine's own Scheduler / KVCacheManager per replica, a step-time model instead
 of the model runner, the server's routing rule between replicas, the load generator's client in front.
 
-    client (bench loadgen)          API process                    engine core r (one per DP replica)
-    ─────────────────────           ───────────                    ─────────────────────────────────
-    ARRIVE i at scheduled_s ─ cap ─▶ send_s ── ingress_s ──▶ DELIVER: validate (400s), route (engine/router.py)
-                                                                    → inbox of core r; an idle core starts a step
-                                                             step start: inbox → Scheduler.add_request,
-                                                                    Scheduler.schedule() → features → dt
-    chunk at t + egress_s ◀──────────────────────────────── STEP_END at start + dt: update_from_output (the
-                                                                    sampled token per request that reached the end
-                                                                    of its tokens), snapshot for the router, next
-                                                                    step at once (the core's busy loop)
-
-Everything is a heap of timed events; no clock is read, nothing sleeps. Output lengths are fixed by the workload
-(ignore_eos, max_tokens = output length), so a request finishes exactly where the real engine's would. The
-"sampled" token of a request is a function of its prompt and position (two equal prompts get equal outputs, as
-greedy decoding gives them), which only matters to the prefix cache.
-
-Prefill/decode disaggregation (`disaggregation="xPyD"`, as `lmserve serve --disaggregation`): requests are
-routed among the x prefill replicas; when a request gets its first token there (TTFT) the replica's scheduler
-detaches it (Scheduler.detach: its blocks stay held, the lease) and the handoff travels through the API process
-(egress + ingress) to a decode replica chosen by the same router among the y decode replicas. That replica parks
-it (Scheduler.add_remote) and, between its steps, does what engine/disaggregation.KVConsumer does: with room
-(Scheduler.has_room_for_remote), it looks its prompt up in the local prefix cache, allocates the rest and pulls only
-the missing blocks, which takes `kv_transfer_latency_s + missing blocks × kv_transfer_block_s` while both engines
-keep stepping (the producer's KV server is a thread of its own); the pulled request runs from its next step on
-(Scheduler.remote_kv_loaded), and the producer frees the lease's blocks at its next step (at once when idle).
-
-Not simulated: stop strings and EOS (outputs are ignore_eos), speculative decoding, structured outputs,
-max_queued_requests (429s), a dying core, KV transfers that fail.
+Simulator runs a heap of timed events (no clock, no sleeping), including xPyD disaggregation; SimConfig configures
+it, SimResult holds the bench RequestRecords. The event flow and what is not simulated are in docs/simulator.md.
 """
 
 from __future__ import annotations

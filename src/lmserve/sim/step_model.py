@@ -1,36 +1,8 @@
 """How long one engine step takes, as a function of what the scheduler put in it.
 
-Features of a step (core.outputs.step_features of a SchedulerOutput, read before update_from_output advances the
-counters):
-
-    prefill_tokens            tokens of requests still in their prompt (chunks, recompute after preemption)
-    prefill_segments          such requests (each prefill chunk is its own attention call)
-    decode_rows               requests past their prompt (one query each)
-    decode_context_tokens     keys the decode rows attend to: Σ (start + 1)   — the KV a decode step reads
-    prefill_attention_pairs   query-key pairs of the prefill chunks: Σ n·c + n(n+1)/2 (chunk n, cached context c)
-
-Two step models share one interface (`step_time_s(features)`) and one JSON file format:
-
-* LinearStepModel, fitted by `lmserve simulate calibrate` from timed steps:
-      t = c0 + c1·prefill_tokens + cs·prefill_segments + c2·decode_rows + c3·decode_context_tokens
-          [+ c4·prefill_attention_pairs] [+ c5·decode_off_stack]
-  c0 is the per-step overhead (schedule, launch, the LM head's fixed part), c1 the per-token cost of the
-  projections, cs a prefill segment's own cost (its attention call, its sampled row; on the CPU a step with a
-  prefill beside decodes also leaves the one-call decode stack, which this term absorbs: without it the held-out
-  median error on mixed workloads doubled), c2 a decode row's cost (its small-M matmul share, sampling,
-  detokenizing), c3 reading its KV; c4, the quadratic prefill attention, is kept only when it lowers the held-out
-  error (calibrate says which). c5: a pure-decode step of more rows than the one-call decode stack takes
-  (model/decode_stack.py; `stack_rows` in the model, 0 where the model has no stack) leaves it for the module
-  path, whose Python between kernels costs the same whatever the rows: measured on the bundled model, 8 rows
-  2.1 ms and 9 rows 3.9 ms, where a slope alone put 9 rows at 2.3 ms.
-* RooflineStepModel, an analytic estimate for machines we do not have: per step
-      t = overhead + max(FLOPs / (peak · mfu), bytes / (bandwidth · mbu)) + all-reduces (tensor parallel)
-  from published peak FLOP/s and memory bandwidth. Labelled an estimate everywhere it is printed.
-
-Tensor parallelism is a step-time factor: the roofline splits FLOPs, weights and KV over the ranks and adds two
-all-reduces per layer; a fitted profile is timed at one tensor-parallel size (`calibrate --tensor-parallel-size N`
-times the steps of a real TP = N group: measured, no factor), and at another size its variable part scales by
-(its size / tp) / efficiency (efficiency assumed, stored in the file: an estimate).
+StepProfile holds either a LinearStepModel fitted by calibrate or a RooflineStepModel (an analytic estimate), with
+the features of core.outputs.step_features, the overheads and what the profile is valid for, saved as JSON.
+The features, both models and the tensor-parallel factor are described in docs/simulator.md.
 """
 
 from __future__ import annotations

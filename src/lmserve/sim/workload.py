@@ -1,13 +1,7 @@
 """The simulated requests: prompts with token ids, fixed output lengths (ignore_eos), and arrival times.
 
-Prompts come from the bench harness's datasets (bench/datasets.py) with the model's tokenizer, so prefix-cache
-hits happen exactly where they would in the real engine. For large random / prefix workloads the harness's
-prompt builder (one Python random.choice and a tokenizer call per prompt) would dominate the run, so above
-EXACT_PROMPTS_MAX_REQUESTS requests (or with prompts="fast") the ids are drawn directly with numpy from the same
-single-token word vocabulary with the same special tokens and the same length sequence (bench's own `_lengths`
-with its seed): equal lengths and equal sharing structure, different words. Arrivals: the load generator's
-`arrival_offsets_s` (gamma gaps, burstiness 1 = Poisson; inf = all at once), or a recorded `lmserve bench serve`
-JSON (its per-request `scheduled_s`, prompt and output lengths).
+build_workload draws prompts from the bench datasets with the model's tokenizer (fast_prompts above
+EXACT_PROMPTS_MAX_REQUESTS) and arrivals from the load generator; trace_workload replays a `bench serve` JSON.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""Per-request adaptive speculation: how many tokens to propose for a request, from its recent acceptance.
-
-A request whose proposals keep being rejected pays for drafting and verifying them and gains nothing (the
-bundled draft on Chinese text: 19 % accepted, 0.56x). Each request keeps running (exponentially weighted)
-counts of proposals tested and accepted; r = accepted / tested estimates the chance that one proposal is
-accepted. Proposal j is reached and accepted with probability about r^j, and costs a draft step plus a verified
-row whether or not it is, so it is worth making while r^j >= threshold (`adaptive_threshold`, a proposal's cost
-relative to a target step). Hence k = the largest j <= num_speculative_tokens with r^j >= threshold; when even
-j = 1 fails, the request gets no proposals for a while (BACKOFF_STEPS, doubling after each failed probe up to
-MAX_BACKOFF_STEPS), then one probe proposal. Outputs do not change: greedy output is the target's whatever k is,
-and rejection sampling is exact for any k chosen from the past. Imports no torch.
+"""Per-request adaptive speculation: how many tokens to propose for a request, from its recent acceptance
+(AcceptanceTracker). Outputs do not change whatever k is chosen. Imports no torch.
 """
 
 from __future__ import annotations
@@ -22,6 +13,13 @@ MAX_BACKOFF_STEPS = 32
 
 @dataclass
 class AcceptanceTracker:
+    """Exponentially weighted counts of proposals tested and accepted; r = accepted / tested.
+
+    Proposal j is reached and accepted with probability about r^j and costs a draft step plus a verified row, so
+    k = the largest j <= num_speculative_tokens with r^j >= adaptive_threshold. When even j = 1 fails the request
+    backs off (BACKOFF_STEPS, doubling per failed probe up to MAX_BACKOFF_STEPS), then probes with one proposal.
+    """
+
     tested: float = 0.0  # proposals verified up to the first rejection (a rejection counts, later ones do not)
     accepted: float = 0.0
     backoff: int = 0  # steps to skip after the last failed probe (0: speculation on)

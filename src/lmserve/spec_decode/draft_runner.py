@@ -1,18 +1,5 @@
-"""The draft model: its own weights and paged KV cache, proposing k tokens per request in one call.
-
-The draft's KV tensors have the target's block geometry (num_blocks x block_size, sized together by the KV
-ledger), so the scheduler's block tables are the one source of truth for both models: position p of a request
-lives in the same block and slot in the target's and in the draft's cache. What the draft has computed is its
-own counter, request.num_draft_computed_tokens (positions whose draft KV holds the request's tokens):
-
-    [ 0 ......................... draft computed )[ catch-up chunk ...... | last token ]→ d_1 → d_2 ... → d_n
-      valid draft KV (never past the target's      the draft's prefill: tokens the target   one batched decode
-      computed tokens; reset on preemption)        computed since (prompt, accepted ones)   forward per token
-
-The first forward feeds each request its catch-up chunk (its prefill after admission or preemption; usually
-just the last one or two tokens) and yields d_1; n - 1 batched decode forwards follow, all inside this call.
-The draft never trusts another request's prefix-cache blocks (their draft KV may not have been computed):
-after a prefix hit it computes its own prefill, writing the same values into the shared blocks.
+"""The draft model: its own weights and paged KV cache, proposing k tokens per request in one call
+(DraftModelProposer). See docs/speculative_decoding.md.
 """
 
 from __future__ import annotations
@@ -38,6 +25,14 @@ def _ended(item: ProposalInput) -> bool:
 
 
 class DraftModelProposer:
+    """Proposes with the draft model on KV tensors of the target's block geometry, so the scheduler's block tables
+    serve both models; request.num_draft_computed_tokens counts the positions whose draft KV is valid.
+
+    One call feeds each request its catch-up chunk (its draft prefill after admission or preemption, usually the
+    last one or two tokens) to get d_1, then n - 1 batched decode forwards. It never trusts another request's
+    prefix-cache blocks: after a prefix hit it computes its own prefill, writing the same values.
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         spec = config.speculative
         assert spec is not None and spec.draft is not None, "the draft-model proposer needs a draft ModelConfig"

@@ -1,9 +1,7 @@
-"""The model runner's adapters: loaded ones in RAM (LRU, max_cpu_loras) and the max_loras compute slots' weights.
+"""The model runner's adapters (LoRASlotPool): loaded ones in RAM (LRU, max_cpu_loras) and the compute slots' weights.
 
-Which adapter a request's rows use is decided by the scheduler (core/lora_slots.py assigns `request.lora_slot` at
-admission and never reassigns a slot while a running request holds it); this pool only makes each slot hold the
-adapter its rows name, copying it in (from RAM, or from disk again if the RAM cache dropped it) on the first step
-that needs it, and builds the step's row groups for the hooks (lora/layers.py).
+The scheduler assigns `request.lora_slot` (core/lora_slots.py); this pool copies the adapter into its slot (from RAM,
+or from disk if dropped) on the first step that needs it, and builds the step's row groups for lora/layers.py.
 """
 
 from __future__ import annotations

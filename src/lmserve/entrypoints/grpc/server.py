@@ -1,19 +1,7 @@
 """`lmserve.v1.Generation` over gRPC (grpc.aio), on the HTTP server's event loop, engine and ServerState.
 
-A request is validated by the HTTP server's own code: the gRPC message becomes a protocol.CompletionRequest,
-then request_inputs' `sampling_params_of`, `constrain`, `completion_prompts` and `check_lengths` run as for POST
-/v1/completions, and serving_completion's `CompletionGeneration` starts it and merges its outputs. Their APIError
-becomes a gRPC status
-(`_STATUS`): the message starts with the field and the trailing metadata carries `lmserve-param` (and
-`retry-after` for RESOURCE_EXHAUSTED). However the call ends (finished, cancelled by the client, past its
-deadline), the RPC's done callback aborts the engine request (a no-op when it finished; otherwise its KV blocks
-are freed at the engine's next step). The callback is the handlers' only abort: a cancelled streaming handler
-suspended in a write (flow control: the client stopped reading) never resumes, so a `finally` in it would only
-run when the generator is garbage-collected.
-
-Also served: grpc.health.v1.Health (SERVING for "" and "lmserve.v1.Generation" when /health would be 200,
-else NOT_SERVING) and server reflection. With an API key, Generation needs `authorization: Bearer KEY` metadata;
-health and reflection stay open, as /health and /openapi.json do.
+GenerationServicer validates a request with the HTTP server's own code (as POST /v1/completions) and maps its
+APIError to a gRPC status; grpc_frontend also serves grpc.health.v1.Health and server reflection. See docs/grpc.md.
 """
 
 from __future__ import annotations
@@ -101,6 +89,13 @@ def completion_request(request: pb.GenerateRequest, stream: bool) -> p.Completio
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
+    """Generate / GenerateStream: a protocol.CompletionRequest through request_inputs and CompletionGeneration.
+
+    An APIError becomes a status (`_STATUS`) whose message starts with the field, with `lmserve-param` (and
+    `retry-after`) trailing metadata. The RPC's done callback is the only abort: a cancelled streaming handler
+    suspended in a write never resumes, so a `finally` in it would run only at garbage collection.
+    """
+
     def __init__(self, state: ServerState) -> None:
         self.state = state
 

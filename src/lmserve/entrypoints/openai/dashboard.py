@@ -1,10 +1,8 @@
 """The web pages and the dashboard feed: GET / (playground), GET /dashboard, GET /static/..., and
 GET /v1/dashboard/stream (SSE, one JSON update per interval, behind the API key like every /v1 route).
 
-The feed reads what /metrics counts (the server's registry, so the numbers are the same) plus the engine
-snapshot's block map, which the engine builds only while a feed is open (AsyncEngine.watch_block_map). A window
-of registry readings (the last WINDOW_S seconds, shared by all open feeds) gives rates, latency percentiles and
-histograms, and the same diagnosis `lmserve diagnose` prints (lmserve.observability.diagnose: one implementation).
+feed_update reads the server's metrics registry (through a shared ScrapeHistory window) and the engine's block map,
+and runs the same diagnosis as `lmserve diagnose`. See docs/observability.md.
 """
 
 from __future__ import annotations

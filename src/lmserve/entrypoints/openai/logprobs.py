@@ -1,23 +1,7 @@
 """Logprobs in the API's shapes, echo, and prompt logprobs (what evaluation harnesses read).
 
-`/v1/completions` with `echo: true` returns the prompt's text in front of the completion's; with `logprobs: k`
-its logprobs object covers the prompt's tokens first, then the generated ones:
-
-    tokens          [ p0    p1    p2  | g0    g1  ]      p: prompt tokens, g: generated tokens
-    token_logprobs  [ null  lp    lp  | lp    lp  ]      the first prompt token has no logprob (nothing before it)
-    top_logprobs    [ null  {k+1} ... | {k+1} ... ]      k most likely, plus the actual token (k or k + 1 keys)
-    text_offset     [ 0     ...       | len(prompt text) + offsets in the completion ]
-
-Entry i of the prompt part is log_softmax(logits at position i - 1)[prompt token i], which the engine computes
-when SamplingParams.prompt_logprobs is set (the server asks for max(prompt_logprobs, logprobs) alternatives, and
-each view keeps its own k). `prompt_logprobs: k` (vLLM's extra parameter) returns the same entries in vLLM's
-shape: per position None (the first) or token id → {logprob, rank, decoded_token}.
-
-The echoed text of a string prompt is the string as sent (as OpenAI returns it); of a token-id prompt, its
-tokens' bytes decoded as the completion's text is. Prompt offsets count the characters of the prompt tokens'
-bytes (engine/token_bytes.TextOffsets, the convention of the generated tokens), so they index the echoed text
-exactly when the prompt's tokens spell the prompt, as byte-level BPE tokenizers do for any text that does not
-spell a special token; the completion's offsets start at len(echoed prompt text) in any case.
+completion_logprobs builds OpenAI's logprobs object, echo_prompt the echoed prompt and its logprobs part, and
+prompt_logprobs_view vLLM's `prompt_logprobs` shape. The shapes are in docs/scoring.md.
 """
 
 from __future__ import annotations
@@ -76,7 +60,11 @@ def echo_prompt(
     skip_special_tokens: bool,
 ) -> EchoedPrompt:
     """The echoed prompt: `text` as sent (None for a token-id prompt: its tokens' text), and with `num_top`
-    (the request's `logprobs`) the prompt part of the logprobs object."""
+    (the request's `logprobs`) the prompt part of the logprobs object.
+
+    Prompt offsets count the characters of the prompt tokens' bytes (token_bytes.TextOffsets), so they index the
+    echoed text exactly when the tokens spell the prompt, as byte-level BPE does for text without special tokens.
+    """
     if text is None:
         skipped = tb.special_ids if skip_special_tokens else frozenset()
         text = b"".join(tb.bytes_of(t) for t in prompt_ids if t not in skipped).decode("utf-8", "replace")

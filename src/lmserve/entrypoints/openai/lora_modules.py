@@ -1,10 +1,5 @@
-"""The server's LoRA adapters by name: `--lora-modules name=path ...` and /v1/load_lora_adapter's, each a LoRARequest
-with an id of its own (never reused, so a reloaded name never meets KV cached under its predecessor), and how many
-API requests of each are in flight (an adapter in use is not unloaded: 400).
-
-Adapters are validated here, in the API process, against the base model's shapes (a broken path is a 400 naming
-it before anything is queued); the engine cores load them from the path on first use (every core: adapters are not
-routed), keep up to max_cpu_loras in RAM and max_loras in compute slots.
+"""The server's LoRA adapters by name (LoRAModules): `--lora-modules name=path ...` and /v1/load_lora_adapter's,
+each a LoRARequest, with the count of API requests of each in flight. See docs/lora.md.
 """
 
 from __future__ import annotations
@@ -40,6 +35,12 @@ def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
 
 @dataclass
 class LoRAModules:
+    """Adapters by name. Each gets an id never reused, so a reloaded name never meets KV cached under its predecessor.
+
+    Adapters are validated here against the base model's shapes (a broken path is a 400 before anything is queued);
+    the engine cores load them from the path on first use. An adapter with requests in flight is not unloaded.
+    """
+
     model: ModelConfig  # the base model the adapters are checked against
     max_lora_rank: int
     base_name: str  # the served model name: `model` = it means no adapter

@@ -1,17 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app(engine)` → a FastAPI app (its lifespan, the engine's loading and
-start, the frontends beside it); the app's parts live beside this file: state.py (ServerState), middleware.py (API
-key, body size, error answers), routes.py, request_inputs.py (a body → prompts and SamplingParams, 400s),
-generation.py (one request's streams: collect or stream), serving_completion.py / serving_chat.py (each endpoint's
-answer), sse.py (the event framing), dashboard.py (pages and feed), errors.py, protocol.py, tools.py, logprobs.py,
-chat_settings.py (parsers and chat template options), parsers/ (reasoning and tool-call formats).
+start, the frontends beside it).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, /v1/responses (serving_responses.py), POST /v1/messages
-(Anthropic's, serving_messages.py), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics;
-the web pages and the dashboard feed (dashboard.py). Every refusal is an OpenAI-shaped error body (errors.py;
-Anthropic's shape on /v1/messages): 400 for bad input naming the field, 401 without the API key, 404 for an
-unknown model, 413 for an oversized body, 429 with Retry-After when too many requests wait for the full engine
-(async_engine), 503 while loading or after the engine loop died, 500 only for our own failures. A client that
-disconnects (streaming or not) aborts its engine requests at once.
+The app's parts live beside this file: state, middleware, routes, request_inputs, generation, serving_* (one per
+endpoint), sse, dashboard, errors, protocol, tools, logprobs, chat_settings. Routes and error codes: docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Constrained output in the OpenAI API: response_format, vLLM's structured_outputs / guided_* extras and tool calls.
 
-A request names at most one constraint; it becomes a StructuredOutputsParams plus the API field to blame in a 400:
-
-    response_format {"type": "json_object"} | {"type": "json_schema", "json_schema": {"schema": ...}}
-    structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}        (vLLM)
-    guided_json | guided_regex | guided_choice | guided_grammar                              (vLLM, older)
-    tools + tool_choice {"type": "function", "function": {"name": F}}  → json = F's parameters schema
-    tools + tool_choice "required"  → json = [{"name": F, "parameters": {...}}, ...] (one or more calls)
-    tools + tool_choice "auto"      → unconstrained; the chat template shows the tools and the model may write
-                                      calls in its family's format, found by the server's tool parser (parsers/,
-                                      default Hermes <tool_call>{...}</tool_call>; parallel_tool_calls false: the
-                                      first call is returned)
-    tools + tool_choice "none"      → tools ignored
-
-`ToolCallFormatter` turns a finished sequence into `tool_calls` (and streams them as deltas): only complete calls,
-so a call cut by max_tokens ends "length" with its text as content, never as `tool_calls` whose arguments do not
-parse.
+constraint_of turns a request's one constraint into a StructuredOutputsParams plus the API field to blame in a 400;
+ToolCallFormatter turns finished sequences into `tool_calls` (and stream deltas). See docs/structured_outputs.md.
 """
 
 from __future__ import annotations

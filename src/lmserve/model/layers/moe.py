@@ -1,9 +1,8 @@
 """The mixture-of-experts feed-forward block: `SparseMoE(hidden_size, MoEShape)` maps (T, hidden) → (T, hidden).
+
 `route(logits, RouterSpec)` is every family's router (variants as data: model/registry/moe.py); experts are
-`Expert`s of lmserve Linears (float32, int8, int4 / W4A8 by the usual quantize / pack calls) or Mxfp4Linears; the
-router and the shared expert's gate are torch nn.Linears, which quantizable_linears skips (they stay float32).
-Weights: load_tensor (checkpoint names) or set_expert / set_fused_experts / set_mxfp4_experts; ValueError naming
-the tensor. MoEFeedForward is the decoder's "moe" feed-forward kind.
+`Expert`s of lmserve Linears or Mxfp4Linears, the router and shared-expert gate stay float32 nn.Linears.
+MoEFeedForward is the decoder's "moe" feed-forward kind. See docs/moe.md.
 """
 
 from __future__ import annotations
