@@ -70,7 +70,7 @@ import torch
 from benchmark_model import CONFIG, build_benchmark_model, random_prompts
 from machine import machine_info
 
-from lmserve.bench.experiments import ServerError, free_loopback_port, running_server
+from lmserve.bench.harness import ServerError, free_loopback_port, running_server
 from lmserve.checkpoint.gguf import GGUFCheckpoint, find_gguf_file
 
 REPO = Path(__file__).resolve().parent.parent

@@ -40,7 +40,7 @@ from typing import Any
 from benchmark_model import CONFIG, add_size_args, build_benchmark_model, random_prompts, resolve_size_args
 from machine import write_result
 
-from lmserve.bench.experiments import ServerError, free_loopback_port, running_server
+from lmserve.bench.harness import ServerError, free_loopback_port, running_server
 
 FULL = dict(requests=1000, prompt_len=256, concurrency=8, rounds=1, peak_prompt_len=2000)
 QUICK = dict(requests=16, prompt_len=64, concurrency=4, rounds=1, peak_prompt_len=256)

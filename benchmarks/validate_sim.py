@@ -53,7 +53,7 @@ import httpx
 import numpy as np
 
 from lmserve.bench.datasets import BenchRequest, DatasetConfig, build_requests, load_tokenizer
-from lmserve.bench.experiments import lmserve_server
+from lmserve.bench.harness import lmserve_server
 from lmserve.bench.loadgen import LoadConfig, arrival_offsets_s, finalize_all, run_load
 from lmserve.bench.metrics import BenchSummary, request_latency, summarize
 from lmserve.bench.report import json_safe

@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     o.set_defaults(func=run_bench_offline)
 
     e = sub.add_parser("experiments", help="the classic serving experiments, as a Markdown report with plots")
-    from lmserve.bench.experiments import add_experiment_args, run_bench_experiments
+    from lmserve.bench.experiment_runner import add_experiment_args, run_bench_experiments
 
     add_experiment_args(e)
     e.set_defaults(func=run_bench_experiments)

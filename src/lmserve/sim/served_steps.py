@@ -67,7 +67,7 @@ def measure_on_server(
     import tempfile
 
     from lmserve.bench.datasets import DatasetConfig, build_requests, load_tokenizer
-    from lmserve.bench.experiments import lmserve_server
+    from lmserve.bench.harness import lmserve_server
     from lmserve.bench.loadgen import LoadConfig, run_load
     from lmserve.observability.step_trace import ENV
 
