@@ -67,7 +67,7 @@ from typing import Any, cast
 
 import llama_cpp_peer
 import torch
-from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from benchmark_model import CONFIG, FAMILIES, build_benchmark_model, random_prompts
 from machine import machine_info
 
 from lmserve.bench.harness import ServerError, free_loopback_port, running_server
@@ -519,6 +519,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-batch", type=int, default=None, help="HF static batch for the offline workload (32)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, here and in the lmserve server")
     ap.add_argument("--model", type=Path, default=None, help="HF model dir or .gguf (default: the benchmark model)")
+    ap.add_argument("--family", default="dense", choices=sorted(FAMILIES), help="which benchmark model, no --model")
     ap.add_argument("--max-model-len", type=int, default=1024, help="capped at the model's max positions")
     ap.add_argument("--peer-url", default=None, help="an OpenAI-compatible server to compare with (vLLM-CPU, ...)")
     ap.add_argument("--peer-model", default=None, help="model name for the peer (default: first at /v1/models)")
@@ -656,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     machine = machine_info()
     t_start = time.perf_counter()
-    model_dir = args.model.resolve() if args.model else build_benchmark_model()
+    model_dir = args.model.resolve() if args.model else build_benchmark_model(family=args.family)
     model_gguf = find_gguf_file(model_dir) if args.model else None
     cache = args.gguf_cache.resolve()
     llama_cpp = args.llama_cpp_dir.resolve() if args.llama_cpp_dir else None

@@ -1,5 +1,7 @@
-"""The benchmark model of docs/performance.md: SmolLM-135M-shaped Llama, random fp32 weights, with a
-byte-level BPE tokenizer trained locally on Python's stdlib sources. Built once, cached on disk."""
+"""The benchmark models of docs/performance.md: a SmolLM-135M-shaped Llama ("dense"), and shaped like it a
+Qwen3-MoE ("moe": 32 experts of 384, top-4) and a Qwen3.5 hybrid ("hybrid": gated-delta linear attention on 3 of
+4 layers); random fp32 weights, a byte-level BPE tokenizer trained locally on Python's stdlib sources. Built once,
+cached on disk; `python benchmarks/benchmark_model.py --family moe` prints its directory."""
 
 from __future__ import annotations
 
@@ -26,12 +28,45 @@ CONFIG = dict(
 )
 
 
-def build_benchmark_model(out_dir: Path = DEFAULT_DIR, overrides: dict | None = None) -> Path:
+# the other families, shaped like CONFIG (hidden 576, heads of 64): what each changes
+FAMILIES: dict[str, dict] = {
+    "dense": {},
+    "moe": dict(
+        num_hidden_layers=24, intermediate_size=1536, moe_intermediate_size=384, num_experts=32,
+        num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], head_dim=64,
+    ),
+    "hybrid": dict(
+        num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+    ),
+}  # fmt: skip
+
+
+def family_dir(family: str) -> Path:
+    if family not in FAMILIES:
+        raise ValueError(f"--family must be one of {sorted(FAMILIES)}, got {family!r}")
+    return DEFAULT_DIR if family == "dense" else DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}-{family}")
+
+
+def _model_of(family: str, config: dict):
+    import transformers
+
+    if family == "moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config))
+    if family == "hybrid":
+        config = {**config, "layer_types": config["layer_types"] * (config["num_hidden_layers"] // 4)}
+        return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**config))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+
+
+def build_benchmark_model(out_dir: Path | None = None, overrides: dict | None = None, family: str = "dense") -> Path:
     """overrides: CONFIG keys changed (a variant of the benchmark model, in its own out_dir)."""
+    out_dir = out_dir or family_dir(family)
     if (out_dir / "model.safetensors").is_file():
         return out_dir
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out_dir.mkdir(parents=True, exist_ok=True)
     stdlib = Path(sys.modules["os"].__file__).parent
@@ -47,7 +82,7 @@ def build_benchmark_model(out_dir: Path = DEFAULT_DIR, overrides: dict | None = 
     tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(out_dir)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **(overrides or {})}))
+    model = _model_of(family, {**CONFIG, **FAMILIES[family], **(overrides or {})})
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
@@ -93,3 +128,9 @@ def resolve_size_args(
             setattr(args, k, v)
         if getattr(args, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="build (once) a benchmark model and print its directory")
+    ap.add_argument("--family", default="dense", choices=sorted(FAMILIES))
+    print(build_benchmark_model(family=ap.parse_args().family))
