@@ -77,6 +77,7 @@ class LLMEngine:
         self.shared_prefix = SharedPrefixCounter(config.cache.block_size, max(4 * config.cache.num_blocks, 4096))
         self.outputs = OutputProcessor(self.scheduler)  # the user requests in flight
         self._ids = itertools.count()
+        self._moe_layers: list | None = None  # a mixture-of-experts model's MoE blocks (found at first metrics)
         self.kv_producer, self.kv_consumer = make_roles(self)  # prefill/decode disaggregation (None, None: colocated)
         self.closed = False
 
@@ -310,11 +311,20 @@ class LLMEngine:
             "finished_requests_by_reason": dict(c.num_finished_by_reason),
             **self._lora_metrics(),
             **self._state_slot_metrics(),
+            **self._expert_metrics(),
             **spec_decode_metrics(s),
             **step_metrics(s, c),
             **config_metrics(self.config),
             **(role.metrics() if (role := self.kv_producer or self.kv_consumer) is not None else {}),
         }
+
+    def _expert_metrics(self) -> dict[str, Any]:
+        """A mixture-of-experts model's tokens per expert, by group of layers (worker/expert_load.py)."""
+        from lmserve.worker.expert_load import expert_load, moe_layers
+
+        if self._moe_layers is None:
+            self._moe_layers = moe_layers(self.runner.model)
+        return {"moe_expert_tokens_total": expert_load(self._moe_layers)} if self._moe_layers else {}
 
     def _state_slot_metrics(self) -> dict[str, Any]:
         """A hybrid model's state slots: held by running requests, in all, and the bytes of one."""

@@ -85,6 +85,7 @@ class Thresholds:
     interference_ratio: float = 2.0  # mixed step time / decode-only step time
     long_prompt_tokens: float = 512.0
     kv_full_usage: float = 0.95
+    moe_imbalance: float = 2.0  # a layer group's busiest expert over the mean that makes routing the suspect
 
 
 # ---- the rules ----------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def diagnose(w: Window, th: Thresholds | None = None) -> Diagnosis:
     """
     th = th or Thresholds()
     findings: list[Finding] = []
-    for rule in (_kv_cache_full, _ttft_high, _tpot_high, _jitter):
+    for rule in (_kv_cache_full, _ttft_high, _tpot_high, _jitter, _moe_imbalance):
         findings += rule(w, th)
     return Diagnosis(findings, _summary(w), w.duration_s, w.source)
 
@@ -329,6 +330,20 @@ def _tpot_high(w: Window, th: Thresholds) -> list[Finding]:
         out.append(Finding("tpot_slow_step", symptom, "the decode step itself is slow for this model on this machine",
                            evidence, "a smaller model, --quantization int8, or faster hardware"))  # fmt: skip
     return out
+
+
+def _moe_imbalance(w: Window, th: Thresholds) -> list[Finding]:
+    """A mixture-of-experts model whose router sends far more tokens to some experts: a batched step computes each
+    chosen expert once over its rows, so the busiest experts set its time."""
+    ratio = w.gauges.get("moe_imbalance")
+    if ratio is None or ratio < th.moe_imbalance:
+        return []
+    evidence = [f"in its most uneven layer group the busiest expert got {ratio:.1f}x the mean tokens per expert "
+                "(lmserve:moe_expert_load_imbalance by layer_group, lmserve:moe_expert_tokens_total by expert)"]
+    return [Finding("moe_expert_imbalance", "MoE expert load imbalanced",
+                     "the router concentrates tokens on a few experts: their rows dominate each step's expert time",
+                     evidence, "expected for a narrow prompt mix (one language or task); a broader mix of requests "
+                     "per step evens it, data parallel replicas split the hot experts' rows")]  # fmt: skip
 
 
 def _jitter(w: Window, th: Thresholds) -> list[Finding]:

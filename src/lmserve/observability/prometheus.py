@@ -179,6 +179,7 @@ class _EngineCollector(Collector):
             m["spec_decode_mean_accepted_length"],
         )  # fmt: skip
         yield from _lora_metrics(m, labels, values, gauge, counter)
+        yield from _expert_metrics(m, labels, values)
         if "num_state_slots" in m:  # a hybrid model's recurrent-state slots
             used = m["num_state_slots_used"]
             yield gauge("state_slots_used", "Recurrent-state slots held by running sequences.", used)
@@ -192,6 +193,37 @@ class _EngineCollector(Collector):
         )
         config.add_metric([*values, *(str(m[k]) for k in CONFIG_LABELS)], 1)
         yield config
+
+
+def _expert_metrics(m: dict, labels: list[str], values: list[str]) -> Iterator[Metric]:
+    """A mixture-of-experts model: tokens routed to each expert by group of layers, and each group's imbalance."""
+    load = m.get("moe_expert_tokens_total")
+    if not load:
+        return
+    tokens = CounterMetricFamily(PREFIX + "moe_expert_tokens", "Tokens routed to each expert, summed over a group "
+                                 "of MoE layers.", labels=[*labels, "layer_group", "expert"])  # fmt: skip
+    for key, n in load.items():
+        group, expert = key.rsplit(":", 1)
+        tokens.add_metric([*values, group, expert], n)
+    yield tokens
+    ratios = imbalance(load)
+    per_group = GaugeMetricFamily(PREFIX + "moe_expert_load_imbalance", "A layer group's busiest expert over its "
+                                  "mean tokens per expert (1: even).", labels=[*labels, "layer_group"])  # fmt: skip
+    for group, r in ratios.items():
+        per_group.add_metric([*values, group], r)
+    yield per_group
+    worst = GaugeMetricFamily(PREFIX + "moe_expert_load_imbalance_max", "The largest moe_expert_load_imbalance "
+                              "over the layer groups.", labels=labels)  # fmt: skip
+    worst.add_metric(values, max(ratios.values()))
+    yield worst
+
+
+def imbalance(load: dict[str, int]) -> dict[str, float]:
+    """Each layer group's busiest expert over its mean tokens per expert (1.0: perfectly even; 0.0: no tokens)."""
+    groups: dict[str, list[int]] = {}
+    for key, n in load.items():
+        groups.setdefault(key.rsplit(":", 1)[0], []).append(n)
+    return {g: (max(ns) * len(ns) / sum(ns) if sum(ns) else 0.0) for g, ns in groups.items()}
 
 
 def _lora_metrics(m: dict, labels: list[str], values: list[str], gauge, counter) -> Iterator[Metric]:

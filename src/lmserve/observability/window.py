@@ -53,6 +53,7 @@ GAUGES = {
     "kv_bytes_per_token": "kv_cache_bytes_per_token",
     "kv_capacity_bytes": "kv_cache_capacity_bytes",
     "decode_step_time_min_s": "decode_step_time_min_seconds",
+    "moe_imbalance": "moe_expert_load_imbalance_max",
 }
 
 

@@ -23,6 +23,7 @@ from fastapi.staticfiles import StaticFiles
 from lmserve.entrypoints.openai.sse import SSEResponse
 from lmserve.entrypoints.openai.state import engine_health
 from lmserve.observability import diagnose as dx
+from lmserve.observability.prometheus import imbalance
 
 STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "web" / "static"
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}  # open (no key): the pages ask for it
@@ -109,6 +110,7 @@ def feed_update(state: Any, history: ScrapeHistory) -> dict[str, Any]:
         "running_by_lora": m.get("lora_num_requests_running_by_adapter"),  # adapter name → sequences ("" = base)
         "waiting": m["num_requests_waiting"],
         "step": {"prefill_tokens": m["num_prefill_tokens_step"], "decode_tokens": m["num_decode_tokens_step"]},
+        "moe_imbalance": imbalance(m["moe_expert_tokens_total"]) if "moe_expert_tokens_total" in m else None,
         "kv": {
             "num_blocks": num_blocks,
             "used": num_blocks - free,

@@ -72,7 +72,8 @@ class SparseMoE(nn.Module):
     """Router → the top-k experts of each token, run grouped by expert (one pass over each chosen expert's
     weights: a decode step reads only the chosen experts), weighted by the router and summed into each token's
     row; plus, when the shape has one, the shared expert scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
-    `expert_counts` holds the last call's rows per expert (a list of num_experts ints)."""
+    `expert_counts` holds the last call's rows per expert (a list of num_experts ints), `tokens_total` their sum
+    over every call (the expert load /metrics shows)."""
 
     def __init__(self, hidden_size: int, shape: MoEShape, mxfp4: bool = False) -> None:
         super().__init__()
@@ -85,6 +86,7 @@ class SparseMoE(nn.Module):
             self.shared_expert = SwiGLU(hidden_size, shape.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.expert_counts: list[int] = [0] * self.spec.num_experts
+        self.tokens_total: list[int] = [0] * self.spec.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.hidden_size, f"MoE input {tuple(x.shape)}"
@@ -99,6 +101,7 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, rows, self.experts[e](x[rows]) * w[start : start + n])
                 start += n
         self.expert_counts = counts
+        self.tokens_total = [a + b for a, b in zip(self.tokens_total, counts, strict=True)]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

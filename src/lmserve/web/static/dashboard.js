@@ -192,6 +192,9 @@ function render(u) {
     .map(([name, n]) => `${name || "base"} ${n}`).join(" · ") : "";
   $("waiting").textContent = String(u.waiting);
   $("step-tokens").textContent = `${u.step.prefill_tokens} / ${u.step.decode_tokens}`;
+  // a mixture-of-experts model: each layer group's busiest expert over the mean (1.0 = even routing)
+  $("step-sub").textContent = u.moe_imbalance ? "expert load max/mean " + Object.entries(u.moe_imbalance)
+    .map(([g, r]) => `L${g} ${r.toFixed(2)}`).join(" · ") : "";
   $("kv-blocks").textContent = `${u.kv.used} / ${u.kv.free}`;
   $("kv-sub").textContent = u.kv.cached_free === null ? `of ${u.kv.num_blocks}` :
     `of ${u.kv.num_blocks} · ${u.kv.cached_free} free but cached · ${u.kv.shared} shared`;
