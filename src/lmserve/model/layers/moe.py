@@ -91,15 +91,30 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.hidden_size, f"MoE input {tuple(x.shape)}"
         weights, ids = route(self.router(x), self.spec)
+        # each token's experts in ascending id: its k outputs are then summed in the order HF's index_add_ adds them
+        ids, perm = ids.sort(dim=1)
+        weights = weights.gather(1, perm)
         tokens, flat, counts = group_by_expert(ids, self.spec.num_experts)
         w = weights.reshape(-1)[flat].to(x.dtype).unsqueeze(1)
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = tokens[start : start + n]
-                out.index_add_(0, rows, self.experts[e](x[rows]) * w[start : start + n])
-                start += n
+        if x.shape[0] == 1:  # one token (a single stream's decode): no gather or scatter
+            out, start = None, 0
+            for e, n in enumerate(counts):
+                if n:
+                    y = self.experts[e](x) * w[start : start + 1]
+                    out, start = (y if out is None else out + y), start + 1
+        else:  # the k outputs of each token land in its (token, slot) row, one scatter for the whole block
+            ys = x.new_empty(flat.numel(), x.shape[1])
+            start = 0
+            for e, n in enumerate(counts):
+                if n:
+                    ys[start : start + n] = self.experts[e](x[tokens[start : start + n]]) * w[start : start + n]
+                    start += n
+            slots = torch.empty_like(ys)
+            slots[flat] = ys
+            slots = slots.view(x.shape[0], -1, x.shape[1])
+            out = slots[:, 0]
+            for j in range(1, slots.shape[1]):
+                out = out + slots[:, j]
         self.expert_counts = counts
         self.tokens_total = [a + b for a, b in zip(self.tokens_total, counts, strict=True)]
         if self.shared_expert is not None:
