@@ -18,6 +18,7 @@ from lmserve.checkpoint.registry import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     smollm3,
 )  # fmt: skip
@@ -42,6 +43,7 @@ FAMILIES = tuple(
         qwen2_moe,
         mixtral,
         olmoe,
+        qwen3_5,
     )  # fmt: skip
 )
 
