@@ -19,7 +19,9 @@ from lmserve.checkpoint.registry import (
     qwen2_moe,
     qwen3,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
     smollm3,
 )  # fmt: skip
 from lmserve.checkpoint.registry.family import ModelFamily
@@ -44,6 +46,8 @@ FAMILIES = tuple(
         mixtral,
         olmoe,
         qwen3_5,
+        qwen3_5_moe,
+        qwen3_next,
     )  # fmt: skip
 )
 
