@@ -6,89 +6,17 @@ from __future__ import annotations
 
 import logging
 import shutil
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
-from tests.hf_reference import hf_last_logits, hf_model
+from tests.hf_reference import hf_last_logits
+from tests.hybrid_helpers import COMMON, PROMPTS, hf_greedy
 
-PROMPTS = [
-    "The capital of France is",
-    "import json\nimport os\n\nclass Decoder(object):\n    def __init__(self, strict=True):",
-    "def fib(n):",
-    "a",
-]
-COMMON = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-    linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512, eos_token_id=0,
-    tie_word_embeddings=False, initializer_range=0.2,
-)  # fmt: skip
-MAX_TOKENS = 20  # HF's reference is computed once per prompt, this long (tests compare a prefix of it)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-
-
-def hf_model_of(kind: str) -> torch.nn.Module:
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    if kind == "qwen3_5":
-        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**COMMON))
-    if kind == "qwen3_next":  # a dense layer (mlp_only_layers) beside the sparse ones
-        return Qwen3NextForCausalLM(Qwen3NextConfig(**COMMON, **MOE, mlp_only_layers=[1], norm_topk_prob=True))
-    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**COMMON, **MOE))
-
-
-def build(out: Path, tokenizer_dir: Path, kind: str, seed: int = 0) -> Path:
-    torch.manual_seed(seed)
-    model = hf_model_of(kind)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # HF's init leaves the norms at 0 / 1 and A_log uniform: perturb all
-            p.copy_(torch.randn_like(p) * (0.05 if "norm" in name else 0.2))
-        for layer in model.model.layers:
-            if hasattr(layer, "linear_attn"):
-                layer.linear_attn.A_log.uniform_(-2, 1)
-    model.eval().save_pretrained(out, safe_serialization=True)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
-
-
-class _Dirs(dict):
-    """Checkpoints built on first use (a test of one family builds only that one)."""
-
-    def __init__(self, root: Path, tokenizer_dir: Path) -> None:
-        super().__init__()
-        self.root, self.tokenizer_dir = root, tokenizer_dir
-
-    def __missing__(self, kind: str) -> Path:
-        self[kind] = build(self.root / kind, self.tokenizer_dir, kind)
-        return self[kind]
-
-
-@pytest.fixture(scope="module")
-def hybrid_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, Path]:
-    return _Dirs(tmp_path_factory.mktemp("hybrid"), tokenizer_dir)
-
-
-@lru_cache(maxsize=32)
-@torch.inference_mode()
-def _hf_greedy(model_dir: Path, prompt_ids: tuple[int, ...]) -> list[int]:
-    """HF's greedy decoding with its own cache (the chunked delta rule for the prompt, the recurrent form after)."""
-    ids = torch.tensor([prompt_ids])
-    out = hf_model(model_dir).generate(
-        ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt_ids) :].tolist()
-
-
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    assert max_tokens <= MAX_TOKENS
-    return _hf_greedy(model_dir, tuple(prompt_ids))[:max_tokens]
+# (tiny tensors: two intra-op threads spin against each other on a busy 2-core machine)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy_matches_hf(llm: LLM, model_dir: Path, prompts: list[str], max_tokens: int = 12) -> None:
@@ -102,8 +30,6 @@ def greedy_matches_hf(llm: LLM, model_dir: Path, prompts: list[str], max_tokens:
 
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
-# (an engine run of the MoE hybrids takes half a minute on a loaded 2-core machine: their greedy runs are slow tests)
-GREEDY = ["qwen3_5", *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES[1:])]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -121,16 +47,18 @@ def test_last_logits_match_hf(hybrid_dirs: dict[str, Path], kind: str) -> None:
         torch.testing.assert_close(out.logits[row], expected, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", GREEDY)
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_greedy_chunked_prefill_tiny_budget(hybrid_dirs: dict[str, Path], kind: str) -> None:
     """Prompts in chunks of at most 5 tokens beside decode rows: the state carried across chunks."""
     llm = LLM(str(hybrid_dirs[kind]), num_kv_blocks=64, block_size=4, max_num_batched_tokens=5)
     greedy_matches_hf(llm, hybrid_dirs[kind], PROMPTS)
 
 
-def test_greedy_under_preemption_with_a_tiny_pool(hybrid_dirs: dict[str, Path]) -> None:
-    llm = LLM(str(hybrid_dirs["qwen3_5"]), num_kv_blocks=20, block_size=4, max_num_batched_tokens=16)
-    greedy_matches_hf(llm, hybrid_dirs["qwen3_5"], PROMPTS, max_tokens=20)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_greedy_under_preemption_with_a_tiny_pool(hybrid_dirs: dict[str, Path], kind: str) -> None:
+    """Preempted requests give their slots back and recompute their state on resume."""
+    llm = LLM(str(hybrid_dirs[kind]), num_kv_blocks=20, block_size=4, max_num_batched_tokens=16)
+    greedy_matches_hf(llm, hybrid_dirs[kind], PROMPTS, max_tokens=20)
     assert llm.engine.scheduler.num_preemptions_total > 0, "the pool is too small for all four at once"
 
 
