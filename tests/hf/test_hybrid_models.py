@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
-from tests.hf_reference import hf_last_logits
+from tests.hf_reference import assert_greedy_matches_hf_up_to_margin, hf_last_logits
 from tests.hybrid_helpers import COMMON, PROMPTS, hf_greedy
 
 # (tiny tensors: two intra-op threads spin against each other on a busy 2-core machine)
@@ -96,3 +96,19 @@ def test_conditional_generation_checkpoint_serves_its_text_model(
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for out in llm.generate(PROMPTS[:2], params, use_tqdm=False):
         assert out.outputs[0].token_ids == hf_greedy(text_dir, out.prompt_token_ids, 8)
+
+
+@pytest.mark.parametrize(("kwargs", "margin"), [({"dtype": "bfloat16"}, 0.08), ({"kv_cache_dtype": "int8"}, 0.2)])
+def test_16_bit_compute_and_8_bit_kv_keep_a_float32_state(hybrid_dirs: dict[str, Path], kwargs: dict, margin: float):
+    """bfloat16 compute or an int8 KV cache: the recurrent state stays float32; greedy tokens equal HF's float32
+    ones but for a flip at a near-tie (the margin tool)."""
+    model_dir = hybrid_dirs["qwen3_5"]
+    llm = LLM(str(model_dir), num_kv_blocks=64, **kwargs)
+    states = llm.engine.runner.state_cache.layers
+    assert all(t.dtype == torch.float32 for layer in states for t in (layer.conv, layer.ssm))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    matched = 0
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        got = out.outputs[0].token_ids
+        matched += assert_greedy_matches_hf_up_to_margin(model_dir, out.prompt_token_ids, got, margin, out.prompt)
+    assert matched >= 0.7 * len(PROMPTS) * 12

@@ -278,7 +278,8 @@ class GatedDeltaNet(nn.Module):
         if gdn_kernels.usable(mixed, conv_state, ssm_state, weight) and conv_state.is_contiguous():
             conv_out = gdn_kernels.conv_decode(mixed, conv_state, slots, weight)
             return gdn_kernels.recurrent_decode(conv_out, g, beta, ssm_state, slots, d.num_k_heads, d.k_dim, d.v_dim)
-        conv_out, conv_state[slots] = conv1d_decode(mixed, conv_state[slots], weight)
+        conv_out, window = conv1d_decode(mixed, conv_state[slots], weight)
+        conv_state[slots] = window.to(conv_state.dtype)  # (16-bit compute: the state stays float32)
         q, k, v = self._split(conv_out)
         out, ssm_state[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state[slots])
         return out
