@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from lmserve import LLM, SamplingParams
+from lmserve.checkpoint.shape import load_model_shape
 from lmserve.config.engine import EngineArgs
+from lmserve.memory import ledger as memory
 from tests.hybrid_helpers import MAX_TOKENS, PROMPTS, hf_greedy
 
 # (tiny tensors: two intra-op threads spin against each other on a busy 2-core machine)
@@ -93,3 +95,44 @@ def test_combinations_without_state_support_are_refused_at_start_up(
     args = EngineArgs(model=str(qwen3_5_dir), num_kv_blocks=64, **kwargs)
     with pytest.raises(ValueError, match=rf"{named}: not supported with Qwen3_5ForCausalLM"):
         args.create_engine_config()
+
+
+def test_pools_from_a_budget_are_the_ledgers_to_the_byte(qwen3_5_dir: Path) -> None:
+    """kv_cache_memory_gib: the KV blocks and state slots are memory.hybrid_pool_split's, the worker's state tensors
+    hold the ledger's bytes per sequence exactly, and max_num_seqs is capped to the slots."""
+    gib = 0.0005  # 536,870 bytes: 39 slots of 9,600 B state + a 4,096 B block each, the rest blocks
+    llm = LLM(str(qwen3_5_dir), kv_cache_memory_gib=gib)
+    config, runner = llm.engine.config, llm.engine.runner
+    shape = load_model_shape(qwen3_5_dir)
+    state = memory.linear_state_bytes_per_sequence(shape)
+    kv = memory.kv_cache_bytes_per_token(shape.num_kv_layers, shape.num_kv_heads, shape.head_dim, "float32")
+    assert (config.cache.state_bytes_per_sequence, config.cache.kv_bytes_per_token) == (state, kv)
+    blocks, slots = memory.hybrid_pool_split(int(gib * 2**30), 16, kv, state, 256)
+    assert (config.cache.num_blocks, config.cache.num_state_slots) == (blocks, slots) and slots < 256
+    assert runner.state_cache.nbytes == slots * state
+    kv_tensors = [t for c in runner.kv_caches if hasattr(c, "k") for t in (c.k, c.v)]
+    assert sum(t.numel() * t.element_size() for t in kv_tensors) == blocks * 16 * kv
+    assert config.scheduler.max_num_seqs == slots == llm.engine.scheduler.state_slots.num_slots
+
+
+def test_metrics_count_the_slots_held(qwen3_5_dir: Path) -> None:
+    """get_metrics() and the /metrics exposition: state slots held by the running requests, and in all."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lmserve.engine.async_engine import EngineSnapshot
+    from lmserve.observability.prometheus import Metrics
+
+    llm = LLM(str(qwen3_5_dir), num_kv_blocks=64, max_num_seqs=4)
+    held_open = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        llm.engine.add_request(f"r{i}", PROMPTS[i], held_open)
+    llm.engine.step()
+    m = llm.get_metrics()
+    assert (m["num_state_slots_used"], m["num_state_slots"]) == (3, 4)
+    assert m["state_bytes_per_sequence"] == llm.engine.config.cache.state_bytes_per_sequence
+    snapshot = EngineSnapshot(metrics=m, num_batched_tokens=0, num_aborted_requests_total=0, time=0.0)
+    body, _ = Metrics("m", lambda: snapshot).render()
+    samples = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert (samples["lmserve:state_slots_used"], samples["lmserve:state_slots_total"]) == (3, 4)
+    llm.engine.abort_request([f"r{i}" for i in range(3)])
+    assert llm.get_metrics()["num_state_slots_used"] == 0
