@@ -53,6 +53,8 @@ GAUGES = {
     "kv_bytes_per_token": "kv_cache_bytes_per_token",
     "kv_capacity_bytes": "kv_cache_capacity_bytes",
     "decode_step_time_min_s": "decode_step_time_min_seconds",
+    "state_slots_used": "state_slots_used",  # a hybrid model's recurrent-state slots
+    "state_slots_total": "state_slots_total",
 }
 
 
