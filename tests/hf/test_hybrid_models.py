@@ -99,7 +99,9 @@ def test_conditional_generation_checkpoint_serves_its_text_model(
 
 
 @pytest.mark.parametrize(("kwargs", "margin"), [({"dtype": "bfloat16"}, 0.08), ({"kv_cache_dtype": "int8"}, 0.2)])
-def test_16_bit_compute_and_8_bit_kv_keep_a_float32_state(hybrid_dirs: dict[str, Path], kwargs: dict, margin: float):
+def test_16_bit_compute_and_8_bit_kv_keep_a_float32_state(
+    hybrid_dirs: dict[str, Path], kwargs: dict, margin: float
+) -> None:
     """bfloat16 compute or an int8 KV cache: the recurrent state stays float32; greedy tokens equal HF's float32
     ones but for a flip at a near-tie (the margin tool)."""
     model_dir = hybrid_dirs["qwen3_5"]
