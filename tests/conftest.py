@@ -105,3 +105,11 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def hybrid_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, Path]:
+    """Tiny hybrid checkpoints by family (tests/hybrid_helpers.py), each built on first use."""
+    from tests.hybrid_helpers import HybridDirs
+
+    return HybridDirs(tmp_path_factory.mktemp("hybrid"), tokenizer_dir)

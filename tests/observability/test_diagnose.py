@@ -260,6 +260,11 @@ def test_synthetic_queueing_causes() -> None:
     assert "kv_cache_full" in _rules(d)  # full and requests waiting
     d = diagnose(_synthetic(config={"scheduling_policy": "static"}, **slow_queue))
     assert "ttft_static_batching" in _rules(d)
+    # a hybrid model whose budget holds 40 state slots (max_num_seqs capped to them): named as the state slots
+    d = diagnose(_synthetic(running=40, waiting=30, state_slots_used=40, state_slots_total=40, **slow_queue))
+    f = next(f for f in d.findings if f.rule == "ttft_queueing")
+    assert "recurrent-state slot" in f.cause and "--kv-cache-memory-gib" in f.change, f
+    assert "state slots 40 of 40" in f.evidence
 
 
 def test_synthetic_long_prefill() -> None:

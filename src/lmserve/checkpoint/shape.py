@@ -13,31 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.checkpoint.registry.family import kv_layer_count, layer_sliding_windows, layer_specs, text_config
+from lmserve.checkpoint.registry.hybrid import LinearAttentionShape, linear_attention_layers
 from lmserve.checkpoint.registry.moe import MoEShape, is_moe_config, moe_shape_from_hf_config
 
 # The LM head's layout per quantization method (lmserve/model/quantization.py): int8 quantizes it as a projection
 # (W8A8); int4 gives it 8 bits, weight-only with group-32 scales ("int8w", GGUF Q8_0's block).
 HEAD_LAYOUTS = {"int8": "int8", "int4": "int8w"}
-
-@dataclass(frozen=True)
-class LinearAttentionShape:
-    """A hybrid model's Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their heads and the conv window."""
-
-    num_k_heads: int
-    num_v_heads: int
-    k_dim: int
-    v_dim: int
-    conv_kernel: int
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the depthwise conv (q, k and v before the split)."""
-        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
-
-    @property
-    def state_elements(self) -> int:
-        """One layer's state per sequence: the conv window (conv_dim x (kernel - 1)) and v_heads x k_dim x v_dim."""
-        return self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.k_dim * self.v_dim
 
 
 @dataclass(frozen=True)
@@ -158,13 +139,13 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
     model_type = str(cfg.get("model_type") or "llama")
     num_layers = _int("num_hidden_layers", cfg["num_hidden_layers"])
     moe = moe_shape_from_hf_config(cfg, num_layers) if is_moe_config(cfg) else None
+    linear, linear_types = linear_attention_layers(cfg, num_layers)
     head_dim = _int("head_dim", head_dim)
     sliding_window, num_sliding, kv_units, known = _sliding_layers(cfg, num_layers, kv_heads, head_dim)
     intermediate = _int("intermediate_size", cfg["intermediate_size"])
     attention_bias = bool(cfg.get("attention_bias", False))
     max_pos = cfg.get("max_position_embeddings")
     rope_theta = cfg.get("rope_theta")
-    linear, linear_types = linear_attention_layers(cfg, num_layers)
     return ModelShape(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -185,50 +166,16 @@ def model_shape_from_hf_config(cfg: dict[str, Any]) -> ModelShape:
         sliding_window=sliding_window,
         num_sliding_layers=num_sliding,
         num_kv_layer_units=kv_units if kv_units != num_layers else None,
-        extra_parameters=0 if known is None else _extra_parameters(cfg, *known, hidden, heads, kv_heads, head_dim,
-                                                                   intermediate),  # fmt: skip
+        # (a hybrid's parameters: the ledger counts its linear and gated layers itself)
+        extra_parameters=0
+        if known is None or linear is not None
+        else _extra_parameters(cfg, *known, hidden, heads, kv_heads, head_dim, intermediate),
         num_linear_layers=sum(linear_types),
         linear=linear,
         attn_output_gate=linear is not None,
         moe=moe,
         attention_sinks=model_type == "gpt_oss",
     )
-
-
-def linear_attention_layers(cfg: dict[str, Any], num_layers: int) -> tuple[LinearAttentionShape | None, list[bool]]:
-    """A hybrid config's Gated DeltaNet shape and which layers use it (layer_types' "linear_attention", else every
-    layer but each full_attention_interval-th, as Qwen3-Next's configs say); (None, all False) for other models."""
-    if "linear_num_value_heads" not in cfg:
-        return None, [False] * num_layers
-    types = cfg.get("layer_types")
-    if types:
-        if len(types) != num_layers:
-            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
-        unknown = sorted(set(types) - {"linear_attention", "full_attention"})
-        if unknown:
-            raise ValueError(f"layer_types: unknown layer type(s) {unknown} in a linear-attention model")
-        is_linear = [t == "linear_attention" for t in types]
-    else:
-        interval = cfg.get("full_attention_interval", 4)
-        is_linear = [bool((i + 1) % interval) for i in range(num_layers)]
-    fields = {
-        "num_k_heads": "linear_num_key_heads", "num_v_heads": "linear_num_value_heads",
-        "k_dim": "linear_key_head_dim", "v_dim": "linear_value_head_dim", "conv_kernel": "linear_conv_kernel_dim",
-    }  # fmt: skip
-    values = {}
-    for name, key in fields.items():
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"config field {key} must be a positive integer, got {value!r}")
-        values[name] = value
-    if values["num_v_heads"] % values["num_k_heads"]:
-        raise ValueError(
-            f"linear_num_value_heads ({values['num_v_heads']}) must be a multiple of linear_num_key_heads "
-            f"({values['num_k_heads']})"
-        )
-    if values["conv_kernel"] < 2:
-        raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {values['conv_kernel']}")
-    return LinearAttentionShape(**values), is_linear
 
 
 def _sliding_layers(cfg: dict[str, Any], num_layers: int, kv_heads: int, head_dim: int) -> tuple:
@@ -299,4 +246,7 @@ def load_model_shape(path: str | Path) -> ModelShape:
         raise ValueError(f"{config_file}: {e}") from None
 
 
-__all__ = ["HEAD_LAYOUTS", "ModelShape", "layer_sliding_windows", "load_model_shape", "model_shape_from_hf_config"]
+__all__ = [
+    "HEAD_LAYOUTS", "LinearAttentionShape", "ModelShape", "layer_sliding_windows", "linear_attention_layers",
+    "load_model_shape", "model_shape_from_hf_config",
+]  # fmt: skip

@@ -233,6 +233,8 @@ class EngineArgs:
         if self.tokenizer is not None:  # a directory or Hub id like the model; other names go to AutoTokenizer
             tokenizer_dir = self.tokenizer if not is_repo_id(self.tokenizer) else resolve_model_path(self.tokenizer)
         model = ModelConfig.from_hf(model_dir, self.dtype, self.device)
+        if model.linear is not None:  # (before the features' own checks: the combination is what is refused)
+            self._check_hybrid(model)
         weight_dtype = self._weight_dtype(model.dtype)
         quantization = self._quantization(model, weight_dtype)
         max_model_len = self.max_model_len or model.max_position_embeddings
@@ -262,7 +264,6 @@ class EngineArgs:
         lora = self._lora(spec, model)
         state_bytes = memory.linear_state_bytes_per_sequence(model)
         if state_bytes:
-            self._check_hybrid(model)
             num_blocks, num_slots = self._hybrid_pools(kv_bytes_per_token, state_bytes)
         else:
             num_slots = 0

@@ -158,17 +158,19 @@ class ModelConfig:
     @property
     def num_kv_layers(self) -> int:
         """The KV the layers hold, in layers of (num_kv_heads, head_dim), rounded up: num_layers unless layers share
-        K/V or have their own head shapes (Gemma 4); what the KV pool is sized by."""
-        return kv_layer_count(self.layers, self.num_kv_heads, self.head_dim) - self.num_linear_layers
+        K/V or have their own head shapes (Gemma 4), or are linear attention (a hybrid's): what sizes the KV pool."""
+        return kv_layer_count(self.layers, self.num_kv_heads, self.head_dim)
 
     @property
-    def layer_kv_shapes(self) -> list[tuple[int, int] | int]:
-        """Per layer, the (num_kv_heads, head_dim) of its own paged KV cache, or the index of the earlier layer
-        whose cache it reads (Gemma 4's KV sharing)."""
+    def layer_kv_shapes(self) -> list[tuple[int, int] | int | None]:
+        """Per layer, the (num_kv_heads, head_dim) of its own paged KV cache, the index of the earlier layer whose
+        cache it reads (Gemma 4's KV sharing), or None (a linear-attention layer: its recurrent state instead)."""
         return [
-            (s.num_kv_heads or self.num_kv_heads, s.head_dim or self.head_dim) if s.kv_source is None else s.kv_source
+            None if s.mixer == "linear_attention"
+            else (s.num_kv_heads or self.num_kv_heads, s.head_dim or self.head_dim) if s.kv_source is None
+            else s.kv_source
             for s in self.layers
-        ]
+        ]  # fmt: skip
 
     @property
     def kv_free_window(self) -> int | None:

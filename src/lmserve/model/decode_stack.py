@@ -327,8 +327,8 @@ class DecodeStackDispatch:
         """The C description of this decoder over kv_caches, when DecodeStack.supports it (built once per
         set of caches; reset_decode_stack() after changing weights or their kernel paths). A tensor-parallel
         rank has one when its group's all-reduce is the shared memory's, which the C stack calls itself."""
-        if not self._stack_possible():
-            return None
+        if not self._stack_possible() or not all(isinstance(c, KVCache) for c in kv_caches):
+            return None  # (a hybrid's linear-attention layers hold recurrent state, not KV: the torch path)
         if kv_caches is self._decode_stack_caches:  # (the runner passes the same list every step)
             return self._decode_stack
         self._decode_stack_caches = kv_caches

@@ -138,5 +138,7 @@ class KVPoolMemory:
 
 
 def pool_tensors(caches: Iterable[object]) -> list[torch.Tensor]:
-    """The K, V and scale tensors of KVCache objects (model/kv_cache.py)."""
-    return [t for c in caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None]  # type: ignore[attr-defined]
+    """The K, V and scale tensors of KVCache objects (model/kv_cache.py); a hybrid's state tensors (no `k`) are
+    not the pool's: allocated whole, beside it."""
+    kv = [c for c in caches if hasattr(c, "k")]
+    return [t for c in kv for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None]  # type: ignore[attr-defined]

@@ -215,9 +215,7 @@ class GatedDeltaNet(nn.Module):
         if fused:
             self.in_proj_qkvz = linear_cls(d.hidden_size, d.conv_dim + d.value_size, bias=False)
             self.in_proj_ba = linear_cls(d.hidden_size, 2 * d.num_v_heads, bias=False)
-            qkvz_order, ba_order = qwen3_next_row_order(d)
-            self.register_buffer("_qkvz_order", torch.tensor(qkvz_order), persistent=False)
-            self.register_buffer("_ba_order", torch.tensor(ba_order), persistent=False)
+            self._row_orders: tuple[torch.Tensor, torch.Tensor] | None = None  # (built on the weights' device)
         else:
             self.in_proj_qkv = linear_cls(d.hidden_size, d.conv_dim, bias=False)
             self.in_proj_z = linear_cls(d.hidden_size, d.value_size, bias=False)
@@ -233,8 +231,12 @@ class GatedDeltaNet(nn.Module):
         """(qkv (T, conv_dim), z (T, value_size), b, a (T, v_heads)) in Qwen3.5's layout."""
         d = self.dims
         if self.fused:
-            qkvz = self.in_proj_qkvz(x).index_select(-1, self._qkvz_order)
-            ba = self.in_proj_ba(x).index_select(-1, self._ba_order)
+            if self._row_orders is None or self._row_orders[0].device != x.device:  # (not buffers: the loader
+                # builds the model on the meta device and would leave them uninitialised)
+                self._row_orders = tuple(torch.tensor(o, device=x.device) for o in qwen3_next_row_order(d))
+            qkvz_order, ba_order = self._row_orders
+            qkvz = self.in_proj_qkvz(x).index_select(-1, qkvz_order)
+            ba = self.in_proj_ba(x).index_select(-1, ba_order)
             qkv, z = qkvz.split([d.conv_dim, d.value_size], dim=-1)
             b, a = ba.split([d.num_v_heads, d.num_v_heads], dim=-1)
             return qkv, z, b, a
@@ -276,7 +278,8 @@ class GatedDeltaNet(nn.Module):
         if gdn_kernels.usable(mixed, conv_state, ssm_state, weight) and conv_state.is_contiguous():
             conv_out = gdn_kernels.conv_decode(mixed, conv_state, slots, weight)
             return gdn_kernels.recurrent_decode(conv_out, g, beta, ssm_state, slots, d.num_k_heads, d.k_dim, d.v_dim)
-        conv_out, conv_state[slots] = conv1d_decode(mixed, conv_state[slots], weight)
+        conv_out, window = conv1d_decode(mixed, conv_state[slots], weight)
+        conv_state[slots] = window.to(conv_state.dtype)  # (16-bit compute: the state stays float32)
         q, k, v = self._split(conv_out)
         out, ssm_state[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state[slots])
         return out

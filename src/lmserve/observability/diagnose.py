@@ -238,6 +238,13 @@ def _ttft_queueing(w: Window, symptom: str, evidence: list[str]) -> Finding:
         _, change = _kv_advice(w)
         return Finding("ttft_queueing", symptom, "queueing: waiting requests find no free KV blocks",
                        evidence + [f"KV usage {_pct(usage)}"], change)  # fmt: skip
+    slots = w.gauges.get("state_slots_total")
+    if slots and w.gauges.get("state_slots_used", 0.0) >= slots:  # a hybrid model: max_num_seqs is capped to them
+        return Finding("ttft_queueing", symptom, "queueing: every recurrent-state slot is taken (a hybrid model's "
+                       "linear-attention state, one slot per running sequence)",
+                       evidence + [f"state slots {w.gauges['state_slots_used']:.0f} of {slots:.0f}"],
+                       "a larger --kv-cache-memory-gib (the budget holds the state slots beside the KV blocks) or "
+                       "a smaller --max-model-len")  # fmt: skip
     if seqs and running >= seqs:
         return Finding("ttft_queueing", symptom, "queueing: every sequence slot is taken (max_num_seqs)",
                        evidence, f"--max-num-seqs {2 * seqs} (now {seqs}) if the KV pool and TPOT allow")  # fmt: skip

@@ -54,6 +54,8 @@ GAUGES = {
     "kv_capacity_bytes": "kv_cache_capacity_bytes",
     "decode_step_time_min_s": "decode_step_time_min_seconds",
     "moe_imbalance": "moe_expert_load_imbalance_max",
+    "state_slots_used": "state_slots_used",  # a hybrid model's recurrent-state slots
+    "state_slots_total": "state_slots_total",
 }
 
 

@@ -21,6 +21,7 @@ from lmserve.model.layers import (
     quantize_linear_weights,
     round_linear_weights_to_bf16,
 )
+from lmserve.model.linear_attention import step_metadata as linear_step_metadata
 from lmserve.model.loader import load_model
 from lmserve.model.parallel import Collectives, TPShard, local_only, parallelize
 from lmserve.model.parallel import quantize_linear_weights as quantize_sharded_weights
@@ -31,6 +32,7 @@ from lmserve.spec_decode.proposer import cut_at_grammar, make_proposer, proposal
 from lmserve.worker.host_memory import release_freed_memory, tune_malloc_for_tensors
 from lmserve.worker.lora_slots import LoRASlotPool
 from lmserve.worker.pooler import pool_step
+from lmserve.worker.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,11 @@ class ModelRunner:
     def _allocate_kv_caches(self) -> list[KVCache]:
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
         caches: list[KVCache] = []
+        states = iter(self._allocate_states())
         for shape in mc.layer_kv_shapes:  # (a layer reading an earlier layer's K/V shares its cache object)
+            if shape is None:  # a hybrid's linear-attention layer: its recurrent state per slot, no KV
+                caches.append(next(states))
+                continue
             if isinstance(shape, int):
                 caches.append(caches[shape])
                 continue
@@ -168,6 +174,19 @@ class ModelRunner:
             logger.info("every layer slides (window %d): KV blocks outside the window are freed while requests run",
                         cc.sliding_window)
         return caches
+
+    def _allocate_states(self) -> list:
+        """A hybrid model's state tensors, one LayerState per linear-attention layer (worker/state_cache.py)."""
+        mc, cc = self.config.model, self.config.cache
+        self.state_cache: StateCache | None = None
+        if not cc.num_state_slots:
+            return []
+        self.state_cache = StateCache(mc.linear, mc.num_linear_layers, cc.num_state_slots, device=self.device)
+        assert self.state_cache.nbytes == cc.num_state_slots * cc.state_bytes_per_sequence, "state bytes != ledger's"
+        logger.info("recurrent state: %d slots x %d linear-attention layers, %.1f MiB (%d B a sequence, float32)",
+                    cc.num_state_slots, mc.num_linear_layers, self.state_cache.nbytes / 2**20,
+                    cc.state_bytes_per_sequence)  # fmt: skip
+        return self.state_cache.layers
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -204,6 +223,8 @@ class ModelRunner:
             meta.prefills.append(
                 PrefillSegment.for_chunk(row0, s.num_new_tokens, s.start, s.block_ids, self.block_size, dev)
             )
+        if self.config.cache.num_state_slots:  # a hybrid's linear-attention layers: each sequence's state slot
+            meta.linear = linear_step_metadata(decodes, prefills, first_row, dev)
         if self.lora is not None:
             self.lora.begin_step(ordered)
         if ordered:  # the blocks this step writes, and (spec decode) its requests' lookahead tails

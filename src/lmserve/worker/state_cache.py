@@ -1,6 +1,7 @@
 """The recurrent-state tensors of a hybrid model's linear-attention layers: per layer a conv window
 (slots, conv_dim, kernel - 1) and a delta-rule state (slots, v_heads, k_dim, v_dim), indexed by the slots the
-scheduler hands out (core/state_pool.py). Their bytes are the ledger's (memory.linear_state_bytes_per_sequence)."""
+scheduler hands out (core/state_pool.py). Their bytes are the ledger's (memory.linear_state_bytes_per_sequence), and
+a slot's pages are committed when first written (slots go out lowest first: max_num_seqs slots cost what is used)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from lmserve.checkpoint.shape import LinearAttentionShape
+from lmserve.model.kv_pool import lazy_zeros
 
 
 @dataclass
@@ -26,8 +28,8 @@ class StateCache:
         self.num_slots = num_slots
         self.layers = [
             LayerState(
-                torch.zeros(num_slots, shape.conv_dim, shape.conv_kernel - 1, dtype=dtype, device=device),
-                torch.zeros(num_slots, shape.num_v_heads, shape.k_dim, shape.v_dim, dtype=dtype, device=device),
+                lazy_zeros((num_slots, shape.conv_dim, shape.conv_kernel - 1), dtype, device),
+                lazy_zeros((num_slots, shape.num_v_heads, shape.k_dim, shape.v_dim), dtype, device),
             )
             for _ in range(num_linear_layers)
         ]

@@ -18,7 +18,10 @@ from lmserve.checkpoint.registry import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
     smollm3,
 )  # fmt: skip
 from lmserve.checkpoint.registry.family import ModelFamily
@@ -42,6 +45,9 @@ FAMILIES = tuple(
         qwen2_moe,
         mixtral,
         olmoe,
+        qwen3_5,
+        qwen3_5_moe,
+        qwen3_next,
     )  # fmt: skip
 )
 

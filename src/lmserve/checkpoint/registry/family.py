@@ -13,7 +13,9 @@ from typing import Any
 class LayerSpec:
     """One decoder layer: block kinds (keys of model/layers TOKEN_MIXERS / FEED_FORWARDS) and their details."""
 
-    mixer: str = "attention"  # token mixer: "attention" (full or sliding, over the paged KV cache)
+    # token mixer: "attention" (full or sliding, over the paged KV cache), "gated_attention" (Qwen3.5 / Qwen3-Next:
+    # an output gate, over the paged KV cache), "linear_attention" (Gated DeltaNet: a per-sequence state, no KV)
+    mixer: str = "attention"
     feed_forward: str = "dense"  # feed-forward: "dense" (gated MLP)
     sliding_window: int | None = None  # attention within this many positions (None: full attention)
     rope: str | None = "global"  # rotary table: "global", "local" (Gemma 3's sliding layers), None (no rotary)
@@ -26,7 +28,7 @@ class LayerSpec:
     @property
     def holds_kv(self) -> bool:
         """Whether this layer writes K/V into its own paged cache."""
-        return self.mixer == "attention" and self.kv_source is None
+        return self.mixer in ("attention", "gated_attention") and self.kv_source is None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ the C decode stack then stands aside for the whole model (DecoderLayer.stack_pla
 
 from lmserve.model.layers.attention import Attention
 from lmserve.model.layers.embedding import Embedding
+from lmserve.model.layers.gated_attention import GatedAttention
+from lmserve.model.layers.gated_deltanet import LinearAttention
 from lmserve.model.layers.linear import (
     DEQUANT_TILE_BYTES,
     I8_KERNEL_MAX_ROWS,
@@ -26,11 +28,13 @@ from lmserve.model.layers.moe import MoEFeedForward, SparseMoE
 from lmserve.model.layers.norm import RMSNorm
 from lmserve.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
-TOKEN_MIXERS: dict[str, type] = {"attention": Attention}
+TOKEN_MIXERS: dict[str, type] = {
+    "attention": Attention, "gated_attention": GatedAttention, "linear_attention": LinearAttention,
+}  # fmt: skip
 FEED_FORWARDS: dict[str, type] = {"dense": DenseMLP, "moe": MoEFeedForward}
 
 __all__ = [
-    "MoEFeedForward", "SparseMoE",
+    "GatedAttention", "LinearAttention", "MoEFeedForward", "SparseMoE",
     "DEQUANT_TILE_BYTES", "FEED_FORWARDS", "I8_KERNEL_MAX_ROWS", "SMALL_M_ENV", "TOKEN_MIXERS", "Attention",
     "DenseMLP", "Embedding", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary",
     "choose_small_m_paths", "kernel_max_rows", "onednn_packing_available", "pack_linear_weights",
