@@ -203,8 +203,8 @@ def test_block32_tensors_run_as_they_are_in_the_file(
     model_dirs: dict[str, Path], gguf_dir: Path, tmp_path: Path, arch: str, weight_type: str, caplog
 ) -> None:
     from lmserve.config.engine import QuantizationConfig
+    from lmserve.model.gguf_blocks import GGUF_LAYOUTS
     from lmserve.model.layers import Linear
-    from lmserve.model.quantization import GGUF_LAYOUTS
     from tests.hf_reference import assert_greedy_matches_hf_up_to_margin
 
     model_dir = model_dirs[FAMILIES[arch]]

@@ -20,13 +20,14 @@ from torch.nn import functional as F
 import gguf
 from lmserve import LLM, SamplingParams, kernels
 from lmserve.checkpoint import gguf as lm_gguf
+from lmserve.model import gguf_blocks
 from lmserve.model import quantization as Q
 from tests.gguf_helpers import dequantized_hf_model, q4_k_m_types, write_gguf
 from tests.helpers import build_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: kernels not built")
 
-TYPES = Q.KQUANT_TYPES
+TYPES = gguf_blocks.KQUANT_TYPES
 PROMPTS = ["The capital of France is", "def fib(n):", "床前明月光，疑是地上霜。"]
 
 
@@ -73,7 +74,7 @@ def test_dequant_is_gguf_bit_for_bit(type_name: str, rows: int, cols: int, kerne
     blocks = random_blocks(type_name, rows, cols, seed=rows + cols)
     got = kernels.dequant_kq(type_name, torch.from_numpy(blocks), cols)
     assert torch.equal(got, reference(type_name, blocks, cols)), "every K-quant weight is exact in float32"
-    assert torch.equal(Q.dequantize_kquant(type_name, torch.from_numpy(blocks), cols), got)
+    assert torch.equal(gguf_blocks.dequantize_kquant(type_name, torch.from_numpy(blocks), cols), got)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -85,7 +86,7 @@ def test_linear_matches_the_dequantized_matmul(type_name: str, m: int, o: int, k
     w = reference(type_name, blocks, k).double()
     g = torch.Generator().manual_seed(m + o + k)
     x, bias = torch.randn(m, k, generator=g), torch.randn(o, generator=g)
-    segments = Q.kquant_segment_table(Q.kquant_segments([(type_name, o)], k))
+    segments = gguf_blocks.kquant_segment_table(gguf_blocks.kquant_segments([(type_name, o)], k))
     qweight = torch.from_numpy(blocks.reshape(-1))
     for b in (None, bias):
         got = kernels.linear_kq(x, qweight, segments, o, b)
@@ -98,12 +99,12 @@ def test_segments_of_different_types_make_one_output(kernel_path: str) -> None:
     """A fused qkv whose parts are Q4_K, Q5_K and Q6_K (rows 5, 3, 9): one call, each segment its own type."""
     k, parts = 512, [("Q4_K", 5), ("Q5_K", 3), ("Q6_K", 9), ("Q6_K", 2)]
     blocks = [random_blocks(t, rows, k, seed=i) for i, (t, rows) in enumerate(parts)]
-    segments = Q.kquant_segments(parts, k)
+    segments = gguf_blocks.kquant_segments(parts, k)
     assert [(s.type_name, s.start, s.rows) for s in segments] == [("Q4_K", 0, 5), ("Q5_K", 5, 3), ("Q6_K", 8, 11)]
     qweight = torch.from_numpy(np.concatenate([b.reshape(-1) for b in blocks]))
     w = torch.cat([reference(t, b, k) for (t, _), b in zip(parts, blocks, strict=True)])
     x, bias = torch.randn(3, k), torch.randn(19)
-    got = kernels.linear_kq(x, qweight, Q.kquant_segment_table(segments), 19, bias)
+    got = kernels.linear_kq(x, qweight, gguf_blocks.kquant_segment_table(segments), 19, bias)
     torch.testing.assert_close(got, x @ w.t() + bias, atol=1e-4, rtol=1e-4)
 
 
@@ -132,7 +133,7 @@ def test_the_path_is_chosen_at_run_time_whatever_the_build(tmp_path: Path) -> No
                 w = reference(type_name, blocks, 512)
                 assert torch.equal(kernels.dequant_kq(type_name, torch.from_numpy(blocks), 512), w)
                 x = torch.randn(2, 512)
-                table = Q.kquant_segment_table(Q.kquant_segments([(type_name, 9)], 512))
+                table = gguf_blocks.kquant_segment_table(gguf_blocks.kquant_segments([(type_name, 9)], 512))
                 got = kernels.linear_kq(x, torch.from_numpy(blocks.reshape(-1)), table, 9, None)
                 torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-4)
     finally:
@@ -142,9 +143,9 @@ def test_the_path_is_chosen_at_run_time_whatever_the_build(tmp_path: Path) -> No
 
 def test_bad_k_quant_input_is_named() -> None:
     with pytest.raises(ValueError, match=r"up_proj: Q4_K rows hold whole super-blocks of 256, got 320 inputs"):
-        Q.kquant_row_bytes("Q4_K", 320, "up_proj")
+        gguf_blocks.kquant_row_bytes("Q4_K", 320, "up_proj")
     with pytest.raises(ValueError, match=r"token embedding: Q3_K is not a K-quant type \(Q4_K, Q5_K, Q6_K\)"):
-        Q.kquant_row_bytes("Q3_K", 256, "token embedding")
+        gguf_blocks.kquant_row_bytes("Q3_K", 256, "token embedding")
 
 
 # ---- the Linear and Embedding layouts ------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def test_linear_layer_paths_agree(rows: int, kernels_on: bool) -> None:
     k, parts = 512, [("Q4_K", 300), ("Q6_K", 1500)]  # float32 rows of 2 KiB: tiles of 1024 rows, within a segment
     layer = Linear(k, 1800, bias=True)
     blocks = np.concatenate([random_blocks(t, r, k, seed=r).reshape(-1) for t, r in parts])
-    layer.set_kquant(torch.from_numpy(blocks), Q.kquant_segments(parts, k))
+    layer.set_kquant(torch.from_numpy(blocks), gguf_blocks.kquant_segments(parts, k))
     assert layer.weight is None and layer.scales is None and layer.qweight.dtype == torch.uint8
     w = layer.dequantized_weight()
     assert DEQUANT_TILE_BYTES // (4 * k) < 1500, "the tiles must cut a segment for this test"
@@ -309,11 +310,11 @@ def test_kquant_as_block32_is_the_file_up_to_float16_scales() -> None:
     rng = np.random.default_rng(5)
     for type_name in ("Q4_K", "Q5_K"):
         k = 512
-        blocks = rng.integers(0, 256, (9, Q.kquant_row_bytes(type_name, k)), dtype=np.uint8)
-        view = blocks.reshape(-1, Q.KQ_BLOCK_BYTES[type_name])
+        blocks = rng.integers(0, 256, (9, gguf_blocks.kquant_row_bytes(type_name, k)), dtype=np.uint8)
+        view = blocks.reshape(-1, gguf_blocks.KQ_BLOCK_BYTES[type_name])
         view[:, 0:4] = np.array(rng.uniform(1e-3, 1e-1, (view.shape[0], 2)), np.float16).view(np.uint8)  # finite
-        ref = Q.dequantize_kquant(type_name, torch.from_numpy(blocks), k)
-        lay = Q.kquant_as_block32(type_name, torch.from_numpy(blocks), k)
+        ref = gguf_blocks.dequantize_kquant(type_name, torch.from_numpy(blocks), k)
+        lay = gguf_blocks.kquant_as_block32(type_name, torch.from_numpy(blocks), k)
         assert lay["scales"].shape == lay["mins"].shape == (9, k // 32)
         unpack = Q.dequantize_int4 if type_name == "Q4_K" else Q.dequantize_int5
         got = unpack(lay["qweight"], lay["scales"], lay["mins"])
@@ -323,7 +324,7 @@ def test_kquant_as_block32_is_the_file_up_to_float16_scales() -> None:
         assert ((got - ref).abs() <= bound).all(), f"{type_name}: {(got - ref).abs().max()}"
         assert (got - ref).abs().max() > 0, "float16 scales: not bit for bit (the weight-only path is)"
     with pytest.raises(AssertionError, match="no W4A8 panels"):
-        Q.kquant_as_block32("Q6_K", torch.zeros(1, 210, dtype=torch.uint8), 256)
+        gguf_blocks.kquant_as_block32("Q6_K", torch.zeros(1, 210, dtype=torch.uint8), 256)
 
 
 @pytest.mark.parametrize(("name", "base"), [("llama", "Q4_K"), ("qwen2", "Q5_K")])

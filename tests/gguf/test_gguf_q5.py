@@ -18,6 +18,7 @@ from torch.nn import functional as F
 import gguf
 from lmserve import LLM, SamplingParams, kernels
 from lmserve.checkpoint import gguf as lm_gguf
+from lmserve.model import gguf_blocks
 from lmserve.model import quantization as Q
 from lmserve.model.decode_stack import DecodeStack
 from lmserve.model.layers import Linear
@@ -35,7 +36,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     """(rows, cols / 32 * block bytes) random blocks: random bytes are valid Q5_0 / Q5_1 blocks once the float16
     d (and m) fields are finite."""
     rng = np.random.default_rng(seed)
-    size = Q.GGUF_BLOCK_BYTES[type_name]
+    size = gguf_blocks.GGUF_BLOCK_BYTES[type_name]
     blocks = rng.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
     n = 2 if type_name == "Q5_1" else 1
     values = rng.uniform(0.5, 2.0, (rows, cols // 32, n)) * 1e-2 * rng.choice([-1, 1], (rows, cols // 32, n))
@@ -50,7 +51,7 @@ def reference(type_name: str, blocks: np.ndarray, cols: int) -> torch.Tensor:
 def int5(type_name: str, rows: int, cols: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The int5 layout's buffers of random blocks, and gguf's weights for them."""
     blocks = random_blocks(type_name, rows, cols, seed)
-    return Q.gguf_block32_tensors(type_name, blocks), reference(type_name, blocks, cols)
+    return gguf_blocks.gguf_block32_tensors(type_name, blocks), reference(type_name, blocks, cols)
 
 
 def _isa_or_skip(isa: str) -> str:
@@ -83,7 +84,7 @@ def test_blocks_dequantize_like_gguf_bit_for_bit(type_name: str, rows: int, cols
         rebuilt += mins[..., None].astype(np.float32)
     np.testing.assert_array_equal(rebuilt.reshape(rows, cols), expected.numpy())
     if type_name == "Q5_0":  # a Q5_0 part of a projection held as Q8_0: code - 16 as int8, exactly
-        as8 = Q.gguf_block32_tensors(type_name, blocks, "int8w")
+        as8 = gguf_blocks.gguf_block32_tensors(type_name, blocks, "int8w")
         assert as8["qweight"].dtype == torch.int8 and torch.equal(Q.dequantize_int8w(as8["qweight"], s), expected)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from lmserve import LLM, SamplingParams, kernels
 from lmserve.config.engine import EngineArgs
+from lmserve.model import gguf_blocks
 from lmserve.model import quantization as Q
 from lmserve.model.layers import Linear
 
@@ -183,7 +184,7 @@ def _gguf_layout(type_name: str, rows: int, cols: int, seed: int = 0) -> tuple[s
 
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
-    return Q.GGUF_LAYOUTS[type_name][0], Q.gguf_block32_tensors(type_name, raw.reshape(rows, -1))
+    return gguf_blocks.GGUF_LAYOUTS[type_name][0], gguf_blocks.gguf_block32_tensors(type_name, raw.reshape(rows, -1))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
@@ -196,8 +197,8 @@ def test_gguf_blocks_dequantize_exactly_like_gguf(type_name: str) -> None:
     w = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[type_name]
     raw = gguf.quants.quantize(w, qtype)
-    blocks = Q.gguf_block32_tensors(type_name, raw.reshape(16, -1))
-    layout, has_mins = Q.GGUF_LAYOUTS[type_name]
+    blocks = gguf_blocks.gguf_block32_tensors(type_name, raw.reshape(16, -1))
+    layout, has_mins = gguf_blocks.GGUF_LAYOUTS[type_name]
     assert ("mins" in blocks) == has_mins and blocks["scales"].shape == (16, 8)
     assert sum(t.numel() * t.element_size() for t in blocks.values()) == raw.nbytes, "the same bytes, regrouped"
     ours = Q.dequantize_layout(layout, blocks["qweight"], blocks["scales"], blocks.get("mins"))
@@ -463,7 +464,7 @@ def test_quantize_int8w_is_q8_0() -> None:
     w = torch.randn(16, 128)
     q, d = Q.quantize_int8w(w)
     raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
-    blocks = Q.gguf_block32_tensors("Q8_0", raw)
+    blocks = gguf_blocks.gguf_block32_tensors("Q8_0", raw)
     assert torch.equal(d, blocks["scales"]) and torch.equal(q, blocks["qweight"])
 
 

@@ -176,8 +176,8 @@ def _prepare_gguf_blocks(model: CausalLM, cfg: ModelConfig, ckpt: GGUFCheckpoint
     type a fused mix is held as; Q4_K / Q5_K / Q6_K → kquant, the fused parts' types in their order); returns the
     kept tensors."""
     from lmserve.checkpoint.gguf import KQUANT_TYPES, held_block32_types, kept_quantized, log_kept
+    from lmserve.model.gguf_blocks import GGUF_GROUP_SIZE, GGUF_LAYOUTS
     from lmserve.model.layers import Embedding
-    from lmserve.model.quantization import GGUF_GROUP_SIZE, GGUF_LAYOUTS
 
     assert TORCH_DTYPES[cfg.dtype] == torch.float32, "GGUF blocks compute in float32"
     kept = kept_quantized(ckpt, cfg.tie_word_embeddings)
@@ -214,7 +214,7 @@ def _checkpoint_tensors(
     (K-quants: `<name>.qweight`, the file's (rows, row bytes) block view itself, copied once into the model)."""
     if cfg.path.endswith(".gguf"):
         from lmserve.checkpoint.gguf import KQUANT_TYPES, held_block32_types, iter_hf_tensors
-        from lmserve.model.quantization import GGUF_LAYOUTS, gguf_block32_tensors
+        from lmserve.model.gguf_blocks import GGUF_LAYOUTS, gguf_block32_tensors
 
         assert ckpt is not None, f"{cfg.path}: the GGUF checkpoint load_model opened (_open_gguf)"
         file_name = Path(cfg.path).name
@@ -267,13 +267,14 @@ def _open_checkpoint(file: Path):  # noqa: ANN202 (safetensors' handle type is p
 
 
 def _check_scales(model: CausalLM) -> None:
-    from lmserve.model import quantization as quant
+    from lmserve.model import gguf_blocks
     from lmserve.model.layers import Linear
 
     for name, m in model.named_modules():
         if _is_kquant(m):
             for s in m.kq_segments:
-                if not bool(torch.isfinite(quant.kquant_scales(s.type_name, m.kquant_rows(s.start, s.rows))).all()):
+                scales = gguf_blocks.kquant_scales(s.type_name, m.kquant_rows(s.start, s.rows))
+                if not bool(torch.isfinite(scales).all()):
                     raise ValueError(f"checkpoint tensor {name} holds non-finite {s.type_name} scales (corrupt file?)")
         elif isinstance(m, Linear) and m.quant_method is not None and not bool(torch.isfinite(m.scales).all()):
             raise ValueError(f"checkpoint tensor {name}.scales holds non-finite scales (corrupt file?)")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lmserve import kernels
-from lmserve.model import quantization as quant
+from lmserve.model import gguf_blocks
 
 
 class Embedding(nn.Embedding):
@@ -28,19 +28,19 @@ class Embedding(nn.Embedding):
         self._head = (head,)
 
     def prepare_kquant(self, type_name: str) -> None:
-        row_bytes = quant.kquant_row_bytes(type_name, self.embedding_dim, "token embedding")
+        row_bytes = gguf_blocks.kquant_row_bytes(type_name, self.embedding_dim, "token embedding")
         dev = self.weight.device
         self.register_parameter("weight", None)
         self.register_buffer("qweight", torch.empty(self.num_embeddings * row_bytes, dtype=torch.uint8, device=dev))
         self.kq_type = type_name
 
     @property
-    def kq_segments(self) -> tuple[quant.KQuantSegment, ...] | None:
+    def kq_segments(self) -> tuple[gguf_blocks.KQuantSegment, ...] | None:
         """The table as one K-quant segment (as a K-quant Linear's), or None."""
         if self.kq_type is None:
             return None
-        row_bytes = quant.kquant_row_bytes(self.kq_type, self.embedding_dim)
-        return (quant.KQuantSegment(self.kq_type, 0, self.num_embeddings, 0, row_bytes),)
+        row_bytes = gguf_blocks.kquant_row_bytes(self.kq_type, self.embedding_dim)
+        return (gguf_blocks.KQuantSegment(self.kq_type, 0, self.num_embeddings, 0, row_bytes),)
 
     def kquant_rows(self, start: int, rows: int) -> torch.Tensor:
         """The (rows, row bytes) view of embedding rows start..start + rows."""
@@ -59,5 +59,5 @@ class Embedding(nn.Embedding):
         if kernels.available() and rows.device.type == "cpu":
             values = kernels.dequant_kq(self.kq_type, rows, self.embedding_dim)
         else:
-            values = quant.dequantize_kquant(self.kq_type, rows.cpu(), self.embedding_dim).to(rows.device)
+            values = gguf_blocks.dequantize_kquant(self.kq_type, rows.cpu(), self.embedding_dim).to(rows.device)
         return values.reshape(*ids.shape, self.embedding_dim)

@@ -13,6 +13,7 @@ from torch import nn
 
 from lmserve import kernels
 from lmserve.config.engine import QuantizationConfig
+from lmserve.model import gguf_blocks
 from lmserve.model import quantization as quant
 from lmserve.model.layers.embedding import Embedding
 
@@ -50,7 +51,7 @@ class Linear(nn.Linear):
     # row segments in kq_segments).
     quant_method: str | None = None
     group_size: int | None = None
-    kq_segments: tuple[quant.KQuantSegment, ...] | None = None
+    kq_segments: tuple[gguf_blocks.KQuantSegment, ...] | None = None
     _kq_table: torch.Tensor | None = None  # kquant: the segments as the C kernel reads them
     _row_sums: torch.Tensor | None = None  # int8: sum of each qweight row (the VNNI kernel's correction)
     # int4 with int4_compute="w4a8" (pack_w4a8): the codes in the W4A8 kernels' panels; qweight / scales / mins are
@@ -81,19 +82,19 @@ class Linear(nn.Linear):
 
     def prepare_kquant(self, parts: list[tuple[str, int]]) -> None:
         """Empty "kquant" bytes for GGUF K-quant parts (type, rows) in output-row order (the loader fills them)."""
-        segments = quant.kquant_segments(parts, self.in_features)
+        segments = gguf_blocks.kquant_segments(parts, self.in_features)
         assert segments[-1].end == self.out_features, f"K-quant parts {parts} for {self.out_features} rows"
         nbytes = segments[-1].offset + segments[-1].rows * segments[-1].row_bytes
         self.set_kquant(torch.empty(nbytes, dtype=torch.uint8, device=self.weight.device), segments)
 
-    def set_kquant(self, qweight: torch.Tensor, segments: tuple[quant.KQuantSegment, ...]) -> None:
+    def set_kquant(self, qweight: torch.Tensor, segments: tuple[gguf_blocks.KQuantSegment, ...]) -> None:
         """Hold the weight as K-quant super-blocks: qweight (bytes,) uint8, the segments' rows one after the other."""
         last = segments[-1]
         assert qweight.dtype == torch.uint8 and qweight.numel() == last.offset + last.rows * last.row_bytes, (
             f"K-quant bytes {qweight.numel()} for segments {segments}"
         )
-        self._set_quantized("kquant", quant.KQ_BLOCK, qweight, None)
-        self.kq_segments, self._kq_table = segments, quant.kquant_segment_table(segments)
+        self._set_quantized("kquant", gguf_blocks.KQ_BLOCK, qweight, None)
+        self.kq_segments, self._kq_table = segments, gguf_blocks.kquant_segment_table(segments)
 
     def kquant_rows(self, start: int, rows: int) -> torch.Tensor:
         """The (rows, row bytes) view of output rows start..start + rows, which lie in one segment."""
@@ -122,7 +123,7 @@ class Linear(nn.Linear):
         """4 / 5 when this kquant Linear is all GGUF Q4_K / Q5_K (pack_w4a8 then takes it), else None."""
         if self.quant_method != "kquant" or len(self.kq_segments) != 1:
             return None
-        return quant.KQUANT_PANEL_BITS.get(self.kq_segments[0].type_name)
+        return gguf_blocks.KQUANT_PANEL_BITS.get(self.kq_segments[0].type_name)
 
     def pack_w4a8(self, keep_int4: bool = False) -> None:
         """Repack int4 codes (lmserve int4, GGUF Q4_0 / Q4_1) into the W4A8 kernels' panels, int5 codes (GGUF Q5_0 /
@@ -133,9 +134,9 @@ class Linear(nn.Linear):
         (the panels hold the same values)."""
         if self.kquant_panel_bits() is not None:
             seg = self.kq_segments[0]
-            lay = quant.kquant_as_block32(seg.type_name, self.kquant_rows(0, self.out_features), self.in_features)
+            lay = gguf_blocks.kquant_as_block32(seg.type_name, self.kquant_rows(0, self.out_features), self.in_features)
             method = "int4" if seg.type_name == "Q4_K" else "int5"
-            self._set_quantized(method, quant.GGUF_GROUP_SIZE, lay["qweight"], lay["scales"], lay["mins"])
+            self._set_quantized(method, gguf_blocks.GGUF_GROUP_SIZE, lay["qweight"], lay["scales"], lay["mins"])
         assert self.quant_method in ("int4", "int5", "int8w") and self.qweight is not None, (
             f"W4A8: not {self.quant_method}"
         )
@@ -155,7 +156,7 @@ class Linear(nn.Linear):
             return quant.dequantize_w4a8(self._w4a8)
         if self.quant_method == "kquant":
             return torch.cat([
-                quant.dequantize_kquant(s.type_name, self.kquant_rows(s.start, s.rows), self.in_features)
+                gguf_blocks.dequantize_kquant(s.type_name, self.kquant_rows(s.start, s.rows), self.in_features)
                 for s in self.kq_segments
             ])  # fmt: skip
         return quant.dequantize_layout(self.quant_method, self.qweight, self.scales, self.mins)
