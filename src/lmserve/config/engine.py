@@ -73,7 +73,7 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> QuantizationConfig 
     if not cfg_file.is_file():
         return None
     qc = json.loads(cfg_file.read_text()).get("quantization_config")
-    if qc is None:
+    if qc is None or qc.get("quant_method") == "mxfp4":  # (gpt-oss's MXFP4 experts: the MoE block keeps them)
         return None
     if qc.get("quant_method") != "lmserve" or qc.get("format") != QUANTIZATION_FORMAT:
         raise ValueError(

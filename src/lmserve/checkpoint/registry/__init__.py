@@ -8,6 +8,7 @@ from lmserve.checkpoint.registry import (
     gemma2,
     gemma3,
     gemma4,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -42,6 +43,7 @@ FAMILIES = tuple(
         qwen2_moe,
         mixtral,
         olmoe,
+        gpt_oss,
     )  # fmt: skip
 )
 
