@@ -136,3 +136,10 @@ def test_mxfp4_checkpoint_matches_hf_dequantized(gpt_oss_dir: Path, tmp_path: Pa
     assert isinstance(expert.gate_up_proj, Mxfp4Linear) and expert.gate_up_proj.blocks.dtype == torch.uint8
     _check_logits(llm, ref, PROMPTS[:2])
     _greedy(LLM(str(quant), num_kv_blocks=64), ref, PROMPTS[1:3], max_tokens=8)
+
+
+def test_lora_on_moe_layers_is_refused_by_name(gpt_oss_dir: Path) -> None:
+    from lmserve.config.engine import EngineArgs
+
+    with pytest.raises(ValueError, match=r"enable_lora: LoRA adapters on GptOssForCausalLM's mixture-of-experts"):
+        EngineArgs(str(gpt_oss_dir), enable_lora=True, num_kv_blocks=8).create_engine_config()

@@ -408,6 +408,9 @@ class EngineArgs:
         _check_positive("max_cpu_loras", cpu)
         if cpu < self.max_loras:
             raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({self.max_loras})")
+        if model.moe is not None:
+            raise ValueError(f"enable_lora: LoRA adapters on {model.architecture}'s mixture-of-experts layers are not "
+                             "supported (no per-expert LoRA); serve the model without enable_lora")
         if spec is not None:
             raise ValueError("speculative_config: speculative decoding with enable_lora is not supported (the draft "
                              "and the verification would need the adapter's weights); turn one of them off")

@@ -9,6 +9,10 @@ rank holds, the slicing at load, and the collectives a split decoder needs, atta
                      looks up its own ids (others give 0) and all-reduces; the LM head's logits are gathered on
                      rank 0 (the only rank that samples) and cut back to V
     norms, rotary    replicated (Qwen3's per-head q/k norms too)
+    MoE blocks       every rank holds every expert's slice of the expert width (gate / up rows, down columns, the
+                     shared expert's alike; the router and the shared expert's gate replicated, the down biases on
+                     rank 0 only), so routing is the same on every rank; one all-reduce after each block
+    sinks, o bias    gpt-oss: the sinks of a rank's heads; o_proj's bias on rank 0 only (summed once)
 
 The model is built from `local_config(cfg, tp)`: the same classes with a rank's head / row counts, so the C kernels
 (RoPE + KV write, attention, small-M linears) run on the local shard unchanged. The one-call decode stack
@@ -67,6 +71,14 @@ class TPShard:
                 f"tensor_parallel_size={size} must divide num_attention_heads ({cfg.num_heads}) and "
                 f"intermediate_size ({cfg.intermediate_size})"
             )
+        moe = cfg.moe
+        if moe is not None and (moe.expert_intermediate_size % size or moe.shared_expert_intermediate_size % size):
+            raise ValueError(
+                f"tensor_parallel_size={size} must divide the experts' width ({moe.expert_intermediate_size}) and "
+                f"the shared expert's ({moe.shared_expert_intermediate_size})"
+            )
+        if moe is not None and moe.mxfp4:
+            raise ValueError("tensor_parallel_size > 1 with MXFP4 experts is not supported (load a float checkpoint)")
         kv = kv_heads_per_rank(cfg.num_kv_heads, size)
         kv_start = rank * kv if cfg.num_kv_heads % size == 0 else rank // (size // cfg.num_kv_heads)
         return cls(
@@ -87,12 +99,21 @@ class TPShard:
 def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
     """The config a rank builds its CausalLM from: its own head, KV-head, MLP-row and vocabulary counts (attn_scale
     pinned to the full head_dim's, which is unchanged anyway)."""
+    moe = cfg.moe
+    if moe is not None:
+        moe = replace(
+            moe,
+            expert_intermediate_size=moe.expert_intermediate_size // shard.size,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size // shard.size,
+            dense_intermediate_size=moe.dense_intermediate_size // shard.size,
+        )
     return replace(
         cfg,
         num_heads=shard.num_heads,
         num_kv_heads=shard.num_kv_heads,
         intermediate_size=shard.intermediate,
         vocab_size=shard.vocab_per_rank,
+        moe=moe,
     )
 
 
@@ -140,8 +161,10 @@ def shard_tensor(target: str, tensor: torch.Tensor, part: int | None, cfg: Model
         return tensor.narrow(1, shard.rank * shard.intermediate, shard.intermediate)
     if target in ("model.embed_tokens.weight", "lm_head.weight"):
         return _vocab_rows(tensor, shard)
-    if target.endswith((".o_proj.bias", ".down_proj.bias")):
-        raise ValueError(f"{target}: a row-parallel bias is not supported with tensor parallelism")
+    if target.endswith(".self_attn.sinks"):
+        return _rows(tensor, shard.rank * shard.num_heads, shard.num_heads)
+    if target.endswith((".o_proj.bias", ".down_proj.bias")):  # added once: the all-reduce sums the ranks' outputs
+        return tensor if shard.rank == 0 else torch.zeros_like(tensor)
     return tensor  # norms (Qwen3's per-head q/k norms too): replicated
 
 
@@ -186,10 +209,13 @@ def parallelize(model: nn.Module, shard: TPShard, comm: Collectives) -> None:
     def reduce_output(_m: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
         return out if state["local"] else comm.all_reduce(out.contiguous())
 
+    from lmserve.model.layers.moe import SparseMoE
+
     decoder = model.model
     for layer in decoder.layers:
         layer.self_attn.o_proj.register_forward_hook(reduce_output)
-        layer.mlp.down_proj.register_forward_hook(reduce_output)
+        moe = isinstance(layer.mlp, SparseMoE)  # (its experts' and shared expert's partial sums: one all-reduce)
+        (layer.mlp if moe else layer.mlp.down_proj).register_forward_hook(reduce_output)
     decoder.tensor_parallel_size = shard.size
     decoder.tp_all_reduce = getattr(comm, "shm", None)
     decoder.reset_decode_stack()

@@ -86,6 +86,8 @@ class SparseMoE(nn.Module):
             self.shared_expert = SwiGLU(hidden_size, shape.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.expert_counts: list[int] = [0] * self.spec.num_experts
+        # tensor parallelism (model/parallel.py): this rank's slice of every expert's width is what load_tensor keeps
+        self.tp_rank, self.tp_size = 0, 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.hidden_size, f"MoE input {tuple(x.shape)}"
@@ -214,7 +216,7 @@ class SparseMoE(nn.Module):
             gu = self.shared_expert.gate_up_proj.weight
             dst = {"gate_proj": gu[:s], "up_proj": gu[s:], "down_proj": self.shared_expert.down_proj.weight,
                    None: self.shared_expert_gate.weight}[m.group(1)]  # fmt: skip
-            _copy(name, dst, tensor)
+            _copy(name, dst, self._tp_slice(m.group(1), "weight", tensor, s) if m.group(1) else tensor)
         else:
             raise ValueError(f"{name}: not a tensor of this MoE block ({self.spec.num_experts} experts)")
         loaded.add(name)
@@ -248,7 +250,18 @@ class SparseMoE(nn.Module):
             raise ValueError(f"{name}: the config's experts have no {kind} here")
         if proj != "down_proj":
             dst = dst[:inter] if proj == "gate_proj" else dst[inter:]
-        _copy(name, dst, tensor)
+        _copy(name, dst, self._tp_slice(proj, kind, tensor, inter))
+
+    def _tp_slice(self, proj: str, kind: str, tensor: torch.Tensor, width: int) -> torch.Tensor:
+        """This rank's part of a full expert tensor: `width` gate / up rows, down columns; the down bias on rank 0
+        (the block's all-reduce adds it once)."""
+        if self.tp_size == 1:
+            return tensor
+        if proj != "down_proj":
+            return tensor.narrow(0, self.tp_rank * width, width)
+        if kind == "bias":
+            return tensor if self.tp_rank == 0 else torch.zeros_like(tensor)
+        return tensor.narrow(1, self.tp_rank * width, width)
 
     def _fused_part(self, proj: str, suffix: str, tensor: torch.Tensor, name: str) -> None:
         """gpt-oss's float 3-D tensors: gate_up (E, H, 2I) with gate / up interleaved, down (E, I, H), biases."""
