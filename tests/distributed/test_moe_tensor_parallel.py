@@ -60,3 +60,23 @@ def test_tp2_int8_experts_run(moe_dir_of, engines: list[LLM]) -> None:  # noqa: 
                             PROMPTS)  # fmt: skip
     quant_error = (one - float_logits).abs().max()
     assert (two - float_logits).abs().max() < 1.5 * quant_error
+
+
+def test_refusals_name_the_expert_width(moe_dir_of, tmp_path: Path) -> None:  # noqa: ANN001
+    """An expert width tensor_parallel_size does not divide, and MXFP4 experts (not sliced): named at start-up."""
+    import json
+    import shutil
+
+    from lmserve.config.engine import EngineArgs
+
+    src = moe_dir_of("qwen3_moe")  # 4 heads, intermediate 128, experts 32 wide
+    d = tmp_path / "odd"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 30}))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the experts' width 30"):
+        EngineArgs(str(d), tensor_parallel_size=4, num_kv_blocks=8).create_engine_config()
+    cfg = json.loads((moe_dir_of("gpt_oss") / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with GptOssForCausalLM's MXFP4 experts"):
+        EngineArgs(str(d), tensor_parallel_size=2, num_kv_blocks=8).create_engine_config()
