@@ -220,14 +220,15 @@ def _attend_with_sinks(
         mask = causal_mask_with_context(total - n, n, q.device)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    sinks = spec.sinks.to(torch.float32).view(1, -1, 1)  # (1, H, 1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # (16-bit operands: a float32 softmax, as HF's eager)
+    sinks = spec.sinks.to(acc).view(1, -1, 1)  # (1, H, 1)
     if q.device.type == "cpu" and q.dtype == torch.float32:
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=spec.scale
         )[:2]  # (B, H, n, D), (B, H, n)
         return out * torch.sigmoid(lse - sinks).unsqueeze(-1).to(q.dtype)
-    scores = (torch.matmul(q, k.transpose(-1, -2)) * spec.scale).float().masked_fill(~mask, float("-inf"))
+    scores = (torch.matmul(q, k.transpose(-1, -2)) * spec.scale).to(acc).masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1) * torch.sigmoid(lse - sinks).unsqueeze(-1)
     return torch.matmul(probs.to(q.dtype), v)
