@@ -136,6 +136,16 @@ def test_mxfp4_checkpoint_matches_hf_dequantized(gpt_oss_dir: Path, tmp_path: Pa
     assert isinstance(expert.gate_up_proj, Mxfp4Linear) and expert.gate_up_proj.blocks.dtype == torch.uint8
     _check_logits(llm, ref, PROMPTS[:2])
     _greedy(LLM(str(quant), num_kv_blocks=64), ref, PROMPTS[1:3], max_tokens=8)
+    # --quantization int8: the MXFP4 experts become their exact int8w form, the other projections int8 (W8A8)
+    int8 = LLM(str(quant), num_kv_blocks=64, quantization="int8")
+    expert = int8.engine.runner.model.model.layers[0].mlp.experts[0]
+    assert expert.gate_up_proj.quant_method == "int8w" == expert.down_proj.quant_method
+    engine = int8.engine
+    engine.add_request("int8", PROMPTS[2], SamplingParams(max_tokens=1, temperature=0.0))
+    sched = engine.scheduler.schedule()
+    got = engine.runner.execute(sched).logits[0]
+    want = hf_last_logits(ref, sched.scheduled[0].request.prompt_token_ids)
+    assert (got - want).norm() / want.norm() < 0.25  # (int8 W8A8 attention: within its error, as test_moe_quantized)
 
 
 def test_lora_on_moe_layers_is_refused_by_name(gpt_oss_dir: Path) -> None:

@@ -298,6 +298,20 @@ class SparseMoE(nn.Module):
             target.set_mxfp4(b, s)
         del pending[(proj, "_blocks")], pending[(proj, "_scales")]
 
+    def mxfp4_to_int8w(self) -> int:
+        """Every MXFP4 expert projection becomes the same weights as an int8w Linear (8-bit codes, float16 scales
+        per 32: the C int8w kernels; twice MXFP4's bytes); returns how many (one left as it is: a scale float16
+        cannot hold)."""
+        n = 0
+        for ex in self.experts:
+            for name in ("gate_up_proj", "down_proj"):
+                old = getattr(ex, name)
+                new = old.to_int8w() if isinstance(old, Mxfp4Linear) else None
+                if new is not None:
+                    setattr(ex, name, new)
+                    n += 1
+        return n
+
     def set_shared_expert(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gate_w: torch.Tensor) -> None:
         """Qwen2-MoE's shared expert (gate / up (S, H), down (H, S)) and its (1, H) sigmoid gate."""
         if self.shared_expert is None:
