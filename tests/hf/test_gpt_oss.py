@@ -88,6 +88,7 @@ def test_logits_and_greedy_match_hf(gpt_oss_dir: Path) -> None:
     _greedy(LLM(str(gpt_oss_dir), num_kv_blocks=64), gpt_oss_dir, PROMPTS[:3], max_tokens=12)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_prefix_hits_and_preemption(gpt_oss_dir: Path) -> None:
     llm = LLM(str(gpt_oss_dir), num_kv_blocks=96, block_size=4, max_num_batched_tokens=8)
     system = "import json\nimport os\n\nclass Decoder(object):\n"
