@@ -163,3 +163,15 @@ def test_bad_moe_configs_name_the_field(change: dict, match: str) -> None:
         return
     with pytest.raises(ValueError, match=match):
         model_shape_from_hf_config(cfg)
+
+
+def test_memory_cli_answers_for_gpt_oss_from_its_config(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`lmserve memory --model` on a directory holding only gpt-oss-20b's config.json (its mxfp4 quantization_config
+    included): the published 20.9 B total / 3.61 B active (without the embedding table), within 2 %."""
+    from lmserve.entrypoints.cli import main
+
+    assert main(["memory", "--model", str(_model_dir(tmp_path, "gpt-oss-20b")), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_parameters"] == pytest.approx(20.91e9, rel=0.02)
+    shape = model_shape_from_hf_config(CONFIGS["gpt-oss-20b"])
+    assert num_active_parameters(shape, embeddings=False) == pytest.approx(3.61e9, rel=0.02)

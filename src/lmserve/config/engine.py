@@ -73,7 +73,7 @@ def checkpoint_quantization(model_dir: str | os.PathLike) -> QuantizationConfig 
     if not cfg_file.is_file():
         return None
     qc = json.loads(cfg_file.read_text()).get("quantization_config")
-    if qc is None:
+    if qc is None or qc.get("quant_method") == "mxfp4":  # (gpt-oss's MXFP4 experts: the MoE block keeps them)
         return None
     if qc.get("quant_method") != "lmserve" or qc.get("format") != QUANTIZATION_FORMAT:
         raise ValueError(
@@ -409,6 +409,9 @@ class EngineArgs:
         _check_positive("max_cpu_loras", cpu)
         if cpu < self.max_loras:
             raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({self.max_loras})")
+        if model.moe is not None:
+            raise ValueError(f"enable_lora: LoRA adapters on {model.architecture}'s mixture-of-experts layers are not "
+                             "supported (no per-expert LoRA); serve the model without enable_lora")
         if spec is not None:
             raise ValueError("speculative_config: speculative decoding with enable_lora is not supported (the draft "
                              "and the verification would need the adapter's weights); turn one of them off")
@@ -553,6 +556,14 @@ def _check_tensor_parallel(tp: int, model: ModelConfig, quantization: Quantizati
         "num_attention_heads": model.num_heads % tp and f"{model.num_heads} attention heads",
         "intermediate_size": model.intermediate_size % tp and f"intermediate_size {model.intermediate_size}",
     }
+    moe = model.moe
+    if moe is not None:  # (each rank holds every expert's slice of the expert width: model/parallel.py)
+        width, shared = moe.expert_intermediate_size, moe.shared_expert_intermediate_size
+        why["moe_intermediate_size"] = width % tp and f"the experts' width {width}"
+        why["shared_expert_intermediate_size"] = shared % tp and f"the shared expert's width {shared}"
+        if moe.mxfp4:
+            raise ValueError(f"tensor_parallel_size={tp} with {model.architecture}'s MXFP4 experts: not supported "
+                             "(not sliced); use tensor_parallel_size=1")  # fmt: skip
     bad = [f"{v}" for v in why.values() if v]
     if bad:
         raise ValueError(f"tensor_parallel_size={tp} must divide {' and '.join(bad)}")
@@ -578,6 +589,10 @@ def _check_tensor_parallel(tp: int, model: ModelConfig, quantization: Quantizati
             group = quantization.group_size
             shards = {"num_heads * head_dim / tp": model.num_heads * model.head_dim // tp,
                       "intermediate_size / tp": model.intermediate_size // tp}  # fmt: skip
+            if moe is not None:
+                shards["experts' width / tp"] = moe.expert_intermediate_size // tp
+                if moe.shared_expert_intermediate_size:
+                    shards["shared expert's width / tp"] = moe.shared_expert_intermediate_size // tp
             unaligned = {k: v for k, v in shards.items() if v % group}
             if unaligned:
                 raise ValueError(

@@ -20,7 +20,7 @@ from lmserve.sampling_params import POOLING_TYPES, RUNNERS
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional", "yarn")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class RopeConfig:
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
     proportion: float = 1.0  # proportional (Gemma 4): the share of the rotary pairs that turn
+    # yarn (gpt-oss): the ramp's bounds in rotations, and whether they are rounded to whole pairs
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], layer_type: str | None = None, default_theta: float = 10000.0) -> RopeConfig:
@@ -71,7 +75,35 @@ class RopeConfig:
         if rope_type == "proportional":
             kwargs["factor"] = float(params.get("factor", 1.0))
             kwargs["proportion"] = float(params.get("partial_rotary_factor", 1.0))
+        if rope_type == "yarn":
+            kwargs.update(_yarn_kwargs(cfg, params))
         return RopeConfig(**kwargs)
+
+
+def _yarn_kwargs(cfg: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """HF's _compute_yarn_parameters: factor (else max / original context) and the cos/sin attention factor."""
+    import math
+
+    original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("rope_scaling of type 'yarn' needs 'original_max_position_embeddings'")
+    factor = params.get("factor") or cfg.get("max_position_embeddings", original) / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return {
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention_factor),
+        "beta_fast": float(params.get("beta_fast") or 32.0),
+        "beta_slow": float(params.get("beta_slow") or 1.0),
+        "truncate": bool(params.get("truncate", True)),
+    }
 
 
 def _longrope_kwargs(cfg: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -142,6 +174,8 @@ class ModelConfig:
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (prefix, replacement) of checkpoint tensor names
     checkpoint_skips: tuple[str, ...] = ()  # prefixes of checkpoint tensors not served (a vision tower)
     moe: MoEShape | None = None  # mixture of experts: the "moe" feed-forward layers' experts and router
+    o_bias: bool = False  # a bias on o_proj (attention_bias: gpt-oss, Llama's option)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
 
     def __post_init__(self) -> None:
         if not self.layers:  # (a config built by hand: plain attention + dense layers, the windows as given)
@@ -213,10 +247,8 @@ class ModelConfig:
             layers = layer_specs(family, cfg, shape.num_layers)
         except ValueError as e:
             raise ValueError(f"model config {cfg_file}: {e}") from None
-        if shape.o_bias or shape.mlp_bias:
-            raise ValueError(
-                f"model config {cfg_file}: biases on o_proj / the MLP (attention_bias / mlp_bias) are not supported"
-            )
+        if shape.mlp_bias:
+            raise ValueError(f"model config {cfg_file}: biases on the MLP (mlp_bias) are not supported")
         windows = tuple(s.sliding_window for s in layers) if any(s.sliding_window for s in layers) else ()
         sliding_window = max((w for w in windows if w), default=None)
         eos = cfg.get("eos_token_id", top.get("eos_token_id"))
@@ -244,6 +276,8 @@ class ModelConfig:
             num_linear_layers=shape.num_linear_layers,
             layers=layers,
             moe=shape.moe,
+            o_bias=shape.o_bias,
+            attention_sinks=shape.attention_sinks,
             **family_fields(family, cfg, shape.head_dim, shape.hidden_size, windows, layers),
         )
 

@@ -148,16 +148,18 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (T, H, D); k, v: (T, KVH, D) for the step's new tokens (already in the cache if kv_written).
     Returns (T, H, D). scale: None = D ** -0.5; sliding_window: keys more than that many positions back are
-    not read; logit_softcap: scores become tanh(s / cap) * cap before the softmax (Gemma 2).
+    not read; logit_softcap: scores become tanh(s / cap) * cap before the softmax (Gemma 2); sinks (H,): a
+    logit per head that joins each softmax's denominator and reads no value (gpt-oss).
 
     Every new K/V row of the step is written before any query attends, so a request may read blocks that
     another request of the same step computes (the scheduler's in-step prefix sharing relies on it)."""
     if not kv_written:
         write_kv(kv_cache, k, v, meta.slot_mapping)
-    spec = _Spec(q.shape[-1] ** -0.5 if scale is None else scale, sliding_window, logit_softcap)
+    spec = _Spec(q.shape[-1] ** -0.5 if scale is None else scale, sliding_window, logit_softcap, sinks)
     out = torch.empty_like(q)
     if meta.num_decode_tokens:
         nd = meta.num_decode_tokens
@@ -172,11 +174,12 @@ class _Spec:
     scale: float
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
     @property
     def kernel_ok(self) -> bool:
-        """The C decode kernel has no soft-capping (sliding windows it reads in place)."""
-        return self.logit_softcap is None
+        """The C decode kernel has no soft-capping and no sinks (sliding windows it reads in place)."""
+        return self.logit_softcap is None and self.sinks is None
 
 
 def _attend(
@@ -184,6 +187,8 @@ def _attend(
 ) -> torch.Tensor:
     """SDPA on (B, H, n, D) / (B, KVH, L, D) operands; mask None = causal. Soft-capping needs the scores,
     so it runs eagerly (as HF's eager attention for Gemma 2: fp32 softmax)."""
+    if spec.sinks is not None:
+        return _attend_with_sinks(q, k, v, mask, spec)
     if spec.logit_softcap is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=spec.scale, enable_gqa=True
@@ -197,6 +202,31 @@ def _attend(
         mask = causal_mask_with_context(total - n, n, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _attend_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, spec: _Spec
+) -> torch.Tensor:
+    """Attention whose softmax denominator also holds exp(sink) per head: softmax([s, sink]) without the sink's
+    column equals softmax(s) · sigmoid(logsumexp(s) − sink), so the flash kernel's output and log-sum-exp give it
+    (on the CPU; elsewhere the scores are materialised, as HF's eager attention)."""
+    n, total = q.shape[-2], k.shape[-2]
+    if mask is None:
+        mask = causal_mask_with_context(total - n, n, q.device)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # (16-bit operands: a float32 softmax, as HF's eager)
+    sinks = spec.sinks.to(acc).view(1, -1, 1)  # (1, H, 1)
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=spec.scale
+        )[:2]  # (B, H, n, D), (B, H, n)
+        return out * torch.sigmoid(lse - sinks).unsqueeze(-1).to(q.dtype)
+    scores = (torch.matmul(q, k.transpose(-1, -2)) * spec.scale).to(acc).masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1) * torch.sigmoid(lse - sinks).unsqueeze(-1)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, spec: _Spec) -> torch.Tensor:

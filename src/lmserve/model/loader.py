@@ -153,8 +153,8 @@ def _moe_blocks(
     """Layer index → its MoE block (SparseMoE.load_tensor takes the block's checkpoint tensors); the combinations
     not served yet are a ValueError."""
     blocks = {i: layer.mlp for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)}
-    if blocks and tp is not None:
-        raise ValueError(f"{cfg.architecture}: tensor parallelism over mixture-of-experts layers is not supported")
+    for block in blocks.values() if tp is not None else ():  # each keeps its rank's slice of every expert
+        block.tp_rank, block.tp_size = tp.rank, tp.size
     if blocks and quantization is not None and quantization.prequantized:
         raise ValueError(f"{cfg.architecture}: pre-quantized (GGUF / `lmserve quantize`) MoE checkpoints are not "
                          "supported; load the HF checkpoint with --quantization int8 | int4")  # fmt: skip

@@ -1,7 +1,8 @@
 """MXFP4 weights (OCP microscaling, gpt-oss checkpoints' experts) kept as the checkpoint's 4-bit bytes:
 `blocks` (O, K/32, 16) uint8, two e2m1 values a byte (the even input in the low nibble), and `scales` (O, K/32)
 uint8 e8m0 exponents: w = E2M1[nibble] * 2^(scale - 127). transformers' convert_moe_packed_tensors is the
-reference dequantize_mxfp4 matches bit for bit; Mxfp4Linear multiplies by dequantizing only its own rows.
+reference dequantize_mxfp4 matches bit for bit; Mxfp4Linear multiplies by dequantizing only its own rows, or
+becomes an int8w Linear (to_int8w: e2m1 × 2 is an exact int8 code, 2^(scale − 128) an exact float16 group scale).
 """
 
 from __future__ import annotations
@@ -12,6 +13,18 @@ from torch import nn
 MXFP4_BLOCK = 32  # weights per e8m0 scale
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _LUT = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+_LUT_X2 = (_LUT * 2).to(torch.int8)  # e2m1 × 2: 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (−0 → 0)
+_F16_EXPONENTS = (-24, 15)  # the powers of two float16 holds exactly (subnormal to largest)
+
+
+def mxfp4_to_int8w(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """blocks (O, G, 16), scales (O, G) → the same weights as (codes (O, G * 32) int8, group-32 scales (O, G)
+    float16), exactly: codes e2m1 × 2, scales 2^(e − 128); None when some scale is outside float16's range."""
+    exp = scales.to(torch.int32) - 128
+    if bool(((exp < _F16_EXPONENTS[0]) | (exp > _F16_EXPONENTS[1])).any()):
+        return None
+    codes = torch.stack((_LUT_X2[(blocks & 0x0F).long()], _LUT_X2[(blocks >> 4).long()]), dim=-1)
+    return codes.flatten(-3), torch.ldexp(torch.ones(exp.shape), exp).to(torch.float16)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -56,6 +69,20 @@ class Mxfp4Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_mxfp4(self.blocks, self.scales)
+
+    def to_int8w(self) -> nn.Module | None:
+        """The same weight as an lmserve Linear in the int8w layout (8-bit codes, float16 scales per 32 inputs: the
+        C int8w kernels), or None when a scale does not fit float16."""
+        from lmserve.model.layers.linear import Linear
+
+        converted = mxfp4_to_int8w(self.blocks, self.scales)
+        if converted is None:
+            return None
+        with torch.device("meta"):
+            out = Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        out._set_quantized("int8w", MXFP4_BLOCK, *converted)
+        out.bias = None if self.bias is None else nn.Parameter(self.bias.detach().clone(), requires_grad=False)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         o, step = self.out_features, self.DEQUANT_ROWS

@@ -54,6 +54,14 @@ class TPShard:
                 f"tensor_parallel_size={size} must divide num_attention_heads ({cfg.num_heads}) and "
                 f"intermediate_size ({cfg.intermediate_size})"
             )
+        moe = cfg.moe
+        if moe is not None and (moe.expert_intermediate_size % size or moe.shared_expert_intermediate_size % size):
+            raise ValueError(
+                f"tensor_parallel_size={size} must divide the experts' width ({moe.expert_intermediate_size}) and "
+                f"the shared expert's ({moe.shared_expert_intermediate_size})"
+            )
+        if moe is not None and moe.mxfp4:
+            raise ValueError("tensor_parallel_size > 1 with MXFP4 experts is not supported (load a float checkpoint)")
         kv = kv_heads_per_rank(cfg.num_kv_heads, size)
         kv_start = rank * kv if cfg.num_kv_heads % size == 0 else rank // (size // cfg.num_kv_heads)
         return cls(
@@ -74,12 +82,21 @@ class TPShard:
 def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
     """The config a rank builds its CausalLM from: its own head, KV-head, MLP-row and vocabulary counts (attn_scale
     pinned to the full head_dim's, which is unchanged anyway)."""
+    moe = cfg.moe
+    if moe is not None:
+        moe = replace(
+            moe,
+            expert_intermediate_size=moe.expert_intermediate_size // shard.size,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size // shard.size,
+            dense_intermediate_size=moe.dense_intermediate_size // shard.size,
+        )
     return replace(
         cfg,
         num_heads=shard.num_heads,
         num_kv_heads=shard.num_kv_heads,
         intermediate_size=shard.intermediate,
         vocab_size=shard.vocab_per_rank,
+        moe=moe,
     )
 
 
@@ -127,8 +144,10 @@ def shard_tensor(target: str, tensor: torch.Tensor, part: int | None, cfg: Model
         return tensor.narrow(1, shard.rank * shard.intermediate, shard.intermediate)
     if target in ("model.embed_tokens.weight", "lm_head.weight"):
         return _vocab_rows(tensor, shard)
-    if target.endswith((".o_proj.bias", ".down_proj.bias")):
-        raise ValueError(f"{target}: a row-parallel bias is not supported with tensor parallelism")
+    if target.endswith(".self_attn.sinks"):
+        return _rows(tensor, shard.rank * shard.num_heads, shard.num_heads)
+    if target.endswith((".o_proj.bias", ".down_proj.bias")):  # added once: the all-reduce sums the ranks' outputs
+        return tensor if shard.rank == 0 else torch.zeros_like(tensor)
     return tensor  # norms (Qwen3's per-head q/k norms too): replicated
 
 
@@ -173,10 +192,13 @@ def parallelize(model: nn.Module, shard: TPShard, comm: Collectives) -> None:
     def reduce_output(_m: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
         return out if state["local"] else comm.all_reduce(out.contiguous())
 
+    from lmserve.model.layers.moe import SparseMoE
+
     decoder = model.model
     for layer in decoder.layers:
         layer.self_attn.o_proj.register_forward_hook(reduce_output)
-        layer.mlp.down_proj.register_forward_hook(reduce_output)
+        moe = isinstance(layer.mlp, SparseMoE)  # (its experts' and shared expert's partial sums: one all-reduce)
+        (layer.mlp if moe else layer.mlp.down_proj).register_forward_hook(reduce_output)
     decoder.tensor_parallel_size = shard.size
     decoder.tp_all_reduce = getattr(comm, "shm", None)
     decoder.reset_decode_stack()

@@ -108,6 +108,8 @@ class ModelRunner:
                 quantize_sharded_weights(self.model, config.quantization, tp)
             elif not config.quantization.prequantized:
                 quantize_linear_weights(self.model, config.quantization)
+                if config.quantization.method == "int8":  # MXFP4 experts (gpt-oss): their exact 8-bit form
+                    _mxfp4_experts_to_int8w(self.model)
             w4a8, on, method = 0, config.quantization.int4_compute == "w4a8", config.quantization.method
             if on and kernels.available():  # (GGUF: Q4_0 / Q4_1, Q5_0 / Q5_1 and Q8_0 blocks)
                 w4a8 = pack_w4a8_weights(self.model, head=method == "int4", int8w=method == "gguf")
@@ -345,3 +347,14 @@ class ModelRunner:
             eos_token_ids=list(reqs[0].eos_token_ids),
             token_bitmask=bitmask,
         )
+
+
+def _mxfp4_experts_to_int8w(model: torch.nn.Module) -> None:
+    """--quantization int8 on a checkpoint with MXFP4 experts: each becomes its lossless int8w form (8-bit codes,
+    float16 scales per 32) on the C int8w kernels, in place of dequantizing the 4-bit bytes on every call."""
+    from lmserve.model.layers.moe import SparseMoE
+
+    n = sum(m.mxfp4_to_int8w() for m in model.modules() if isinstance(m, SparseMoE))
+    if n:
+        logger.info("int8: %d MXFP4 expert projections held as int8w (their exact 8-bit form)", n)
+

@@ -8,6 +8,7 @@ from lmserve.checkpoint.registry import (
     gemma2,
     gemma3,
     gemma4,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -48,6 +49,7 @@ FAMILIES = tuple(
         qwen3_5,
         qwen3_5_moe,
         qwen3_next,
+        gpt_oss,
     )  # fmt: skip
 )
 

@@ -34,7 +34,9 @@ class Attention(nn.Module):
         kv_rows = 0 if spec.kv_source is not None else self.kv_size * (1 if spec.k_eq_v else 2)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + kv_rows, bias=cfg.qkv_bias)
         self.qkv_proj.shard_sizes = (self.q_size, *[self.kv_size] * (kv_rows // max(1, self.kv_size)))  # q, k, v
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # gpt-oss: a learned logit per head beside each softmax's scores (model/attention.paged_attention's sinks)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             if spec.kv_source is None:
@@ -53,13 +55,15 @@ class Attention(nn.Module):
             self.qk_norm or self.qk_norm_whole or self.v_norm or self.partial_rotary or spec.rope != "global"
             or self.logit_softcap is not None or spec.kv_source is not None or spec.k_eq_v
             or self.head_dim != cfg.head_dim or self.num_kv_heads != cfg.num_kv_heads
+            or self.sinks is not None or cfg.o_bias
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, step: StepInputs) -> torch.Tensor:
         num_tokens = x.shape[0]
         meta = step.meta
         rotary = step.rotary[self.rope] if self.rope is not None else None
-        attn = dict(scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
+        attn = dict(scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+                    sinks=self.sinks)  # fmt: skip
         if self.kv_source is not None:  # Gemma 4: the source layer's K/V of this step; it wrote the cache
             q = self.qkv_proj(x).view(num_tokens, self.num_heads, self.head_dim)
             q = self.q_norm(q) if self.qk_norm else q

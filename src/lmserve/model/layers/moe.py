@@ -87,6 +87,8 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.expert_counts: list[int] = [0] * self.spec.num_experts
         self.tokens_total: list[int] = [0] * self.spec.num_experts
+        # tensor parallelism (model/parallel.py): this rank's slice of every expert's width is what load_tensor keeps
+        self.tp_rank, self.tp_size = 0, 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.hidden_size, f"MoE input {tuple(x.shape)}"
@@ -231,7 +233,7 @@ class SparseMoE(nn.Module):
             gu = self.shared_expert.gate_up_proj.weight
             dst = {"gate_proj": gu[:s], "up_proj": gu[s:], "down_proj": self.shared_expert.down_proj.weight,
                    None: self.shared_expert_gate.weight}[m.group(1)]  # fmt: skip
-            _copy(name, dst, tensor)
+            _copy(name, dst, self._tp_slice(m.group(1), "weight", tensor, s) if m.group(1) else tensor)
         else:
             raise ValueError(f"{name}: not a tensor of this MoE block ({self.spec.num_experts} experts)")
         loaded.add(name)
@@ -265,7 +267,18 @@ class SparseMoE(nn.Module):
             raise ValueError(f"{name}: the config's experts have no {kind} here")
         if proj != "down_proj":
             dst = dst[:inter] if proj == "gate_proj" else dst[inter:]
-        _copy(name, dst, tensor)
+        _copy(name, dst, self._tp_slice(proj, kind, tensor, inter))
+
+    def _tp_slice(self, proj: str, kind: str, tensor: torch.Tensor, width: int) -> torch.Tensor:
+        """This rank's part of a full expert tensor: `width` gate / up rows, down columns; the down bias on rank 0
+        (the block's all-reduce adds it once)."""
+        if self.tp_size == 1:
+            return tensor
+        if proj != "down_proj":
+            return tensor.narrow(0, self.tp_rank * width, width)
+        if kind == "bias":
+            return tensor if self.tp_rank == 0 else torch.zeros_like(tensor)
+        return tensor.narrow(1, self.tp_rank * width, width)
 
     def _fused_part(self, proj: str, suffix: str, tensor: torch.Tensor, name: str) -> None:
         """gpt-oss's float 3-D tensors: gate_up (E, H, 2I) with gate / up interleaved, down (E, I, H), biases."""
@@ -301,6 +314,20 @@ class SparseMoE(nn.Module):
             b, s = (blocks[e][perm], scales[e][perm]) if proj == "gate_up_proj" else (blocks[e], scales[e])
             target.set_mxfp4(b, s)
         del pending[(proj, "_blocks")], pending[(proj, "_scales")]
+
+    def mxfp4_to_int8w(self) -> int:
+        """Every MXFP4 expert projection becomes the same weights as an int8w Linear (8-bit codes, float16 scales
+        per 32: the C int8w kernels; twice MXFP4's bytes); returns how many (one left as it is: a scale float16
+        cannot hold)."""
+        n = 0
+        for ex in self.experts:
+            for name in ("gate_up_proj", "down_proj"):
+                old = getattr(ex, name)
+                new = old.to_int8w() if isinstance(old, Mxfp4Linear) else None
+                if new is not None:
+                    setattr(ex, name, new)
+                    n += 1
+        return n
 
     def set_shared_expert(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gate_w: torch.Tensor) -> None:
         """Qwen2-MoE's shared expert (gate / up (S, H), down (H, S)) and its (1, H) sigmoid gate."""

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, llama3, longrope, proportional), the cos/sin
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3, longrope, proportional, yarn), the cos/sin
 tables, and the rotate-half application (full or partial rotary)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lmserve.config.engine import RopeConfig
+from lmserve.model.yarn import yarn_inv_freq
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int = 0) -> torch.Tensor:
@@ -24,6 +25,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int = 0) -> to
         angles = int(rope.proportion * head_dim // 2)
         turning = 1.0 / (rope.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
         return torch.cat((turning, torch.zeros(head_dim // 2 - angles))) / rope.factor
+    if rope.rope_type == "yarn":  # (its attention factor: RopeConfig.attention_factor, from the config)
+        return yarn_inv_freq(
+            rope.theta, head_dim, rope.factor, rope.original_max_position_embeddings, rope.beta_fast, rope.beta_slow,
+            rope.truncate, attention_factor=rope.attention_factor,
+        )[0]  # fmt: skip
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -49,7 +55,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(rope, head_dim, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
-        scale = rope.attention_factor  # longrope scales cos and sin (1.0 otherwise)
+        scale = rope.attention_factor  # longrope and yarn scale cos and sin (1.0 otherwise)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
