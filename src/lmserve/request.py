@@ -66,6 +66,10 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     generator: Any = None  # torch.Generator for seeded sampling, set by the engine
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    # the disk tier (core/block_pool.disk_hash_blocks): its full blocks' stable digests, and the payloads of disk hits
+    # read while it waits for admission (kept so a head of the queue that cannot start yet is not read again)
+    disk_block_keys: list[bytes] = field(default_factory=list)
+    disk_payloads: dict[bytes, bytes] = field(default_factory=dict)
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
     logprobs: list[Any] | None = None  # TokenLogprobs per output token, when asked for
     cumulative_logprob: float | None = None  # summed while logprobs are computed (best_of ranks by it)

@@ -21,6 +21,7 @@ from lmserve.core.state_pool import StateSlotPool
 from lmserve.engine.closing import check_open, close_engine
 from lmserve.engine.detokenizer import IncrementalDetokenizer
 from lmserve.engine.disaggregation import make_roles
+from lmserve.engine.kv_tier import KVDiskTier
 from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.lora.request import LoRARequest
 from lmserve.request import FinishReason, Request, RequestMetrics
@@ -102,16 +103,6 @@ class LLMEngine:
         self.eos_token_ids = self._resolve_eos()
         # the model's generation_config.json sampling fields, for requests that leave them unset
         self.generation_defaults = sampling_defaults(config.model.path, config.generation_config)
-        self.kv = KVCacheManager(
-            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-            config.cache.sliding_window,
-        )  # fmt: skip
-        lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
-        lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
-        # a hybrid model's per-sequence recurrent state: one slot per running request (core/state_pool.py)
-        state_slots = StateSlotPool(config.cache.num_state_slots) if config.cache.num_state_slots else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots,
-                                   state_slots=state_slots)  # fmt: skip
         self.executor = None  # tensor parallel: the worker processes rank 0 drives (engine/tp_executor.py)
         if config.tensor_parallel_size > 1:
             from lmserve.engine.tp_executor import TPExecutor
@@ -120,6 +111,18 @@ class LLMEngine:
             self.runner = self.executor.runner
         else:
             self.runner = ModelRunner(config)
+        self.kv_disk = KVDiskTier(config, self.runner) if config.cache.kv_disk_dir is not None else None
+        self.kv = KVCacheManager(
+            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            config.cache.sliding_window, None if self.kv_disk is None else self.kv_disk.store,
+            b"" if self.kv_disk is None else self.kv_disk.fingerprint,
+        )  # fmt: skip
+        lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
+        lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
+        # a hybrid model's per-sequence recurrent state: one slot per running request (core/state_pool.py)
+        state_slots = StateSlotPool(config.cache.num_state_slots) if config.cache.num_state_slots else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots,
+                                   state_slots=state_slots)  # fmt: skip
         self.structured = StructuredOutputManager(
             self.tokenizer, config.model.vocab_size, self.eos_token_ids,
             allow_additional_properties=config.structured_outputs_allow_additional_properties,
@@ -303,10 +306,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, include_disk: bool = False) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache, SGLang's flush_cache): a request added after this
-        computes its whole prompt. Running requests keep their blocks; only the index forgets them."""
+        computes its whole prompt. Running requests keep their blocks; only the index forgets them. include_disk: the
+        disk tier's blocks are deleted too (without it a prompt evicted there still hits)."""
         self.kv.pool.reset_prefix_cache()
+        if include_disk and self.kv_disk is not None:
+            self.kv_disk.clear()
 
     # ---- LoRA adapters ----------------------------------------------------------------------
 
@@ -342,6 +348,8 @@ class LLMEngine:
         if self.kv_producer is not None or self.kv_consumer is not None:
             refused += self._resolve_kv_transfer()
         sched = self.scheduler.schedule()
+        if self.kv_disk is not None and (sched.kv_saves or sched.kv_loads):
+            self.kv_disk.apply(sched.kv_saves, sched.kv_loads)
         if sched.is_empty:
             if self._grammar_pending and not refused:  # only compiling requests: wait for one, do not spin
                 self.structured.wait_any([c.structured_output for p in self._grammar_pending for c in p.children])
@@ -530,6 +538,7 @@ class LLMEngine:
             "num_preemptions_total": s.num_preemptions_total,
             "prefix_cache_queries_total": s.prefix_cache_queries_total,
             "prefix_cache_hits_total": s.prefix_cache_hits_total,
+            **self._kv_disk_metrics(s),
             "kv_cache_usage": s.kv_cache_usage,
             "num_kv_blocks": self.config.cache.num_blocks,
             "kv_cache_capacity_tokens": self.config.cache.num_tokens,
@@ -549,6 +558,12 @@ class LLMEngine:
             **config_metrics(self.config),
             **(role.metrics() if (role := self.kv_producer or self.kv_consumer) is not None else {}),
         }
+
+    def _kv_disk_metrics(self, s: SchedulerStats) -> dict[str, Any]:
+        """The disk tier's counters (engine/kv_tier.py) and the prefix-cache hits it served."""
+        if self.kv_disk is None:
+            return {}
+        return {"prefix_cache_disk_hits_total": s.prefix_cache_disk_hits_total, **self.kv_disk.metrics()}
 
     def _state_slot_metrics(self) -> dict[str, Any]:
         """A hybrid model's state slots: held by running requests, in all, and the bytes of one."""
