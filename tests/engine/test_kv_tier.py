@@ -147,3 +147,17 @@ def test_refused_at_start_up(llama_dir: Path, tmp_path, kw: dict, named: str) ->
         EngineArgs(str(llama_dir), num_kv_blocks=POOL, kv_cache_disk_dir=str(tmp_path), **kw).create_engine_config()
     with pytest.raises(ValueError, match="without kv_cache_disk_dir"):
         EngineArgs(str(llama_dir), num_kv_blocks=POOL, kv_cache_disk_gib=1.0).create_engine_config()
+
+
+def test_preempted_requests_come_back_from_disk_with_the_same_tokens(llama_dir: Path, tmp_path) -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(100)] for _ in range(3)]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    outs, metrics = [], []
+    for disk in (None, tmp_path):
+        llm = _llm(llama_dir, disk, num_kv_blocks=20, max_num_batched_tokens=64)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        metrics.append(llm.engine.get_metrics())
+        llm.close()
+    assert outs[0] == outs[1]
+    assert metrics[1]["num_preemptions_total"] > 0 and metrics[1]["prefix_cache_disk_hits_total"] > 0
