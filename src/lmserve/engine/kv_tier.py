@@ -81,30 +81,35 @@ class KVDiskTier:
                     cc.kv_disk_bytes / 2**30, self.store.num_files, self.block_bytes / 1024,
                     self.store.usage_bytes / 2**30)  # fmt: skip
 
-    def export_block(self, block_id: int) -> bytes:
-        return torch.cat([r[block_id].reshape(-1) for r in self._raw]).numpy().tobytes()
+    def export_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's payload (one index_select per cache tensor, whatever the number of blocks)."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        rows = torch.cat([r.index_select(0, idx).reshape(len(block_ids), -1) for r in self._raw], dim=1)
+        return [row.numpy().tobytes() for row in rows]
 
-    def import_block(self, block_id: int, payload: bytes) -> None:
-        assert len(payload) == self.block_bytes, f"a payload of {len(payload)} B for a block of {self.block_bytes} B"
+    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Write payloads (export_blocks' layout) into blocks (one index_copy_ per cache tensor)."""
+        assert all(len(p) == self.block_bytes for p in payloads), f"a payload is not a block of {self.block_bytes} B"
         with warnings.catch_warnings():  # bytes are read-only; they are only read
             warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(payload, dtype=torch.uint8)
+            src = torch.frombuffer(b"".join(payloads), dtype=torch.uint8).view(len(payloads), self.block_bytes)
+        idx = torch.tensor(block_ids, dtype=torch.long)
         offset = 0
         for r in self._raw:
-            dst = r[block_id].view(-1)
-            dst.copy_(src[offset : offset + dst.numel()])
-            offset += dst.numel()
+            n = r[0].numel()
+            r.index_copy_(0, idx, src[:, offset : offset + n].reshape(len(payloads), *r.shape[1:]))
+            offset += n
 
     def apply(self, saves: list[tuple[int, bytes]], loads: list[tuple[int, bytes]]) -> None:
         """Before a step: copy out the evicted blocks (queued for writing), then write the disk hits into theirs."""
-        for block_id, key in saves:
-            if not self.store.contains(key) and not self.writer.pending(key):
-                self.writer.put(key, self.export_block(block_id))
+        saves = [(b, k) for b, k in saves if not self.store.contains(k) and not self.writer.pending(k)]
+        if saves:
+            for (_, key), payload in zip(saves, self.export_blocks([b for b, _ in saves]), strict=True):
+                self.writer.put(key, payload)
         if loads:
             start = time.perf_counter()
             self.kv_pool.ensure(max(block_id for block_id, _ in loads))  # committed before written (model/kv_pool)
-            for block_id, payload in loads:
-                self.import_block(block_id, payload)
+            self.import_blocks([b for b, _ in loads], [p for _, p in loads])
             self.num_loads_total += len(loads)
             self.load_time_s_total += time.perf_counter() - start
 
@@ -112,9 +117,11 @@ class KVDiskTier:
         """Write every block the RAM prefix cache holds that the disk has not (at close: a restart finds them)."""
         self.writer.flush()
         num = 0
-        for block in pool.blocks:
-            if block.disk_key is not None and not self.store.contains(block.disk_key):
-                num += self.store.write(block.disk_key, self.export_block(block.block_id))
+        todo = [b for b in pool.blocks if b.disk_key is not None and not self.store.contains(b.disk_key)]
+        for i in range(0, len(todo), 64):
+            chunk = todo[i : i + 64]
+            for block, payload in zip(chunk, self.export_blocks([b.block_id for b in chunk]), strict=True):
+                num += self.store.write(block.disk_key, payload)
         return num
 
     def clear(self) -> int:
