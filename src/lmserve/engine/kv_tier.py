@@ -64,6 +64,9 @@ class KVDiskTier:
     """One engine's disk tier: its store, writer thread and the block moves."""
 
     def __init__(self, config: Any, runner: Any) -> None:
+        if config.kv_transfer is not None or config.tensor_parallel_size > 1:  # (configs built past EngineArgs' check)
+            raise ValueError("kv_cache_disk_dir: the disk tier is not supported with prefill/decode disaggregation "
+                             "or tensor_parallel_size > 1")  # fmt: skip
         caches = list(runner.kv_caches)
         if runner.proposer is not None and hasattr(runner.proposer, "kv_caches"):
             caches += list(runner.proposer.kv_caches)  # a draft model's KV lives in the same blocks
