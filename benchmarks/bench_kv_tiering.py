@@ -8,8 +8,8 @@ prefix plus a new question; the turns go round-robin, so a conversation returns 
 RAM pool sized to 1/ratio of the prefixes. Per mode (no tier / disk tier):
 - TTFT of a returning prefix, requests one at a time (recompute vs read from disk), the target being disk <= 0.2x;
 - goodput at the chat SLO (TTFT < 500 ms, TPOT < 50 ms) with `--concurrency` conversations in flight, and the
-  decode TPOT P99 of the requests decoding meanwhile; the engine's step time P99; the disk tier's read time
-  (the read is synchronous, in the step that admits the request: its stall);
+  decode TPOT P99 of the requests decoding meanwhile; the engine's step time P99; the disk tier's read time and
+  the blocks read synchronously (in a step's scheduling, not in the background: that step's stall);
 - the disk's read bandwidth, measured on the tier's own files with their pages dropped from the page cache first.
 Prints a table and writes benchmarks/results/kv-tiering-<timestamp>.json (with the machine's CPU and its flags).
 """
@@ -141,7 +141,8 @@ def run_mode(model_dir: Path, disk_dir: Path | None, convs, args, num_blocks: in
     row["prefix_cache_hits_total"] = m["prefix_cache_hits_total"]
     if disk_dir is not None:
         row.update({k: m[k] for k in ("prefix_cache_disk_hits_total", "kv_disk_blocks_read_total",
-                                      "kv_disk_blocks_written_total", "kv_disk_usage_bytes")})  # fmt: skip
+                                      "kv_disk_blocks_written_total", "kv_disk_usage_bytes",
+                                      "kv_disk_blocks_read_sync_total", "kv_disk_prefetches_total")})  # fmt: skip
         row["disk_read_s_total"] = m["kv_disk_read_latency_seconds_sum"]
         row["disk_load_s_total"] = m["kv_disk_load_time_s_total"]
         row["read_bandwidth_gb_s"] = _read_bandwidth(disk_dir)
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(f"{c:>17}" for c in cells))
     bw = tier.get("read_bandwidth_gb_s")
     print(f"disk tier: {tier['kv_disk_blocks_read_total']} blocks read in {tier['disk_read_s_total']:.3f} s "
-          f"(synchronous: the admitting step's stall), loaded into the pool in {tier['disk_load_s_total']:.3f} s; "
+          f"({tier['kv_disk_blocks_read_sync_total']} of them in a step's scheduling, the rest in the background), "
+          f"loaded into the pool in {tier['disk_load_s_total']:.3f} s; "
           f"disk read bandwidth {'n/a' if bw is None else f'{bw:.2f} GB/s'} (page cache dropped)")  # fmt: skip
     print("ratios: " + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} n/a" for k, v in ratios.items()))
     write_result(args.out, "kv_tiering", args, {"num_kv_blocks": num_blocks, "rows": rows, "ratios": ratios},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ def test_evicted_prefix_hits_from_disk_with_the_same_tokens_and_after_a_restart(
     assert m["prefix_cache_disk_hits_total"] == 416 and m["prefix_cache_hits_total"] == 2 * 416
     assert m["kv_disk_blocks_read_total"] == 26 and m["kv_disk_blocks_written_total"] >= 26
     assert m["kv_disk_usage_bytes"] > 0 and sum(m["kv_disk_read_latency_seconds_buckets"].values()) == 26
+    assert m["kv_disk_prefetches_total"] == 1 and m["kv_disk_blocks_read_sync_total"] == 0, "read in the background"
     tiered.close()
     a, _ = _prompts()
     restarted = _llm(llama_dir, tmp_path)  # a new engine on the same directory reuses the blocks
@@ -161,3 +163,27 @@ def test_preempted_requests_come_back_from_disk_with_the_same_tokens(llama_dir: 
         llm.close()
     assert outs[0] == outs[1]
     assert metrics[1]["num_preemptions_total"] > 0 and metrics[1]["prefix_cache_disk_hits_total"] > 0
+
+
+def test_a_background_read_does_not_hold_up_other_requests(llama_dir: Path, tmp_path) -> None:
+    a, others = _prompts()
+    llm = _llm(llama_dir, tmp_path)
+    _run(llm, a)
+    for p in others:
+        _run(llm, p)  # a is on disk only now
+    engine, tier = llm.engine, llm.engine.kv_disk
+    gate = threading.Event()
+    read_into = tier._read_into
+    tier._read_into = lambda keys, payloads: (gate.wait(30), read_into(keys, payloads))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("a", a, params)
+    engine.add_request("b", list(range(3, 43)), params)  # queued behind a, nothing of it on disk
+    finished: dict[str, int] = {}
+    while "b" not in finished:
+        finished |= {o.request_id: o.num_cached_tokens for o in engine.step() if o.finished}
+    assert "a" not in finished and engine.scheduler.waiting[0].request_id == "a", "a waits for its read"
+    gate.set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o.num_cached_tokens for o in engine.step() if o.finished}
+    assert finished["a"] == 416 and engine.get_metrics()["kv_disk_blocks_read_sync_total"] == 0
+    llm.close()

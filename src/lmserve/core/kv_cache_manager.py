@@ -40,7 +40,7 @@ NULL_BLOCK = KVCacheBlock(-1)  # a table entry whose block was freed: outside ev
 
 
 class DiskTier(Protocol):
-    """worker/kv_disk.DiskKVStore as the manager sees it: a block's verified payload by its disk key, or None."""
+    """The disk tier as the manager sees it (engine/kv_tier.KVDiskTier): a block's verified payload by its disk key."""
 
     def read(self, key: bytes) -> bytes | None: ...
 
@@ -67,6 +67,7 @@ class KVCacheManager:
         self._disk_roots: dict[tuple[str, str], bytes] = {}
         self.pool.save_on_evict = disk is not None
         self.kv_loads: list[tuple[int, bytes]] = []  # (block id, payload) to write before the next step
+        self.num_disk_sync_reads_total = 0  # blocks read in the scheduler (not prefetched): that step waited
 
     @property
     def usage(self) -> float:
@@ -107,7 +108,7 @@ class KVCacheManager:
             parent = request.block_hashes[i]
         return hits, len(hits) * self.block_size
 
-    def _disk_keys(self, request: Request) -> list[bytes]:
+    def disk_keys(self, request: Request) -> list[bytes]:
         lora = request.lora_request
         name = ("", "") if lora is None else (lora.lora_name, lora.lora_path)
         root = self._disk_roots.get(name)
@@ -120,14 +121,27 @@ class KVCacheManager:
     def _disk_hit(self, request: Request, i: int) -> DiskHitBlock | None:
         """Block i of the request from the disk tier (its payload verified), or None."""
         assert self.disk is not None
-        keys = request.disk_block_keys if len(request.disk_block_keys) > i else self._disk_keys(request)
+        keys = request.disk_block_keys if len(request.disk_block_keys) > i else self.disk_keys(request)
         payload = request.disk_payloads.get(keys[i])
         if payload is None:
             payload = self.disk.read(keys[i])
             if payload is None:
                 return None
+            self.num_disk_sync_reads_total += 1
             request.disk_payloads[keys[i]] = payload
         return DiskHitBlock(DISK_BLOCK_ID, disk_key=keys[i], payload=payload)
+
+    def num_ram_hit_blocks(self, request: Request) -> int:
+        """Leading blocks of the request the RAM prefix cache holds now (no disk lookup)."""
+        root = root_hash(request.lora_int_id)
+        request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, root)
+        parent, n = root, 0
+        for i in range((request.num_tokens - 1) // self.block_size):
+            tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
+            if self.pool.lookup(block_key(parent, tokens)) is None:
+                break
+            parent, n = request.block_hashes[i], n + 1
+        return n
 
     def take_transfers(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
         """(loads: block id and payload to write into the pool, saves: block id and disk key of evicted blocks to
@@ -237,7 +251,7 @@ class KVCacheManager:
         request.block_hashes = hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, root)
         hashes, token_ids, size = request.block_hashes, request.all_token_ids, self.block_size
         cache_block = self.pool.cache_block
-        disk_keys = self._disk_keys(request) if self.disk is not None else None
+        disk_keys = self.disk_keys(request) if self.disk is not None else None
         for i in range(start, num_full):
             # blocks are freed out of the window only after they were computed, hence cached here
             assert table[i] is not NULL_BLOCK, f"request {request.request_id}: block {i} freed before it was cached"

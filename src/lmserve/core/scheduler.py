@@ -225,7 +225,7 @@ class Scheduler:
             if self.state_slots is not None and not self.state_slots.can_allocate():
                 break  # every state slot is held by a running request
             request = self.waiting[0]
-            if not request.is_grammar_ready or not self._lora_slot_ready(request):
+            if not request.is_grammar_ready or not request.is_kv_ready or not self._lora_slot_ready(request):
                 compiling.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -248,7 +248,7 @@ class Scheduler:
             # Each holds its prefix-cache hits as it joins, so both policies see the same cache.
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                if not request.is_grammar_ready or not self._lora_slot_ready(request):
+                if not request.is_grammar_ready or not request.is_kv_ready or not self._lora_slot_ready(request):
                     break
                 if self.state_slots is not None and not self.state_slots.can_allocate():
                     break

@@ -13,16 +13,19 @@ import logging
 import os
 import time
 import warnings
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmserve.engine.kv_transfer import cache_tensors
+from lmserve.request import RequestStatus
 from lmserve.worker.kv_disk import READ_LATENCY_BUCKETS_S, DiskKVStore, DiskWriter
 
 logger = logging.getLogger(__name__)
 
+MAX_PREFETCHING = 8  # waiting requests holding prefetched payloads at once (past that: read at admission)
 FORMAT_VERSION = 1  # raised when the payload layout changes: older files then never match
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
@@ -78,6 +81,9 @@ class KVDiskTier:
         cc = config.cache
         self.store = DiskKVStore(cc.kv_disk_dir, cc.kv_disk_bytes, self.fingerprint, self.block_bytes)
         self.writer = DiskWriter(self.store)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="lmserve-kv-disk-reader")
+        self._prefetching: list[Any] = []  # requests whose payloads are read (or held) in the background
+        self.num_prefetches_total = 0
         self.num_loads_total = 0
         self.load_time_s_total = 0.0
         logger.info("KV disk tier: %s, %.1f GiB, %d blocks of %.0f KiB there now (%.1f GiB)", cc.kv_disk_dir,
@@ -116,6 +122,48 @@ class KVDiskTier:
             self.num_loads_total += len(loads)
             self.load_time_s_total += time.perf_counter() - start
 
+    def prefetch(self, requests: list[Any], kv: Any) -> None:
+        """A new request (its n sequences share the prompt): read in the background the blocks its prefix lookup will
+        find on disk past those in RAM now. Until the read ends it is not admitted (Request.is_kv_ready) and the other
+        requests' steps go on; blocks evicted from RAM meanwhile are read at admission."""
+        first = requests[0]
+        params = first.sampling_params
+        if params.prompt_logprobs is not None or params.pooling is not None:
+            return  # (they compute every prompt position, or may: no lookup)
+        self._prefetching = [r for r in self._prefetching if r.status == RequestStatus.WAITING]
+        if len(self._prefetching) >= MAX_PREFETCHING:
+            return
+        keys = kv.disk_keys(first)[kv.num_ram_hit_blocks(first) : (first.num_tokens - 1) // kv.block_size]
+        n = 0
+        while n < len(keys) and (self.store.contains(keys[n]) or self.writer.pending(keys[n])):
+            n += 1
+        if not n:
+            return
+        future = self._reader.submit(self._read_into, keys[:n], first.disk_payloads)
+        for r in requests:
+            r.disk_payloads, r.kv_prefetch = first.disk_payloads, future
+        self._prefetching.append(first)
+        self.num_prefetches_total += 1
+
+    def read(self, key: bytes) -> bytes | None:
+        """A block's payload: still queued for writing, or read from disk (the KVCacheManager's DiskTier)."""
+        payload = self.writer.get(key)
+        return payload if payload is not None else self.store.read(key)
+
+    def _read_into(self, keys: list[bytes], payloads: dict[bytes, bytes]) -> None:
+        for key in keys:
+            payload = self.read(key)
+            if payload is None:
+                return
+            payloads[key] = payload
+
+    def wait_prefetch(self, timeout_s: float = 0.05) -> bool:
+        """Wait (at most timeout_s) for a background read when nothing else can run; False if none is pending."""
+        pending = [r.kv_prefetch for r in self._prefetching if r.kv_prefetch is not None and not r.kv_prefetch.done()]
+        if pending:
+            wait(pending, timeout_s, FIRST_COMPLETED)
+        return bool(pending)
+
     def save_cached(self, pool: Any) -> int:
         """Write every block the RAM prefix cache holds that the disk has not (at close: a restart finds them)."""
         self.writer.flush()
@@ -133,6 +181,7 @@ class KVDiskTier:
         return self.store.clear()
 
     def close(self, pool: Any) -> None:
+        self._reader.shutdown(wait=True)
         saved = self.save_cached(pool)
         self.writer.close()
         logger.info("KV disk tier: %d cached blocks saved at close (%d on disk)", saved, self.store.num_files)
@@ -157,4 +206,5 @@ class KVDiskTier:
             "kv_disk_read_latency_seconds_buckets": dict(zip(buckets, s.read_latency_counts, strict=True)),
             "kv_disk_read_latency_seconds_sum": s.read_latency_sum_s,
             "kv_disk_load_time_s_total": self.load_time_s_total,
+            "kv_disk_prefetches_total": self.num_prefetches_total,
         }

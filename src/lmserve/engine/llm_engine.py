@@ -114,7 +114,7 @@ class LLMEngine:
         self.kv_disk = KVDiskTier(config, self.runner) if config.cache.kv_disk_dir is not None else None
         self.kv = KVCacheManager(
             config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-            config.cache.sliding_window, None if self.kv_disk is None else self.kv_disk.store,
+            config.cache.sliding_window, self.kv_disk,
             b"" if self.kv_disk is None else self.kv_disk.fingerprint,
         )  # fmt: skip
         lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
@@ -273,6 +273,8 @@ class LLMEngine:
         self._parents[request_id] = parent
         if grammar is not None and not grammar.done():
             self._grammar_pending.append(parent)
+        if self.kv_disk is not None and remote_kv is None:
+            self.kv_disk.prefetch(children, self.kv)  # (before queueing: the scheduler sees it reading)
         for child in children:
             self._child_to_parent[child.request_id] = request_id
             if remote_kv is None:
@@ -351,6 +353,8 @@ class LLMEngine:
         if self.kv_disk is not None and (sched.kv_saves or sched.kv_loads):
             self.kv_disk.apply(sched.kv_saves, sched.kv_loads)
         if sched.is_empty:
+            if self.kv_disk is not None and not refused and self.kv_disk.wait_prefetch():
+                return refused  # only requests whose prefix is being read from disk: waited for one, do not spin
             if self._grammar_pending and not refused:  # only compiling requests: wait for one, do not spin
                 self.structured.wait_any([c.structured_output for p in self._grammar_pending for c in p.children])
             return refused
@@ -563,7 +567,8 @@ class LLMEngine:
         """The disk tier's counters (engine/kv_tier.py) and the prefix-cache hits it served."""
         if self.kv_disk is None:
             return {}
-        return {"prefix_cache_disk_hits_total": s.prefix_cache_disk_hits_total, **self.kv_disk.metrics()}
+        return {"prefix_cache_disk_hits_total": s.prefix_cache_disk_hits_total, **self.kv_disk.metrics(),
+                "kv_disk_blocks_read_sync_total": self.kv.num_disk_sync_reads_total}  # fmt: skip
 
     def _state_slot_metrics(self) -> dict[str, Any]:
         """A hybrid model's state slots: held by running requests, in all, and the bytes of one."""

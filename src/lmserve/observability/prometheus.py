@@ -69,6 +69,8 @@ KV_DISK_METRICS = (
     ("kv_disk_evicted_total", "Block files deleted to stay within the disk tier's size."),
     ("kv_disk_write_errors_total", "Block writes that failed for a reason other than a full disk."),
     ("kv_disk_writes_dropped_total", "Evicted blocks not written because the writer's queue was full."),
+    ("kv_disk_prefetches_total", "Requests whose disk blocks were read in the background before admission."),
+    ("kv_disk_blocks_read_sync_total", "Disk blocks read while scheduling a step (not prefetched): that step waited."),
 )
 
 

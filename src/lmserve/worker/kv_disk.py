@@ -260,7 +260,7 @@ class DiskWriter:
         self.max_pending_bytes = max_pending_bytes
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self._pending_bytes = 0
-        self._pending_keys: set[bytes] = set()
+        self._pending: dict[bytes, bytes] = {}  # key → payload queued, not yet written
         self._lock = threading.Lock()
         self.num_dropped_total = 0
         self._thread = threading.Thread(target=self._run, name="lmserve-kv-disk-writer", daemon=True)
@@ -268,17 +268,22 @@ class DiskWriter:
 
     def pending(self, key: bytes) -> bool:
         with self._lock:
-            return key in self._pending_keys
+            return key in self._pending
+
+    def get(self, key: bytes) -> bytes | None:
+        """A queued block's payload (not on disk yet), or None."""
+        with self._lock:
+            return self._pending.get(key)
 
     def put(self, key: bytes, payload: bytes) -> bool:
         with self._lock:
-            if key in self._pending_keys:
+            if key in self._pending:
                 return False
             if self._pending_bytes + len(payload) > self.max_pending_bytes:
                 self.num_dropped_total += 1
                 return False
             self._pending_bytes += len(payload)
-            self._pending_keys.add(key)
+            self._pending[key] = payload
         self._queue.put((key, payload))
         return True
 
@@ -292,7 +297,7 @@ class DiskWriter:
             finally:
                 with self._lock:
                     self._pending_bytes -= len(payload)
-                    self._pending_keys.discard(key)
+                    self._pending.pop(key, None)
                 self._queue.task_done()
 
     def flush(self) -> None:
