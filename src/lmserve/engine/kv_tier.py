@@ -93,7 +93,8 @@ class KVDiskTier:
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Each block's payload (one index_select per cache tensor, whatever the number of blocks)."""
         idx = torch.tensor(block_ids, dtype=torch.long)
-        rows = torch.cat([r.index_select(0, idx).reshape(len(block_ids), -1) for r in self._raw], dim=1)
+        idx = idx.to(self._raw[0].device)
+        rows = torch.cat([r.index_select(0, idx).reshape(len(block_ids), -1) for r in self._raw], dim=1).cpu()
         return [row.numpy().tobytes() for row in rows]
 
     def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
@@ -102,7 +103,9 @@ class KVDiskTier:
         with warnings.catch_warnings():  # bytes are read-only; they are only read
             warnings.simplefilter("ignore", UserWarning)
             src = torch.frombuffer(b"".join(payloads), dtype=torch.uint8).view(len(payloads), self.block_bytes)
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        device = self._raw[0].device
+        src = src.to(device)  # (a CUDA pool: one host-to-device copy)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=device)
         offset = 0
         for r in self._raw:
             n = r[0].numel()
