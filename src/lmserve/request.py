@@ -66,6 +66,11 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     generator: Any = None  # torch.Generator for seeded sampling, set by the engine
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    # the disk tier (core/block_pool.disk_hash_blocks): its full blocks' stable digests, and the payloads of disk hits
+    # read while it waits for admission (kept so a head of the queue that cannot start yet is not read again)
+    disk_block_keys: list[bytes] = field(default_factory=list)
+    disk_payloads: dict[bytes, bytes] = field(default_factory=dict)
+    kv_prefetch: Any = None  # a Future while its disk blocks are read in the background (engine/kv_tier.py)
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
     logprobs: list[Any] | None = None  # TokenLogprobs per output token, when asked for
     cumulative_logprob: float | None = None  # summed while logprobs are computed (best_of ranks by it)
@@ -114,6 +119,11 @@ class Request:
         """False while the request's grammar is still compiling: the scheduler leaves it waiting (and admits
         the requests behind it)."""
         return self.structured_output is None or self.structured_output.is_ready
+
+    @property
+    def is_kv_ready(self) -> bool:
+        """False while its prefix blocks are being read from the disk tier: the scheduler admits others first."""
+        return self.kv_prefetch is None or self.kv_prefetch.done()
 
     @property
     def is_finished(self) -> bool:

@@ -65,6 +65,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--kv-cache-disk-dir", default=None,
+        help="the prefix cache's disk tier: KV blocks evicted from RAM are saved in DIR and read back when a prompt "
+        "returns (also after a restart); keyed by the model, dtypes, block size and LoRA adapter",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-cache-disk-gib",
+        type=float,
+        default=None,
+        help="the disk tier's size in GiB, least recently used blocks deleted past it (default 16)",
+    )
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument(
         "--no-in-step-prefix-sharing",
@@ -146,6 +157,8 @@ ENGINE_ARG_NAMES = (
     "max_cpu_loras",
     "runner",
     "pooler_config",
+    "kv_cache_disk_dir",
+    "kv_cache_disk_gib",
 )
 
 

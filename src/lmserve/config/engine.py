@@ -31,6 +31,7 @@ QUANTIZATION_FORMAT = "lmserve-v1"  # `quantization_config.format` of checkpoint
 # block of 32 inside the step, integer dot products: llama.cpp's Q4_0 x Q8_0) or "weight-only" (float32 activations,
 # each weight dequantized exactly: the more accurate, slower option). Not saved in checkpoints: the codes are the same.
 INT4_COMPUTE_MODES = ("w4a8", "weight-only")
+DEFAULT_KV_DISK_GIB = 16.0  # the disk tier's size when only its directory is given
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class CacheConfig:
     # hybrid models: a recurrent-state slot per running sequence (core/state_pool.py), each this many bytes
     num_state_slots: int = 0
     state_bytes_per_sequence: int = 0
+    kv_disk_dir: str | None = None  # the prefix cache's disk tier (engine/kv_tier.py), at most kv_disk_bytes there
+    kv_disk_bytes: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -205,6 +208,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks (processes) one model is split across, Megatron-style
     runner: str = "auto"  # generate | pooling | auto (pooling for an embedding checkpoint)
     pooler_config: dict[str, Any] | str | None = None  # pooling_type / normalize / score_tokens over the checkpoint's
+    kv_cache_disk_dir: str | None = None  # the prefix cache's disk tier: evicted blocks saved here, read back on a hit
+    kv_cache_disk_gib: float | None = None  # its size (LRU within it); default DEFAULT_KV_DISK_GIB
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -275,10 +280,11 @@ class EngineArgs:
             logger.info("prefix caching is off for %s: a cached prefix would need its linear-attention state at the "
                         "block boundary, which is not kept yet", model.architecture)  # fmt: skip
             prefix_caching = False
+        disk_dir, disk_bytes = self._kv_disk(prefix_caching, free_window, state_bytes)
         cache = CacheConfig(
             self.block_size, num_blocks, prefix_caching, kv_bytes_per_token, kv_dtype,
             memory.kv_scale_bytes_per_token(kv_layers, kv_heads, kv_dtype), draft_bpt,
-            free_window, num_slots, state_bytes,
+            free_window, num_slots, state_bytes, disk_dir, disk_bytes,
         )  # fmt: skip
         fitted = ""
         # the pool must hold a whole request, unless blocks outside the window are freed as a chunked prefill goes
@@ -359,6 +365,35 @@ class EngineArgs:
         if config.speculative is not None:
             raise ValueError("runner: the pooling runner does not take speculative_config (nothing is generated)")
         return replace(config, runner="pooling", pooler=pooler)
+
+    def _kv_disk(self, prefix_caching: bool, free_window: int | None, state_bytes: int) -> tuple[str | None, int]:
+        """The disk tier's directory and bytes, or (None, 0); a ValueError naming what it cannot serve with."""
+        if self.kv_cache_disk_dir is None:
+            if self.kv_cache_disk_gib is not None:
+                raise ValueError("kv_cache_disk_gib is set without kv_cache_disk_dir (the directory of the disk tier)")
+            return None, 0
+        gib = DEFAULT_KV_DISK_GIB if self.kv_cache_disk_gib is None else self.kv_cache_disk_gib
+        if not isinstance(gib, int | float) or gib <= 0:
+            raise ValueError(f"kv_cache_disk_gib must be > 0, got {gib!r}")
+        refused = {
+            "enable_prefix_caching=False": not self.enable_prefix_caching,
+            "a hybrid model (its linear-attention state is not cached with the blocks)": state_bytes > 0,
+            "a model whose every layer slides (its blocks are freed while it runs)": free_window is not None,
+            "kv_transfer_config (prefill/decode disaggregation)": self.kv_transfer_config is not None,
+            "tensor_parallel_size > 1 (each rank holds a shard of every block)": self.tensor_parallel_size > 1,
+        }
+        named = [name for name, on in refused.items() if on]
+        if named or not prefix_caching:
+            raise ValueError(f"kv_cache_disk_dir: the disk tier extends the prefix cache; not supported with "
+                             f"{', '.join(named) or 'prefix caching off'}")  # fmt: skip
+        path = Path(self.kv_cache_disk_dir).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kv_cache_disk_dir: cannot create {path} ({e})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"kv_cache_disk_dir: {path} is not writable")
+        return str(path), int(gib * 2**30)
 
     def _check_hybrid(self, model: ModelConfig) -> None:
         """The features that cannot hold a linear-attention layer's per-sequence state yet: a ValueError naming them."""

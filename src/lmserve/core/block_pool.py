@@ -7,6 +7,8 @@ with the same prefix can take it back (a prefix-cache hit). Eviction order is le
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -34,11 +36,38 @@ def hash_blocks(token_ids: list[int], block_size: int, known: list[int], root: i
     return hashes
 
 
+def disk_root(fingerprint: bytes, lora_name: str = "", lora_path: str = "") -> bytes:
+    """The first block's parent in the disk tier's chain: the engine's fingerprint (everything that makes a block's
+    bytes) and the LoRA adapter by name and path (lora_int_id is per process), stable across processes."""
+    return hashlib.blake2b(b"\0".join((fingerprint, lora_name.encode(), lora_path.encode())), digest_size=16).digest()
+
+
+def disk_hash_blocks(token_ids: list[int], block_size: int, known: list[bytes], root: bytes) -> list[bytes]:
+    """hash_blocks' chain with a cryptographic digest instead of Python's hash: the disk tier's file keys."""
+    digests = list(known)
+    for i in range(len(digests), len(token_ids) // block_size):
+        parent = digests[-1] if digests else root
+        tokens = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        digests.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
+    return digests
+
+
 @dataclass(eq=False)
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     key: BlockKey | None = None  # set while the block is registered in the prefix index
+    disk_key: bytes | None = None  # with the disk tier, set with key: the block is saved under it when evicted
+
+
+DISK_BLOCK_ID = -2  # a prefix hit found on disk: a fresh block takes it, its payload loaded before the step
+
+
+@dataclass(eq=False)
+class DiskHitBlock(KVCacheBlock):
+    """A prefix hit from the disk tier (get_computed_blocks), not a pool block: allocate_slots gives it one."""
+
+    payload: bytes = b""
 
 
 class BlockPool:
@@ -49,6 +78,10 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._index: dict[BlockKey, KVCacheBlock] = {}
+        # the disk tier: (block id, disk key) of registered blocks evicted since the last take (their bytes are
+        # copied out before the step that reuses them runs)
+        self.save_on_evict = False
+        self.evicted: list[tuple[int, bytes]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,23 +121,31 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, key: BlockKey) -> None:
+    def cache_block(self, block: KVCacheBlock, key: BlockKey, disk_key: bytes | None = None) -> None:
         """Register a full block under its key. If an identical block is already indexed, keep that one."""
         if not self.enable_caching or block.key is not None:
             return
         # one lookup (the key hashed once): an unkeyed block is in no index entry, so `is block` means it was absent
         if self._index.setdefault(key, block) is block:
-            block.key = key
+            block.key, block.disk_key = key, disk_key
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._index.values()):
-            block.key = None
+            block.key = block.disk_key = None
         self._index.clear()
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        out, self.evicted = self.evicted, []
+        return out
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.key is not None:
             del self._index[block.key]
             block.key = None
+            if block.disk_key is not None:
+                if self.save_on_evict:
+                    self.evicted.append((block.block_id, block.disk_key))
+                block.disk_key = None
 
     def check_invariants(self, block_tables: list[list[KVCacheBlock]] | None = None) -> None:
         """For tests: free ⇔ ref_cnt == 0; the index points at blocks carrying that key; and, given every

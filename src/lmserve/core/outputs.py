@@ -39,6 +39,10 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted_ids: list[str] = field(default_factory=list)
     num_decode_tokens: int = 0  # of num_batched_tokens, those of requests past their prompt (1 + proposals each)
+    # the disk tier, moved by the engine before the step runs: blocks evicted from RAM to save (block id, disk key),
+    # then prefix hits found on disk to load (block id, payload)
+    kv_saves: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -80,12 +84,13 @@ class SchedulerStats:
     kv_cache_usage: float  # fraction of blocks in use
     num_preemptions_total: int
     prefix_cache_queries_total: int  # tokens looked up
-    prefix_cache_hits_total: int  # tokens found
+    prefix_cache_hits_total: int  # tokens found (in RAM or, with the disk tier, on disk)
     spec_num_drafts_total: int = 0  # verifications of at least one proposed token
     spec_num_draft_tokens_total: int = 0  # proposed tokens verified
     spec_num_accepted_tokens_total: int = 0  # of those, accepted
     num_prefill_tokens: int = 0  # of num_batched_tokens in the latest step: prompt (prefill) tokens
     num_decode_tokens: int = 0  # and decode tokens
+    prefix_cache_disk_hits_total: int = 0  # of prefix_cache_hits_total, tokens read from the disk tier
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from lmserve.config.engine import SchedulerConfig
+from lmserve.core.block_pool import DISK_BLOCK_ID
 from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.lora_slots import NO_SLOT, LoRASlotTable
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -38,6 +39,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
+        self.prefix_cache_disk_hits_total = 0
         self._last_num_batched_tokens = 0
         self._last_num_decode_tokens = 0
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -145,7 +147,10 @@ class Scheduler:
         assert budget >= 0, "token budget exceeded"
         num_tokens = max_num_batched_tokens - budget  # every scheduled token was taken from the budget
         self._last_num_batched_tokens, self._last_num_decode_tokens = num_tokens, num_decode
-        return SchedulerOutput(scheduled, num_tokens, preempted, num_decode)
+        out = SchedulerOutput(scheduled, num_tokens, preempted, num_decode)
+        if self.kv.disk is not None:
+            out.kv_loads, out.kv_saves = self.kv.take_transfers()
+        return out
 
     def _schedule_running(
         self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
@@ -214,7 +219,7 @@ class Scheduler:
             if self.state_slots is not None and not self.state_slots.can_allocate():
                 break  # every state slot is held by a running request
             request = self.waiting[0]
-            if not request.is_grammar_ready or not self._lora_slot_ready(request):
+            if not request.is_grammar_ready or not request.is_kv_ready or not self._lora_slot_ready(request):
                 compiling.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -224,7 +229,7 @@ class Scheduler:
             table = self.kv.allocate_slots(request, num_new, hits)
             if table is None:
                 break
-            self._admit(request, num_hit_tokens)
+            self._admit(request, num_hit_tokens, hits)
             ids = [b.block_id for b in table] if self.emit_block_ids else []
             scheduled.append(ScheduledRequest(request, num_new, ids))
             self._share_in_step(request, num_new)
@@ -237,7 +242,7 @@ class Scheduler:
             # Each holds its prefix-cache hits as it joins, so both policies see the same cache.
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                if not request.is_grammar_ready or not self._lora_slot_ready(request):
+                if not request.is_grammar_ready or not request.is_kv_ready or not self._lora_slot_ready(request):
                     break
                 if self.state_slots is not None and not self.state_slots.can_allocate():
                     break
@@ -246,16 +251,19 @@ class Scheduler:
                     break
                 table = self.kv.allocate_slots(request, 0, hits)
                 assert table is not None, f"request {request.request_id}: its prefix hits could not be held"
-                self._admit(request, num_hit_tokens)
+                self._admit(request, num_hit_tokens, hits)
         return budget, num_decode
 
-    def _admit(self, request: Request, num_hit_tokens: int) -> None:
-        """Move the head of the waiting queue to running, its first num_hit_tokens found in the prefix cache."""
+    def _admit(self, request: Request, num_hit_tokens: int, hits: list | None = None) -> None:
+        """Move the head of the waiting queue to running, its first num_hit_tokens found in the prefix cache (hits:
+        the blocks, those of the disk tier counted apart)."""
         assert request is self.waiting[0], "requests are admitted in FCFS order"
         assert self.state_slots is None or num_hit_tokens == 0, "a hybrid model's prefix hit would need its state"
         self.waiting.popleft()
         self.prefix_cache_queries_total += request.num_tokens
         self.prefix_cache_hits_total += num_hit_tokens
+        if hits and self.kv.disk is not None:
+            self.prefix_cache_disk_hits_total += self.kv.block_size * sum(b.block_id == DISK_BLOCK_ID for b in hits)
         if request.status == RequestStatus.WAITING:
             request.num_cached_tokens = num_hit_tokens
         request.num_computed_tokens = num_hit_tokens
@@ -412,4 +420,5 @@ class Scheduler:
             spec_num_accepted_tokens_total=self.spec_num_accepted_tokens_total,
             num_prefill_tokens=self._last_num_batched_tokens - self._last_num_decode_tokens,
             num_decode_tokens=self._last_num_decode_tokens,
+            prefix_cache_disk_hits_total=self.prefix_cache_disk_hits_total,
         )

@@ -60,7 +60,7 @@ class _Watch:
 
 @dataclass
 class _ResetPrefixCache:
-    pass
+    include_disk: bool = False
 
 
 class AsyncEngine:
@@ -209,10 +209,10 @@ class AsyncEngine:
         self._commands.append(_Watch(on))
         self._wakeup.set()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (LLMEngine.reset_prefix_cache) before the adds queued after this call.
-        Callable from any thread."""
-        self._commands.append(_ResetPrefixCache())
+    def reset_prefix_cache(self, include_disk: bool = False) -> None:
+        """Forget every cached prefix (LLMEngine.reset_prefix_cache; include_disk: the disk tier's too) before the
+        adds queued after this call. Callable from any thread."""
+        self._commands.append(_ResetPrefixCache(include_disk))
         self._wakeup.set()
 
     async def generate(
@@ -261,7 +261,7 @@ class AsyncEngine:
                 self._block_map_watch.watch(cmd.on)
                 continue
             if isinstance(cmd, _ResetPrefixCache):
-                self.engine.reset_prefix_cache()
+                self.engine.reset_prefix_cache(cmd.include_disk)
                 continue
             num_applied_seqs += cmd.num_seqs
             num_applied_blocks += cmd.num_blocks

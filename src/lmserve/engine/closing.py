@@ -33,6 +33,8 @@ def close_engine(engine: Any) -> None:
         return
     engine.closed = True
     stops = [role.shutdown for role in (engine.kv_producer, engine.kv_consumer) if role is not None]
+    if getattr(engine, "kv_disk", None) is not None:  # the RAM prefix cache's blocks saved, for a restart
+        stops.append(lambda: engine.kv_disk.close(engine.kv.pool))
     stops.append(engine.structured.shutdown)
     if engine.executor is not None:
         stops.append(engine.executor.close)
@@ -42,6 +44,8 @@ def close_engine(engine: Any) -> None:
         except Exception:  # noqa: BLE001 (the rest must still be released)
             logger.exception("closing the engine: %s failed", getattr(stop, "__qualname__", stop))
     engine.kv_producer = engine.kv_consumer = engine.executor = None
+    if getattr(engine, "kv_disk", None) is not None:
+        engine.kv_disk = None
     engine.runner = None  # the model, its KV pool (unmapped when its tensors go), the draft, the LoRA slots
     gc.collect()  # (a tensor-parallel runner's model forms a cycle with its patched forward)
     release_freed_memory()

@@ -230,7 +230,7 @@ class EngineCore:
             elif isinstance(msg, WatchBlockMap):
                 self._block_map_watch.watch(msg.on)
             elif isinstance(msg, ResetPrefixCache):
-                self.engine.reset_prefix_cache()
+                self.engine.reset_prefix_cache(msg.include_disk)
             else:
                 assert isinstance(msg, Shutdown), f"unknown message {msg!r}"
                 return False

@@ -297,10 +297,10 @@ class EngineCoreClient:
                     core.block_map = None
         self._broadcast(WatchBlockMap(on))
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, include_disk: bool = False) -> None:
         """As AsyncEngine.reset_prefix_cache: every live core forgets its cached prefixes before the adds sent
         after this call (one socket per core keeps the order)."""
-        self._broadcast(ResetPrefixCache())
+        self._broadcast(ResetPrefixCache(include_disk))
 
     def _broadcast(self, message: Any) -> None:
         """`message` to every live core."""

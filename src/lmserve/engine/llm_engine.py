@@ -21,6 +21,7 @@ from lmserve.engine.closing import check_open, close_engine
 from lmserve.engine.counters import EngineCounters, config_metrics, spec_decode_metrics, step_metrics
 from lmserve.engine.disaggregation import make_roles
 from lmserve.engine.input_processor import InputProcessor, Prompt
+from lmserve.engine.kv_tier import KVDiskTier
 from lmserve.engine.kv_transfer import KVHandoff
 from lmserve.engine.output_processor import OutputProcessor, ParentRequest
 from lmserve.lora.request import LoRARequest
@@ -50,16 +51,6 @@ class LLMEngine:
         self.inputs = InputProcessor(config, self.tokenizer)
         # the model's generation_config.json sampling fields, for requests that leave them unset
         self.generation_defaults = sampling_defaults(config.model.path, config.generation_config)
-        self.kv = KVCacheManager(
-            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-            config.cache.sliding_window,
-        )  # fmt: skip
-        lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
-        lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
-        # a hybrid model's per-sequence recurrent state: one slot per running request (core/state_pool.py)
-        state_slots = StateSlotPool(config.cache.num_state_slots) if config.cache.num_state_slots else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots,
-                                   state_slots=state_slots)  # fmt: skip
         self.executor = None  # tensor parallel: the worker processes rank 0 drives (engine/tp_executor.py)
         if config.tensor_parallel_size > 1:
             from lmserve.engine.tp_executor import TPExecutor
@@ -68,6 +59,18 @@ class LLMEngine:
             self.runner = self.executor.runner
         else:
             self.runner = ModelRunner(config)
+        self.kv_disk = KVDiskTier(config, self.runner) if config.cache.kv_disk_dir is not None else None
+        self.kv = KVCacheManager(
+            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            config.cache.sliding_window, self.kv_disk,
+            b"" if self.kv_disk is None else self.kv_disk.fingerprint,
+        )  # fmt: skip
+        lookahead = config.speculative.num_lookahead_tokens if config.speculative is not None else 0
+        lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
+        # a hybrid model's per-sequence recurrent state: one slot per running request (core/state_pool.py)
+        state_slots = StateSlotPool(config.cache.num_state_slots) if config.cache.num_state_slots else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots,
+                                   state_slots=state_slots)  # fmt: skip
         self.structured = StructuredOutputManager(
             self.tokenizer, config.model.vocab_size, self.eos_token_ids,
             allow_additional_properties=config.structured_outputs_allow_additional_properties,
@@ -154,6 +157,8 @@ class LLMEngine:
         self.outputs.add(parent)
         if grammar is not None and not grammar.done():
             self._grammar_pending.append(parent)
+        if self.kv_disk is not None and remote_kv is None:
+            self.kv_disk.prefetch(children, self.kv)  # (before queueing: the scheduler sees it reading)
         if remote_kv is None:
             for child in children:
                 self.scheduler.add_request(child)
@@ -183,10 +188,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, include_disk: bool = False) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache, SGLang's flush_cache): a request added after this
-        computes its whole prompt. Running requests keep their blocks; only the index forgets them."""
+        computes its whole prompt. Running requests keep their blocks; only the index forgets them. include_disk: the
+        disk tier's blocks are deleted too (without it a prompt evicted there still hits)."""
         self.kv.pool.reset_prefix_cache()
+        if include_disk and self.kv_disk is not None:
+            self.kv_disk.clear()
 
     # ---- LoRA adapters ----------------------------------------------------------------------
 
@@ -222,7 +230,11 @@ class LLMEngine:
         if self.kv_producer is not None or self.kv_consumer is not None:
             refused += self._resolve_kv_transfer()
         sched = self.scheduler.schedule()
+        if self.kv_disk is not None and (sched.kv_saves or sched.kv_loads):
+            self.kv_disk.apply(sched.kv_saves, sched.kv_loads)
         if sched.is_empty:
+            if self.kv_disk is not None and not refused and self.kv_disk.wait_prefetch():
+                return refused  # only requests whose prefix is being read from disk: waited for one, do not spin
             if self._grammar_pending and not refused:  # only compiling requests: wait for one, do not spin
                 self.structured.wait_any([c.structured_output for p in self._grammar_pending for c in p.children])
             return refused
@@ -297,6 +309,7 @@ class LLMEngine:
             "num_preemptions_total": s.num_preemptions_total,
             "prefix_cache_queries_total": s.prefix_cache_queries_total,
             "prefix_cache_hits_total": s.prefix_cache_hits_total,
+            **self._kv_disk_metrics(s),
             "kv_cache_usage": s.kv_cache_usage,
             "num_kv_blocks": self.config.cache.num_blocks,
             "kv_cache_capacity_tokens": self.config.cache.num_tokens,
@@ -325,6 +338,13 @@ class LLMEngine:
         if self._moe_layers is None:
             self._moe_layers = moe_layers(self.runner.model)
         return {"moe_expert_tokens_total": expert_load(self._moe_layers)} if self._moe_layers else {}
+
+    def _kv_disk_metrics(self, s: SchedulerStats) -> dict[str, Any]:
+        """The disk tier's counters (engine/kv_tier.py) and the prefix-cache hits it served."""
+        if self.kv_disk is None:
+            return {}
+        return {"prefix_cache_disk_hits_total": s.prefix_cache_disk_hits_total, **self.kv_disk.metrics(),
+                "kv_disk_blocks_read_sync_total": self.kv.num_disk_sync_reads_total}  # fmt: skip
 
     def _state_slot_metrics(self) -> dict[str, Any]:
         """A hybrid model's state slots: held by running requests, in all, and the bytes of one."""

@@ -43,6 +43,8 @@ class WatchBlockMap(msgspec.Struct, tag=True):
 class ResetPrefixCache(msgspec.Struct, tag=True):
     """Forget every cached prefix (LLMEngine.reset_prefix_cache) before the adds sent after this message."""
 
+    include_disk: bool = False  # the disk tier's blocks too
+
 
 class Shutdown(msgspec.Struct, tag=True):
     """Finish at once: the core exits its loop (requests still running are dropped) and its process ends."""

@@ -50,6 +50,8 @@ class DisaggregatedClient(EngineCoreClient):
     ) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError(f"disaggregation needs >= 1 prefill and >= 1 decode core, got {num_prefill}P{num_decode}D")
+        if config.cache.kv_disk_dir is not None:
+            raise ValueError("kv_cache_disk_dir: the KV disk tier is not supported with prefill/decode disaggregation")
         if config.kv_transfer is not None:
             raise ValueError("kv_transfer_config: --disaggregation sets the roles itself; pass one or the other")
         if config.cache.sliding_window is not None:

@@ -104,6 +104,11 @@ SAME_ON_EVERY_CORE = {
     "kv_cache_dtype",
     "state_bytes_per_sequence",
     *CONFIG_LABELS,  # counters.config_metrics: every core runs the same configuration
+    # the disk tier: every core sees the one shared directory
+    "kv_disk_usage_bytes",
+    "kv_disk_capacity_bytes",
+    "kv_disk_num_blocks",
+    "kv_disk_write_disabled",
 }
 SMALLEST_NONZERO = {"decode_step_time_min_s"}  # the fastest core's figure (0 = none yet)
 

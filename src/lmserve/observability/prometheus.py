@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lmserve.core.outputs import RequestOutput
@@ -47,6 +47,47 @@ KV_TRANSFER_METRICS = (
     ("kv_transfer_failures_total", "KV transfers that failed or timed out (kv_load_failure_policy applied)."),
     ("kv_transfer_recomputes_total", "Failed KV transfers the decode engine recomputed (policy recompute)."),
 )
+
+
+KV_DISK_METRICS = (
+    ("kv_disk_usage_bytes", "Bytes of KV block files in the disk tier's directory."),
+    ("kv_disk_capacity_bytes", "The disk tier's size (kv_cache_disk_gib): least recently used files go past it."),
+    ("kv_disk_num_blocks", "KV block files in the disk tier."),
+    ("kv_disk_write_disabled", "1 once the disk filled up (ENOSPC): no more blocks are written, reads go on."),
+    ("kv_disk_blocks_written_total", "KV blocks written to the disk tier (evicted from RAM, or saved at close)."),
+    ("kv_disk_blocks_read_total", "KV blocks read back from the disk tier (prefix hits)."),
+    ("kv_disk_bytes_written_total", "Bytes of block files written to the disk tier."),
+    ("kv_disk_bytes_read_total", "Bytes of block files read from the disk tier."),
+    ("kv_disk_misses_total", "Disk-tier lookups that found no usable block."),
+    ("kv_disk_bad_files_total", "Truncated, corrupted or foreign block files (deleted; their tokens recomputed)."),
+    ("kv_disk_evicted_total", "Block files deleted to stay within the disk tier's size."),
+    ("kv_disk_write_errors_total", "Block writes that failed for a reason other than a full disk."),
+    ("kv_disk_writes_dropped_total", "Evicted blocks not written because the writer's queue was full."),
+    ("kv_disk_prefetches_total", "Requests whose disk blocks were read in the background before admission."),
+    ("kv_disk_blocks_read_sync_total", "Disk blocks read while scheduling a step (not prefetched): that step waited."),
+)
+
+
+def _kv_disk_metrics(m: dict[str, Any], labels: list[str], values: list[str], gauge, counter) -> Iterator[Metric]:
+    """With the disk tier: prefix-cache hits by tier, its counters, and its read latency histogram."""
+    if "kv_disk_usage_bytes" not in m:
+        return
+    doc = "Prompt tokens found in the prefix cache, by tier (ram, disk); they sum to prefix_cache_hits."
+    by_tier = CounterMetricFamily(PREFIX + "prefix_cache_hits_by_tier", doc, labels=[*labels, "tier"])
+    disk = m["prefix_cache_disk_hits_total"]
+    by_tier.add_metric([*values, "ram"], m["prefix_cache_hits_total"] - disk)
+    by_tier.add_metric([*values, "disk"], disk)
+    yield by_tier
+    for key, doc in KV_DISK_METRICS:
+        yield (counter if key.endswith("_total") else gauge)(key.removesuffix("_total"), doc, m[key])
+    hist = HistogramMetricFamily(PREFIX + "kv_disk_read_latency_seconds", "Time to read and verify one KV block file.",
+                                 labels=labels)  # fmt: skip
+    cumulative, buckets = 0, []
+    for le, count in m["kv_disk_read_latency_seconds_buckets"].items():
+        cumulative += count
+        buckets.append((le, cumulative))
+    hist.add_metric(values, buckets, m["kv_disk_read_latency_seconds_sum"])
+    yield hist
 
 
 class _EngineCollector(Collector):
@@ -180,6 +221,7 @@ class _EngineCollector(Collector):
         )  # fmt: skip
         yield from _lora_metrics(m, labels, values, gauge, counter)
         yield from _expert_metrics(m, labels, values)
+        yield from _kv_disk_metrics(m, labels, values, gauge, counter)
         if "num_state_slots" in m:  # a hybrid model's recurrent-state slots
             used = m["num_state_slots_used"]
             yield gauge("state_slots_used", "Recurrent-state slots held by running sequences.", used)

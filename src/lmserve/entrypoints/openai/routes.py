@@ -58,10 +58,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return p.DetokenizeResponse(prompt=inputs.detokenize_tokens(engine, body.tokens))
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
+    async def reset_prefix_cache(include_disk: bool = False) -> Response:
         """Every engine forgets its cached prefixes before any request sent after the answer (vLLM's endpoint of
-        the name; benchmarks call it between runs of the same prompts). Running requests are not disturbed."""
-        state.ready_engine().reset_prefix_cache()
+        the name; benchmarks call it between runs of the same prompts). Running requests are not disturbed.
+        `?include_disk=true`: the KV disk tier's blocks are deleted too."""
+        state.ready_engine().reset_prefix_cache(include_disk)
         return Response(status_code=200)
 
     @app.post("/v1/completions", response_model=p.CompletionResponse)
