@@ -1,9 +1,7 @@
 """DiskKVStore: KV blocks as files in a directory, the prefix cache's tier below RAM, and DiskWriter, the thread
-that writes them. A file is named by its block's stable chain digest (core/block_pool.disk_hash_blocks, salted
-with the engine's fingerprint), written under a temporary name and renamed, and carries a header (magic,
-fingerprint, key, length, CRC-32) that a read verifies: a truncated, corrupted or foreign file is a miss, deleted.
-The index (key → bytes, least recently used first) is rebuilt from the directory at start and every
-RESCAN_EVERY writes (other processes may share the directory); files are touched on read, so mtime is LRU order.
+that writes them. Files are named by the block's chain digest (core/block_pool.disk_hash_blocks), written under a
+temporary name and renamed, with a header a read verifies (a bad file is a miss, deleted); the LRU index is rebuilt
+from the directory at start and every RESCAN_EVERY writes. Format and policy: docs/kv_disk_tier.md.
 """
 
 from __future__ import annotations
