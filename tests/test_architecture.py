@@ -33,7 +33,7 @@ ALLOWED_UPWARD: set[tuple[str, str]] = set()
 # The floors below the model never import torch (the scheduler is tested without a model, `lmserve memory` answers
 # without one); config asks torch for a CUDA device's free memory, only when the device is CUDA.
 TORCH_FREE_FLOORS = ("leaves", "config", "core")
-ALLOWED_TORCH = {"config.engine"}
+ALLOWED_TORCH = {"config.kv_budget"}
 # modules that stand below their folder's floor (a noun the lower floors need, kept beside its capability)
 FOLDER_FLOOR_EXCEPTIONS = {"lora.request"}
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from lmserve.checkpoint.shape import HEAD_LAYOUTS
 from lmserve.checkpoint.shape import layer_sliding_windows as layer_sliding_windows
+from lmserve.config.checks import check_positive, check_tensor_parallel
+from lmserve.config.kv_budget import default_kv_budget_bytes
 
 # The model's own config and shape live below this module; their names stay importable from here.
 from lmserve.config.model import SUPPORTED_DTYPES as SUPPORTED_DTYPES
@@ -221,8 +223,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from lmserve.memory import ledger as memory
-        _check_positive("block_size", self.block_size)
-        _check_positive("max_num_seqs", self.max_num_seqs)
+        check_positive("block_size", self.block_size)
+        check_positive("max_num_seqs", self.max_num_seqs)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
@@ -243,17 +245,17 @@ class EngineArgs:
         weight_dtype = self._weight_dtype(model.dtype)
         quantization = self._quantization(model, weight_dtype)
         max_model_len = self.max_model_len or model.max_position_embeddings
-        _check_positive("max_model_len", max_model_len)
+        check_positive("max_model_len", max_model_len)
         if max_model_len > model.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{model.max_position_embeddings}"
             )
         if self.max_num_batched_tokens is not None:
-            _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+            check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         kv_dtype = self._kv_cache_dtype(model.dtype)
         tp = self.tensor_parallel_size
-        _check_tensor_parallel(tp, model, quantization, self.device)
+        check_tensor_parallel(tp, model, quantization, self.device)
         kv_heads = memory.kv_heads_per_rank(model.num_kv_heads, tp)  # the pool is sized per rank (the ledger's)
         kv_layers = model.num_kv_layers  # a hybrid's linear-attention layers keep no KV
         kv_bytes_per_token = memory.kv_cache_bytes_per_token(kv_layers, kv_heads, model.head_dim, kv_dtype)
@@ -415,7 +417,7 @@ class EngineArgs:
         both from the budget (memory.hybrid_pool_split, as `lmserve memory` reports)."""
         from lmserve.memory import ledger as memory
         if self.num_kv_blocks is not None:
-            _check_positive("num_kv_blocks", self.num_kv_blocks)
+            check_positive("num_kv_blocks", self.num_kv_blocks)
             return self.num_kv_blocks, self.max_num_seqs
         budget_bytes = self._budget_bytes()
         num_blocks, num_slots = memory.hybrid_pool_split(
@@ -438,10 +440,10 @@ class EngineArgs:
     def _lora(self, spec: Any, model: ModelConfig) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        _check_positive("max_loras", self.max_loras)
-        _check_positive("max_lora_rank", self.max_lora_rank)
+        check_positive("max_loras", self.max_loras)
+        check_positive("max_lora_rank", self.max_lora_rank)
         cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
-        _check_positive("max_cpu_loras", cpu)
+        check_positive("max_cpu_loras", cpu)
         if cpu < self.max_loras:
             raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({self.max_loras})")
         if model.moe is not None:
@@ -471,7 +473,7 @@ class EngineArgs:
             raise ValueError(
                 f"quantization must be one of {[*QUANTIZATION_METHODS, 'none']}, got {self.quantization!r}"
             )
-        _check_positive("quantization_group_size", self.quantization_group_size)
+        check_positive("quantization_group_size", self.quantization_group_size)
         if self.quantization == "none":
             if saved is not None:
                 raise ValueError(f"quantization='none' but {self.model!r} is an {saved.method} checkpoint")
@@ -535,7 +537,7 @@ class EngineArgs:
         holds once the LoRA compute slots' bytes are taken from it (the pool plus the slots fit the budget)."""
         from lmserve.memory import ledger as memory
         if self.num_kv_blocks is not None:
-            _check_positive("num_kv_blocks", self.num_kv_blocks)
+            check_positive("num_kv_blocks", self.num_kv_blocks)
             return self.num_kv_blocks
         budget_bytes = self._budget_bytes()
         num_blocks = memory.max_num_kv_blocks(max(0, budget_bytes - lora_slot_bytes), self.block_size,
@@ -549,95 +551,3 @@ class EngineArgs:
                    if lora_slot_bytes else ")")
             )
         return num_blocks
-
-
-DEFAULT_KV_FRACTION = 0.25
-DEFAULT_KV_CAP_BYTES = 4 * 2**30
-
-
-def default_kv_budget_bytes(device: str) -> int:
-    """A quarter of the free memory of the device, capped at 4 GiB: enough to serve, safe to share."""
-    if device.startswith("cuda"):
-        import torch
-
-        free_bytes, _ = torch.cuda.mem_get_info()
-        return int(free_bytes * 0.5)  # weights are already loaded elsewhere; leave room for activations
-    free_bytes = available_ram_bytes()
-    return int(min(free_bytes * DEFAULT_KV_FRACTION, DEFAULT_KV_CAP_BYTES))
-
-
-def available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
-
-
-def _check_tensor_parallel(tp: int, model: ModelConfig, quantization: QuantizationConfig | None, device: str) -> None:
-    """tensor_parallel_size against the model's shapes and the features that do not split (yet): a ValueError
-    naming the field and the numbers. The split itself is model/parallel.py's."""
-    from lmserve.memory import ledger as memory
-    _check_positive("tensor_parallel_size", tp)
-    if tp == 1:
-        return
-    if not model.uniform_layers:
-        raise ValueError(f"tensor_parallel_size={tp}: {model.architecture}'s per-layer head shapes, shared K/V or "
-                         "per-layer inputs are not split; use tensor_parallel_size=1")  # fmt: skip
-    why = {
-        "num_attention_heads": model.num_heads % tp and f"{model.num_heads} attention heads",
-        "intermediate_size": model.intermediate_size % tp and f"intermediate_size {model.intermediate_size}",
-    }
-    moe = model.moe
-    if moe is not None:  # (each rank holds every expert's slice of the expert width: model/parallel.py)
-        width, shared = moe.expert_intermediate_size, moe.shared_expert_intermediate_size
-        why["moe_intermediate_size"] = width % tp and f"the experts' width {width}"
-        why["shared_expert_intermediate_size"] = shared % tp and f"the shared expert's width {shared}"
-        if moe.mxfp4:
-            raise ValueError(f"tensor_parallel_size={tp} with {model.architecture}'s MXFP4 experts: not supported "
-                             "(not sliced); use tensor_parallel_size=1")  # fmt: skip
-    bad = [f"{v}" for v in why.values() if v]
-    if bad:
-        raise ValueError(f"tensor_parallel_size={tp} must divide {' and '.join(bad)}")
-    try:
-        memory.kv_heads_per_rank(model.num_kv_heads, tp)
-    except ValueError:
-        raise ValueError(
-            f"tensor_parallel_size={tp} must divide num_key_value_heads ({model.num_kv_heads}) or be a multiple of it"
-        ) from None
-    if model.qk_norm_whole:
-        raise ValueError(
-            f"tensor_parallel_size={tp} with {model.architecture}: its q/k norm spans all heads (OLMo 2), which "
-            "would need a cross-rank reduction; not supported"
-        )
-    if quantization is not None:
-        if quantization.method == "gguf" or quantization.prequantized:
-            what = "a GGUF file's kept blocks" if quantization.method == "gguf" else "a pre-quantized checkpoint"
-            raise ValueError(
-                f"tensor_parallel_size={tp} with {what} ({quantization.method}): not supported yet; load the float "
-                "checkpoint with quantization='int8' / 'int4' (quantized per rank at load), or quantization='none'"
-            )
-        if quantization.group_size is not None:
-            group = quantization.group_size
-            shards = {"num_heads * head_dim / tp": model.num_heads * model.head_dim // tp,
-                      "intermediate_size / tp": model.intermediate_size // tp}  # fmt: skip
-            if moe is not None:
-                shards["experts' width / tp"] = moe.expert_intermediate_size // tp
-                if moe.shared_expert_intermediate_size:
-                    shards["shared expert's width / tp"] = moe.shared_expert_intermediate_size // tp
-            unaligned = {k: v for k, v in shards.items() if v % group}
-            if unaligned:
-                raise ValueError(
-                    f"tensor_parallel_size={tp} with quantization={quantization.method!r}: the row-parallel shards' "
-                    f"inputs {unaligned} must be multiples of quantization_group_size={group}"
-                )
-    if not device.startswith(("cpu", "cuda")):
-        raise ValueError(f"tensor_parallel_size={tp} needs device 'cpu' (gloo) or 'cuda' (NCCL), got {device!r}")
-
-
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from lmserve.config.engine import EngineConfig, available_ram_bytes
+from lmserve.config.engine import EngineConfig
+from lmserve.config.kv_budget import available_ram_bytes
 from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import pack_linear_weights

@@ -8,7 +8,8 @@ import os
 import torch
 
 from lmserve import kernels
-from lmserve.config.engine import EngineConfig, available_ram_bytes
+from lmserve.config.engine import EngineConfig
+from lmserve.config.kv_budget import available_ram_bytes
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSegment, long_tensor
 from lmserve.model.kv_cache import KVCache
