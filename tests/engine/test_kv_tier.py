@@ -12,6 +12,7 @@ import pytest
 
 from lmserve import LLM, SamplingParams
 from lmserve.config.engine import EngineArgs
+from lmserve.memory.ledger import KV_DISK_HEADER_BYTES, kv_disk_blocks
 from lmserve.worker import kv_disk
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -106,8 +107,13 @@ def test_int8_kv_blocks_with_their_scales_come_back_from_disk(llama_dir: Path, t
     for p in others:
         _run(tiered, p)
     assert _run(tiered, a) == ram_hit
-    assert tiered.engine.get_metrics()["prefix_cache_disk_hits_total"] == 416
+    m = tiered.engine.get_metrics()
+    assert m["prefix_cache_disk_hits_total"] == 416
     tiered.close()
+    # a block file is what the ledger counts (lmserve memory --kv-cache-disk-gib): header + the block, scales too
+    per_block = 16 * m["kv_cache_bytes_per_token"]
+    assert {f.stat().st_size for f in tmp_path.glob("*/*.kv")} == {KV_DISK_HEADER_BYTES + per_block}
+    assert kv_disk_blocks(10 * (KV_DISK_HEADER_BYTES + per_block) + 1, 16, m["kv_cache_bytes_per_token"]) == 10
 
 
 def test_a_full_disk_stops_writing_and_serving_goes_on(llama_dir: Path, tmp_path, monkeypatch) -> None:

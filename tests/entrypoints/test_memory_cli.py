@@ -52,6 +52,19 @@ def test_table_llama2_7b(capsys: pytest.CaptureFixture[str]) -> None:
     assert "1× smaller" in out  # MHA: no GQA saving
 
 
+def test_the_disk_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(["--preset", "llama-3-8b", "--kv-cache-disk-gib", "64", "--json"], capsys)
+    assert rc == 0
+    d = json.loads(out)
+    file_bytes = 52 + 16 * 131_072  # a block file: its header and 16 tokens of 128 KiB
+    assert d["kv_disk_blocks"] == 64 * GiB // file_bytes == 32_767
+    assert d["kv_disk_tokens"] == 16 * 32_767 and d["kv_disk_prompts"] == 32_767 // 256
+    rc, out, _ = _run(["--preset", "llama-3-8b", "--kv-cache-disk-gib", "64"], capsys)
+    assert rc == 0 and "127 prompts of 4,096 tokens" in out
+    rc, _, err = _run(["--preset", "llama-3-8b", "--kv-cache-disk-gib", "0"], capsys)
+    assert rc == 2 and "--kv-cache-disk-gib must be a positive number" in err
+
+
 def test_json_llama3_8b_128k(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = _run(["--preset", "llama-3-8b", "--seq-len", "131072", "--json"], capsys)
     assert rc == 0

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lmserve.config.engine import EngineArgs
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
+from lmserve.entrypoints.openai.dashboard import ScrapeHistory, feed_update
 from lmserve.entrypoints.openai.server import build_app
 from tests.engine.test_kv_tier import POOL, _prompts
 from tests.server.test_server_validation import call
@@ -44,6 +45,9 @@ def test_disk_hits_usage_metrics_and_reset(llama_dir: Path, tmp_path: Path) -> N
         assert samples[("lmserve:kv_disk_read_latency_seconds_count", None, None)] == 26
         assert samples[("lmserve:kv_disk_bytes_read_total", None, None)] > 0
         assert samples[("lmserve:kv_disk_usage_bytes", None, None)] > 0
+        disk = feed_update(app.state.lmserve, ScrapeHistory())["kv"]["disk"]  # the dashboard's KV card
+        assert disk["hit_tokens"] == 416 and disk["num_blocks"] > 0
+        assert 0 < disk["used_bytes"] == samples[("lmserve:kv_disk_usage_bytes", None, None)]
         assert call(app, "POST", "/reset_prefix_cache?include_disk=maybe").status_code == 400
         assert call(app, "POST", "/reset_prefix_cache?include_disk=true").status_code == 200
         assert cached(a) == 0 and not list(tmp_path.glob("*/*.kv"))

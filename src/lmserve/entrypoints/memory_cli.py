@@ -74,6 +74,8 @@ def add_memory_parser(subparsers: Any) -> None:
         help="tensor-parallel size (default 1): weights and KV per rank, as `serve --tensor-parallel-size` sizes them",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--kv-cache-disk-gib", type=float, default=None,
+                   help="the prefix cache's disk tier: the blocks and prompts this many GiB keeps")  # fmt: skip
     p.add_argument(
         "--disaggregation", default=None, metavar="NPmD",
         help="prefill/decode disaggregation (1P1D, 2P1D, ...): each role's cores, weights and KV pool, the budget "
@@ -195,8 +197,12 @@ def run_memory(args: argparse.Namespace) -> int:
             panels = getattr(args, "int4_compute", "w4a8") == "w4a8"
             exact, _ = resident_weight_bytes(GGUFCheckpoint(gguf_file), dtype_bytes(weight_dtype), True, panels)
             quantization = "gguf"
+        disk_gib = getattr(args, "kv_cache_disk_gib", None)
+        if disk_gib is not None and not (isinstance(disk_gib, float | int) and disk_gib > 0):
+            raise ValueError(f"--kv-cache-disk-gib must be a positive number of GiB, got {disk_gib!r}")
         report = memory_report(
             shape,
+            kv_disk_bytes=None if disk_gib is None else int(disk_gib * 2**30),
             quantization=quantization,
             quantization_group_size=group_size,
             exact_weight_bytes=exact,

@@ -328,6 +328,14 @@ def weight_bytes_per_rank(
     return math.ceil(num_float_params * weight_dtype_bytes) + quantized
 
 
+KV_DISK_HEADER_BYTES = 52  # a disk-tier block file's header (worker/kv_disk.py): magic, fingerprint, key, length, CRC
+
+
+def kv_disk_blocks(disk_bytes: int, block_size: int, kv_bytes_per_token: int) -> int:
+    """Full KV blocks the prefix cache's disk tier holds in `disk_bytes` (one file a block: header + the block)."""
+    return disk_bytes // (KV_DISK_HEADER_BYTES + block_size * kv_bytes_per_token)
+
+
 def max_num_kv_blocks(budget_bytes: int, block_size: int, kv_bytes_per_token: int) -> int:
     """Whole KV blocks of ``block_size`` tokens that fit in ``budget_bytes``."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:

@@ -17,6 +17,7 @@ from lmserve.memory.ledger import (
     kv_blocks_held,
     kv_cache_bytes_per_token,
     kv_committed_bytes,
+    kv_disk_blocks,
     kv_heads_per_rank,
     kv_scale_bytes_per_token,
     linear_state_bytes_per_sequence,
@@ -94,6 +95,11 @@ class MemoryReport:
     num_active_parameters: int | None = None
     num_active_parameters_streamed: int | None = None
     expert_bytes: dict[str, int] | None = None
+    # the prefix cache's disk tier (--kv-cache-disk-gib): its blocks, tokens and seq_len prompts; None without one
+    kv_disk_bytes: int | None = None
+    kv_disk_blocks: int | None = None
+    kv_disk_tokens: int | None = None
+    kv_disk_prompts: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict (for ``--json``)."""
@@ -238,6 +244,11 @@ class MemoryReport:
                     f"(batch of {self.batch} {'fits' if self.batch_fits else 'does NOT fit'})",
                 )
             )
+        if self.kv_disk_bytes is not None:
+            rows.append(("KV disk tier (below the pool)", _fmt(self.kv_disk_bytes)))
+            rows.append((f"  blocks ({self.block_size} tokens, one file each)", f"{self.kv_disk_blocks:,}"))
+            rows.append(("  prefix tokens it keeps", f"{self.kv_disk_tokens:,} = {self.kv_disk_prompts:,} prompts of "
+                         f"{self.seq_len:,} tokens, read back instead of recomputed"))  # fmt: skip
         width = max(len(label) for label, _ in rows) + 2
         lines = [title]
         lines += [f"  {label.ljust(width)}{value}".rstrip() for label, value in rows]
@@ -270,6 +281,7 @@ def memory_report(
     max_lora_rank: int = 16,
     lora_dtype: str | None = None,
     max_num_seqs: int = 256,
+    kv_disk_bytes: int | None = None,
 ) -> MemoryReport:
     """Weights, KV per token/request/batch, and (given a per-device ``memory_bytes``) how many
     ``seq_len``-token requests fit after weights and ``reserve_bytes``. ``exact_weight_bytes``: the weights'
@@ -277,7 +289,8 @@ def memory_report(
     enabled): the compute slots of rank ``max_lora_rank`` at ``lora_dtype`` (default ``weight_dtype``; the engine
     keeps them at the model's compute dtype) are counted per device and taken from the budget before the KV, as
     the engine sizes its pool (config.EngineArgs._num_kv_blocks). A hybrid model's state slots (up to
-    ``max_num_seqs``) come from the same budget (memory.hybrid_pool_split)."""
+    ``max_num_seqs``) come from the same budget (memory.hybrid_pool_split). ``kv_disk_bytes``: the prefix cache's
+    disk tier, whose full blocks (one file each) hold prefixes evicted from the pool."""
     _positive("seq_len", seq_len)
     _positive("batch", batch)
     _positive("block_size", block_size)
@@ -443,4 +456,15 @@ def memory_report(
         state_bytes_per_sequence=state_bytes,
         **moe,
         **budget,
+        **_disk_tier(kv_disk_bytes, block_size, per_token, seq_len),
     )
+
+
+def _disk_tier(disk_bytes: int | None, block_size: int, per_token: int, seq_len: int) -> dict[str, int]:
+    """The disk tier's capacity in blocks, tokens and whole seq_len-token prompts (full blocks only are kept)."""
+    if disk_bytes is None:
+        return {}
+    _positive("kv_disk_bytes", disk_bytes)
+    blocks = kv_disk_blocks(disk_bytes, block_size, per_token)
+    return dict(kv_disk_bytes=disk_bytes, kv_disk_blocks=blocks, kv_disk_tokens=blocks * block_size,
+                kv_disk_prompts=blocks // max(1, seq_len // block_size))  # fmt: skip

@@ -18,10 +18,13 @@ import zlib
 from collections import OrderedDict
 from pathlib import Path
 
+from lmserve.memory.ledger import KV_DISK_HEADER_BYTES
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LMKVBLK1"
 HEADER = struct.Struct("<8s16s16sQI")  # magic, fingerprint digest, key, payload bytes, CRC-32 of the payload
+assert HEADER.size == KV_DISK_HEADER_BYTES, "the ledger's disk-tier header size (memory/ledger.py) is this header's"
 SUFFIX = ".kv"
 RESCAN_EVERY = 256  # writes between rescans of the directory (its usage as every writer sees it)
 STALE_TMP_S = 600.0  # temporary files older than this at start are a crashed writer's: removed

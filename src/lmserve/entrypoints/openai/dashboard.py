@@ -119,6 +119,7 @@ def feed_update(state: Any, history: ScrapeHistory) -> dict[str, Any]:
             "shared": shared,
             "block_size": m["block_size"],
             "dtype": m["kv_cache_dtype"],
+            "disk": _disk_tier(m),
         },
         "prefix_hit_rate": hits / queries if queries else None,
         "preemptions_total": m["num_preemptions_total"],
@@ -136,6 +137,14 @@ def feed_update(state: Any, history: ScrapeHistory) -> dict[str, Any]:
         "health": engine_health(state.engine)[1],  # a dead core (or role) reads dead here too
         "cores": [_core(i, s.metrics) for i, s in enumerate(snap.engines)],  # several cores: each one's state
     }
+
+
+def _disk_tier(m: dict[str, Any]) -> dict[str, Any] | None:
+    """The prefix cache's disk tier (--kv-cache-disk-dir): its bytes, blocks and the prompt tokens it served."""
+    if "kv_disk_capacity_bytes" not in m:
+        return None
+    return {"used_bytes": m["kv_disk_usage_bytes"], "capacity_bytes": m["kv_disk_capacity_bytes"],
+            "num_blocks": m["kv_disk_num_blocks"], "hit_tokens": m.get("prefix_cache_disk_hits_total", 0)}  # fmt: skip
 
 
 def _core(index: int, m: dict[str, Any]) -> dict[str, Any]:

@@ -196,8 +196,11 @@ function render(u) {
   $("step-sub").textContent = u.moe_imbalance ? "expert load max/mean " + Object.entries(u.moe_imbalance)
     .map(([g, r]) => `L${g} ${r.toFixed(2)}`).join(" · ") : "";
   $("kv-blocks").textContent = `${u.kv.used} / ${u.kv.free}`;
-  $("kv-sub").textContent = u.kv.cached_free === null ? `of ${u.kv.num_blocks}` :
-    `of ${u.kv.num_blocks} · ${u.kv.cached_free} free but cached · ${u.kv.shared} shared`;
+  const disk = u.kv.disk ? ` · disk ${(u.kv.disk.used_bytes / 2 ** 30).toFixed(2)} / ` +
+    `${(u.kv.disk.capacity_bytes / 2 ** 30).toFixed(1)} GiB, ${u.kv.disk.num_blocks} blocks, ` +
+    `${u.kv.disk.hit_tokens} tokens served` : "";
+  $("kv-sub").textContent = (u.kv.cached_free === null ? `of ${u.kv.num_blocks}` :
+    `of ${u.kv.num_blocks} · ${u.kv.cached_free} free but cached · ${u.kv.shared} shared`) + disk;
   $("hit-rate").textContent = u.prefix_hit_rate === null ? "–" : `${(100 * u.prefix_hit_rate).toFixed(1)} %`;
   $("preemptions").textContent = `${u.preemptions_window} / ${u.preemptions_total}`;
   $("throughput").textContent = u.throughput.generation_tok_s.toFixed(1);
