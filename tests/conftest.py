@@ -113,3 +113,21 @@ def hybrid_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -
     from tests.hybrid_helpers import HybridDirs
 
     return HybridDirs(tmp_path_factory.mktemp("hybrid"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def moe_dir_of(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):  # noqa: ANN201
+    """family → its tiny MoE checkpoint (tests/hf/test_moe_models.py's families and gpt_oss), built on first use."""
+    from tests.hf.test_gpt_oss import build_gpt_oss
+    from tests.hf.test_moe_models import build_moe_model
+
+    root, built = tmp_path_factory.mktemp("moe"), {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            out = root / family
+            built[family] = (build_gpt_oss(out, tokenizer_dir) if family == "gpt_oss"
+                             else build_moe_model(out, family, tokenizer_dir))  # fmt: skip
+        return built[family]
+
+    return get

@@ -19,22 +19,6 @@ from tests.distributed.test_tensor_parallel import (  # noqa: F401 (fixtures)
     make,
     one_thread_per_rank,
 )
-from tests.hf.test_gpt_oss import build_gpt_oss
-from tests.hf.test_moe_models import build_moe_model
-
-
-@pytest.fixture(scope="module")
-def moe_dir_of(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):  # noqa: ANN201
-    root, built = tmp_path_factory.mktemp("moe_tp"), {}
-
-    def get(family: str) -> Path:
-        if family not in built:
-            out = root / family
-            built[family] = (build_gpt_oss(out, tokenizer_dir) if family == "gpt_oss"
-                             else build_moe_model(out, family, tokenizer_dir))  # fmt: skip
-        return built[family]
-
-    return get
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt_oss",

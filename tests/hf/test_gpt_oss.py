@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
-from tests.hf_reference import hf_greedy, hf_last_logits
+from tests.hf.test_moe_models import _greedy
+from tests.hf_reference import hf_last_logits
 
 PROMPTS = ["The capital of France is", "def fib(n):", "import json\nimport os\n\nclass Decoder(object):", "a"]
 E, I_EXPERT = 8, 64
@@ -51,14 +52,6 @@ def build_gpt_oss(out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     return build_gpt_oss(tmp_path_factory.mktemp("gpt_oss"), tokenizer_dir)
-
-
-def _greedy(llm: LLM, model_dir: Path, prompts: list[str], max_tokens: int = 16) -> list:
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)  # fmt: skip
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model_dir, out.prompt_token_ids, max_tokens), prompt
-    return outs
 
 
 def _check_logits(llm: LLM, model_dir: Path, prompts: list[str]) -> None:

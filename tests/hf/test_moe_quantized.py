@@ -4,34 +4,18 @@ float32 engine's (which is HF-exact: test_moe_models.py, test_gpt_oss.py) and ag
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
 from lmserve.model.layers import Linear
 from lmserve.model.layers.moe import SparseMoE
-from tests.hf.test_gpt_oss import build_gpt_oss
-from tests.hf.test_moe_models import PROMPTS, build_moe_model
+from tests.hf.test_moe_models import PROMPTS
 
 # int8 W8A8 on these tiny random models (flat logits, routers near ties) moves the last-token logits by 2-16 %
 # (relative L2, measured on every family here), and the argmax at most to float's second best
 MAX_RELATIVE_ERROR, MAX_MEAN_RELATIVE_ERROR, MAX_RANK = 0.25, 0.1, 2
 
-
-@pytest.fixture(scope="module")
-def model_dir_of(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):  # noqa: ANN201
-    root, built = tmp_path_factory.mktemp("moe_quantized"), {}
-
-    def get(family: str) -> Path:
-        if family not in built:
-            out = root / family
-            built[family] = (build_gpt_oss(out, tokenizer_dir) if family == "gpt_oss"
-                             else build_moe_model(out, family, tokenizer_dir))  # fmt: skip
-        return built[family]
-
-    return get
 
 
 def _last_logits(llm: LLM) -> torch.Tensor:
@@ -48,8 +32,8 @@ FAMILIES = [pytest.param(f, marks=pytest.mark.slow) for f in ("gpt_oss", "qwen3_
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_int8_experts_stay_close_to_float(model_dir_of, family: str) -> None:  # noqa: ANN001
-    model_dir = model_dir_of(family)
+def test_int8_experts_stay_close_to_float(moe_dir_of, family: str) -> None:  # noqa: ANN001
+    model_dir = moe_dir_of(family)
     want = _last_logits(LLM(str(model_dir), num_kv_blocks=32))
     llm = LLM(str(model_dir), num_kv_blocks=32, quantization="int8")
     blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
