@@ -63,6 +63,8 @@ def test_the_disk_tier(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and "127 prompts of 4,096 tokens" in out
     rc, _, err = _run(["--preset", "llama-3-8b", "--kv-cache-disk-gib", "0"], capsys)
     assert rc == 2 and "--kv-cache-disk-gib must be a positive number" in err
+    rc, _, err = _run(["--preset", "llama-3-8b", "--kv-cache-disk-gib", "inf"], capsys)
+    assert rc == 2 and "--kv-cache-disk-gib must be a positive number" in err
 
 
 def test_json_llama3_8b_128k(capsys: pytest.CaptureFixture[str]) -> None:

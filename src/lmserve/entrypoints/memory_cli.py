@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -198,7 +199,7 @@ def run_memory(args: argparse.Namespace) -> int:
             exact, _ = resident_weight_bytes(GGUFCheckpoint(gguf_file), dtype_bytes(weight_dtype), True, panels)
             quantization = "gguf"
         disk_gib = getattr(args, "kv_cache_disk_gib", None)
-        if disk_gib is not None and not (isinstance(disk_gib, float | int) and disk_gib > 0):
+        if disk_gib is not None and not (isinstance(disk_gib, float | int) and 0 < disk_gib < math.inf):
             raise ValueError(f"--kv-cache-disk-gib must be a positive number of GiB, got {disk_gib!r}")
         report = memory_report(
             shape,
