@@ -150,7 +150,8 @@ def test_reset_prefix_cache_with_the_disk_tier(llama_dir: Path, tmp_path) -> Non
     "kw, named",
     [({"enable_prefix_caching": False}, "enable_prefix_caching=False"),
      ({"kv_transfer_config": {"kv_connector": "lmserve", "kv_role": "kv_producer"}}, "kv_transfer_config"),
-     ({"kv_cache_disk_gib": 0}, "kv_cache_disk_gib must be > 0")],
+     ({"kv_cache_disk_gib": 0}, "kv_cache_disk_gib must be > 0"),
+     ({"kv_cache_disk_gib": float("inf")}, "kv_cache_disk_gib must be > 0 and finite")],
 )  # fmt: skip
 def test_refused_at_start_up(llama_dir: Path, tmp_path, kw: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -375,8 +376,8 @@ class EngineArgs:
                 raise ValueError("kv_cache_disk_gib is set without kv_cache_disk_dir (the directory of the disk tier)")
             return None, 0
         gib = DEFAULT_KV_DISK_GIB if self.kv_cache_disk_gib is None else self.kv_cache_disk_gib
-        if not isinstance(gib, int | float) or gib <= 0:
-            raise ValueError(f"kv_cache_disk_gib must be > 0, got {gib!r}")
+        if not isinstance(gib, int | float) or isinstance(gib, bool) or not 0 < gib < math.inf:
+            raise ValueError(f"kv_cache_disk_gib must be > 0 and finite, got {gib!r}")
         refused = {
             "enable_prefix_caching=False": not self.enable_prefix_caching,
             "a hybrid model (its linear-attention state is not cached with the blocks)": state_bytes > 0,
