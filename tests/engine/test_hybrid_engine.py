@@ -14,6 +14,7 @@ from lmserve import LLM, SamplingParams
 from lmserve.checkpoint.shape import load_model_shape
 from lmserve.config.engine import EngineArgs
 from lmserve.memory import ledger as memory
+from tests.config.test_hybrid_config import REFUSED_WITH_STATE
 from tests.hybrid_helpers import MAX_TOKENS, PROMPTS, hf_greedy
 
 # (tiny tensors: two intra-op threads spin against each other on a busy 2-core machine)
@@ -80,15 +81,7 @@ def test_prefix_caching_is_off_and_identical_prompts_equal_hf(
     assert llm.engine.scheduler.prefix_cache_hits_total == 0
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "named"),
-    [
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
-        ({"kv_transfer_config": {"kv_role": "kv_producer"}}, "kv_transfer_config"),
-        ({"enable_lora": True}, "enable_lora"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
-    ],
-)
+@pytest.mark.parametrize(("kwargs", "named"), REFUSED_WITH_STATE)
 def test_combinations_without_state_support_are_refused_at_start_up(
     qwen3_5_dir: Path, kwargs: dict, named: str
 ) -> None:
