@@ -184,7 +184,8 @@ def test_a_background_read_does_not_hold_up_other_requests(llama_dir: Path, tmp_
     engine, tier = llm.engine, llm.engine.kv_disk
     gate = threading.Event()
     read_into = tier._read_into
-    tier._read_into = lambda keys, payloads: (gate.wait(30), read_into(keys, payloads))
+    # held until b has finished, however long that takes here (the bound only keeps a failed run from hanging)
+    tier._read_into = lambda keys, payloads: (gate.wait(600), read_into(keys, payloads))
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     engine.add_request("a", a, params)
     engine.add_request("b", list(range(3, 43)), params)  # queued behind a, nothing of it on disk
