@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchmark_model import CONFIG, build_benchmark_model, random_prompts
+from benchmark_model import CONFIG, DEFAULT_DIR, build_benchmark_model, random_prompts
 from machine import write_result
 
 TTFT_SLO_S, TPOT_SLO_S = 0.5, 0.05
@@ -118,6 +118,15 @@ def _read_bandwidth(disk_dir: Path) -> float | None:
     return total / (time.perf_counter() - start) / 1e9
 
 
+def _benchmark_model(max_len: int) -> Path:
+    """The benchmark model; one with longer positions (else identical config) when a prompt passes its 2,048."""
+    if max_len <= CONFIG["max_position_embeddings"]:
+        return build_benchmark_model()
+    positions = 1 << (max_len - 1).bit_length()
+    out = DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}-{positions // 1024}k")
+    return build_benchmark_model(out, overrides={"max_position_embeddings": positions})
+
+
 def run_mode(model_dir: Path, disk_dir: Path | None, convs, args, num_blocks: int) -> dict:
     from lmserve.config.engine import EngineArgs
     from lmserve.engine.llm_engine import LLMEngine
@@ -131,10 +140,12 @@ def run_mode(model_dir: Path, disk_dir: Path | None, convs, args, num_blocks: in
         return LLMEngine.from_engine_args(EngineArgs.from_kwargs(str(model_dir), **kw))
 
     e = engine()
+    print(f"[{'disk tier' if disk_dir else 'no tier'}] returning TTFT ...", flush=True)
     ttfts = _returning_ttft(e, convs, args.output_len)
     row = {"returning_ttft_ms": [1e3 * t for t in ttfts], "returning_ttft_median_ms": 1e3 * statistics.median(ttfts)}
     e.close()
     e = engine()
+    print(f"[{'disk tier' if disk_dir else 'no tier'}] serving {len(convs) * args.turns} turns ...", flush=True)
     order = [conv[t] for t in range(args.turns) for conv in convs]  # round-robin: each returns after the others
     row.update(_serve(e, order, args.concurrency, args.output_len))
     m = e.get_metrics()
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     torch.set_num_threads(args.threads)
-    model_dir = args.model or build_benchmark_model()
+    model_dir = args.model or _benchmark_model(args.prefix_len + args.question_len + args.output_len + 16)
     vocab = CONFIG["vocab_size"] if args.model is None else _vocab(model_dir)
     convs = _conversations(args.conversations, args.prefix_len, args.question_len, args.turns, vocab)
     prefix_blocks = args.conversations * args.prefix_len // 16

@@ -31,10 +31,14 @@ def test_preemption_matches_hf(model_dirs: dict[str, Path], name: str) -> None:
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("name", NEW_FAMILIES)
 def test_greedy_matches_quantized_reference(model_dirs: dict[str, Path], name: str, method: str) -> None:
-    if (name, method) == ("olmo3", "int8"):  # a known gap: token 8 of the prompt "a" differs, not yet explained
-        pytest.xfail("OLMo 3 int8: greedy differs from the quantized reference at token 8 of 'a' (under study)")
     llm = LLM(str(model_dirs[name]), num_kv_blocks=64, quantization=method)
-    assert_matches_reference(llm, quantized_reference(model_dirs[name], method), PROMPTS)
+    ref = quantized_reference(model_dirs[name], method)
+    if (name, method) == ("olmo3", "int8"):
+        # The reference is not stable to its own float noise here: OLMo feeds the un-normed residual to the int8
+        # activation grid, and at token 8 of "a" its top two logits swap by 0.03 between a 9- and a 13-token forward
+        # of the same tokens (the engine's logprobs equal the longer forward's to 1e-5). Accept within that margin.
+        ref.greedy_margin = 0.05
+    assert_matches_reference(llm, ref, PROMPTS)
 
 
 def test_gemma4_kv_pool_holds_only_the_layers_that_write_kv(model_dirs: dict[str, Path]) -> None:
