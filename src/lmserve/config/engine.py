@@ -28,6 +28,7 @@ from lmserve.config.model import RopeConfig as RopeConfig
 SCHEDULING_POLICIES = ("continuous", "static")
 GENERATION_CONFIG_MODES = ("auto", "vllm")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")  # auto: the model dtype
+STATE_CACHE_DTYPES = ("float32", "bfloat16")  # a hybrid's linear-attention state
 QUANTIZATION_METHODS = ("int8", "int4")
 QUANTIZATION_FORMAT = "lmserve-v1"  # `quantization_config.format` of checkpoints `lmserve quantize` writes
 # How int4 weights (lmserve int4, GGUF Q4_0 / Q4_1) are computed with: "w4a8" (activations quantized to int8 per
@@ -112,6 +113,7 @@ class CacheConfig:
     # a hybrid's prefix cache: slots of its state snapshots at block boundaries (core/state_snapshots.py), each
     # state_bytes_per_sequence
     num_state_snapshots: int = 0
+    state_cache_dtype: str = "float32"  # the recurrent state's (and its snapshots') dtype: float32 | bfloat16
 
     @property
     def num_tokens(self) -> int:
@@ -219,6 +221,7 @@ class EngineArgs:
     # a hybrid model's prefix cache: GiB of state snapshots at block boundaries (None: 1/8 of the budget, or one per
     # max_num_seqs beside num_kv_blocks; 0: no prefix caching for a hybrid)
     state_snapshot_memory_gib: float | None = None
+    state_cache_dtype: str = "float32"  # a hybrid's recurrent state: float32 | bfloat16 (vLLM's mamba_ssm_cache_dtype)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -235,6 +238,10 @@ class EngineArgs:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if self.state_cache_dtype not in STATE_CACHE_DTYPES:
+            raise ValueError(
+                f"state_cache_dtype must be one of {list(STATE_CACHE_DTYPES)}, got {self.state_cache_dtype!r}"
             )
         if self.generation_config not in GENERATION_CONFIG_MODES:
             raise ValueError(
@@ -276,7 +283,7 @@ class EngineArgs:
                              "n-gram speculation works")
         draft_bpt = spec.draft_kv_bytes_per_token if spec is not None else 0
         lora = self._lora(spec, model)
-        state_bytes = memory.linear_state_bytes_per_sequence(model)
+        state_bytes = memory.linear_state_bytes_per_sequence(model, memory.dtype_bytes(self.state_cache_dtype))
         if state_bytes:
             num_blocks, num_slots, num_snapshots = self._hybrid_pools(kv_bytes_per_token, state_bytes)
         else:
@@ -297,6 +304,7 @@ class EngineArgs:
             self.block_size, num_blocks, prefix_caching, kv_bytes_per_token, kv_dtype,
             memory.kv_scale_bytes_per_token(kv_layers, kv_heads, kv_dtype), draft_bpt,
             free_window, num_slots, state_bytes, disk_dir, disk_bytes, num_snapshots if prefix_caching else 0,
+            self.state_cache_dtype,
         )  # fmt: skip
         fitted = ""
         # the pool must hold a whole request, unless blocks outside the window are freed as a chunked prefill goes

@@ -297,7 +297,8 @@ class GatedDeltaNet(nn.Module):
         conv_out, window = conv1d_decode(mixed, conv_state[slots], weight)
         conv_state[slots] = window.to(conv_state.dtype)  # (16-bit compute: the state stays float32)
         q, k, v = self._split(conv_out)
-        out, ssm_state[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state[slots])
+        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state[slots])
+        ssm_state[slots] = state.to(ssm_state.dtype)  # (a bfloat16 state cache: rounded as it is stored)
         return out
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -184,13 +184,14 @@ class ModelRunner:
         self.state_cache: StateCache | None = None
         if not cc.num_state_slots:
             return []
-        self.state_cache = StateCache(mc.linear, mc.num_linear_layers, cc.num_state_slots, device=self.device,
-                                      num_snapshots=cc.num_state_snapshots)  # fmt: skip
+        self.state_cache = StateCache(mc.linear, mc.num_linear_layers, cc.num_state_slots,
+                                      getattr(torch, cc.state_cache_dtype), self.device, cc.num_state_snapshots)
         assert self.state_cache.nbytes == cc.num_state_slots * cc.state_bytes_per_sequence, "state bytes != ledger's"
         assert self.state_cache.snapshot_nbytes == cc.num_state_snapshots * cc.state_bytes_per_sequence, "snapshots"
-        logger.info("recurrent state: %d slots x %d linear-attention layers, %.1f MiB (%d B a sequence, float32); "
+        logger.info("recurrent state: %d slots x %d linear-attention layers, %.1f MiB (%d B a sequence, %s); "
                     "%d prefix-cache snapshots, %.1f MiB", cc.num_state_slots, mc.num_linear_layers,
-                    self.state_cache.nbytes / 2**20, cc.state_bytes_per_sequence, cc.num_state_snapshots,
+                    self.state_cache.nbytes / 2**20, cc.state_bytes_per_sequence, cc.state_cache_dtype,
+                    cc.num_state_snapshots,
                     self.state_cache.snapshot_nbytes / 2**20)  # fmt: skip
         return self.state_cache.layers
 
