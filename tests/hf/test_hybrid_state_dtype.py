@@ -37,7 +37,7 @@ def max_error(llm: LLM, model_dir: Path) -> float:
     return max((logits - hf_last_logits(model_dir, ids)).abs().max().item() for ids, logits in steps)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_bfloat16_state_halves_the_ledger_and_stays_close_to_hf(hybrid_dirs: dict[str, Path], kind: str) -> None:
     model_dir = hybrid_dirs[kind]
     f32, bf16 = (EngineArgs(model=str(model_dir), num_kv_blocks=64, state_cache_dtype=d).create_engine_config().cache
