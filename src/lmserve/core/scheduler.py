@@ -171,6 +171,7 @@ class Scheduler:
         num_lookahead = self.num_lookahead_tokens
         num_decode = 0
         running = self.running
+        snapshots = self.state_snapshots  # a hybrid's prefix cache: chunks save their state at a block boundary
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
@@ -201,8 +202,8 @@ class Scheduler:
                 break
             ids = [b.block_id for b in table] if emit_block_ids else []
             scheduled.append(ScheduledRequest(request, num_new, ids, len(spec)))
-            if self.state_snapshots is not None and num_new > 1:
-                scheduled[-1].state_save = plan_save(self.state_snapshots, request, num_new, block_size)
+            if snapshots is not None and num_new > 1:
+                scheduled[-1].state_save = plan_save(snapshots, request, num_new, block_size)
             # _share_in_step has something to do only for a step that completes a block (most decodes do not)
             if share and (computed + num_new) // block_size > computed // block_size:
                 self._share_in_step(request, num_new)
