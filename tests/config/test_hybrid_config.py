@@ -34,10 +34,16 @@ def test_plain_arguments_pass() -> None:
 def test_budget_split_is_the_ledgers() -> None:
     state, kv = 3_000_000, 4096
     args = EngineArgs(model="unused", kv_cache_memory_gib=0.05, max_num_seqs=256)
-    blocks, slots = args._hybrid_pools(kv, state)
+    blocks, slots, snapshots = args._hybrid_pools(kv, state)
     budget = int(0.05 * 2**30)
-    assert (blocks, slots) == memory.hybrid_pool_split(budget, 16, kv, state, 256)
-    assert slots < 256 and blocks * 16 * kv + slots * state <= budget
-    assert EngineArgs(model="unused", num_kv_blocks=64, max_num_seqs=5)._hybrid_pools(kv, state) == (64, 5)
+    assert (snapshots, budget - snapshots * state) == memory.state_snapshot_split(budget, state)
+    assert snapshots == budget // 8 // state  # the prefix cache's state snapshots: 1/8 of the budget by default
+    assert (blocks, slots) == memory.hybrid_pool_split(budget - snapshots * state, 16, kv, state, 256)
+    assert slots < 256 and blocks * 16 * kv + (slots + snapshots) * state <= budget
+    assert EngineArgs(model="unused", num_kv_blocks=64, max_num_seqs=5)._hybrid_pools(kv, state) == (64, 5, 5)
+    sized = EngineArgs(model="unused", kv_cache_memory_gib=0.05, state_snapshot_memory_gib=0.01)
+    assert sized._hybrid_pools(kv, state)[2] == int(0.01 * 2**30) // state
+    off = EngineArgs(model="unused", num_kv_blocks=64, enable_prefix_caching=False)
+    assert off._hybrid_pools(kv, state) == (64, 256, 0), "no prefix caching: no snapshot bytes"
     with pytest.raises(ValueError, match="kv_cache_memory_gib"):
         EngineArgs(model="unused", kv_cache_memory_gib=0.001)._hybrid_pools(kv, state)

@@ -1,7 +1,8 @@
 """A hybrid model (Qwen3.5) through the engine: every state slot held by exactly the running requests across
 preemptions and aborts, and back once they end; a slot an aborted request left dirty serves the next one from a zero
-state; prefix caching turned off with a log line (identical prompts still equal HF); the combinations that cannot
-hold the state refused at start-up naming them."""
+state; prefix caching turned off with a log line when no state snapshot is kept (identical prompts still equal HF;
+tests/engine/test_hybrid_prefix_cache.py has it on); the combinations that cannot hold the state refused at start-up
+naming them."""
 
 from __future__ import annotations
 
@@ -67,11 +68,12 @@ def test_slots_follow_running_requests_through_preemption_and_abort(qwen3_5_dir:
     pool.check_invariants(set())
 
 
-def test_prefix_caching_is_off_and_identical_prompts_equal_hf(
+def test_prefix_caching_is_off_without_snapshots_and_identical_prompts_equal_hf(
     qwen3_5_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO):
-        llm = LLM(str(qwen3_5_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
+        llm = LLM(str(qwen3_5_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=64,
+                  state_snapshot_memory_gib=0)  # fmt: skip
     assert "prefix caching is off" in caplog.text and not llm.engine.config.cache.enable_prefix_caching
     prompt = PROMPTS[1]  # 47 tokens: whole blocks another request could have hit
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -91,18 +93,22 @@ def test_combinations_without_state_support_are_refused_at_start_up(
 
 
 def test_pools_from_a_budget_are_the_ledgers_to_the_byte(qwen3_5_dir: Path) -> None:
-    """kv_cache_memory_gib: the KV blocks and state slots are memory.hybrid_pool_split's, the worker's state tensors
-    hold the ledger's bytes per sequence exactly, and max_num_seqs is capped to the slots."""
-    gib = 0.0005  # 536,870 bytes: 39 slots of 9,600 B state + a 4,096 B block each, the rest blocks
+    """kv_cache_memory_gib: the state snapshots are memory.state_snapshot_split's (1/8 of the budget), the KV blocks
+    and state slots memory.hybrid_pool_split's of the rest, the worker's state tensors hold the ledger's bytes per
+    sequence exactly, and max_num_seqs is capped to the slots."""
+    gib = 0.0005  # 536,870 bytes: 6 snapshots of 9,600 B, then slots of 9,600 B + a 4,096 B block each, the rest blocks
     llm = LLM(str(qwen3_5_dir), kv_cache_memory_gib=gib)
     config, runner = llm.engine.config, llm.engine.runner
     shape = load_model_shape(qwen3_5_dir)
     state = memory.linear_state_bytes_per_sequence(shape)
     kv = memory.kv_cache_bytes_per_token(shape.num_kv_layers, shape.num_kv_heads, shape.head_dim, "float32")
     assert (config.cache.state_bytes_per_sequence, config.cache.kv_bytes_per_token) == (state, kv)
-    blocks, slots = memory.hybrid_pool_split(int(gib * 2**30), 16, kv, state, 256)
+    snapshots, left = memory.state_snapshot_split(int(gib * 2**30), state)
+    assert snapshots == int(gib * 2**30) // 8 // state and left == int(gib * 2**30) - snapshots * state
+    blocks, slots = memory.hybrid_pool_split(left, 16, kv, state, 256)
     assert (config.cache.num_blocks, config.cache.num_state_slots) == (blocks, slots) and slots < 256
-    assert runner.state_cache.nbytes == slots * state
+    assert config.cache.num_state_snapshots == snapshots > 0
+    assert runner.state_cache.nbytes == slots * state and runner.state_cache.snapshot_nbytes == snapshots * state
     kv_tensors = [t for c in runner.kv_caches if hasattr(c, "k") for t in (c.k, c.v)]
     assert sum(t.numel() * t.element_size() for t in kv_tensors) == blocks * 16 * kv
     assert config.scheduler.max_num_seqs == slots == llm.engine.scheduler.state_slots.num_slots

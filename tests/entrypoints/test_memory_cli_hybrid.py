@@ -45,8 +45,11 @@ def test_hub_config_alone_gives_kv_and_state(
     state = report["state_bytes_per_sequence"]
     assert state == linear_layers * STATE_PER_LAYER
     budget, blocks, slots = report["kv_budget_bytes_per_rank"], report["num_kv_blocks"], report["num_state_slots"]
-    assert slots == 256 and blocks * 16 * kv_per_token + slots * state <= budget  # both pools from one budget
+    snapshots = report["num_state_snapshots"]
+    assert snapshots == budget // 8 // state  # the prefix cache's state snapshots: 1/8 of the budget
+    assert slots == 256 and blocks * 16 * kv_per_token + (slots + snapshots) * state <= budget  # all from one budget
     per_request = 8192 * kv_per_token  # 512 blocks of 16 tokens
     assert report["max_concurrent_requests"] == min(slots, blocks * 16 * kv_per_token // per_request)
     rc, table, _ = _run(["--model", repo, "--memory", memory], capsys)
     assert rc == 0 and "linear-attention state" in table and f"{linear_layers} of" in table
+    assert "state snapshots" in table and f"{snapshots:,} x " in table

@@ -106,8 +106,9 @@ def test_pool_split_fits_the_budget_and_agrees_with_the_state_tensors() -> None:
     assert cache.nbytes == 3 * state  # the worker's tensors hold the ledger's bytes exactly
     report = memory_report(shape, seq_len=1000, kv_dtype="float32", weight_dtype="float32",
                            memory_bytes=budget + 10**9, reserve_bytes=10**9 - 0)  # fmt: skip
-    kv_budget = report.kv_budget_bytes_per_rank
-    assert (report.num_kv_blocks, report.num_state_slots) == memory.hybrid_pool_split(kv_budget, 16, kv, state, 256)
+    snapshots, left = memory.state_snapshot_split(report.kv_budget_bytes_per_rank, state)
+    assert report.num_state_snapshots == snapshots == report.kv_budget_bytes_per_rank // 8 // state
+    assert (report.num_kv_blocks, report.num_state_slots) == memory.hybrid_pool_split(left, 16, kv, state, 256)
     assert report.max_concurrent_requests == min(report.num_state_slots, report.num_kv_blocks // 63)
 
 

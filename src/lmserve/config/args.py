@@ -76,6 +76,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the disk tier's size in GiB, least recently used blocks deleted past it (default 16)",
     )
+    g.add_argument(
+        "--state-snapshot-memory-gib", type=float, default=None,
+        help="a hybrid (linear-attention) model's prefix cache: GiB of recurrent-state snapshots kept at cached block "
+        "boundaries (default 1/8 of the KV budget; 0 turns prefix caching off for it)",
+    )  # fmt: skip
+    g.add_argument(
+        "--state-cache-dtype", default="float32", choices=["float32", "bfloat16"],
+        help="a hybrid (linear-attention) model's recurrent state and its snapshots: bfloat16 halves their bytes "
+        "(the decode step then runs on torch, not the C kernels)",
+    )  # fmt: skip
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument(
         "--no-in-step-prefix-sharing",
@@ -159,6 +169,8 @@ ENGINE_ARG_NAMES = (
     "pooler_config",
     "kv_cache_disk_dir",
     "kv_cache_disk_gib",
+    "state_snapshot_memory_gib",
+    "state_cache_dtype",
 )
 
 

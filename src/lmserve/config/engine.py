@@ -28,6 +28,7 @@ from lmserve.config.model import RopeConfig as RopeConfig
 SCHEDULING_POLICIES = ("continuous", "static")
 GENERATION_CONFIG_MODES = ("auto", "vllm")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")  # auto: the model dtype
+STATE_CACHE_DTYPES = ("float32", "bfloat16")  # a hybrid's linear-attention state
 QUANTIZATION_METHODS = ("int8", "int4")
 QUANTIZATION_FORMAT = "lmserve-v1"  # `quantization_config.format` of checkpoints `lmserve quantize` writes
 # How int4 weights (lmserve int4, GGUF Q4_0 / Q4_1) are computed with: "w4a8" (activations quantized to int8 per
@@ -109,6 +110,10 @@ class CacheConfig:
     state_bytes_per_sequence: int = 0
     kv_disk_dir: str | None = None  # the prefix cache's disk tier (engine/kv_tier.py), at most kv_disk_bytes there
     kv_disk_bytes: int = 0
+    # a hybrid's prefix cache: slots of its state snapshots at block boundaries (core/state_snapshots.py), each
+    # state_bytes_per_sequence
+    num_state_snapshots: int = 0
+    state_cache_dtype: str = "float32"  # the recurrent state's (and its snapshots') dtype: float32 | bfloat16
 
     @property
     def num_tokens(self) -> int:
@@ -213,6 +218,10 @@ class EngineArgs:
     pooler_config: dict[str, Any] | str | None = None  # pooling_type / normalize / score_tokens over the checkpoint's
     kv_cache_disk_dir: str | None = None  # the prefix cache's disk tier: evicted blocks saved here, read back on a hit
     kv_cache_disk_gib: float | None = None  # its size (LRU within it); default DEFAULT_KV_DISK_GIB
+    # a hybrid model's prefix cache: GiB of state snapshots at block boundaries (None: 1/8 of the budget, or one per
+    # max_num_seqs beside num_kv_blocks; 0: no prefix caching for a hybrid)
+    state_snapshot_memory_gib: float | None = None
+    state_cache_dtype: str = "float32"  # a hybrid's recurrent state: float32 | bfloat16 (vLLM's mamba_ssm_cache_dtype)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -229,6 +238,10 @@ class EngineArgs:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if self.state_cache_dtype not in STATE_CACHE_DTYPES:
+            raise ValueError(
+                f"state_cache_dtype must be one of {list(STATE_CACHE_DTYPES)}, got {self.state_cache_dtype!r}"
             )
         if self.generation_config not in GENERATION_CONFIG_MODES:
             raise ValueError(
@@ -270,24 +283,28 @@ class EngineArgs:
                              "n-gram speculation works")
         draft_bpt = spec.draft_kv_bytes_per_token if spec is not None else 0
         lora = self._lora(spec, model)
-        state_bytes = memory.linear_state_bytes_per_sequence(model)
+        state_bytes = memory.linear_state_bytes_per_sequence(model, memory.dtype_bytes(self.state_cache_dtype))
         if state_bytes:
-            num_blocks, num_slots = self._hybrid_pools(kv_bytes_per_token, state_bytes)
+            num_blocks, num_slots, num_snapshots = self._hybrid_pools(kv_bytes_per_token, state_bytes)
         else:
-            num_slots = 0
+            num_slots = num_snapshots = 0
             num_blocks = self._num_kv_blocks(kv_bytes_per_token + draft_bpt, lora.slot_bytes if lora else 0)
         # a draft model's KV shares the block tables and may attend to everything: no freeing beside one
         free_window = model.kv_free_window if spec is None or spec.draft is None else None
         prefix_caching = self.enable_prefix_caching
-        if state_bytes and prefix_caching:
-            logger.info("prefix caching is off for %s: a cached prefix would need its linear-attention state at the "
-                        "block boundary, which is not kept yet", model.architecture)  # fmt: skip
+        if state_bytes and prefix_caching and not num_snapshots:
+            logger.info("prefix caching is off for %s: state_snapshot_memory_gib holds no snapshot of its "
+                        "linear-attention state (%s each)", model.architecture, memory.format_bytes(state_bytes))
             prefix_caching = False
+        elif state_bytes and prefix_caching:
+            logger.info("prefix caching for %s: %d state snapshots at block boundaries, %s", model.architecture,
+                        num_snapshots, memory.format_bytes(num_snapshots * state_bytes))  # fmt: skip
         disk_dir, disk_bytes = self._kv_disk(prefix_caching, free_window, state_bytes)
         cache = CacheConfig(
             self.block_size, num_blocks, prefix_caching, kv_bytes_per_token, kv_dtype,
             memory.kv_scale_bytes_per_token(kv_layers, kv_heads, kv_dtype), draft_bpt,
-            free_window, num_slots, state_bytes, disk_dir, disk_bytes,
+            free_window, num_slots, state_bytes, disk_dir, disk_bytes, num_snapshots if prefix_caching else 0,
+            self.state_cache_dtype,
         )  # fmt: skip
         fitted = ""
         # the pool must hold a whole request, unless blocks outside the window are freed as a chunked prefill goes
@@ -380,7 +397,7 @@ class EngineArgs:
             raise ValueError(f"kv_cache_disk_gib must be > 0 and finite, got {gib!r}")
         refused = {
             "enable_prefix_caching=False": not self.enable_prefix_caching,
-            "a hybrid model (its linear-attention state is not cached with the blocks)": state_bytes > 0,
+            "a hybrid model (its linear-attention state snapshots are kept in RAM only)": state_bytes > 0,
             "a model whose every layer slides (its blocks are freed while it runs)": free_window is not None,
             "kv_transfer_config (prefill/decode disaggregation)": self.kv_transfer_config is not None,
             "tensor_parallel_size > 1 (each rank holds a shard of every block)": self.tensor_parallel_size > 1,
@@ -413,23 +430,33 @@ class EngineArgs:
                 "layers keep a per-sequence state (serve it without them)"
             )
 
-    def _hybrid_pools(self, kv_bytes_per_token: int, state_bytes: int) -> tuple[int, int]:
-        """(KV blocks, state slots): num_kv_blocks as given with a slot per max_num_seqs (their bytes on top), else
-        both from the budget (memory.hybrid_pool_split, as `lmserve memory` reports)."""
+    def _hybrid_pools(self, kv_bytes_per_token: int, state_bytes: int) -> tuple[int, int, int]:
+        """(KV blocks, state slots, state snapshots): num_kv_blocks as given with a slot per max_num_seqs and the
+        snapshots on top, else all from the budget (memory.state_snapshot_split, then hybrid_pool_split, as
+        `lmserve memory` reports)."""
         from lmserve.memory import ledger as memory
+        gib = self.state_snapshot_memory_gib
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 <= gib < math.inf):
+            raise ValueError(f"state_snapshot_memory_gib must be >= 0 and finite, got {gib!r}")
+        snapshot_bytes = 0 if not self.enable_prefix_caching else None if gib is None else int(gib * 2**30)
+        if gib and snapshot_bytes is not None and snapshot_bytes < state_bytes:
+            raise ValueError(f"state_snapshot_memory_gib={gib} cannot hold one state snapshot ({state_bytes} bytes)")
         if self.num_kv_blocks is not None:
             check_positive("num_kv_blocks", self.num_kv_blocks)
-            return self.num_kv_blocks, self.max_num_seqs
+            num = self.max_num_seqs if snapshot_bytes is None else snapshot_bytes // state_bytes
+            return self.num_kv_blocks, self.max_num_seqs, num
         budget_bytes = self._budget_bytes()
+        num_snapshots, left = memory.state_snapshot_split(budget_bytes, state_bytes, snapshot_bytes)
         num_blocks, num_slots = memory.hybrid_pool_split(
-            budget_bytes, self.block_size, kv_bytes_per_token, state_bytes, self.max_num_seqs
+            left, self.block_size, kv_bytes_per_token, state_bytes, self.max_num_seqs
         )
         if num_slots < 1:
             raise ValueError(
                 f"kv_cache_memory_gib: {budget_bytes} bytes cannot hold one sequence's state ({state_bytes} bytes) "
                 f"and one block of {self.block_size} tokens ({self.block_size * kv_bytes_per_token} bytes)"
+                + (f" beside {num_snapshots} state snapshots (state_snapshot_memory_gib)" if num_snapshots else "")
             )
-        return num_blocks, num_slots
+        return num_blocks, num_slots, num_snapshots
 
     def _budget_bytes(self) -> int:
         if self.kv_cache_memory_gib is not None:

@@ -16,6 +16,10 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table after allocation
     num_spec_tokens: int = 0  # the last num_spec_tokens of the new tokens are proposals to verify
+    # a hybrid's prefix cache (core/state_snapshots.py): the snapshot slot its state slot starts from (-1: none),
+    # and the snapshot (a StateSave) this chunk takes at a block boundary
+    state_restore: int = -1
+    state_save: Any = None
 
     @property
     def start(self) -> int:

@@ -15,6 +15,7 @@ from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.lora_slots import NO_SLOT, LoRASlotTable
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from lmserve.core.state_pool import NO_STATE_SLOT, StateSlotPool
+from lmserve.core.state_snapshots import NO_SNAPSHOT, StateSnapshotPool, plan_save
 from lmserve.request import FinishReason, Request, RequestStatus
 
 FINISHED = RequestStatus.FINISHED
@@ -24,6 +25,7 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock=None, num_lookahead_tokens: int = 0,
         lora_slots: LoRASlotTable | None = None, state_slots: StateSlotPool | None = None,
+        state_snapshots: StateSnapshotPool | None = None,
     ) -> None:  # fmt: skip
         import time
 
@@ -52,6 +54,8 @@ class Scheduler:
         self.lora_slots = lora_slots  # LoRA compute slots (None: LoRA disabled): a request's adapter must hold one
         # a hybrid model's recurrent-state slots (None: no linear-attention layers): a running request holds one
         self.state_slots = state_slots
+        # a hybrid's prefix cache: its state at cached block boundaries (None: hits are not taken for a hybrid)
+        self.state_snapshots = state_snapshots
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -167,6 +171,7 @@ class Scheduler:
         num_lookahead = self.num_lookahead_tokens
         num_decode = 0
         running = self.running
+        snapshots = self.state_snapshots  # a hybrid's prefix cache: chunks save their state at a block boundary
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
@@ -197,6 +202,8 @@ class Scheduler:
                 break
             ids = [b.block_id for b in table] if emit_block_ids else []
             scheduled.append(ScheduledRequest(request, num_new, ids, len(spec)))
+            if snapshots is not None and num_new > 1:
+                scheduled[-1].state_save = plan_save(snapshots, request, num_new, block_size)
             # _share_in_step has something to do only for a step that completes a block (most decodes do not)
             if share and (computed + num_new) // block_size > computed // block_size:
                 self._share_in_step(request, num_new)
@@ -223,6 +230,9 @@ class Scheduler:
                 compiling.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            restore = NO_SNAPSHOT
+            if hits and self.state_slots is not None:  # a hybrid: only as far as a state snapshot reaches
+                hits, num_hit_tokens, restore = self._snapshot_hit(hits)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_hit_tokens:
                 break
@@ -231,7 +241,11 @@ class Scheduler:
                 break
             self._admit(request, num_hit_tokens, hits)
             ids = [b.block_id for b in table] if self.emit_block_ids else []
-            scheduled.append(ScheduledRequest(request, num_new, ids))
+            scheduled.append(ScheduledRequest(request, num_new, ids, state_restore=restore))
+            if self.state_snapshots is not None:
+                self.state_snapshots.num_restores_total += restore != NO_SNAPSHOT
+                if num_new > 1:
+                    scheduled[-1].state_save = plan_save(self.state_snapshots, request, num_new, self.kv.block_size)
             self._share_in_step(request, num_new)
             if num_hit_tokens >= request.num_tokens - 1:
                 num_decode += num_new
@@ -247,6 +261,8 @@ class Scheduler:
                 if self.state_slots is not None and not self.state_slots.can_allocate():
                     break
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+                if self.state_slots is not None:  # a hybrid joins from a zero state (a snapshot is not pinned)
+                    hits, num_hit_tokens = [], 0
                 if not self.kv.can_allocate(request.num_tokens + 1, hits):
                     break
                 table = self.kv.allocate_slots(request, 0, hits)
@@ -258,7 +274,6 @@ class Scheduler:
         """Move the head of the waiting queue to running, its first num_hit_tokens found in the prefix cache (hits:
         the blocks, those of the disk tier counted apart)."""
         assert request is self.waiting[0], "requests are admitted in FCFS order"
-        assert self.state_slots is None or num_hit_tokens == 0, "a hybrid model's prefix hit would need its state"
         self.waiting.popleft()
         self.prefix_cache_queries_total += request.num_tokens
         self.prefix_cache_hits_total += num_hit_tokens
@@ -273,6 +288,13 @@ class Scheduler:
         if self.state_slots is not None:
             request.state_slot = self.state_slots.allocate(request.request_id)
         self.running.append(request)
+
+    def _snapshot_hit(self, hits: list) -> tuple[list, int, int]:
+        """A hybrid's prefix hits cut to the longest whose state snapshot is kept: (hits, tokens, snapshot slot)."""
+        if self.state_snapshots is None:
+            return [], 0, NO_SNAPSHOT
+        n, slot = self.state_snapshots.longest_hit(hits)
+        return hits[:n], n * self.kv.block_size, slot
 
     def _lora_slot_ready(self, request: Request) -> bool:
         return (
@@ -333,6 +355,8 @@ class Scheduler:
         now = self.clock()
         sampled_token_ids = output.sampled_token_ids
         kv = self.kv
+        if self.state_snapshots is not None:
+            self.state_snapshots.commit()  # the step wrote its planned snapshots
         for s in sched.scheduled:
             request = s.request
             if request.status is FINISHED:

@@ -17,6 +17,7 @@ from lmserve.core.outputs import BlockMap, RequestOutput, SchedulerStats
 from lmserve.core.prefix_shadow import SharedPrefixCounter
 from lmserve.core.scheduler import Scheduler
 from lmserve.core.state_pool import StateSlotPool
+from lmserve.core.state_snapshots import StateSnapshotPool
 from lmserve.engine.closing import check_open, close_engine
 from lmserve.engine.counters import EngineCounters, config_metrics, spec_decode_metrics, step_metrics
 from lmserve.engine.disaggregation import make_roles
@@ -69,8 +70,10 @@ class LLMEngine:
         lora_slots = LoRASlotTable(config.lora.max_loras) if config.lora is not None else None
         # a hybrid model's per-sequence recurrent state: one slot per running request (core/state_pool.py)
         state_slots = StateSlotPool(config.cache.num_state_slots) if config.cache.num_state_slots else None
+        # and its prefix cache's state snapshots at block boundaries (core/state_snapshots.py)
+        snapshots = StateSnapshotPool(config.cache.num_state_snapshots) if config.cache.num_state_snapshots else None
         self.scheduler = Scheduler(config.scheduler, self.kv, num_lookahead_tokens=lookahead, lora_slots=lora_slots,
-                                   state_slots=state_slots)  # fmt: skip
+                                   state_slots=state_slots, state_snapshots=snapshots)  # fmt: skip
         self.structured = StructuredOutputManager(
             self.tokenizer, config.model.vocab_size, self.eos_token_ids,
             allow_additional_properties=config.structured_outputs_allow_additional_properties,
@@ -193,6 +196,8 @@ class LLMEngine:
         computes its whole prompt. Running requests keep their blocks; only the index forgets them. include_disk: the
         disk tier's blocks are deleted too (without it a prompt evicted there still hits)."""
         self.kv.pool.reset_prefix_cache()
+        if self.scheduler.state_snapshots is not None:
+            self.scheduler.state_snapshots.reset()
         if include_disk and self.kv_disk is not None:
             self.kv_disk.clear()
 
@@ -351,8 +356,14 @@ class LLMEngine:
         pool = self.scheduler.state_slots
         if pool is None:
             return {}
-        return {"num_state_slots_used": pool.num_used, "num_state_slots": pool.num_slots,
-                "state_bytes_per_sequence": self.config.cache.state_bytes_per_sequence}  # fmt: skip
+        out = {"num_state_slots_used": pool.num_used, "num_state_slots": pool.num_slots,
+               "state_bytes_per_sequence": self.config.cache.state_bytes_per_sequence}  # fmt: skip
+        snapshots = self.scheduler.state_snapshots
+        if snapshots is not None:  # the prefix cache's state snapshots
+            out.update(num_state_snapshots=snapshots.num_slots, num_state_snapshots_cached=snapshots.num_cached,
+                       state_snapshot_saves_total=snapshots.num_saves_total,
+                       state_snapshot_restores_total=snapshots.num_restores_total)  # fmt: skip
+        return out
 
     def _lora_metrics(self) -> dict[str, Any]:
         """Running requests per adapter name (the base model's under ""), the slots' bytes (the ledger's LoRA line)."""

@@ -26,6 +26,7 @@ __all__ = [
     "kv_scale_bytes_per_token",
     "kv_heads_per_rank",
     "hybrid_pool_split",
+    "state_snapshot_split",
     "linear_state_bytes_per_sequence",
     "max_concurrent_sequences",
     "load_model_shape",
@@ -411,6 +412,20 @@ def hybrid_pool_split(
     num_slots = min(max_num_seqs, budget_bytes // (state_bytes_per_sequence + block_bytes))
     num_blocks = (budget_bytes - num_slots * state_bytes_per_sequence) // block_bytes
     return num_blocks, num_slots
+
+
+DEFAULT_STATE_SNAPSHOT_SHARE = 8  # a hybrid's prefix-cache snapshots take 1/8 of the budget unless sized
+
+
+def state_snapshot_split(budget_bytes: int, state_bytes_per_sequence: int, snapshot_bytes: int | None = None
+                         ) -> tuple[int, int]:  # fmt: skip
+    """(state snapshots, bytes left for hybrid_pool_split): a hybrid's prefix cache keeps its state at cached block
+    boundaries, each snapshot state_bytes_per_sequence; snapshot_bytes of the budget (None: 1/8 of it) go to them."""
+    _positive("state_bytes_per_sequence", state_bytes_per_sequence)
+    if snapshot_bytes is None:
+        snapshot_bytes = budget_bytes // DEFAULT_STATE_SNAPSHOT_SHARE
+    num = min(snapshot_bytes, budget_bytes) // state_bytes_per_sequence
+    return num, budget_bytes - num * state_bytes_per_sequence
 
 
 def max_concurrent_sequences(

@@ -26,6 +26,7 @@ from lmserve.memory.ledger import (
     num_active_parameters,
     num_parameters,
     num_parameters_per_rank,
+    state_snapshot_split,
     weight_bytes_per_rank,
 )
 from lmserve.memory.units import format_bytes
@@ -90,6 +91,7 @@ class MemoryReport:
     # hybrid models: the linear-attention layers' state per sequence (float32) and the slots the budget gives them
     state_bytes_per_sequence: int = 0
     num_state_slots: int | None = None
+    num_state_snapshots: int | None = None  # the prefix cache's state snapshots (1/8 of the budget, the default)
     # mixture of experts: parameters a token computes with (embedding table counted, and without it: what a decode
     # step streams per token) and the routed experts' bytes per precision; None for a dense model
     num_active_parameters: int | None = None
@@ -237,6 +239,11 @@ class MemoryReport:
             if self.num_state_slots is not None:
                 slots = f"{self.num_state_slots:,} (one per running sequence: max_num_seqs is at most this)"
                 rows.append(("  state slots", slots))
+            if self.num_state_snapshots is not None:
+                snaps = (f"{self.num_state_snapshots:,} x {_fmt(self.state_bytes_per_sequence)} = "
+                         f"{_fmt(self.num_state_snapshots * self.state_bytes_per_sequence)} (prefix cache; "
+                         "--state-snapshot-memory-gib, default 1/8 of the budget)")  # fmt: skip
+                rows.append(("  state snapshots", snaps))
             rows.append(
                 (
                     "  max concurrent requests",
@@ -394,15 +401,17 @@ def memory_report(
                 f"{what} ({format_bytes(weight_bytes_rank + lora_bytes)} per device) do not fit in "
                 f"memory minus reserve ({format_bytes(memory_bytes - reserve_bytes)})"
             )
-        slots = None
-        if state_bytes:  # the engine's split (config.EngineArgs), with max_num_seqs at its default
-            blocks, slots = hybrid_pool_split(kv_budget, block_size, per_token_rank, state_bytes, max_num_seqs)
+        slots = snapshots = None
+        if state_bytes:  # the engine's split (config.EngineArgs), with max_num_seqs and the snapshots at their defaults
+            snapshots, left = state_snapshot_split(kv_budget, state_bytes)
+            blocks, slots = hybrid_pool_split(left, block_size, per_token_rank, state_bytes, max_num_seqs)
             max_req = min(slots, blocks // n_blocks_req)
         else:
             blocks = max_num_kv_blocks(kv_budget, block_size, per_token_rank)
             max_req = blocks // n_blocks_req
         budget = dict(
             num_state_slots=slots,
+            num_state_snapshots=snapshots,
             memory_bytes=memory_bytes,
             reserve_bytes=reserve_bytes,
             weights_fit=free >= 0,

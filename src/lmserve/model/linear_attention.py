@@ -65,6 +65,8 @@ class LinearAttentionMetadata:
     prefills: list[tuple[int, int, int, bool]] = field(default_factory=list)
     # slots of decode rows at position 0 (a one-token prompt): zeroed before the step reads them
     fresh_decode_slots: torch.Tensor | None = None
+    # prefix caching: chunk index -> (its rows before a block boundary, snapshot slot): the state there is saved
+    saves: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def step_metadata(
@@ -75,14 +77,18 @@ def step_metadata(
     slots = [s.request.state_slot for s in decodes]
     assert all(slot >= 0 for slot in slots), "a decode row of a request holding no state slot"
     fresh = [s.request.state_slot for s in decodes if s.start == 0]
-    chunks = []
+    chunks, saves = [], {}
     for s in prefills:
         row = first_row[s.request.request_id]
         assert s.request.state_slot >= 0, f"request {s.request.request_id} holds no state slot"
+        save = s.state_save  # prefix caching: a StateSave (core/state_snapshots.py) at a block boundary
+        if save is not None:
+            assert s.start < save.position <= s.start + s.num_new_tokens, f"save at {save.position} outside the chunk"
+            saves[len(chunks)] = (save.position - s.start, save.slot)
         chunks.append((row, row + s.num_new_tokens, s.request.state_slot, s.start == 0))
     decode_slots = torch.tensor(slots, dtype=torch.long, device=device) if slots else None
     fresh_slots = torch.tensor(fresh, dtype=torch.long, device=device) if fresh else None
-    return LinearAttentionMetadata(decode_slots, len(slots), chunks, fresh_slots)
+    return LinearAttentionMetadata(decode_slots, len(slots), chunks, fresh_slots, saves)
 
 
 # ---- the convolution ----------------------------------------------------------------------------------------------
@@ -243,10 +249,12 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def forward(
-        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, meta: LinearAttentionMetadata
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, meta: LinearAttentionMetadata,
+        snapshots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """x (T, hidden), the step's rows; conv_state (slots, conv_dim, kernel - 1) and ssm_state (slots, Hv, K, V)
-        are this layer's state tensors, read and written at each sequence's slot. Returns (T, hidden)."""
+        are this layer's state tensors, read and written at each sequence's slot; snapshots: the prefix cache's
+        tensors of the same shapes, written where meta.saves says. Returns (T, hidden)."""
         d = self.dims
         mixed, z, b, a = self.project(x)  # mixed: (T, conv_dim), q k v before the conv
         beta = b.sigmoid()
@@ -261,11 +269,19 @@ class GatedDeltaNet(nn.Module):
                 conv_state[meta.fresh_decode_slots] = 0.0
                 ssm_state[meta.fresh_decode_slots] = 0.0
             core[:nd] = self._decode(mixed[:nd], g[:nd], beta[:nd], weight, conv_state, ssm_state, slots)
-        for start, end, slot, fresh in meta.prefills:
-            conv_out, conv_state[slot] = conv1d_chunk(mixed[start:end], None if fresh else conv_state[slot], weight)
-            q, k, v = self._split(conv_out)
-            state = None if fresh else ssm_state[slot]
-            core[start:end], ssm_state[slot] = chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end], state)
+        for i, (start, end, slot, fresh) in enumerate(meta.prefills):
+            save = meta.saves.get(i)
+            # a snapshot at a block boundary inside the chunk: the chunk runs as two pieces, the state saved between
+            for a, b in ((start, end),) if save is None else ((start, start + save[0]), (start + save[0], end)):
+                if a < b:
+                    conv_out, conv_state[slot] = conv1d_chunk(mixed[a:b], None if fresh else conv_state[slot], weight)
+                    q, k, v = self._split(conv_out)
+                    state = None if fresh else ssm_state[slot]
+                    core[a:b], ssm_state[slot] = chunk_gated_delta_rule(q, k, v, g[a:b], beta[a:b], state)
+                    fresh = False
+                if save is not None and b == start + save[0]:
+                    assert snapshots is not None, "a state save without snapshot tensors"
+                    snapshots[0][save[1]], snapshots[1][save[1]] = conv_state[slot], ssm_state[slot]
         core = self.norm(core.to(x.dtype), z.view(x.shape[0], d.num_v_heads, d.v_dim))
         return self.out_proj(core.reshape(x.shape[0], d.value_size))
 
@@ -281,7 +297,8 @@ class GatedDeltaNet(nn.Module):
         conv_out, window = conv1d_decode(mixed, conv_state[slots], weight)
         conv_state[slots] = window.to(conv_state.dtype)  # (16-bit compute: the state stays float32)
         q, k, v = self._split(conv_out)
-        out, ssm_state[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state[slots])
+        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state[slots])
+        ssm_state[slots] = state.to(ssm_state.dtype)  # (a bfloat16 state cache: rounded as it is stored)
         return out
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

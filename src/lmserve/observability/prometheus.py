@@ -227,6 +227,12 @@ class _EngineCollector(Collector):
             yield gauge("state_slots_used", "Recurrent-state slots held by running sequences.", used)
             yield gauge("state_slots_total", "Recurrent-state slots (max_num_seqs is at most this).",
                         m["num_state_slots"])  # fmt: skip
+        if "num_state_snapshots" in m:  # a hybrid's prefix cache: its state snapshots at block boundaries
+            yield gauge("state_snapshots_cached", "Recurrent-state snapshots the prefix cache keeps.",
+                        m["num_state_snapshots_cached"])  # fmt: skip
+            yield gauge("state_snapshots_total", "Recurrent-state snapshot slots.", m["num_state_snapshots"])
+            yield counter("state_snapshot_restores", "Prefix hits that restored a state snapshot.",
+                          m["state_snapshot_restores_total"])  # fmt: skip
         yield from _step_metrics(m, counter, gauge)
         config = GaugeMetricFamily(
             PREFIX + "engine_config_info",

@@ -184,11 +184,15 @@ class ModelRunner:
         self.state_cache: StateCache | None = None
         if not cc.num_state_slots:
             return []
-        self.state_cache = StateCache(mc.linear, mc.num_linear_layers, cc.num_state_slots, device=self.device)
+        self.state_cache = StateCache(mc.linear, mc.num_linear_layers, cc.num_state_slots,
+                                      getattr(torch, cc.state_cache_dtype), self.device, cc.num_state_snapshots)
         assert self.state_cache.nbytes == cc.num_state_slots * cc.state_bytes_per_sequence, "state bytes != ledger's"
-        logger.info("recurrent state: %d slots x %d linear-attention layers, %.1f MiB (%d B a sequence, float32)",
-                    cc.num_state_slots, mc.num_linear_layers, self.state_cache.nbytes / 2**20,
-                    cc.state_bytes_per_sequence)  # fmt: skip
+        assert self.state_cache.snapshot_nbytes == cc.num_state_snapshots * cc.state_bytes_per_sequence, "snapshots"
+        logger.info("recurrent state: %d slots x %d linear-attention layers, %.1f MiB (%d B a sequence, %s); "
+                    "%d prefix-cache snapshots, %.1f MiB", cc.num_state_slots, mc.num_linear_layers,
+                    self.state_cache.nbytes / 2**20, cc.state_bytes_per_sequence, cc.state_cache_dtype,
+                    cc.num_state_snapshots,
+                    self.state_cache.snapshot_nbytes / 2**20)  # fmt: skip
         return self.state_cache.layers
 
     @torch.inference_mode()
@@ -228,6 +232,10 @@ class ModelRunner:
             )
         if self.config.cache.num_state_slots:  # a hybrid's linear-attention layers: each sequence's state slot
             meta.linear = linear_step_metadata(decodes, prefills, first_row, dev)
+            restores = [(s.state_restore, s.request.state_slot) for s in ordered if s.state_restore >= 0]
+            if restores:  # a prefix hit: the state at its last block, before any layer reads the slot
+                assert self.state_cache is not None
+                self.state_cache.restore(restores)
         if self.lora is not None:
             self.lora.begin_step(ordered)
         if ordered:  # the blocks this step writes, and (spec decode) its requests' lookahead tails

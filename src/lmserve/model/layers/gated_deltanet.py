@@ -30,4 +30,5 @@ class LinearAttention(GatedDeltaNet):
         """cache: this layer's LayerState (conv window and delta-rule state per slot)."""
         meta = step.meta.linear
         assert meta is not None, "a linear-attention layer's step without state slots (LinearAttentionMetadata)"
-        return super().forward(x, cache.conv, cache.ssm, meta)
+        snapshots = None if cache.conv_snapshots is None else (cache.conv_snapshots, cache.ssm_snapshots)
+        return super().forward(x, cache.conv, cache.ssm, meta, snapshots)
