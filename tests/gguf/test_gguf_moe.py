@@ -203,11 +203,17 @@ def test_quantized_experts_match_hf_on_dequantized_weights(
     moe_dir_of, tmp_path: Path, family: str, expert_type: str
 ) -> None:
     """Block-32 experts (and Qwen2-MoE's shared expert) kept as they are, with the attention in Q8_0 too (the
-    converter's --outtype q8_0), under the default W4A8 kernels: greedy tokens HF's on the dequantized weights up to
-    near-ties of the int8 activations' rounding."""
+    converter's --outtype q8_0): weight-only, HF's logits and greedy tokens on the dequantized weights; under the
+    default W4A8 kernels (int8 activations) the same up to that rounding."""
+    from lmserve import kernels
+
     model_dir = moe_dir_of(family)
     file = write_moe_gguf(model_dir, tmp_path / f"{family}.gguf", expert_type=expert_type, dense_type="Q8_0")
     ref = quantized_reference(model_dir, tmp_path / "ref", expert_type, dense_type="Q8_0")
+    exact = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, int4_compute="weight-only")
+    _check(exact, ref, atol=1e-3)
+    if not kernels.available():
+        return
     llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64)
     block = next(layer.mlp for layer in llm.engine.runner.model.model.layers if hasattr(layer.mlp, "experts"))
     assert block.experts[0].gate_up_proj._w4a8 is not None, "the experts run on the W4A8 kernels"
@@ -216,7 +222,7 @@ def test_quantized_experts_match_hf_on_dequantized_weights(
         assert block.shared_expert_gate.weight.dtype == torch.float32
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for out in llm.generate(PROMPTS, params, use_tqdm=False):
-        assert_greedy_matches_hf_up_to_margin(ref, out.prompt_token_ids, out.outputs[0].token_ids, 0.05, out.prompt)
+        assert_greedy_matches_hf_up_to_margin(ref, out.prompt_token_ids, out.outputs[0].token_ids, 0.1, out.prompt)
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------

@@ -238,12 +238,15 @@ class SparseMoE(nn.Module):
             if not m:
                 raise ValueError(f"{name}: not a tensor of the shared expert")
             s = self.shape.shared_expert_intermediate_size
-            gu = self.shared_expert.gate_up_proj.weight
-            dst = {"gate_proj": gu[:s], "up_proj": gu[s:], "down_proj": self.shared_expert.down_proj.weight,
-                   None: self.shared_expert_gate.weight}[m.group(1)]  # fmt: skip
-            if m.group(1) is None and tensor.dim() == 1:  # (GGUF: llama.cpp's {n_embd} shape for the (1, H) gate)
-                tensor = tensor.unsqueeze(0)
-            _copy(name, dst, self._tp_slice(m.group(1), "weight", tensor, s) if m.group(1) else tensor)
+            if m.group(1) is None:  # the gate ((H,) in a GGUF file: llama.cpp's {n_embd} for the (1, H) weight)
+                _copy(name, self.shared_expert_gate.weight, tensor.unsqueeze(0) if tensor.dim() == 1 else tensor)
+            else:
+                target = self.shared_expert.down_proj if m.group(1) == "down_proj" else self.shared_expert.gate_up_proj
+                if target.weight is None:
+                    raise ValueError(f"{name}: a float weight where the shared expert holds quantized blocks")
+                w = target.weight
+                dst = w if m.group(1) == "down_proj" else w[:s] if m.group(1) == "gate_proj" else w[s:]
+                _copy(name, dst, self._tp_slice(m.group(1), "weight", tensor, s))
         else:
             raise ValueError(f"{name}: not a tensor of this MoE block ({self.spec.num_experts} experts)")
         loaded.add(name)
