@@ -146,9 +146,11 @@ def test_qwen3_moe_f32_matches_hf(moe_dir_of, tmp_path: Path) -> None:
     _check(LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64), model_dir, greedy=1, max_tokens=6)
 
 
-def test_qwen3_moe_q8_0_experts_run_as_they_are(moe_dir_of, tmp_path: Path, caplog) -> None:
+def test_qwen3_moe_q8_0_experts_run_as_they_are(moe_dir_of, tmp_path: Path, caplog, capsys) -> None:
     """Q8_0 expert stacks stay Q8_0 (int8w Linears, the file's bytes; the router float32), and the engine matches HF
     holding gguf's dequantization of the same file (weight-only: the file's math exactly, float order aside)."""
+    from safetensors.torch import load_file
+
     from lmserve.checkpoint.gguf import GGUFCheckpoint, resident_weight_bytes
     from lmserve.model.layers import Linear
 
@@ -166,6 +168,18 @@ def test_qwen3_moe_q8_0_experts_run_as_they_are(moe_dir_of, tmp_path: Path, capl
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith((".qweight", ".scales")))
     assert resident_weight_bytes(GGUFCheckpoint(file), 4, True)[0] == params + buffers
+    import argparse
+    import json
+
+    from lmserve.entrypoints.memory_cli import add_memory_parser
+
+    parser = argparse.ArgumentParser()
+    add_memory_parser(parser.add_subparsers())
+    args = parser.parse_args(["memory", "--model", str(file), "--json", "--int4-compute", "weight-only"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    hf_params = sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
+    assert report["num_parameters"] == hf_params and report["weight_bytes"] == params + buffers
     assert all(m.quant_method in (None, "int8w") for m in model.modules() if isinstance(m, Linear))
     _check(llm, ref, batch=2, greedy=1, max_tokens=6)
 
