@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from lmserve.checkpoint import gguf_moe
+
 logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` → the HF architecture our decoder implements.
@@ -159,12 +161,13 @@ class GGUFCheckpoint:
         self.path = Path(path)
         self._reader = _open_reader(self.path)
         self.architecture = str(self.field("general.architecture"))
-        if self.architecture not in GGUF_ARCHITECTURES:
+        if self.architecture not in GGUF_ARCHITECTURES and self.architecture not in gguf_moe.MOE_ARCHITECTURES:
             raise ValueError(
                 f"GGUF architecture {self.architecture!r} in {self.path.name} is not supported; "
-                f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+                f"supported: {', '.join([*GGUF_ARCHITECTURES, *gguf_moe.MOE_ARCHITECTURES])}"
             )
         self._by_name = {t.name: t for t in self._reader.tensors}
+        self.moe = gguf_moe.moe_architecture(self.architecture, self.field)  # (HF architecture, model_type) or None
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self._reader.get_field(key)
@@ -173,7 +176,7 @@ class GGUFCheckpoint:
     def hf_config(self) -> dict[str, Any]:
         """An HF config.json dict for `ModelConfig.from_hf`: the shape, RoPE, tying and EOS ids."""
         arch = self.architecture
-        cfg: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
+        cfg: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES.get(arch)], "model_type": arch}
         for key, hf_key in CONFIG_KEYS.items():
             value = self.field(f"{arch}.{key}")
             if value is not None:
@@ -193,13 +196,19 @@ class GGUFCheckpoint:
                 f"GGUF reader does not support yet"
             )
         scaling = self.field(f"{arch}.rope.scaling.type")
-        if scaling not in (None, "none"):
+        if scaling == "yarn" and self.moe is not None:
+            cfg["rope_scaling"] = gguf_moe.yarn_rope_scaling(arch, self.field, self.moe[1])
+        elif scaling not in (None, "none"):
             if scaling != "linear":
                 raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported (only 'linear')")
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self.field(f"{arch}.rope.scaling.factor"))}
         eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         cfg["eos_token_id"] = sorted({int(t) for t in eos if t is not None})
         cfg["bos_token_id"] = self.field("tokenizer.ggml.bos_token_id")
+        if self.moe is not None:
+            shapes = {t.name: (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
+                      for t in self._reader.tensors}  # fmt: skip
+            cfg = gguf_moe.moe_hf_config(arch, self.field, cfg, shapes)
         return cfg
 
     def tensors(self) -> list[GGUFTensor]:
@@ -208,6 +217,11 @@ class GGUFCheckpoint:
         num_kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", num_heads))
         out = []
         for t in self._reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if gguf_moe.expert_stack(t.name) is not None:  # one view per expert, each keeping the stack's type
+                for name, hf_name, part_shape, raw in gguf_moe.split_expert_stack(t.name, shape, t.data):
+                    out.append(GGUFTensor(name, hf_name, t.tensor_type.name, part_shape, raw, None))
+                continue
             hf_name = hf_tensor_name(t.name)
             unpermute = None
             if self.architecture in PERMUTED_QK_ARCHITECTURES:
@@ -215,7 +229,6 @@ class GGUFCheckpoint:
                     unpermute = num_heads
                 elif ".attn_k." in t.name:
                     unpermute = num_kv_heads
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             out.append(GGUFTensor(t.name, hf_name, t.tensor_type.name, shape, t.data, unpermute))
         return out
 
@@ -237,6 +250,9 @@ def hf_tensor_name(gguf_name: str) -> str:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSOR_NAMES:
         return f"model.layers.{parts[1]}.{LAYER_TENSOR_NAMES[parts[2]]}.{suffix}"
+    moe = gguf_moe.moe_tensor_name(stem)
+    if moe is not None:
+        return moe if moe.endswith(".sinks") else f"{moe}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the supported architectures")
 
 
@@ -376,13 +392,13 @@ def iter_hf_tensors(
     take_block32: Block32Hook | None = None,
     why_block32: str = "quantization='none', or an engine that is not CPU float32",
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array) for every tensor not claimed by `take_block32` (offered every block-32 and K-quant one),
+    """(HF name, array) for every tensor not claimed by `take_block32` (offered every block-32, K-quant and MXFP4 one),
     dequantizing what needs it (logged; `why_block32`: why the kept types' tensors not claimed are dequantized)."""
     tensors = checkpoint.tensors()
     claimed = {
         t.gguf_name
         for t in tensors
-        if t.type_name in KEPT_TYPES and take_block32 is not None and take_block32(t.hf_name, t)
+        if t.type_name in (*KEPT_TYPES, "MXFP4") and take_block32 is not None and take_block32(t.hf_name, t)
     }
     dequantized = [t for t in tensors if t.type_name not in UNQUANTIZED_TYPES and t.gguf_name not in claimed]
     log_dequantized(dequantized, compute_dtype, dtype_bytes, why_block32)
@@ -450,5 +466,9 @@ def resident_weight_bytes(
     kept_bytes = sum(
         held_bytes(name, t) for name, t in kept.items() if name == t.hf_name or t.gguf_name not in kept_names
     )
+    if (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4":  # MXFP4 experts: their bytes, held
+        mxfp4 = [t for t in checkpoint.tensors() if t.type_name == "MXFP4"]
+        kept_bytes += sum(t.num_bytes for t in mxfp4)
+        kept_names |= {t.gguf_name for t in mxfp4}
     rest = sum(int(np.prod(t.shape)) for t in checkpoint.tensors() if t.gguf_name not in kept_names)
     return math.ceil(rest * dtype_bytes) + kept_bytes, kept_bytes

@@ -155,8 +155,8 @@ def _moe_blocks(
     blocks = {i: layer.mlp for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)}
     for block in blocks.values() if tp is not None else ():  # each keeps its rank's slice of every expert
         block.tp_rank, block.tp_size = tp.rank, tp.size
-    if blocks and quantization is not None and quantization.prequantized:
-        raise ValueError(f"{cfg.architecture}: pre-quantized (GGUF / `lmserve quantize`) MoE checkpoints are not "
+    if blocks and quantization is not None and quantization.prequantized and quantization.method != "gguf":
+        raise ValueError(f"{cfg.architecture}: pre-quantized (`lmserve quantize`) MoE checkpoints are not "
                          "supported; load the HF checkpoint with --quantization int8 | int4")  # fmt: skip
     return blocks
 
@@ -214,6 +214,7 @@ def _checkpoint_tensors(
     (K-quants: `<name>.qweight`, the file's (rows, row bytes) block view itself, copied once into the model)."""
     if cfg.path.endswith(".gguf"):
         from lmserve.checkpoint.gguf import KQUANT_TYPES, held_block32_types, iter_hf_tensors
+        from lmserve.checkpoint.gguf_moe import mxfp4_to_hf
         from lmserve.model.gguf_blocks import GGUF_LAYOUTS, gguf_block32_tensors
 
         assert ckpt is not None, f"{cfg.path}: the GGUF checkpoint load_model opened (_open_gguf)"
@@ -221,6 +222,8 @@ def _checkpoint_tensors(
         dtype_bytes = TORCH_DTYPES[cfg.dtype].itemsize
         kept = kept or {}
         claimed = {t.gguf_name for name, t in kept.items() if name == t.hf_name}  # (not the tied head's copy)
+        mxfp4 = _gguf_mxfp4_experts(cfg, ckpt)
+        claimed |= {t.gguf_name for t in mxfp4}
         held = held_block32_types(kept)
         why = "the token embedding's lookup table, or a fused part of another type" if kept else None
         tensors = iter_hf_tensors(
@@ -228,6 +231,11 @@ def _checkpoint_tensors(
         )
         for name, array in tensors:
             yield file_name, name, torch.from_numpy(np.array(array))  # a copy: the file map is read-only
+        for t in mxfp4:  # an expert's MXFP4 projection, as HF's blocks and scales (4 bits, the file's values)
+            blocks, scales = mxfp4_to_hf(t.raw, *t.shape)
+            prefix = t.hf_name.removesuffix(".weight")
+            yield file_name, f"{prefix}.blocks", torch.from_numpy(blocks)
+            yield file_name, f"{prefix}.scales", torch.from_numpy(scales)
         for name, t in kept.items():
             if t.type_name in KQUANT_TYPES:
                 if name != t.hf_name and t.gguf_name in claimed:
@@ -246,6 +254,17 @@ def _checkpoint_tensors(
         with _open_checkpoint(file) as f:
             for name in f.keys():
                 yield file.name, name, f.get_tensor(name)
+
+
+def _gguf_mxfp4_experts(cfg: ModelConfig, ckpt: GGUFCheckpoint) -> list:
+    """The MXFP4 expert projections of a GGUF file whose experts are all MXFP4 (kept in 4 bits: the MoE block's
+    MXFP4 experts, whatever the quantization), logged; else [] (gguf dequantizes MXFP4 tensors with the rest)."""
+    if cfg.moe is None or not cfg.moe.mxfp4:
+        return []
+    tensors = [t for t in ckpt.tensors() if t.type_name == "MXFP4"]
+    logger.info("GGUF: %d MXFP4 expert projections kept in 4 bits as they are in the file: %.1f MiB",
+                len(tensors), sum(t.num_bytes for t in tensors) / 2**20)  # fmt: skip
+    return tensors
 
 
 def _offset_norm_weights(model: CausalLM, offset: float) -> None:

@@ -206,6 +206,14 @@ class SparseMoE(nn.Module):
         unknown name or a tensor that does not match the config: ValueError naming it. check_loaded() then says
         what is missing."""
         loaded = self.__dict__.setdefault("_loaded", set())
+        m = re.fullmatch(
+            r"(experts\.\d+|shared_expert)\.(gate_proj|up_proj|down_proj)\.(qweight|scales|mins|blocks)", name
+        )
+        if m:  # a GGUF file's quantized expert (or shared expert) projection, kept in its layout's buffers
+            self._quantized_part(m.group(1), m.group(2), m.group(3), tensor, name)
+            if m.group(3) in ("qweight", "blocks"):
+                loaded.add(f"{m.group(1)}.{m.group(2)}.weight")
+            return
         m = re.fullmatch(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)", name)
         if m:
             e, proj, kind = int(m.group(1)), _PER_EXPERT[m.group(2)], m.group(3)
@@ -230,23 +238,32 @@ class SparseMoE(nn.Module):
             if not m:
                 raise ValueError(f"{name}: not a tensor of the shared expert")
             s = self.shape.shared_expert_intermediate_size
-            gu = self.shared_expert.gate_up_proj.weight
-            dst = {"gate_proj": gu[:s], "up_proj": gu[s:], "down_proj": self.shared_expert.down_proj.weight,
-                   None: self.shared_expert_gate.weight}[m.group(1)]  # fmt: skip
-            _copy(name, dst, self._tp_slice(m.group(1), "weight", tensor, s) if m.group(1) else tensor)
+            if m.group(1) is None:  # the gate ((H,) in a GGUF file: llama.cpp's {n_embd} for the (1, H) weight)
+                _copy(name, self.shared_expert_gate.weight, tensor.unsqueeze(0) if tensor.dim() == 1 else tensor)
+            else:
+                target = self.shared_expert.down_proj if m.group(1) == "down_proj" else self.shared_expert.gate_up_proj
+                if target.weight is None:
+                    raise ValueError(f"{name}: a float weight where the shared expert holds quantized blocks")
+                w = target.weight
+                dst = w if m.group(1) == "down_proj" else w[:s] if m.group(1) == "gate_proj" else w[s:]
+                _copy(name, dst, self._tp_slice(m.group(1), "weight", tensor, s))
         else:
             raise ValueError(f"{name}: not a tensor of this MoE block ({self.spec.num_experts} experts)")
         loaded.add(name)
 
     def expected_tensors(self) -> set[str]:
-        """The names load_tensor must have seen (Qwen / OLMoE spelling for per-expert ones) for a whole block."""
+        """The names load_tensor must have seen (Qwen / OLMoE spelling for per-expert ones) for a whole block: gpt-oss's
+        fused tensors, unless the experts came one by one (a GGUF file's, with their biases)."""
         names = {"router.weight"} | ({"router.bias"} if self.spec.bias else set())
         mxfp4 = isinstance(self.experts[0].gate_up_proj, Mxfp4Linear)
-        if self.shape.expert_bias or mxfp4:  # gpt-oss: fused tensors
+        per_expert = any(re.match(r"experts\.\d", n) for n in self.__dict__.get("_loaded", ()))
+        if (self.shape.expert_bias or mxfp4) and not per_expert:  # gpt-oss: fused tensors
             suffixes = ("_blocks", "_scales", "_bias") if mxfp4 else ("", "_bias")
             names |= {f"experts.{p}{x}" for p in ("gate_up_proj", "down_proj") for x in suffixes}
         else:
-            names |= {f"experts.{e}.{p}.weight" for e in range(self.spec.num_experts) for p in _PER_EXPERT.values()}
+            kinds = ("weight", "bias") if self.shape.expert_bias else ("weight",)
+            names |= {f"experts.{e}.{p}.{k}" for e in range(self.spec.num_experts) for p in _PER_EXPERT.values()
+                      for k in kinds}  # fmt: skip
         if self.shared_expert is not None:
             names |= {f"shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
             names.add("shared_expert_gate.weight")
@@ -268,6 +285,28 @@ class SparseMoE(nn.Module):
         if proj != "down_proj":
             dst = dst[:inter] if proj == "gate_proj" else dst[inter:]
         _copy(name, dst, self._tp_slice(proj, kind, tensor, inter))
+
+    def _quantized_part(self, owner: str, proj: str, buf: str, tensor: torch.Tensor, name: str) -> None:
+        """One buffer of a GGUF-kept projection (block-32 `qweight` / `scales` / `mins`, K-quant `qweight` rows of
+        super-blocks, MXFP4 `blocks` / `scales`) into its rows of the expert's (or shared expert's) fused module."""
+        if self.tp_size > 1:
+            raise ValueError(f"{name}: quantized experts from a GGUF file under tensor parallelism are not supported")
+        module = self.shared_expert if owner == "shared_expert" else self.experts[int(owner.split(".")[1])]
+        if module is None:
+            raise ValueError(f"{name}: the config has no shared expert (shared_expert_intermediate_size)")
+        target = module.down_proj if proj == "down_proj" else module.gate_up_proj
+        inter = module.intermediate_size
+        start, rows = (0, target.out_features) if proj == "down_proj" else (0 if proj == "gate_proj" else inter, inter)
+        if getattr(target, "quant_method", None) == "kquant" and buf == "qweight":
+            dst = target.kquant_rows(start, rows)
+        else:
+            dst = getattr(target, buf, None)
+            if dst is None:
+                raise ValueError(f"{name}: the expert's {proj} holds no {buf} (a type other than its siblings'?)")
+            dst = dst[start : start + rows]
+        if tensor.dtype != dst.dtype:
+            raise ValueError(f"{name}: dtype {tensor.dtype} where the layout holds {dst.dtype}")
+        _copy(name, dst, tensor)
 
     def _tp_slice(self, proj: str, kind: str, tensor: torch.Tensor, width: int) -> torch.Tensor:
         """This rank's part of a full expert tensor: `width` gate / up rows, down columns; the down bias on rank 0
