@@ -90,7 +90,7 @@ class SparseMoE(nn.Module):
         self.expert_counts: list[int] = [0] * self.spec.num_experts
         self._tokens_total: list[int] = [0] * self.spec.num_experts
         # rows per expert the C decode stack routed (its MoE block adds to them in place; not a parameter)
-        self.stack_tokens = torch.zeros(self.spec.num_experts, dtype=torch.int64)
+        self.stack_tokens = torch.zeros(self.spec.num_experts, dtype=torch.int64, device="cpu")  # (not meta)
         # tensor parallelism (model/parallel.py): this rank's slice of every expert's width is what load_tensor keeps
         self.tp_rank, self.tp_size = 0, 1
 
