@@ -159,6 +159,12 @@ from lmserve.kernels.stack import (
     LORA_MAX_ROWS as LORA_MAX_ROWS,
 )
 from lmserve.kernels.stack import (
+    MOE_MAX_TOP_K as MOE_MAX_TOP_K,
+)
+from lmserve.kernels.stack import (
+    MOE_SCORINGS as MOE_SCORINGS,
+)
+from lmserve.kernels.stack import (
     SHM_ABORTED as SHM_ABORTED,
 )
 from lmserve.kernels.stack import (
@@ -171,6 +177,12 @@ from lmserve.kernels.stack import (
     lora_delta as lora_delta,
 )
 from lmserve.kernels.stack import (
+    moe_block as moe_block,
+)
+from lmserve.kernels.stack import (
+    moe_route as moe_route,
+)
+from lmserve.kernels.stack import (
     shm_all_reduce as shm_all_reduce,
 )
 from lmserve.kernels.stack import (
@@ -178,6 +190,9 @@ from lmserve.kernels.stack import (
 )
 from lmserve.kernels.stack import (
     shm_wait as shm_wait,
+)
+from lmserve.kernels.stack import (
+    sigmoid as sigmoid,
 )
 from lmserve.kernels.w4a8 import (
     W4A8_ISA_ENV as W4A8_ISA_ENV,

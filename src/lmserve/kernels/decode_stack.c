@@ -22,12 +22,26 @@ typedef struct {
     int64_t isa; /* LS_W4A8: the W4A8_* path (the Python side resolved it once) */
 } ls_linear;
 
+/* A layer's mixture-of-experts block (in place of gate_up / down): SparseMoE's few-row path (ls_moe_run). */
+typedef struct {
+    int64_t num_experts, top_k, scoring, renormalize, inter, shared_inter; /* scoring: MOE_SOFTMAX_TOPK / ... */
+    const float *router_w, *router_b, *shared_gate;                         /* shared_gate (1, hidden) */
+    const ls_linear *gate_up, *down;               /* num_experts each */
+    const ls_linear *shared_gate_up, *shared_down; /* NULL: no shared expert */
+    int64_t *counts;                               /* NULL, or (num_experts,): rows routed to each, added to */
+} ls_moe;
+
+enum { LS_QK_NONE = 0, LS_QK_HEAD = 1, LS_QK_WHOLE = 2 };
+
 typedef struct {
     const float *in_norm, *post_norm;
     void *k_cache, *v_cache;
     float *k_scale, *v_scale; /* int8 / fp8 caches only */
     int64_t window;           /* 0: full attention */
     ls_linear qkv, o, gate_up, down;
+    int64_t qk_norm;                 /* LS_QK_*: RMSNorm of q and k per head (Qwen3) or over the projection (OLMoE) */
+    const float *q_norm, *k_norm;    /* their weights */
+    const ls_moe *moe;               /* NULL: the dense MLP (gate_up, down) */
 } ls_layer;
 
 struct ls_lora;      /* the LoRA section at the end of the file */
@@ -80,6 +94,81 @@ static int ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M
     return 0;
 }
 
+/* out (B, Hd) = the MoE block of x (B, Hd) as SparseMoE.forward computes it on few rows (model/layers/moe.py): the
+ * router's logits by linear_f32, moe_route_f32, each chosen expert once on its rows (token order) through the same
+ * kernels as its Linears, its output times the router weight into the row's (token, slot), each token's k slots
+ * summed in ascending expert id; then out + sigmoid(gate x) * shared(x). No contraction into FMAs: torch rounds
+ * every product and sum on its own. Returns 0, or -1 when the scratch could not be allocated. */
+__attribute__((optimize("fp-contract=off"))) static int ls_moe_run(const ls_moe *e, const float *x, float *out,
+                                                                    int64_t B, int64_t Hd, int nthreads) {
+    const int64_t E = e->num_experts, k = e->top_k, S = e->shared_inter;
+    const int64_t W = e->inter > S ? e->inter : S;
+    const size_t nf = (size_t)(B * E + B * k + 2 * B * Hd + 3 * B * W + B * k * Hd + B);
+    float *buf = (float *)malloc(sizeof(float) * nf);
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * B * k));
+    int rc = -1;
+    if (!buf || !ids) goto done;
+    float *logits = buf, *w = logits + B * E, *xg = w + B * k, *gu = xg + B * Hd, *act = gu + 2 * B * W;
+    float *y = act + B * W, *slots = y + B * Hd, *g = slots + B * k * Hd;
+    int64_t *rows = ids + B * k;
+    linear_f32(x, e->router_w, e->router_b, logits, B, E, Hd, nthreads);
+    if (moe_route_f32(logits, B, E, k, (int)e->scoring, (int)e->renormalize, w, ids)) goto done;
+    for (int64_t ex = 0; ex < E; ex++) {
+        int64_t n = 0;
+        for (int64_t r = 0; r < B * k; r++)
+            if (ids[r] == ex) rows[n++] = r; /* (token, slot) in token order: a token picks an expert once */
+        if (!n) continue;
+        if (e->counts) e->counts[ex] += n;
+        for (int64_t r = 0; r < n; r++) memcpy(xg + r * Hd, x + (rows[r] / k) * Hd, sizeof(float) * (size_t)Hd);
+        if (ls_linear_run(e->gate_up + ex, xg, gu, n, nthreads)) goto done;
+        silu_mul_f32(gu, act, n, e->inter, nthreads);
+        if (ls_linear_run(e->down + ex, act, y, n, nthreads)) goto done;
+        for (int64_t r = 0; r < n; r++) {
+            const float wt = w[rows[r]], *yr = y + r * Hd;
+            float *s = slots + rows[r] * Hd;
+            for (int64_t i = 0; i < Hd; i++) s[i] = yr[i] * wt;
+        }
+    }
+    for (int64_t t = 0; t < B; t++) {
+        float *o = out + t * Hd;
+        memcpy(o, slots + t * k * Hd, sizeof(float) * (size_t)Hd);
+        for (int64_t j = 1; j < k; j++) {
+            const float *s = slots + (t * k + j) * Hd;
+            for (int64_t i = 0; i < Hd; i++) o[i] = o[i] + s[i];
+        }
+    }
+    if (e->shared_gate_up) {
+        if (ls_linear_run(e->shared_gate_up, x, gu, B, nthreads)) goto done;
+        silu_mul_f32(gu, act, B, S, nthreads);
+        if (ls_linear_run(e->shared_down, act, y, B, nthreads)) goto done;
+        linear_f32(x, e->shared_gate, NULL, g, B, 1, Hd, nthreads);
+        sigmoid_f32(g, g, B);
+        for (int64_t t = 0; t < B; t++) {
+            float *o = out + t * Hd, *yr = y + t * Hd;
+            for (int64_t i = 0; i < Hd; i++) yr[i] = g[t] * yr[i];
+            for (int64_t i = 0; i < Hd; i++) o[i] = o[i] + yr[i];
+        }
+    }
+    rc = 0;
+done:
+    free(buf);
+    free(ids);
+    return rc;
+}
+
+/* the module path's (T, 1, ...) entry to ls_moe_run: SparseMoE's few-row forward (the same bits as the stack's) */
+int moe_block_f32(const ls_moe *e, const float *x, float *out, int64_t B, int64_t Hd, int nthreads) {
+    return ls_moe_run(e, x, out, B, Hd, nthreads);
+}
+
+/* q (B, qw) → qn (B, qw) normed per head (rows of D) or over the whole row, as Attention.forward norms q / k */
+static void ls_qk_norm(int64_t mode, const float *src, int64_t stride, float *dst, int64_t B, int64_t width,
+                       int64_t D, const float *w, float eps, int nthreads) {
+    for (int64_t b = 0; b < B; b++) memcpy(dst + b * width, src + b * stride, sizeof(float) * (size_t)width);
+    if (mode == LS_QK_HEAD) rmsnorm_f32(dst, NULL, w, dst, B * (width / D), D, eps, nthreads);
+    else rmsnorm_f32(dst, NULL, w, dst, B, width, eps, nthreads);
+}
+
 /* h (B, hidden): the embeddings of the step's B decode tokens; out (B, hidden): the final norm of the last
  * residual stream. cos, sin (B, head_dim); slots (B,); tables (B, max_blocks); lens (B,): as the kernels
  * above take them. With m->allreduce (a rank of a tensor-parallel group: o and down are row-parallel), the
@@ -94,12 +183,13 @@ int decode_stack(const ls_model *m, const float *h, float *out, const float *cos
     const int64_t Hd = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->inter;
     const int64_t qs = NH * D, kvs = KVH * D, qkvw = qs + 2 * kvs;
     const float eps = (float)m->eps, scale = (float)m->scale;
-    const int64_t n = B * (4 * Hd + qkvw + 2 * qs + 3 * I);
+    const int64_t n = B * (4 * Hd + qkvw + 2 * qs + 3 * I + kvs);
     float *buf = (float *)malloc(sizeof(float) * (size_t)n);
     if (!buf) return -1;
     int rc = -1;
     float *res = buf, *x = res + B * Hd, *hb = x + B * Hd, *ob = hb + B * Hd, *qkv = ob + B * Hd;
     float *q = qkv + B * qkvw, *attn = q + B * qs, *gu = attn + B * qs, *act = gu + 2 * B * I;
+    float *kn = act + B * I; /* k normed (q normed goes to q) */
     for (int64_t l = 0; l < m->num_layers; l++) {
         const ls_layer *L = m->layers + l;
         if (l == 0) { /* the residual stream starts as the embeddings */
@@ -110,13 +200,22 @@ int decode_stack(const ls_model *m, const float *h, float *out, const float *cos
         }
         if (ls_linear_run(&L->qkv, x, qkv, B, nthreads)) goto fail;
         if (m->lora && ls_lora_add(m->lora, l, 0, x, qkv, nthreads)) goto fail;
+        /* q / k rows: in qkv (token stride qkvw), or normed into q / kn (strides qs / kvs) */
+        float *qp = qkv, *kp = qkv + qs;
+        int64_t qst = qkvw, kst = qkvw;
+        if (L->qk_norm) {
+            ls_qk_norm(L->qk_norm, qkv, qkvw, q, B, qs, D, L->q_norm, eps, nthreads);
+            ls_qk_norm(L->qk_norm, qkv + qs, qkvw, kn, B, kvs, D, L->k_norm, eps, nthreads);
+            qp = q, kp = kn, qst = qs, kst = kvs;
+        }
         if (m->kv_kind < 0)
-            rope_write_kv_f32(qkv, qkvw, qkv + qs, qkvw, qkv + qs + kvs, qkvw, cos, sin, (float *)L->k_cache,
+            rope_write_kv_f32(qp, qst, kp, kst, qkv + qs + kvs, qkvw, cos, sin, (float *)L->k_cache,
                               (float *)L->v_cache, slots, B, NH, KVH, D, nthreads);
         else
-            rope_write_kv_q(qkv, qkvw, qkv + qs, qkvw, qkv + qs + kvs, qkvw, cos, sin, L->k_cache, L->v_cache,
-                            L->k_scale, L->v_scale, slots, B, NH, KVH, D, (int)m->kv_kind, nthreads);
-        for (int64_t b = 0; b < B; b++) memcpy(q + b * qs, qkv + b * qkvw, sizeof(float) * (size_t)qs);
+            rope_write_kv_q(qp, qst, kp, kst, qkv + qs + kvs, qkvw, cos, sin, L->k_cache, L->v_cache, L->k_scale,
+                            L->v_scale, slots, B, NH, KVH, D, (int)m->kv_kind, nthreads);
+        if (!L->qk_norm)
+            for (int64_t b = 0; b < B; b++) memcpy(q + b * qs, qkv + b * qkvw, sizeof(float) * (size_t)qs);
         if (m->kv_kind < 0)
             paged_decode_attention(q, (const float *)L->k_cache, (const float *)L->v_cache, tables, lens, attn, B, NH,
                                    KVH, D, m->block_size, max_blocks, scale, L->window, nthreads);
@@ -127,6 +226,14 @@ int decode_stack(const ls_model *m, const float *h, float *out, const float *cos
         if (m->lora && ls_lora_add(m->lora, l, 1, attn, ob, nthreads)) goto fail;
         if (m->allreduce && (rc = ls_all_reduce(m->allreduce, ob, B * Hd))) goto fail;
         rmsnorm_f32(ob, res, L->post_norm, x, B, Hd, eps, nthreads);
+        if (L->moe) {
+            if (ls_moe_run(L->moe, x, hb, B, Hd, nthreads)) {
+                rc = -1; /* (rc may hold an earlier all-reduce's 0) */
+                goto fail;
+            }
+            if (m->allreduce && (rc = ls_all_reduce(m->allreduce, hb, B * Hd))) goto fail;
+            continue;
+        }
         if (ls_linear_run(&L->gate_up, x, gu, B, nthreads)) goto fail;
         if (m->lora && ls_lora_add(m->lora, l, 2, x, gu, nthreads)) goto fail;
         silu_mul_f32(gu, act, B, I, nthreads);

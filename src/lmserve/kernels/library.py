@@ -123,6 +123,11 @@ def _load() -> ctypes.CDLL | None:
     _declare_kquant(lib)
     lib.decode_stack.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, ctypes.c_int]
     lib.decode_stack.restype = ctypes.c_int
+    lib.moe_route_f32.argtypes = [_P, _I, _I, _I, ctypes.c_int, ctypes.c_int, _P, _P]
+    lib.moe_route_f32.restype = ctypes.c_int
+    lib.sigmoid_f32.argtypes, lib.sigmoid_f32.restype = [_P, _P, _I], None
+    lib.moe_block_f32.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int]
+    lib.moe_block_f32.restype = ctypes.c_int
     lib.shm_all_reduce_f32.argtypes, lib.shm_all_reduce_f32.restype = [_P, _P, _I], ctypes.c_int
     lib.shm_wait.argtypes, lib.shm_wait.restype = [_P, _I], ctypes.c_int
     lib.shm_post.argtypes, lib.shm_post.restype = [_P, _I], None

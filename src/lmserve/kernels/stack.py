@@ -1,5 +1,5 @@
-"""Bindings of the one-call decode stack (kernels/decode_stack.c), the shared-memory all-reduce
-(kernels/allreduce.c) and the LoRA delta (kernels/lora.c)."""
+"""Bindings of the one-call decode stack (kernels/decode_stack.c) and its MoE block and router (kernels/moe.c), the
+shared-memory all-reduce (kernels/allreduce.c) and the LoRA delta (kernels/lora.c)."""
 
 from __future__ import annotations
 
@@ -87,3 +87,46 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tenso
     rc = L._lib.lora_delta_f32(x.data_ptr(), a.data_ptr(), b.data_ptr(), y.data_ptr(), m, k, o, cols, stride,
                              torch.get_num_threads())  # fmt: skip
     assert rc == 0, "lora_delta: out of memory for its scratch"
+
+
+MOE_SCORINGS = {"softmax_topk": 0, "topk_softmax": 1}  # moe.c's MOE_SOFTMAX_TOPK / MOE_TOPK_SOFTMAX
+MOE_MAX_TOP_K = 17  # moe_route_f32 sorts the first k - 1 as torch does for at most 16 (an insertion sort)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, E) float32 router logits → (weights (B, k) float32, expert ids (B, k) int64), each row's experts in
+    ascending id (cpu_kernels.c: moe_route_f32): model/layers/moe.route's arithmetic in C, the experts torch.topk
+    picks (ties included), the weights within float32 rounding of route's."""
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    logits = logits.contiguous()
+    L._check(logits, "logits")
+    b, e = logits.shape
+    assert 0 < top_k <= min(e, MOE_MAX_TOP_K), f"top_k {top_k} of {e} experts (at most {MOE_MAX_TOP_K})"
+    w = torch.empty(b, top_k, dtype=torch.float32)
+    ids = torch.empty(b, top_k, dtype=torch.int64)
+    rc = L._lib.moe_route_f32(logits.data_ptr(), b, e, top_k, MOE_SCORINGS[scoring], int(renormalize),
+                              w.data_ptr(), ids.data_ptr())  # fmt: skip
+    assert rc == 0, "moe_route: out of memory for its scratch"
+    return w, ids
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) of a float32 CPU tensor (cpu_kernels.c: sigmoid_f32, the MoE shared expert's gate)."""
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    L._check(x, "x")
+    y = torch.empty_like(x)
+    L._lib.sigmoid_f32(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
+def moe_block(desc: ctypes._Pointer | ctypes._CArgObject, x: torch.Tensor) -> torch.Tensor:
+    """The MoE block desc points at (an ls_moe: model/decode_stack's MoEDesc) on x (B, hidden) float32
+    (cpu_kernels.c: moe_block_f32, what the decode stack runs for the layer). Returns (B, hidden)."""
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    L._check(x, "x")
+    out = torch.empty_like(x)
+    rc = L._lib.moe_block_f32(desc, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    assert rc == 0, "moe_block: out of memory for its scratch"
+    return out

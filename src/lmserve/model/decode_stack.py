@@ -18,6 +18,7 @@ from lmserve.model import quantization as quant
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
+from lmserve.model.layers.moe import SparseMoE
 
 # ls_linear.kind in cpu_kernels.c
 _KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8}
@@ -36,6 +37,64 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("in_norm", "post_norm", "k_cache", "v_cache", "k_scale", "v_scale")]
     _fields_ += [("window", ctypes.c_int64)] + [(n, _Linear) for n in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("qk_norm", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("q_norm", "k_norm", "moe")]
+
+
+class _MoE(ctypes.Structure):  # ls_moe: a layer's MoE block
+    _fields_ = [(n, ctypes.c_int64) for n in ("num_experts", "top_k", "scoring", "renormalize", "inter", "shared")]
+    _fields_ += [(n, ctypes.c_void_p) for n in ("router_w", "router_b", "shared_gate")]
+    _fields_ += [(n, ctypes.POINTER(_Linear)) for n in ("gate_up", "down", "shared_gate_up", "shared_down")]
+    _fields_ += [("counts", ctypes.c_void_p)]  # SparseMoE.stack_tokens (int64): the expert load the stack routed
+
+
+class MoEDesc:
+    """The C description of one SparseMoE (its experts' tensors must not move while it lives: built with the stack,
+    rebuilt by reset_decode_stack). `rows`: the most rows its expert kernels take in one call."""
+
+    def __init__(self, moe: SparseMoE) -> None:
+        spec, experts = moe.spec, list(moe.experts)
+        n = len(experts)
+        descs = [(_linear(ex.gate_up_proj), _linear(ex.down_proj)) for ex in experts]
+        self.gate_up = (_Linear * n)(*(g for (g, _), _ in descs))
+        self.down = (_Linear * n)(*(d for _, (d, _) in descs))
+        self.rows = min(r for pair in descs for _, r in pair)
+        self.shared = None
+        shared_inter = 0
+        if moe.shared_expert is not None:
+            (sg, r1), (sd, r2) = _linear(moe.shared_expert.gate_up_proj), _linear(moe.shared_expert.down_proj)
+            self.shared = ((_Linear * 1)(sg), (_Linear * 1)(sd))
+            self.rows, shared_inter = min(self.rows, r1, r2), moe.shared_expert.intermediate_size
+        self.struct = _MoE(
+            n, spec.top_k, kernels.MOE_SCORINGS[spec.scoring], int(spec.renormalize), experts[0].intermediate_size,
+            shared_inter, _ptr(moe.router.weight), _ptr(moe.router.bias),
+            _ptr(moe.shared_expert_gate.weight) if self.shared else None, self.gate_up, self.down,
+            *(self.shared or (None, None)), _ptr(moe.stack_tokens),
+        )  # fmt: skip
+        self._counts = moe.stack_tokens  # (kept alive with the pointer to it)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The block on x (B <= rows, hidden) in one C call (what the stack runs for the layer)."""
+        assert 0 < x.shape[0] <= self.rows, f"{x.shape[0]} rows for expert kernels that take {self.rows}"
+        return kernels.moe_block(ctypes.byref(self.struct), x)
+
+    @staticmethod
+    def supports(moe: torch.nn.Module) -> bool:
+        """Whether the C block computes moe exactly as SparseMoE.forward does on few rows: SwiGLU experts (and
+        shared expert) on their C kernels, float32 CPU router and gate."""
+        if not isinstance(moe, SparseMoE) or not getattr(moe, "plain", False):
+            return False
+        gates = [moe.router.weight] + ([moe.shared_expert_gate.weight] if moe.shared_expert is not None else [])
+        gates += [moe.router.bias] if moe.router.bias is not None else []
+        if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in gates):
+            return False
+        return all(isinstance(m, Linear) and _kernel_linear(m) for m in _moe_linears(moe))
+
+
+def _moe_linears(moe: SparseMoE) -> list[Linear]:
+    out = [m for ex in moe.experts for m in (ex.gate_up_proj, ex.down_proj)]
+    if moe.shared_expert is not None:
+        out += [moe.shared_expert.gate_up_proj, moe.shared_expert.down_proj]
+    return out
 
 
 class _Model(ctypes.Structure):
@@ -161,19 +220,30 @@ class DecodeStack:
         layers = list(model.layers)
         attn = layers[0].self_attn
         self._layers = (_Layer * len(layers))()
+        self._moes: list[MoEDesc] = []  # (kept alive with the pointers to them)
         self.max_rows = max(kernels.I4_MAX_ROWS, W4A8_STACK_MAX_ROWS)
         for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
             descs = [_linear(m) for m in self.layer_linears(layer)]
+            moe = None
+            if isinstance(layer.mlp, SparseMoE):  # (no gate_up / down: zeroed descriptions the C never reads)
+                self._moes.append(MoEDesc(layer.mlp))
+                moe = ctypes.addressof(self._moes[-1].struct)
+                descs += [(_Linear(), self._moes[-1].rows)] * 2
             self.max_rows = min(self.max_rows, *(rows for _, rows in descs))
+            a = layer.self_attn
+            qk = 1 if a.qk_norm else 2 if a.qk_norm_whole else 0
             self._layers[i] = _Layer(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                 _ptr(cache.k), _ptr(cache.v), _ptr(cache.k_scale), _ptr(cache.v_scale),
-                layer.self_attn.sliding_window or 0, *(d for d, _ in descs),
+                layer.self_attn.sliding_window or 0, *(d for d, _ in descs), qk,
+                _ptr(a.q_norm.weight) if qk else None, _ptr(a.k_norm.weight) if qk else None, moe,
             )  # fmt: skip
         cache = kv_caches[0]
+        dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, SparseMoE)]
+        inter = max((mlp.intermediate_size for mlp in dense), default=0)  # (DenseMLP.plain: one width)
         self._model = _Model(
             len(layers), model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            layers[0].mlp.intermediate_size, cache.block_size, kernels.KV_CACHE_DTYPES[cache.k.dtype],
+            inter, cache.block_size, kernels.KV_CACHE_DTYPES[cache.k.dtype],
             model.norm.eps, attn.head_dim**-0.5 if attn.scale is None else attn.scale, self._layers,
             _ptr(model.norm.weight),
         )  # fmt: skip
@@ -197,8 +267,11 @@ class DecodeStack:
         return tuple(c.k.data_ptr() for c in kv_caches)
 
     @staticmethod
-    def layer_linears(layer: torch.nn.Module) -> tuple[Linear, Linear, Linear, Linear]:
+    def layer_linears(layer: torch.nn.Module) -> tuple[Linear, ...]:
+        """qkv, o, and the dense MLP's gate_up, down (a MoE layer: qkv, o; its block is a MoEDesc)."""
         a, mlp = layer.self_attn, layer.mlp
+        if isinstance(mlp, SparseMoE):
+            return a.qkv_proj, a.o_proj
         return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
 
     @staticmethod
@@ -213,7 +286,12 @@ class DecodeStack:
         if attn.num_heads > kernels.MAX_HEADS or attn.head_dim % 2 or model.norm.weight.dtype != torch.float32:
             return False
         for layer in model.layers:
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            a = layer.self_attn
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if a.qk_norm or a.qk_norm_whole:  # (a whole-projection norm spans the heads of every rank)
+                if a.qk_norm_whole and model.tensor_parallel_size > 1:
+                    return False
+                norms += [a.q_norm.weight, a.k_norm.weight]
             if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in norms):
                 return False
         return True
@@ -228,6 +306,8 @@ class DecodeStack:
             if cache.k.dtype not in kernels.KV_CACHE_DTYPES or cache.k.device.type != "cpu":
                 return False
             if not all(_kernel_linear(m) for m in DecodeStack.layer_linears(layer)):
+                return False
+            if isinstance(layer.mlp, SparseMoE) and not MoEDesc.supports(layer.mlp):
                 return False
         return True
 
@@ -360,7 +440,9 @@ class DecodeStackDispatch:
         """The projections a decode stack would run when they take their C kernels ([] if the layout has none)."""
         if not self._stack_possible() or not DecodeStack.supports_layout(self):
             return []
-        return [m for layer in self.layers for m in DecodeStack.layer_linears(layer)]
+        linears = [m for layer in self.layers for m in DecodeStack.layer_linears(layer)]
+        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        return linears + [m for moe in moes for m in _moe_linears(moe)]
 
     def _run_stack(self, stack: DecodeStack, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: AttentionMetadata, lora: Any) -> torch.Tensor:

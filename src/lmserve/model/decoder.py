@@ -51,7 +51,7 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         plain_mixer = getattr(mixer, "plain", False) and spec.mixer == "attention"
         # what the C decode stack computes: Llama's layer (anything else: the torch path for the whole model)
-        self.stack_plain = cfg.norm_layout == "pre" and plain_mixer and spec.feed_forward == "dense"
+        self.stack_plain = cfg.norm_layout == "pre" and plain_mixer and spec.feed_forward in ("dense", "moe")
         self.stack_plain = self.stack_plain and self.mlp.plain and not self.per_layer_input
 
     @property

@@ -50,9 +50,9 @@ class Attention(nn.Module):
         self.scale, self.logit_softcap = cfg.attn_scale, cfg.attn_logit_softcap
         self.partial_rotary = spec.rope is not None and cfg.rotary_dim is not None and cfg.rotary_dim < self.head_dim
         self.eps = cfg.rms_norm_eps
-        # the layout the C decode stack computes: Llama's (full rotary on every layer, nothing else)
+        # the layout the C decode stack computes: Llama's (full rotary on every layer), q/k norms allowed
         self.plain = not (
-            self.qk_norm or self.qk_norm_whole or self.v_norm or self.partial_rotary or spec.rope != "global"
+            self.v_norm or self.partial_rotary or spec.rope != "global"
             or self.logit_softcap is not None or spec.kv_source is not None or spec.k_eq_v
             or self.head_dim != cfg.head_dim or self.num_kv_heads != cfg.num_kv_heads
             or self.sinks is not None or cfg.o_bias
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.per_row(q), self.k_norm.per_row(k)
         if self.v_norm:  # RMSNorm without a weight (Gemma 4)
             v = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)).contiguous()
         if rotary is None:  # no positional encoding on this layer (SmolLM3's NoPE layers)

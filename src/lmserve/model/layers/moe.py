@@ -20,6 +20,8 @@ from lmserve.model.layers.linear import Linear
 from lmserve.model.layers.mlp import SwiGLU
 from lmserve.model.mxfp4 import Mxfp4Linear, check_mxfp4
 
+ROUTER_KERNEL_MAX_ROWS = 64  # rows SparseMoE routes in C: the decode stack's most (decode_stack.W4A8_STACK_MAX_ROWS)
+
 
 def route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, E) router logits → (weights (T, k) float32, expert ids (T, k) int64), in float32 as HF computes them;
@@ -72,8 +74,8 @@ class SparseMoE(nn.Module):
     """Router → the top-k experts of each token, run grouped by expert (one pass over each chosen expert's
     weights: a decode step reads only the chosen experts), weighted by the router and summed into each token's
     row; plus, when the shape has one, the shared expert scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
-    `expert_counts` holds the last call's rows per expert (a list of num_experts ints), `tokens_total` their sum
-    over every call (the expert load /metrics shows)."""
+    `expert_counts` holds the last forward's rows per expert (a list of num_experts ints), `tokens_total` their sum
+    over every call, the C decode stack's included (the expert load /metrics shows)."""
 
     def __init__(self, hidden_size: int, shape: MoEShape, mxfp4: bool = False) -> None:
         super().__init__()
@@ -86,13 +88,29 @@ class SparseMoE(nn.Module):
             self.shared_expert = SwiGLU(hidden_size, shape.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.expert_counts: list[int] = [0] * self.spec.num_experts
-        self.tokens_total: list[int] = [0] * self.spec.num_experts
+        self._tokens_total: list[int] = [0] * self.spec.num_experts
+        # rows per expert the C decode stack routed (its MoE block adds to them in place; not a parameter)
+        self.stack_tokens = torch.zeros(self.spec.num_experts, dtype=torch.int64, device="cpu")  # (not meta)
         # tensor parallelism (model/parallel.py): this rank's slice of every expert's width is what load_tensor keeps
         self.tp_rank, self.tp_size = 0, 1
 
+    def kernel_rows(self, x: torch.Tensor) -> bool:
+        """Whether x's rows route through the C router (kernels.moe_route, the decode stack's MoE block's) and the
+        shared gate through the C sigmoid: few float32 CPU rows (a decode), float32 CPU router weights."""
+        w = self.router.weight
+        return (
+            0 < x.shape[0] <= ROUTER_KERNEL_MAX_ROWS and kernels.usable(x) and w.dtype == torch.float32
+            and w.device.type == "cpu" and self.spec.top_k <= kernels.MOE_MAX_TOP_K
+        )  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.hidden_size, f"MoE input {tuple(x.shape)}"
-        weights, ids = route(self.router(x), self.spec)
+        few = self.kernel_rows(x)
+        if few:  # (C: the experts picked as torch.topk picks them, the weights within float32 rounding of route's)
+            logits = kernels.linear(x, self.router.weight, self.router.bias)
+            weights, ids = kernels.moe_route(logits, self.spec.top_k, self.spec.scoring, self.spec.renormalize)
+        else:
+            weights, ids = route(self.router(x), self.spec)
         # each token's experts in ascending id: its k outputs are then summed in the order HF's index_add_ adds them
         ids, perm = ids.sort(dim=1)
         weights = weights.gather(1, perm)
@@ -118,10 +136,16 @@ class SparseMoE(nn.Module):
             for j in range(1, slots.shape[1]):
                 out = out + slots[:, j]
         self.expert_counts = counts
-        self.tokens_total = [a + b for a, b in zip(self.tokens_total, counts, strict=True)]
+        self._tokens_total = [a + b for a, b in zip(self._tokens_total, counts, strict=True)]
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            g = self.shared_expert_gate
+            gate = kernels.sigmoid(kernels.linear(x, g.weight)) if few else torch.sigmoid(g(x))
+            out = out + gate * self.shared_expert(x)
         return out
+
+    @property
+    def tokens_total(self) -> list[int]:
+        return [a + b for a, b in zip(self._tokens_total, self.stack_tokens.tolist(), strict=True)]
 
     # ---- weights from HF checkpoints' layouts ----------------------------------------------------------------
 
@@ -381,13 +405,13 @@ class SparseMoE(nn.Module):
 
 class MoEFeedForward(SparseMoE):
     """The "moe" feed-forward block of a decoder layer (LayerSpec.feed_forward): SparseMoE over the config's
-    MoEShape (ModelConfig.moe); the C decode stack stands aside for a model with one (the torch path runs it)."""
-
-    plain = False  # (DecoderLayer.stack_plain: not Llama's MLP)
+    MoEShape (ModelConfig.moe). `plain`: the C decode stack can run it (SwiGLU experts on lmserve Linears)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer_idx: int) -> None:
         assert cfg.moe is not None, f"layer {layer_idx}: a MoE feed-forward in a config without experts"
         super().__init__(cfg.hidden_size, cfg.moe, mxfp4=cfg.moe.mxfp4)
+        # (DecodeStack.supports checks each expert's kernel path when it describes the model)
+        self.plain = cfg.moe.activation == "silu" and not cfg.moe.mxfp4 and self.spec.top_k <= kernels.MOE_MAX_TOP_K
 
 
 _PER_EXPERT = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj",

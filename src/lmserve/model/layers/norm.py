@@ -24,6 +24,13 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def per_row(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm over the last dim of x (..., dim) (q/k heads): on CPU float32 the 2-D kernel over its rows (the
+        C decode stack's arithmetic), else forward."""
+        if x.dim() > 2 and kernels.usable(x) and self.weight.dtype == torch.float32:
+            return kernels.rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        return self(x)
+
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder's skip connection and the next norm in one pass: residual = x + residual (updated in
         place on the kernel path), returns (norm(residual), residual)."""
