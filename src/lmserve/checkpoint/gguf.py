@@ -16,10 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from lmserve.checkpoint.gguf_arch import GGUF_ARCHS, GGUFArch
+
 logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` → the HF architecture our decoder implements.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES.update((arch, spec.hf_architecture) for arch, spec in GGUF_ARCHS.items())  # (gguf_arch.py)
 # llama.cpp's converter interleaves the q/k rows of these (for its RoPE kernel); transformers undoes it.
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 
@@ -165,6 +168,11 @@ class GGUFCheckpoint:
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
         self._by_name = {t.name: t for t in self._reader.tensors}
+        self.spec = GGUF_ARCHS.get(self.architecture, GGUFArch(GGUF_ARCHITECTURES[self.architecture]))
+
+    def raw_tensor(self, name: str) -> Any:
+        """gguf's tensor of that GGUF name (data, shape in GGUF's order), or None."""
+        return self._by_name.get(name)
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self._reader.get_field(key)
@@ -187,7 +195,7 @@ class GGUFCheckpoint:
         rope_dims = self.field(f"{arch}.rope.dimension_count")
         if rope_dims is not None and rope_dims != head_dim:
             raise ValueError(f"GGUF {arch}.rope.dimension_count={rope_dims} (partial rotary) is not supported")
-        if "rope_freqs.weight" in self._by_name:
+        if "rope_freqs.weight" in self._by_name and "rope_freqs" not in self.spec.config_tensors:
             raise ValueError(
                 f"GGUF file {self.path.name} scales RoPE by a rope_freqs tensor (Llama 3.1-style), which the "
                 f"GGUF reader does not support yet"
@@ -200,17 +208,20 @@ class GGUFCheckpoint:
         eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         cfg["eos_token_id"] = sorted({int(t) for t in eos if t is not None})
         cfg["bos_token_id"] = self.field("tokenizer.ggml.bos_token_id")
-        return cfg
+        return self.spec.config(self, cfg) if self.spec.config else cfg
 
     def tensors(self) -> list[GGUFTensor]:
         """Every tensor under its HF name; an unknown name is an error (never silently dropped)."""
-        num_heads = int(self.field(f"{self.architecture}.attention.head_count"))
-        num_kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", num_heads))
+        permuted = self.architecture in PERMUTED_QK_ARCHITECTURES or self.spec.permuted_qk
+        num_heads = int(self.field(f"{self.architecture}.attention.head_count")) if permuted else 0
+        num_kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", num_heads)) if permuted else 0
         out = []
         for t in self._reader.tensors:
-            hf_name = hf_tensor_name(t.name)
+            if t.name.rpartition(".")[0] in self.spec.config_tensors:
+                continue  # (read into the config)
+            hf_name = hf_tensor_name(t.name, self.spec)
             unpermute = None
-            if self.architecture in PERMUTED_QK_ARCHITECTURES:
+            if permuted:
                 if ".attn_q." in t.name:
                     unpermute = num_heads
                 elif ".attn_k." in t.name:
@@ -228,15 +239,20 @@ class GGUFCheckpoint:
         return totals
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, spec: GGUFArch | None = None) -> str:
+    """The HF name of a GGUF tensor: the shared tables, with an architecture's own names (gguf_arch) over them."""
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         raise ValueError(f"GGUF tensor {gguf_name!r}: expected a .weight or .bias tensor")
-    if stem in GLOBAL_TENSOR_NAMES:
-        return f"{GLOBAL_TENSOR_NAMES[stem]}.{suffix}"
+    global_names = {**GLOBAL_TENSOR_NAMES, **spec.global_tensors} if spec else GLOBAL_TENSOR_NAMES
+    layer_names = {**LAYER_TENSOR_NAMES, **spec.layer_tensors} if spec else LAYER_TENSOR_NAMES
+    hf_stem = global_names.get(stem)
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSOR_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_TENSOR_NAMES[parts[2]]}.{suffix}"
+    if hf_stem is None and len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        hf_stem = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
+    if hf_stem is not None:
+        unsuffixed = spec is not None and hf_stem.rpartition(".")[2] in spec.unsuffixed
+        return hf_stem if unsuffixed else f"{hf_stem}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the supported architectures")
 
 
