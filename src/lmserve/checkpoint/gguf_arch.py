@@ -11,6 +11,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from lmserve.checkpoint.gguf_hybrid import (
+    QWEN35_LAYER_TENSORS,
+    QWEN35_UNSUFFIXED,
+    Transform,
+    qwen35_config,
+    qwen35_transform,
+)
+
 
 class GGUFMetadata(Protocol):
     """What a config hook reads of the file (GGUFCheckpoint): metadata fields and raw tensors by GGUF name."""
@@ -34,6 +42,10 @@ class GGUFArch:
     config_tensors: tuple[str, ...] = ()  # GGUF stems read into the config (by `config`), not loaded as weights
     # (file, the generic HF config) -> the family's HF config
     config: Callable[[GGUFMetadata, dict[str, Any]], dict[str, Any]] | None = None
+    partial_rotary: bool = False  # rope.dimension_count below the head width is the config's (its hook reads it)
+    # (the family's HF config, HF name) -> the float transform undoing the converter's, or None
+    transform: Callable[[dict[str, Any], str], Transform | None] | None = None
+    trunk_key: str | None = None  # metadata key counting blocks after the trunk not served (an MTP head)
 
 
 # OLMo 2 / Gemma: norms on the sublayer outputs (gguf's ATTN_POST_NORM / FFN_POST_NORM)
@@ -172,5 +184,14 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         unsuffixed=("layer_scalar",),
         config_tensors=("rope_freqs",),
         config=gemma4_config,
+    ),
+    "qwen35": GGUFArch(
+        "Qwen3_5ForCausalLM",
+        layer_tensors=QWEN35_LAYER_TENSORS,
+        unsuffixed=QWEN35_UNSUFFIXED,
+        config=qwen35_config,
+        partial_rotary=True,
+        transform=qwen35_transform,
+        trunk_key="nextn_predict_layers",
     ),
 }
