@@ -33,15 +33,36 @@ HF_TO_GGUF = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+GGUF_ARCH = {
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo2",  # (OLMo 3 too)
+    "Gemma4ForCausalLM": "gemma4",
+}  # fmt: skip
+# q/k rows interleaved by the converter (LlamaModel and its subclasses: undo_permute)
+PERMUTED_ARCHS = ("llama", "smollm3")
+# an architecture's own names over HF_TO_GGUF (gguf-py's tensor_mapping.py for these architectures)
+_POST_NORMS = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+HF_TO_GGUF_ARCH = {
+    "olmo2": _POST_NORMS,
+    "gemma4": {
+        **_POST_NORMS, "pre_feedforward_layernorm": "ffn_norm", "per_layer_input_gate": "inp_gate",
+        "per_layer_projection": "proj", "post_per_layer_input_norm": "post_norm", "layer_scalar": "layer_output_scale",
+        "model.embed_tokens_per_layer": "per_layer_token_embd",
+        "model.per_layer_model_projection": "per_layer_model_proj",
+        "model.per_layer_projection_norm": "per_layer_proj_norm",
+    },
+}  # fmt: skip
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
+    if hf_name.endswith(".layer_scalar"):  # a buffer: the Gemma 4 converter names it as a weight
+        hf_name += ".weight"
+    table = {**HF_TO_GGUF, **HF_TO_GGUF_ARCH.get(arch, {})}
     stem, suffix = hf_name.rsplit(".", 1)
-    if stem in HF_TO_GGUF:
-        return f"{HF_TO_GGUF[stem]}.{suffix}"
+    if stem in table:
+        return f"{table[stem]}.{suffix}"
     _, _, layer, rest = stem.split(".", 3)  # model.layers.{i}.<rest>
-    return f"blk.{layer}.{HF_TO_GGUF[rest]}.{suffix}"
+    return f"blk.{layer}.{table[rest]}.{suffix}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -51,7 +72,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(model_dir: Path, out: Path, weight_type: str = "F32", overrides: dict[str, str] | None = None) -> Path:
     """`model_dir` (a tiny HF model) as a GGUF file: 2-D weights stored as `weight_type` (or the per-tensor
-    type in `overrides`, keyed by HF name), norms and biases F32, llama's q/k rows permuted."""
+    type in `overrides`, keyed by HF name; F16 where a row is not whole blocks of the type, as the converter
+    falls back), norms and biases F32, the converter's metadata and transforms (gguf_family_metadata)."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -61,39 +83,114 @@ def write_gguf(model_dir: Path, out: Path, weight_type: str = "F32", overrides: 
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_eos_token_id(cfg["eos_token_id"])
-    for name, tensor in sorted(load_file(model_dir / "model.safetensors").items()):
+    if arch == "gemma4":
+        _gemma4_metadata(w, cfg)
+    else:
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count_kv(kv_heads)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(head_dim)
+        _rope_metadata(w, cfg)
+    if arch == "olmo2" and "sliding_window" in cfg:  # (OLMo 3; the converter's Olmo2Model)
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    weights = load_file(model_dir / "model.safetensors")
+    if arch == "gemma4":  # the converter drops the token table's rows beyond the tokenizer's vocabulary
+        tok = json.loads((model_dir / "tokenizer.json").read_text())
+        weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][
+            : len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+        ]
+        w.add_tensor("rope_freqs.weight", _gemma4_rope_freqs(cfg))
+    for name, tensor in sorted(weights.items()):
         if cfg.get("tie_word_embeddings") and name == "lm_head.weight":
             continue
         array = tensor.float().numpy()
-        if arch == "llama" and ".q_proj." in name:
+        if arch in PERMUTED_ARCHS and ".q_proj." in name:
             array = llama_cpp_permute(array, heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif arch in PERMUTED_ARCHS and ".k_proj." in name:
             array = llama_cpp_permute(array, kv_heads)
         qtype_name = (overrides or {}).get(name, weight_type) if array.ndim == 2 else "F32"
+        if qtype_name != "F32" and array.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype_name]][0]:
+            qtype_name = "F16"
         if qtype_name == "F32":
-            w.add_tensor(gguf_name(name), array)
+            w.add_tensor(gguf_name(name, arch), array)
         elif qtype_name in KQUANT_TYPES:
             qtype = gguf.GGMLQuantizationType[qtype_name]
-            w.add_tensor(gguf_name(name), quantize_kquant(array, qtype_name), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name, arch), quantize_kquant(array, qtype_name), raw_dtype=qtype)
         else:
             qtype = gguf.GGMLQuantizationType[qtype_name]
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _rope_metadata(w, cfg: dict) -> None:
+    """The converter's TextModel.set_gguf_parameters: the full-attention layers' RoPE (theta, linear scaling), and
+    the sliding layers' theta where the config has one of their own."""
+    import gguf
+
+    params = cfg.get("rope_parameters") or {}
+    full = params.get("full_attention", params)
+    w.add_rope_freq_base(full.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    if (local := params.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(local)
+
+
+def _gemma4_full_layer(cfg: dict, key: str, default):
+    """A global layer's value of `key`: the config's per_layer_config, else its top-level global_* default."""
+    for i, t in enumerate(cfg["layer_types"]):
+        over = (cfg.get("per_layer_config") or {}).get(str(i)) or {}
+        if t == "full_attention" and key in over:
+            return over[key]
+    return default
+
+
+def _gemma4_metadata(w, cfg: dict) -> None:
+    """The converter's Gemma4Model.set_gguf_parameters (over Gemma3Model's): per-type head widths, KV heads and
+    rotary dimensions, the layer pattern, shared KV layers, per-layer input width, double-wide MLPs."""
+    n, types = cfg["num_hidden_layers"], cfg["layer_types"]
+    swa = [t == "sliding_attention" for t in types]
+    head_full = cfg.get("global_head_dim") or _gemma4_full_layer(cfg, "head_dim", None)
+    kv_full = cfg.get("num_global_key_value_heads") or _gemma4_full_layer(cfg, "num_key_value_heads", None)
+    params = cfg["rope_parameters"]
+    w.add_rope_freq_base(params["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(params["sliding_attention"]["rope_theta"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_shared_kv_layers(cfg["num_kv_shared_layers"])
+    w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(swa)
+    w.add_key_length(head_full)
+    w.add_value_length(head_full)
+    w.add_key_length_swa(cfg["head_dim"])
+    w.add_value_length_swa(cfg["head_dim"])
+    ff, first_shared = cfg["intermediate_size"], n - cfg["num_kv_shared_layers"]
+    wide = cfg.get("use_double_wide_mlp")
+    w.add_feed_forward_length([ff if i < first_shared else 2 * ff for i in range(n)] if wide else ff)
+    kv = cfg["num_key_value_heads"]
+    w.add_head_count_kv([kv if s else kv_full for s in swa] if kv_full is not None else kv)
+    w.add_rope_dimension_count(head_full)
+    w.add_rope_dimension_count_swa(int(cfg["head_dim"] * params["sliding_attention"].get("partial_rotary_factor", 1)))
+
+
+def _gemma4_rope_freqs(cfg: dict) -> np.ndarray:
+    """The converter's Gemma4Model.generate_extra_tensors: 1 for the global layers' turning pairs, 1e30 after."""
+    head_full = cfg.get("global_head_dim") or _gemma4_full_layer(cfg, "head_dim", None)
+    turning = int(head_full * cfg["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
+    return np.array([1.0] * turning + [1e30] * (head_full // 2 - turning), dtype=np.float32)
 
 
 # ---- K-quants: gguf's Python package dequantizes Q4_K / Q5_K / Q6_K but cannot quantize them ---------------
@@ -180,15 +277,16 @@ def dequantized_hf_model(model_dir: Path, gguf_file: Path, out_dir: Path) -> Pat
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
+    arch = GGUF_ARCH[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     stored = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
     weights = load_file(model_dir / "model.safetensors")
     for name in list(weights):
-        if name not in stored and gguf_name(name) not in stored:
+        if name not in stored and gguf_name(name, arch) not in stored:
             continue  # the tied head
-        t = stored[gguf_name(name)]
-        array = gguf.dequantize(t.data, t.tensor_type).reshape(weights[name].shape)
-        if GGUF_ARCH[cfg["architectures"][0]] == "llama" and (".q_proj." in name or ".k_proj." in name):
+        t = stored[gguf_name(name, arch)]
+        array = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(weights[name].shape)
+        if arch in PERMUTED_ARCHS and (".q_proj." in name or ".k_proj." in name):
             n = heads if ".q_proj." in name else kv_heads  # inverse of llama_cpp_permute
             array = array.reshape(n, array.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(array.shape)
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))

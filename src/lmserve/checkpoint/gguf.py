@@ -17,11 +17,13 @@ from typing import Any
 import numpy as np
 
 from lmserve.checkpoint import gguf_moe
+from lmserve.checkpoint.gguf_arch import GGUF_ARCHS, GGUFArch
 
 logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` → the HF architecture our decoder implements.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES.update((arch, spec.hf_architecture) for arch, spec in GGUF_ARCHS.items())  # (gguf_arch.py)
 # llama.cpp's converter interleaves the q/k rows of these (for its RoPE kernel); transformers undoes it.
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 
@@ -93,6 +95,7 @@ class GGUFTensor:
     shape: tuple[int, ...]  # (rows, cols) as in PyTorch, i.e. GGUF's dims reversed
     raw: np.ndarray  # memory-mapped: the element array (F32/F16) or the row-major block bytes
     unpermute_heads: int | None  # q/k of a permuted architecture: the head count to undo it with
+    transform: Callable[[np.ndarray], np.ndarray] | None = None  # undoes a converter's float transform (gguf_arch)
 
     @property
     def num_bytes(self) -> int:
@@ -100,6 +103,7 @@ class GGUFTensor:
 
     def blocks(self) -> np.ndarray:
         """The raw data, rows in HF order (block bytes for quantized types: one row of blocks per row)."""
+        assert self.transform is None, f"{self.gguf_name}: a transformed tensor is dequantized, never kept as blocks"
         data = self.raw.reshape(self.shape[0], -1) if self.raw.ndim > 1 else self.raw
         return _unpermute(data, self.unpermute_heads) if self.unpermute_heads else data
 
@@ -118,7 +122,8 @@ class GGUFTensor:
                     f"GGUF tensor {self.gguf_name!r} has type {self.type_name}, which the gguf package "
                     f"cannot dequantize; supported: F32, F16, BF16 and gguf's quantized types"
                 ) from None
-        return _unpermute(values, self.unpermute_heads) if self.unpermute_heads else values
+        values = _unpermute(values, self.unpermute_heads) if self.unpermute_heads else values
+        return self.transform(values) if self.transform else values
 
 
 def _unpermute(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -168,6 +173,11 @@ class GGUFCheckpoint:
             )
         self._by_name = {t.name: t for t in self._reader.tensors}
         self.moe = gguf_moe.moe_architecture(self.architecture, self.field)  # (HF architecture, model_type) or None
+        self.spec = GGUF_ARCHS.get(self.architecture, GGUFArch(GGUF_ARCHITECTURES.get(self.architecture, "")))
+
+    def raw_tensor(self, name: str) -> Any:
+        """gguf's tensor of that GGUF name (data, shape in GGUF's order), or None."""
+        return self._by_name.get(name)
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self._reader.get_field(key)
@@ -188,9 +198,9 @@ class GGUFCheckpoint:
         cfg["tie_word_embeddings"] = "output.weight" not in self._by_name
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         rope_dims = self.field(f"{arch}.rope.dimension_count")
-        if rope_dims is not None and rope_dims != head_dim:
+        if rope_dims is not None and rope_dims != head_dim and not self.spec.partial_rotary:
             raise ValueError(f"GGUF {arch}.rope.dimension_count={rope_dims} (partial rotary) is not supported")
-        if "rope_freqs.weight" in self._by_name:
+        if "rope_freqs.weight" in self._by_name and "rope_freqs" not in self.spec.config_tensors:
             raise ValueError(
                 f"GGUF file {self.path.name} scales RoPE by a rope_freqs tensor (Llama 3.1-style), which the "
                 f"GGUF reader does not support yet"
@@ -209,12 +219,15 @@ class GGUFCheckpoint:
             shapes = {t.name: (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
                       for t in self._reader.tensors}  # fmt: skip
             cfg = gguf_moe.moe_hf_config(arch, self.field, cfg, shapes)
-        return cfg
+        return self.spec.config(self, cfg) if self.spec.config else cfg
 
     def tensors(self) -> list[GGUFTensor]:
         """Every tensor under its HF name; an unknown name is an error (never silently dropped)."""
-        num_heads = int(self.field(f"{self.architecture}.attention.head_count"))
-        num_kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", num_heads))
+        permuted = self.architecture in PERMUTED_QK_ARCHITECTURES or self.spec.permuted_qk
+        num_heads = int(self.field(f"{self.architecture}.attention.head_count")) if permuted else 0
+        num_kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", num_heads)) if permuted else 0
+        cfg = self.hf_config() if self.spec.transform or self.spec.trunk_key else {}
+        trunk = int(cfg.get("num_hidden_layers", 0))
         out = []
         for t in self._reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -222,14 +235,20 @@ class GGUFCheckpoint:
                 for name, hf_name, part_shape, raw in gguf_moe.split_expert_stack(t.name, shape, t.data):
                     out.append(GGUFTensor(name, hf_name, t.tensor_type.name, part_shape, raw, None))
                 continue
-            hf_name = hf_tensor_name(t.name)
+            if t.name.rpartition(".")[0] in self.spec.config_tensors:
+                continue  # (read into the config)
+            block = t.name.split(".")[1] if t.name.startswith("blk.") else ""
+            if self.spec.trunk_key and block.isdigit() and int(block) >= trunk:
+                continue  # (a block after the trunk: the MTP head, not served, as an HF checkpoint's mtp.*)
+            hf_name = hf_tensor_name(t.name, self.spec)
             unpermute = None
-            if self.architecture in PERMUTED_QK_ARCHITECTURES:
+            if permuted:
                 if ".attn_q." in t.name:
                     unpermute = num_heads
                 elif ".attn_k." in t.name:
                     unpermute = num_kv_heads
-            out.append(GGUFTensor(t.name, hf_name, t.tensor_type.name, shape, t.data, unpermute))
+            transform = self.spec.transform(cfg, hf_name) if self.spec.transform else None
+            out.append(GGUFTensor(t.name, hf_name, t.tensor_type.name, shape, t.data, unpermute, transform))
         return out
 
     def bytes_by_type(self) -> dict[str, tuple[int, int, int]]:
@@ -241,15 +260,22 @@ class GGUFCheckpoint:
         return totals
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, spec: GGUFArch | None = None) -> str:
+    """The HF name of a GGUF tensor: the shared tables, with an architecture's own names (gguf_arch) over them."""
     stem, _, suffix = gguf_name.rpartition(".")
-    if suffix not in ("weight", "bias"):
+    if suffix not in ("weight", "bias") and spec is not None and suffix in spec.layer_tensors:
+        stem, suffix = gguf_name, ""  # (a tensor llama.cpp names without a suffix: qwen35's blk.N.ssm_a)
+    elif suffix not in ("weight", "bias"):
         raise ValueError(f"GGUF tensor {gguf_name!r}: expected a .weight or .bias tensor")
-    if stem in GLOBAL_TENSOR_NAMES:
-        return f"{GLOBAL_TENSOR_NAMES[stem]}.{suffix}"
+    global_names = {**GLOBAL_TENSOR_NAMES, **spec.global_tensors} if spec else GLOBAL_TENSOR_NAMES
+    layer_names = {**LAYER_TENSOR_NAMES, **spec.layer_tensors} if spec else LAYER_TENSOR_NAMES
+    hf_stem = global_names.get(stem)
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSOR_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_TENSOR_NAMES[parts[2]]}.{suffix}"
+    if hf_stem is None and len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        hf_stem = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
+    if hf_stem is not None:
+        unsuffixed = spec is not None and hf_stem.rpartition(".")[2] in spec.unsuffixed
+        return hf_stem if unsuffixed or not suffix else f"{hf_stem}.{suffix}"
     moe = gguf_moe.moe_tensor_name(stem)
     if moe is not None:
         return moe if moe.endswith(".sinks") else f"{moe}.{suffix}"
