@@ -12,6 +12,8 @@ import pytest
 
 from lmserve.bench.harness import lmserve_server
 
+pytestmark = pytest.mark.slow  # runs the benchmark end to end: in `-m slow` (CI runs it), out of the default run
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cpu.py"
 TINY = ["--prompt-len", "8", "--output-len", "12", "--concurrency", "2", "--offline-requests", "4", "--hf-batch", "2"]
 

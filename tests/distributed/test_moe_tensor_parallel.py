@@ -22,6 +22,8 @@ from tests.distributed.test_tensor_parallel import (  # noqa: F401 (fixtures)
     tokens,
 )
 
+pytestmark = pytest.mark.slow  # multi-process TP engines: in `-m slow` (CI runs it), out of the default run
+
 
 @pytest.mark.parametrize("family", ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt_oss",
                                                                                                   "qwen2_moe"))])

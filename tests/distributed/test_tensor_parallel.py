@@ -16,6 +16,8 @@ import torch
 from lmserve import LLM, SamplingParams
 from lmserve.config.engine import EngineArgs
 
+pytestmark = pytest.mark.slow  # multi-process TP engines: in `-m slow` (CI runs it), out of the default run
+
 PROMPTS = [
     "def fib(n):",
     "import json\nimport os\n\nclass Decoder(object):\n    def __init__(self, strict=True):",

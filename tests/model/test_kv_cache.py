@@ -362,6 +362,7 @@ def test_beam_search_with_int8_kv_scores_its_beams_right(model_dirs: dict[str, P
 # ---- held-out accuracy of the bundled model ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_heldout_perplexity_and_agreement_per_kv_dtype() -> None:
     """Teacher-forced scoring of >= 2000 held-out positions in 32-token chunks, so that every chunk after a

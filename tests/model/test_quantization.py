@@ -146,6 +146,7 @@ def portable_kernels(tmp_path: Path) -> Iterator[ctypes.CDLL]:
     kernels.library._lib = saved
 
 
+@pytest.mark.slow
 def test_portable_fallback_without_vnni_is_exact(portable_kernels: ctypes.CDLL) -> None:
     # the W4A8 kernels pick their path by cpuid at run time, whatever the build targeted
     best = kernels.w4a8_isa_name(kernels.w4a8_isa("auto"))
@@ -603,6 +604,7 @@ def test_memory_cli_reads_a_quantized_checkpoint(int4_checkpoint: Path, capsys: 
 # ---- server ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_server_serves_the_quantized_model(llama_dir: Path, tmp_path: Path) -> None:
     import httpx
 

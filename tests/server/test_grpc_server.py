@@ -27,6 +27,8 @@ from lmserve.grpc_proto import lmserve_pb2_grpc as pb_grpc  # noqa: E402
 from tests.server.test_server import MODEL_NAME, LiveServer, free_port, wait_until  # noqa: E402
 from tests.server.test_server import metrics as http_metrics  # noqa: E402
 
+pytestmark = pytest.mark.slow  # gRPC servers: in `-m slow` (CI runs it), out of the default run
+
 KEY = "sekrit-grpc"
 # A long request holds its slot open by construction, not by hoping the engine is slow: 32k decode steps take
 # seconds on the fastest machine, and every test that starts one cancels it (or lets its deadline abort it).

@@ -18,6 +18,8 @@ require_extra("eval", "lm_eval")
 
 from tests.server.test_server import MODEL_NAME, LiveServer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # lm-eval against the server: in `-m slow` (CI runs it), out of the default run
+
 TASK_DIR = Path(__file__).resolve().parents[1] / "data" / "lm_eval_tiny_mc"
 TASK = "lmserve_tiny_mc"
 

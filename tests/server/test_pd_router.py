@@ -17,6 +17,8 @@ from lmserve.entrypoints.router_cli import check_servers
 from tests.server.test_pd_server import PROMPT, _events, _per_choice, _post, _strip
 from tests.server.test_server import MODEL_NAME, LiveServer, free_port, make_chat_model, metrics, wait_until
 
+pytestmark = pytest.mark.slow  # PD servers behind the router: in `-m slow` (CI runs it), out of the default run
+
 PRODUCER = '{"kv_connector":"lmserve","kv_role":"kv_producer","kv_lease_s":3}'
 CONSUMER = '{"kv_connector":"lmserve","kv_role":"kv_consumer"}'
 

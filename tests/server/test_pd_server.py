@@ -18,6 +18,8 @@ import pytest
 from tests.server.test_server import MODEL_NAME, LiveServer, make_chat_model, metrics, wait_until
 from tests.server.test_server_processes import core_pids
 
+pytestmark = pytest.mark.slow  # prefill and decode servers: in `-m slow` (CI runs it), out of the default run
+
 
 @pytest.fixture(scope="module")
 def pd_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -17,6 +17,8 @@ import pytest
 from tests.helpers import require_extra
 from tests.server.test_server import MODEL_NAME, LiveServer, live_servers, make_chat_model, metrics
 
+pytestmark = pytest.mark.slow  # process-split servers: in `-m slow` (CI runs it), out of the default run
+
 
 def children(pid: int) -> list[int]:
     out = []

@@ -18,6 +18,8 @@ from lmserve.engine.core_client import EngineCoreClient
 from lmserve.sampling_params import SamplingParams
 from tests.engine.test_core_client import _final, greedy
 
+pytestmark = pytest.mark.slow  # TP servers: in `-m slow` (CI runs it), out of the default run
+
 BLOCK = 16
 
 

@@ -20,6 +20,8 @@ from tests.server.test_server import MODEL_NAME, LiveServer
 require_extra("web-test", "playwright.sync_api")
 from playwright.sync_api import Browser, Page, sync_playwright  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a browser against the server: in `-m slow` (CI runs it), out of the default run
+
 CHROMIUM = os.environ.get("LMSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 KEY = "sk-web"
 if not Path(CHROMIUM).exists():
