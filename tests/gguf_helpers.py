@@ -3,6 +3,7 @@ writer (as llama.cpp's converter lays them out), and a real trained model fetche
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -348,3 +349,14 @@ def with_kquant_fallbacks(model_dir: Path, types: dict[str, str]) -> dict[str, s
     cols = {name: t.shape[-1] for name, t in load_file(model_dir / "model.safetensors").items() if t.dim() == 2}
     cols.setdefault("lm_head.weight", cols["model.embed_tokens.weight"])
     return {n: KQUANT_FALLBACKS.get(t, t) if cols[n] % 256 else t for n, t in types.items()}
+
+
+def memory_json(model: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
+    """`lmserve memory --model MODEL --json [flags]` run in-process: its JSON report."""
+    from lmserve.entrypoints.memory_cli import add_memory_parser
+
+    parser = argparse.ArgumentParser()
+    add_memory_parser(parser.add_subparsers())
+    args = parser.parse_args(["memory", "--model", str(model), "--json", *flags])
+    assert args.func(args) == 0
+    return json.loads(capsys.readouterr().out)

@@ -19,6 +19,7 @@ from tests.distributed.test_tensor_parallel import (  # noqa: F401 (fixtures)
     greedy,
     make,
     one_thread_per_rank,
+    spy_stack_steps,
     tokens,
 )
 
@@ -55,33 +56,11 @@ def test_tp2_moe_stack_is_bit_identical(moe_dir_of, engines: list[LLM], monkeypa
     """Under TP = 2 with the shared-memory all-reduce, Qwen3-MoE's decode steps take the one-call C stack, which sums
     each MoE block over the ranks from C: every such step on rank 0 recomputed on the module path (rank 1 sent the
     step again) gives the same bits, and the greedy tokens are TP = 1's (two streams: the float32 kernel's rows)."""
-    import torch
-
-    from lmserve.engine.tp_executor import _forward_message
-    from lmserve.model.decoder import DecoderModel
-
     model_dir = moe_dir_of("qwen3_moe")
     expected = tokens(make(engines, model_dir, num_kv_blocks=64).generate(PROMPTS[:2], GREEDY, use_tqdm=False))
     two = make(engines, model_dir, num_kv_blocks=64, tensor_parallel_size=2)
-    executor, rank0 = two.engine.executor, two.engine.runner.model.model
-    assert executor.group.all_reduce_kind == "shm"
-    seen: list[bool] = []
-    orig = DecoderModel.forward
-
-    def both(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN202
-        out = orig(self, input_ids, positions, kv_caches, meta)
-        stack = self.decode_stack(kv_caches)
-        if self is rank0 and stack is not None and stack.applies(self.embed_tokens.weight[: len(input_ids)], meta):
-            executor._send(_forward_message(input_ids, positions, meta))  # rank 1 runs the step again
-            self._decode_stack = None
-            try:
-                ref = orig(self, input_ids, positions, kv_caches, meta)
-            finally:
-                self._decode_stack = stack
-            seen.append(torch.equal(out, ref))
-        return out
-
-    monkeypatch.setattr(DecoderModel, "forward", both)
+    assert two.engine.executor.group.all_reduce_kind == "shm"
+    seen = spy_stack_steps(two, monkeypatch)
     assert tokens(two.generate(PROMPTS[:2], GREEDY, use_tqdm=False)) == expected
     assert len(seen) >= 10 and all(seen), f"{seen.count(False)} of {len(seen)} stack steps differ from the module path"
 

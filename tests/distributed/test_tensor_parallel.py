@@ -312,8 +312,6 @@ def test_tp2_decode_stack_is_bit_identical_to_the_module_path(
     same sequence of calls; rank 1 is sent the step again) and must give the same bits. Greedy tokens equal TP = 1's.
     """
     from lmserve import kernels
-    from lmserve.engine.tp_executor import _forward_message
-    from lmserve.model.decoder import DecoderModel
 
     if len(PROMPTS) > kernels.f32_max_rows():  # as tests/model/test_decode_stack.py skips it
         pytest.skip(f"the float32 kernel takes {kernels.f32_max_rows()} rows on this CPU (no AVX-512)")
@@ -321,24 +319,7 @@ def test_tp2_decode_stack_is_bit_identical_to_the_module_path(
     two = make(engines, model_dirs[name], num_kv_blocks=64, tensor_parallel_size=2)
     executor, expected = two.engine.executor, greedy(one)
     assert executor.group.all_reduce_kind == "shm"
-    rank0 = two.engine.runner.model.model
-    seen: list[bool] = []
-    orig = DecoderModel.forward
-
-    def both(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN202
-        out = orig(self, input_ids, positions, kv_caches, meta)
-        stack = self.decode_stack(kv_caches)
-        if self is rank0 and stack is not None and stack.applies(self.embed_tokens.weight[: len(input_ids)], meta):
-            executor._send(_forward_message(input_ids, positions, meta))  # rank 1 runs the step again
-            self._decode_stack = None
-            try:
-                ref = orig(self, input_ids, positions, kv_caches, meta)
-            finally:
-                self._decode_stack = stack
-            seen.append(torch.equal(out, ref))
-        return out
-
-    monkeypatch.setattr(DecoderModel, "forward", both)
+    seen = spy_stack_steps(two, monkeypatch)
     assert greedy(two) == expected
     assert len(seen) >= 10 and all(seen), f"{seen.count(False)} of {len(seen)} stack steps differ from the module path"
 
@@ -450,3 +431,30 @@ def test_rank_killed_while_rank0_waits_in_c_fails_the_step(llama_dir: Path, engi
     assert time.monotonic() - t0 < 10
     executor.close()
     assert not _alive(pid)
+
+
+def spy_stack_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """From now on, every decode step rank 0 runs on the one-call stack is recomputed on the module path (rank 1 is
+    sent the step again); the list it returns gets, per such step, whether the two gave the same bits."""
+    from lmserve.engine.tp_executor import _forward_message
+    from lmserve.model.decoder import DecoderModel
+
+    executor, rank0 = llm.engine.executor, llm.engine.runner.model.model
+    seen: list[bool] = []
+    orig = DecoderModel.forward
+
+    def both(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN202
+        out = orig(self, input_ids, positions, kv_caches, meta)
+        stack = self.decode_stack(kv_caches)
+        if self is rank0 and stack is not None and stack.applies(self.embed_tokens.weight[: len(input_ids)], meta):
+            executor._send(_forward_message(input_ids, positions, meta))  # rank 1 runs the step again
+            self._decode_stack = None
+            try:
+                ref = orig(self, input_ids, positions, kv_caches, meta)
+            finally:
+                self._decode_stack = stack
+            seen.append(torch.equal(out, ref))
+        return out
+
+    monkeypatch.setattr(DecoderModel, "forward", both)
+    return seen

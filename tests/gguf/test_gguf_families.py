@@ -4,8 +4,6 @@ gguf's own table, greedy tokens identical to HF transformers, Q8_0 kept as it is
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +18,7 @@ from lmserve import LLM, SamplingParams
 from lmserve.checkpoint import gguf as lm_gguf
 from lmserve.checkpoint.registry.family import LayerSpec
 from lmserve.config.model import ModelConfig
-from tests.gguf_helpers import GGUF_ARCH, dequantized_hf_model, write_gguf
+from tests.gguf_helpers import GGUF_ARCH, dequantized_hf_model, memory_json, write_gguf
 from tests.hf_reference import assert_greedy_matches_hf_up_to_margin, hf_greedy
 
 PROMPTS = ["The capital of France is", "def fib(n):", "床前明月光，疑是地上霜。"]
@@ -142,19 +140,9 @@ def test_q8_0_gguf_matches_hf_on_its_weights(
 def test_memory_cli_counts_the_gguf_as_its_hf_model(
     model_dirs: dict[str, Path], gguf_dir: Path, name: str, capsys
 ) -> None:
-    from lmserve.entrypoints.memory_cli import add_memory_parser
-
-    parser = argparse.ArgumentParser()
-    add_memory_parser(parser.add_subparsers())
-
-    def report(model: Path) -> dict:
-        args = parser.parse_args(["memory", "--model", str(model), "--json", "--weight-dtype", "fp32"])
-        assert args.func(args) == 0
-        return json.loads(capsys.readouterr().out)
-
     model_dir = model_dirs[name]
     file = write_gguf(model_dir, gguf_dir / f"{name}-mem.gguf")
-    ours, theirs = report(file), report(model_dir)
+    ours, theirs = (memory_json(m, capsys, "--weight-dtype", "fp32") for m in (file, model_dir))
     weights = load_file(model_dir / "model.safetensors")
     hf_params = sum(t.numel() for n, t in weights.items() if n != "lm_head.weight")  # tied head
     assert ours["num_parameters"] == theirs["num_parameters"] == hf_params

@@ -4,8 +4,6 @@ under chunked prefill, Q8_0 kept as it is in the file, the memory ledger, the MT
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ from safetensors.torch import load_file
 import gguf
 from lmserve import LLM, SamplingParams
 from lmserve.checkpoint import gguf as lm_gguf
+from tests.gguf_helpers import memory_json
 from tests.gguf_hybrid_helpers import dequantized_qwen35_model, write_qwen35_gguf
 from tests.hf_reference import assert_greedy_matches_hf_up_to_margin
 from tests.hybrid_helpers import PROMPTS, hf_greedy
@@ -89,18 +88,8 @@ def test_q8_0_gguf_matches_hf_on_its_weights(qwen35_dir: Path, tmp_path: Path) -
 
 
 def test_memory_cli_counts_the_gguf_as_its_hf_model(qwen35_dir: Path, tmp_path: Path, capsys) -> None:
-    from lmserve.entrypoints.memory_cli import add_memory_parser
-
-    parser = argparse.ArgumentParser()
-    add_memory_parser(parser.add_subparsers())
-
-    def report(model: Path) -> dict:
-        args = parser.parse_args(["memory", "--model", str(model), "--json", "--weight-dtype", "fp32"])
-        assert args.func(args) == 0
-        return json.loads(capsys.readouterr().out)
-
-    ours = report(write_qwen35_gguf(qwen35_dir, tmp_path / "qwen35-mem.gguf"))
-    theirs = report(qwen35_dir)
+    ours = memory_json(write_qwen35_gguf(qwen35_dir, tmp_path / "qwen35-mem.gguf"), capsys, "--weight-dtype", "fp32")
+    theirs = memory_json(qwen35_dir, capsys, "--weight-dtype", "fp32")
     for key in ("num_parameters", "kv_bytes_per_token", "weight_bytes", "state_bytes_per_sequence"):
         assert ours[key] == theirs[key], key
     assert ours["state_bytes_per_sequence"] > 0

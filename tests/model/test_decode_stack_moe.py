@@ -13,9 +13,9 @@ import torch
 from lmserve import LLM, SamplingParams, kernels
 from lmserve.checkpoint.registry.moe import RouterSpec
 from lmserve.model.decode_stack import MoEDesc
-from lmserve.model.decoder import DecoderModel
 from lmserve.model.layers.moe import SparseMoE, route
 from tests.hf_reference import hf_greedy
+from tests.model.test_decode_stack import compared  # noqa: F401 (the fixture)
 from tests.model.test_moe import _hf_block, _hf_config, _ours
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: kernels not built")
@@ -83,29 +83,6 @@ def test_blocks_without_c_kernels_keep_the_module_path() -> None:
 PROMPTS = [[5, 9, 23, 44, 11, 3, 70, 8], [100, 2, 57, 19], [31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [7, 7, 7]]
 
 
-@pytest.fixture
-def compared(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    """Every forward the stack serves is recomputed on the module path (the stack off for one call); records
-    (rows, bit-identical)."""
-    seen: list[tuple[int, bool]] = []
-    orig = DecoderModel.forward
-
-    def both(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN202
-        out = orig(self, input_ids, positions, kv_caches, meta)
-        stack = self.decode_stack(kv_caches)
-        if stack is not None and stack.applies(self.embed_tokens(input_ids), meta):
-            self._decode_stack = None
-            try:
-                ref = orig(self, input_ids, positions, kv_caches, meta)
-            finally:
-                self._decode_stack = stack
-            seen.append((input_ids.shape[0], torch.equal(out, ref)))
-        return out
-
-    monkeypatch.setattr(DecoderModel, "forward", both)
-    return seen
-
-
 # (family, engine options, decode rows): float32 takes kernels.f32_max_rows() rows (2 without AVX-512)
 CASES = [
     ("qwen3_moe", {}, 2),  # q/k norm per head, a dense layer among the sparse ones
@@ -124,7 +101,7 @@ def _case_id(c: object) -> str:
 
 
 @pytest.mark.parametrize(("family", "kw", "n"), CASES, ids=[_case_id(c) for c in CASES])
-def test_moe_models_decode_in_one_call(moe_dir_of, compared: list, family: str, kw: dict, n: int) -> None:  # noqa: ANN001
+def test_moe_models_decode_in_one_call(moe_dir_of, compared: list, family: str, kw: dict, n: int) -> None:  # noqa: ANN001, F811
     """The stack runs every decode step (all n rows in one call), bit-identical to the module path; the greedy
     tokens are HF's (float32)."""
     if not kw and n > kernels.f32_max_rows():
