@@ -10,22 +10,12 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file
 
+from tests.gguf_helpers import HF_TO_GGUF
+
 # HF name fragment → GGUF (gguf-py's tensor_mapping.py for QWEN35)
 QWEN35_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    **HF_TO_GGUF,
+    "post_attention_layernorm": "post_attention_norm",  # (llama's ffn_norm)
     "linear_attn.in_proj_qkv": "attn_qkv",
     "linear_attn.in_proj_z": "attn_gate",
     "linear_attn.in_proj_b": "ssm_beta",
