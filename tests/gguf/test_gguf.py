@@ -4,7 +4,6 @@ int8w / int4 layouts), the memory ledger of both, and the errors."""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -18,7 +17,7 @@ import gguf
 from lmserve import LLM, SamplingParams
 from lmserve.checkpoint import gguf as lm_gguf
 from lmserve.memory.ledger import format_bytes
-from tests.gguf_helpers import dequantized_hf_model, llama_cpp_permute, write_gguf
+from tests.gguf_helpers import dequantized_hf_model, llama_cpp_permute, memory_json, write_gguf
 from tests.hf_reference import hf_greedy, hf_last_logits
 
 PROMPTS = ["The capital of France is", "def fib(n):", "床前明月光，疑是地上霜。"]
@@ -309,21 +308,10 @@ def test_fused_parts_of_different_types_are_dequantized_together(
 
 
 def test_memory_cli_reports_file_and_resident_bytes(model_dirs: dict[str, Path], gguf_dir: Path, capsys) -> None:
-    import argparse
-
-    from lmserve.entrypoints.memory_cli import add_memory_parser
     from lmserve.memory.ledger import load_model_shape, num_parameters
 
     model_dir = model_dirs["llama-gqa"]
     file = write_gguf(model_dir, gguf_dir / "llama-mem-q8.gguf", "Q8_0")
-    parser = argparse.ArgumentParser()
-    add_memory_parser(parser.add_subparsers())
-
-    def report(*flags: str) -> dict:
-        args = parser.parse_args(["memory", "--model", str(file), "--json", *flags])
-        assert args.func(args) == 0
-        return json.loads(capsys.readouterr().out)
-
     tensors = gguf.GGUFReader(str(file)).tensors
     weights = load_file(model_dir / "model.safetensors")
     hf_params = sum(t.numel() for name, t in weights.items() if name != "lm_head.weight")  # tied head
@@ -335,14 +323,14 @@ def test_memory_cli_reports_file_and_resident_bytes(model_dirs: dict[str, Path],
     projections = [t for t in tensors if t.name.startswith("blk.") and t.tensor_type.name == "Q8_0"]
     kept = sum(int(t.n_bytes) for t in projections) + int(embd.n_bytes)
     floats = hf_params - sum(int(t.n_elements) for t in projections) - int(embd.n_elements)
-    kept_report = report()
+    kept_report = memory_json(file, capsys)
     assert kept_report["num_parameters"] == hf_params == sum(int(t.n_elements) for t in tensors)
     assert kept_report["quantization"] == "gguf" and kept_report["weight_bytes"] == kept + 4 * floats
     notes = kept_report["notes"]
     assert any(f"GGUF file: {format_bytes(file_bytes)} of tensors" in n and "Q8_0 tensors" in n for n in notes)
     assert any(f"keeps {format_bytes(kept)} of block-32 tensors as they are" in n for n in notes), notes
     # --quantization none: everything dequantized to float32
-    none = report("--quantization", "none")
+    none = memory_json(file, capsys, "--quantization", "none")
     assert none["weight_dtype"] == "fp32" and none["weight_bytes"] == 4 * hf_params and none["quantization"] is None
     assert any(f"dequantizes Q8_0 at load: the weights take {format_bytes(4 * hf_params)}" in n for n in none["notes"])
 
