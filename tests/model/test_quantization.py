@@ -61,10 +61,24 @@ def test_int8_kernel_exact_in_int32(m: int, k: int, o: int) -> None:
     assert torch.equal(xq, ref_q) and torch.equal(xs, ref_s), "activation quantization differs from torch"
     expected = _int8_reference(x, qw, s)
     assert torch.equal(kernels.linear_i8(x, qw, s, Q.int8_row_sums(qw), None), expected)
-    # the batched path (torch._int_mm) is the same arithmetic
+    # the batched paths (torch._int_mm; float32 GEMMs of the codes where the CPU has no VNNI) are the same arithmetic
     assert torch.equal(Q.int8_linear(xq, xs, qw, s, None), expected)
+    assert torch.equal(Q.int8_linear(xq, xs, qw, s, None, use_int_mm=False), expected)
     bias = torch.randn(o)
     torch.testing.assert_close(kernels.linear_i8(x, qw, s, Q.int8_row_sums(qw), bias), expected + bias)
+
+
+@pytest.mark.parametrize("k", [1, 1000, Q.INT8_FLOAT_K, Q.INT8_FLOAT_K + 1, 2500])
+def test_int8_mm_in_float32_is_exact(k: int) -> None:
+    """The float32 GEMMs of int8 codes equal torch._int_mm to the bit, at the extreme codes too (sums up to
+    128 * 127 * K: past 2**24 once K > 1,032, where the chunks must add in int32)."""
+    torch.manual_seed(k)
+    xq = torch.randint(-127, 128, (17, k), dtype=torch.int8)
+    w = torch.randint(-128, 128, (1200, k), dtype=torch.int8)
+    assert torch.equal(Q.int8_mm(xq, w, use_int_mm=False), Q.int8_mm(xq, w, use_int_mm=True))
+    xq[:4], w[:3] = -127, -128  # the largest sums: every product 16,256
+    w[3:6] = 127
+    assert torch.equal(Q.int8_mm(xq, w, use_int_mm=False), Q.int8_mm(xq, w, use_int_mm=True))
 
 
 @needs_kernels

@@ -24,6 +24,11 @@ def quantized_kernel_names() -> dict[str, str]:
     }
 
 
+def int8_dot_instructions() -> bool:
+    """Whether the CPU has int8 dot-product instructions (VNNI): what makes torch._int_mm fast (oneDNN)."""
+    return L._lib is not None and L._lib.i8_kernel_isa() > 0
+
+
 def quantize_rows_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 of x (M, K) float32: (q (M, K) int8, scales (M,) float32), bit-identical to
     lmserve.model.quantization.quantize_activations."""

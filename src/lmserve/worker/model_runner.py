@@ -68,7 +68,10 @@ def _log_quantized_kernels(method: str, w4a8_layers: int = 0, lm_head: str | Non
             decode = "none (dequantized tiles)"
         else:
             decode = kernels.quantized_kernel_names()[layout]
-        batched = "torch._int_mm (oneDNN int8)" if layout == "int8" else "dequantize + float32 GEMM"
+        batched = "dequantize + float32 GEMM"
+        if layout == "int8":  # (no VNNI: exact float32 GEMMs of the int8 codes, model/quantization.int8_mm)
+            on_int_mm = not kernels.available() or kernels.int8_dot_instructions()
+            batched = "torch._int_mm (oneDNN int8)" if on_int_mm else "float32 GEMMs of the int8 codes (exact)"
         rows = I8_KERNEL_MAX_ROWS if layout == "int8" else kernels.I4_MAX_ROWS
         logger.info("%s weights: 1-%d row kernel %s; batched rows %s; CPU flags %s", layout, rows, decode, batched,
                     relevant or "none")

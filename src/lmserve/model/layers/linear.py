@@ -184,7 +184,7 @@ class Linear(nn.Linear):
     def fast_path(self, x: torch.Tensor) -> str | None:
         """Which CPU fast path forward(x) takes: "kernel", "onednn", or None for nn.Linear's. Both fast
         paths return float32 (they only exist for float32 weights and inputs). Quantized weights:
-        "int8_kernel" / "int4_kernel" (C, few rows, weights streamed once), "int8_gemm" (torch._int_mm),
+        "int8_kernel" / "int4_kernel" (C, few rows, weights streamed once), "int8_gemm" (quantization.int8_mm),
         "int4_dequant" (weights dequantized, then the float32 GEMM), "w4a8" (int4 packed by pack_w4a8: the W4A8
         kernels for every row count); GGUF Q8_0 blocks: "int8w_kernel" / "int8w_dequant" likewise, GGUF K-quants
         "kquant_kernel" / "kquant_dequant"."""
@@ -225,7 +225,8 @@ class Linear(nn.Linear):
             return kernels.linear_i8(x, self.qweight, self.scales, self._row_sums, self.bias)
         if path == "int8_gemm":
             xq, xs = kernels.quantize_rows_i8(x) if kernels.usable(x) else quant.quantize_activations(x)
-            return quant.int8_linear(xq, xs, self.qweight, self.scales, self.bias)
+            use_int_mm = not kernels.usable(x) or kernels.int8_dot_instructions()
+            return quant.int8_linear(xq, xs, self.qweight, self.scales, self.bias, use_int_mm)
         if path == "int4_kernel":
             return kernels.linear_i4(x, self.qweight, self.scales, self.bias, self.mins)
         if path == "w4a8":
