@@ -267,16 +267,18 @@ def test_gguf_block_linear_paths_agree(type_name: str, kernels_on: bool) -> None
 @needs_kernels
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_linear_paths_agree(method: str) -> None:
-    """The few-row kernel (1-8 rows) and the batched path of one quantized Linear compute the same model."""
+    """The few-row kernel (1-8 rows; int8: kernels.i8_kernel_rows()) and the batched path of one quantized Linear
+    compute the same model."""
     torch.manual_seed(1)
     lin = Linear(128, 48, bias=True)
     lin.quantize(method, 32)
     assert lin.weight is None and lin.qweight.dtype == (torch.int8 if method == "int8" else torch.uint8)
-    x = torch.randn(12, 128)
+    n = kernels.i8_kernel_rows() + 4 if method == "int8" else 12
+    x = torch.randn(n, 128)
     assert lin.fast_path(x[:1]) == f"{method}_kernel"
     assert lin.fast_path(x) == ("int8_gemm" if method == "int8" else "int4_dequant")
     batched = lin(x)
-    rows = torch.cat([lin(x[i : i + 1]) for i in range(12)])
+    rows = torch.cat([lin(x[i : i + 1]) for i in range(n)])
     torch.testing.assert_close(rows, batched, atol=1e-5, rtol=1e-5)
     xr = Q.fake_quantize_activations(x) if method == "int8" else x
     torch.testing.assert_close(batched, xr @ lin.dequantized_weight().t() + lin.bias, atol=1e-4, rtol=1e-5)
@@ -444,7 +446,7 @@ def test_int8_quantizes_the_lm_head_and_keeps_a_tied_embedding_float32(llama_dir
     assert head.quant_method == "int8" and head.weight is None and head.qweight.dtype == torch.int8
     assert embed.dtype == torch.float32
     torch.testing.assert_close(head.dequantized_weight(), embed, atol=float(head.scales.max()) / 2 + 1e-7, rtol=0)
-    rows = kernels.I8_MAX_ROWS + 1
+    rows = kernels.i8_kernel_rows() + 1
     hidden = torch.randn(rows, model.config.hidden_size)
     assert head.fast_path(hidden[:1]) == "int8_kernel" or not kernels.available()
     assert head.fast_path(hidden[: rows - 1]) == "int8_kernel" or not kernels.available()

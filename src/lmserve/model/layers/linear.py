@@ -17,7 +17,7 @@ from lmserve.model import gguf_blocks
 from lmserve.model import quantization as quant
 from lmserve.model.layers.embedding import Embedding
 
-I8_KERNEL_MAX_ROWS = kernels.I8_MAX_ROWS  # int8 W8A8: rows the VNNI kernel serves in one pass over the weights
+I8_KERNEL_MAX_ROWS = kernels.I8_MAX_ROWS  # int8 W8A8: rows the C kernel serves in one pass over the weights
 PACK_HINT_ROWS = 32  # batch size oneDNN lays the packed weights out for (any row count works)
 SMALL_M_ENV = "LMSERVE_SMALL_M_LINEAR"  # few-row (decode) linears: auto (measured per weight shape) | kernel | torch
 SMALL_M_MODES = ("auto", "kernel", "torch")
@@ -269,7 +269,7 @@ class Linear(nn.Linear):
 def kernel_max_rows(m: Linear) -> int:
     """The most rows of input m's C decode kernel takes in one pass over its weights (0: no kernel)."""
     if m.quant_method == "int8":
-        return I8_KERNEL_MAX_ROWS if kernels.available() else 0
+        return kernels.i8_kernel_rows() if kernels.available() else 0
     if m.quant_method == "kquant":
         return kernels.KQ_MAX_ROWS if kernels.available() else 0
     if m.quant_method is not None:
