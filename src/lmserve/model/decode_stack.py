@@ -18,7 +18,7 @@ from lmserve.model import quantization as quant
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
-from lmserve.model.layers.moe import SparseMoE
+from lmserve.model.layers.moe import ROUTER_KERNEL_MAX_ROWS, SparseMoE
 
 # ls_linear.kind in cpu_kernels.c
 _KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8}
@@ -228,6 +228,8 @@ class DecodeStack:
             if isinstance(layer.mlp, SparseMoE):  # (no gate_up / down: zeroed descriptions the C never reads)
                 self._moes.append(MoEDesc(layer.mlp))
                 moe = ctypes.addressof(self._moes[-1].struct)
+                if self._moes[-1].rows >= ROUTER_KERNEL_MAX_ROWS:  # (long prefills run through it: SparseMoE.forward)
+                    layer.mlp.prefill_block = self._moes[-1]
                 descs += [(_Linear(), self._moes[-1].rows)] * 2
             self.max_rows = min(self.max_rows, *(rows for _, rows in descs))
             a = layer.self_attn
@@ -462,3 +464,6 @@ class DecodeStackDispatch:
 
     def reset_decode_stack(self) -> None:
         self._decode_stack = self._decode_stack_checked = self._decode_stack_caches = None
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.prefill_block = None
