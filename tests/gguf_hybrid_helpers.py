@@ -121,10 +121,11 @@ def _type_for(array: np.ndarray, weight_type: str) -> str:
     return weight_type
 
 
-def write_hybrid_gguf(model_dir: Path, out: Path, weight_type: str = "F32") -> Path:
+def write_hybrid_gguf(model_dir: Path, out: Path, weight_type: str = "F32", expert_type: str | None = None) -> Path:
     """`model_dir` (a tiny Qwen3.5 / Qwen3.5-MoE / Qwen3-Next) as llama.cpp's converter writes it with `--no-mtp`:
-    2-D weights and the expert stacks as `weight_type` (F16 where a row is not whole blocks of it), the routers, the
-    shared-expert gate, the conv kernels, norms and 1-D tensors F32."""
+    2-D weights as `weight_type` and the expert stacks as `expert_type` (default: the same; MXFP4 as
+    llama-quantize's MXFP4_MOE), F16 where a row is not whole blocks of it; the routers, the shared-expert gate, the
+    conv kernels, norms and 1-D tensors F32."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -166,7 +167,8 @@ def write_hybrid_gguf(model_dir: Path, out: Path, weight_type: str = "F32") -> P
             add_tensor(w, gguf_name, array.astype(np.float32), "F32" if f32 else _type_for(array, weight_type))
     for (layer, proj, _), t in sorted(stacks.items()):  # Qwen2MoeModel: the experts stacked, (E, rows, cols)
         array = t.numpy()
-        add_tensor(w, f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", array, _type_for(array, weight_type))
+        stem = f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight"
+        add_tensor(w, stem, array, _type_for(array, expert_type or weight_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -141,6 +141,29 @@ def test_quantized_gguf_matches_hf_on_its_weights(
         assert lm_gguf.resident_weight_bytes(ckpt, 4, False)[0] == _weight_bytes(plain)
 
 
+def test_mxfp4_experts_stay_4_bit_and_match_hf(hybrid_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """llama-quantize's MXFP4_MOE layout (MXFP4 expert stacks, Q8_0 elsewhere): the experts hold the file's 4-bit
+    codes (lmserve's MXFP4 experts), and the engine matches HF holding gguf's dequantization of the file."""
+    from lmserve.model.mxfp4 import Mxfp4Linear
+
+    model_dir = hybrid_dirs["qwen3_5_moe"]
+    file = write_hybrid_gguf(model_dir, tmp_path / "mxfp4.gguf", "Q8_0", expert_type="MXFP4")
+    ref_dir = dequantized_hybrid_model(model_dir, file, tmp_path / "ref")
+    llm = LLM(str(file), tokenizer=str(model_dir), num_kv_blocks=64, int4_compute="weight-only")
+    model = llm.engine.runner.model
+    expert = model.model.layers[0].mlp.experts[2]
+    assert isinstance(expert.gate_up_proj, Mxfp4Linear) and isinstance(expert.down_proj, Mxfp4Linear)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    suffixes = (".qweight", ".scales", ".mins", ".blocks")
+    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(suffixes))
+    assert lm_gguf.resident_weight_bytes(lm_gguf.GGUFCheckpoint(file), 4, True)[0] == params + buffers
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for out in llm.generate(PROMPTS, sampling, use_tqdm=False):
+        got = out.outputs[0].token_ids
+        matched = assert_greedy_matches_hf_up_to_margin(ref_dir, out.prompt_token_ids, got, 1e-3, out.prompt)
+        assert matched == len(got), f"{out.prompt!r}: a near-tie flipped at token {matched}"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_memory_cli_counts_the_gguf_as_its_hf_model(
     hybrid_dirs: dict[str, Path], tmp_path: Path, capsys, family: str
