@@ -29,6 +29,9 @@ from lmserve.kernels.float32 import (
 from lmserve.kernels.float32 import (
     silu_mul as silu_mul,
 )
+from lmserve.kernels.float32 import (
+    swiglu_clamped as swiglu_clamped,
+)
 from lmserve.kernels.library import (
     _I as _I,
 )

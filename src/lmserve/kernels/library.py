@@ -102,17 +102,19 @@ def _load() -> ctypes.CDLL | None:
     lib.linear_bf16w_f32.restype = None
     lib.f32_kernel_max_rows.argtypes, lib.f32_kernel_max_rows.restype = [], ctypes.c_int
     lib.paged_decode_attention.argtypes = [
-        _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int,
+        _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, ctypes.c_int,
     ]  # fmt: skip
     lib.paged_decode_attention.restype = None
     lib.rmsnorm_f32.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
     lib.rmsnorm_f32.restype = None
     lib.silu_mul_f32.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.silu_mul_f32.restype = None
+    lib.swiglu_clamped_f32.argtypes = [_P, _P, _I, _I, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    lib.swiglu_clamped_f32.restype = None
     lib.rope_write_kv_f32.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
     lib.rope_write_kv_f32.restype = None
     lib.paged_decode_attention_q.argtypes = [
-        _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int, ctypes.c_int,
+        _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
     lib.paged_decode_attention_q.restype = None
     lib.rope_write_kv_q.argtypes = [
