@@ -184,13 +184,17 @@ def test_qwen3_moe_q8_0_experts_run_as_they_are(moe_dir_of, tmp_path: Path, capl
     _check(llm, ref, batch=2, greedy=1, max_tokens=6)
 
 
-def test_gpt_oss_mxfp4_experts_stay_4_bit_and_match_hf(moe_dir_of, tmp_path: Path) -> None:
+def test_gpt_oss_mxfp4_experts_stay_4_bit_and_match_hf(
+    moe_dir_of, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """gpt-oss with MXFP4 experts as OpenAI ships them, converted as llama.cpp's GptOssModel repacks them: the
-    experts hold the file's 4-bit codes, and the engine matches HF holding transformers' dequantization."""
+    experts hold the file's 4-bit codes, and the engine (weight-only: float activations) matches HF holding
+    transformers' dequantization."""
     from lmserve.checkpoint.gguf import GGUFCheckpoint, resident_weight_bytes
-    from lmserve.model.mxfp4 import Mxfp4Linear
+    from lmserve.model.mxfp4 import MXFP4_COMPUTE_ENV, Mxfp4Linear
     from tests.hf.test_gpt_oss import _mxfp4_checkpoint
 
+    monkeypatch.setenv(MXFP4_COMPUTE_ENV, "weight-only")
     quant, ref = tmp_path / "mxfp4", tmp_path / "ref"
     _mxfp4_checkpoint(moe_dir_of("gpt_oss"), quant, ref)
     file = write_moe_gguf(quant, tmp_path / "gpt-oss-mxfp4.gguf")

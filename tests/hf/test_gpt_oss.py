@@ -14,7 +14,7 @@ import torch
 
 from lmserve import LLM, SamplingParams
 from tests.hf.test_moe_models import _greedy
-from tests.hf_reference import hf_last_logits
+from tests.hf_reference import assert_greedy_matches_hf_up_to_margin, hf_last_logits
 
 PROMPTS = ["The capital of France is", "def fib(n):", "import json\nimport os\n\nclass Decoder(object):", "a"]
 E, I_EXPERT = 8, 64
@@ -120,16 +120,31 @@ def _mxfp4_checkpoint(src: Path, out: Path, ref: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg))
 
 
-def test_mxfp4_checkpoint_matches_hf_dequantized(gpt_oss_dir: Path, tmp_path: Path) -> None:
-    from lmserve.model.mxfp4 import Mxfp4Linear
+def test_mxfp4_checkpoint_matches_hf_dequantized(
+    gpt_oss_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmserve import kernels
+    from lmserve.model.mxfp4 import MXFP4_COMPUTE_ENV, Mxfp4Linear
 
     quant, ref = tmp_path / "mxfp4", tmp_path / "ref"
     _mxfp4_checkpoint(gpt_oss_dir, quant, ref)
+    monkeypatch.setenv(MXFP4_COMPUTE_ENV, "weight-only")  # float activations: HF's logits to float32 rounding
     llm = LLM(str(quant), num_kv_blocks=64)
     expert = llm.engine.runner.model.model.layers[0].mlp.experts[0]
     assert isinstance(expert.gate_up_proj, Mxfp4Linear) and expert.gate_up_proj.blocks.dtype == torch.uint8
     _check_logits(llm, ref, PROMPTS[:2])
     _greedy(LLM(str(quant), num_kv_blocks=64), ref, PROMPTS[1:3], max_tokens=8)
+    monkeypatch.delenv(MXFP4_COMPUTE_ENV)  # the default: an expert's few rows on the MXFP4 x int8 kernel
+    if not kernels.available():
+        return
+    ran: list[int] = []
+    real = kernels.linear_mxfp4
+    monkeypatch.setattr(kernels, "linear_mxfp4", lambda *a, **k: ran.append(1) or real(*a, **k))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for out in LLM(str(quant), num_kv_blocks=64).generate(PROMPTS[1:3], params, use_tqdm=False):
+        # (int8 activations move the logits by their rounding: a flip is accepted only at a near-tie, as W4A8's)
+        assert_greedy_matches_hf_up_to_margin(ref, out.prompt_token_ids, out.outputs[0].token_ids, 0.1, out.prompt)
+    assert ran, "the experts' few rows ran the MXFP4 kernel"
     # --quantization int8: the MXFP4 experts become their exact int8w form, the other projections int8 (W8A8)
     int8 = LLM(str(quant), num_kv_blocks=64, quantization="int8")
     expert = int8.engine.runner.model.model.layers[0].mlp.experts[0]

@@ -126,9 +126,10 @@ def test_rope_write_kv_matches_torch(tokens: int) -> None:
     torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0)
 
 
-def _reference_decode_attention(q, k_cache, v_cache, tables, lens, window=None):
+def _reference_decode_attention(q, k_cache, v_cache, tables, lens, window=None, sinks=None):
     """Per sequence: gather its first lens[b] tokens through the block table (the last `window` of them with a
-    sliding window), plain softmax attention."""
+    sliding window), plain softmax attention (with sinks (H,): HF gpt-oss's, a softmax over [scores, sink] whose
+    sink column is dropped)."""
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     outs = []
@@ -138,7 +139,11 @@ def _reference_decode_attention(q, k_cache, v_cache, tables, lens, window=None):
         k = k_cache[tables[b]].reshape(-1, *k_cache.shape[2:])[first:n].repeat_interleave(group, dim=1)  # (n, H, D)
         v = v_cache[tables[b]].reshape(-1, *v_cache.shape[2:])[first:n].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b], k) / q.shape[-1] ** 0.5
-        outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            probs = torch.cat([scores, sinks[:, None]], dim=-1).softmax(-1)[:, :-1]
+        outs.append(torch.einsum("hn,nhd->hd", probs, v))
         assert tables.shape[1] * block_size >= n
     return torch.stack(outs)
 
@@ -225,6 +230,38 @@ def test_paged_decode_attention_reads_only_the_window(window: int, kv_dtype: str
         q, cache.k, cache.v, tables, lens, head_dim**-0.5, cache.k_scale, cache.v_scale, sliding_window=window
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_paged_decode_attention_with_sinks(window: int | None, kv_dtype: str) -> None:
+    """gpt-oss's attention sinks: each head's logit joins its softmax's maximum and denominator and reads no value;
+    one sink far above every score (nearly all the weight goes to it), one far below (plain attention)."""
+    from lmserve.model.kv_cache import KVCache, dequantize
+
+    g = torch.Generator().manual_seed(11)
+    block_size, heads, kv_heads, head_dim, num_blocks = 4, 8, 2, 16, 64
+    cache = KVCache.allocate(num_blocks, block_size, kv_heads, head_dim, kv_dtype, torch.device("cpu"))
+    slots = torch.arange(num_blocks * block_size)
+    rows = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=g)
+    cache.write(rows[0], rows[1], slots)
+    k_ref = dequantize(cache.k, cache.k_scale, torch.float32)
+    v_ref = dequantize(cache.v, cache.v_scale, torch.float32)
+    lens = torch.tensor([1, 6, 37, 13], dtype=torch.long)
+    batch, max_blocks = len(lens), -(-int(lens.max()) // block_size)
+    tables = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).contiguous()
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    sinks = torch.randn(heads, generator=g)
+    sinks[0], sinks[1] = 40.0, -40.0
+    out = kernels.paged_decode_attention(
+        q, cache.k, cache.v, tables, lens, head_dim**-0.5, cache.k_scale, cache.v_scale, window, sinks
+    )
+    expected = _reference_decode_attention(q, k_ref, v_ref, tables, lens, window, sinks)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    plain = kernels.paged_decode_attention(
+        q, cache.k, cache.v, tables, lens, head_dim**-0.5, cache.k_scale, cache.v_scale, window
+    )
+    assert not torch.allclose(out, plain) and out[:, 0].abs().max() < 1e-6
 
 
 @pytest.mark.parametrize("stack", [True, False], ids=["decode-stack", "module-path"])

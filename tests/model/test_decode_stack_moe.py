@@ -1,7 +1,8 @@
 """The decode stack's MoE layers (model/decode_stack.MoEDesc, cpu_kernels.c: ls_moe_run, moe_route_f32) and q/k
 norms: the C router picks the experts torch.topk picks (ties included); the C block is bit-identical to
 SparseMoE's few-row forward; MoE models decode through the one-call stack bit-identically to the module path and
-greedy-identical to HF transformers, float32 and int8 experts."""
+greedy-identical to HF transformers, float32 and int8 experts, and gpt-oss (sinks, biases, sliding layers, the
+clamped SwiGLU) with float32 or MXFP4 experts."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_c_router_picks_torchs_experts(experts: int, k: int, scoring: str) -> No
     torch.testing.assert_close(w, want_w.gather(1, perm), rtol=2e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"])
 @pytest.mark.parametrize("quant", [None, "int8"])
 @torch.inference_mode()
 def test_c_block_is_sparse_moe_bit_for_bit(family: str, quant: str | None) -> None:
@@ -68,7 +69,7 @@ def test_c_block_is_sparse_moe_bit_for_bit(family: str, quant: str | None) -> No
 
 
 def test_blocks_without_c_kernels_keep_the_module_path() -> None:
-    """MXFP4 experts (no C kernel) and float32 experts whose few rows take torch (choose_small_m_paths): no C block."""
+    """Float32 experts whose few rows take torch (choose_small_m_paths) and weight-only MXFP4 experts: no C block."""
     cfg = _hf_config("qwen3_moe")
     ours = _ours("qwen3_moe", cfg, _hf_block("qwen3_moe", cfg))
     ours.plain = True
@@ -77,7 +78,31 @@ def test_blocks_without_c_kernels_keep_the_module_path() -> None:
     assert not MoEDesc.supports(ours)
     mxfp4 = SparseMoE(cfg.hidden_size, ours.shape, mxfp4=True)
     mxfp4.plain = True
+    assert MoEDesc.supports(mxfp4)  # (the MXFP4 x int8 kernel)
+    mxfp4.experts[5].gate_up_proj.compute = "weight-only"
     assert not MoEDesc.supports(mxfp4)
+
+
+@torch.inference_mode()
+def test_c_block_with_mxfp4_experts_is_sparse_moe_bit_for_bit() -> None:
+    """gpt-oss's block with MXFP4 experts (random bytes): the C block (the MXFP4 x int8 kernel, the clamped SwiGLU,
+    router and expert biases) equals SparseMoE.forward on 1-4 rows exactly."""
+    cfg = _hf_config("gpt_oss")
+    hf = _hf_block("gpt_oss", cfg)
+    ours = _ours("gpt_oss", cfg, hf, mxfp4=True)
+    g = torch.Generator().manual_seed(9)
+    h, inter, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
+    blocks = [torch.randint(0, 256, (e, r, c // 32, 16), dtype=torch.uint8, generator=g) for r, c in
+              ((2 * inter, h), (h, inter))]  # fmt: skip
+    scales = [torch.randint(119, 126, b.shape[:3], dtype=torch.uint8, generator=g) for b in blocks]
+    ours.set_mxfp4_experts(blocks[0], scales[0], blocks[1], scales[1], hf.experts.gate_up_proj_bias,
+                           hf.experts.down_proj_bias)  # fmt: skip
+    ours.plain = True
+    assert MoEDesc.supports(ours)
+    desc = MoEDesc(ours)
+    for rows in range(1, 5):
+        x = torch.randn(rows, h, generator=g)
+        assert torch.equal(desc.run(x), ours(x)), rows
 
 
 PROMPTS = [[5, 9, 23, 44, 11, 3, 70, 8], [100, 2, 57, 19], [31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [7, 7, 7]]
@@ -92,6 +117,7 @@ CASES = [
     pytest.param("mixtral", {}, 2, marks=pytest.mark.slow),
     pytest.param("olmoe", {}, 2, marks=pytest.mark.slow),  # q/k norm over the whole projection, no renormalising
     pytest.param("olmoe", {"quantization": "int8"}, 3, marks=pytest.mark.slow),
+    ("gpt_oss", {}, 2),  # sinks, q/k/v and o biases, sliding / full layers, router and expert biases, clamped SwiGLU
 ]
 
 
@@ -142,3 +168,24 @@ def test_long_prefills_run_through_the_c_block(moe_dir_of) -> None:  # noqa: ANN
     (torch_path,) = llm.generate([prompt], params, use_tqdm=False)
     assert c_path.outputs[0].token_ids == torch_path.outputs[0].token_ids
     assert c_path.outputs[0].token_ids[0] == first.outputs[0].token_ids[0]
+
+
+def test_gpt_oss_with_mxfp4_experts_decodes_in_one_call(moe_dir_of, compared: list, tmp_path: Path) -> None:  # noqa: ANN001, F811
+    """gpt-oss with OpenAI's MXFP4 experts: every decode step in one C call (the experts on the MXFP4 x int8
+    kernel), bit-identical to the module path; greedy tokens HF's on transformers' dequantization of the bytes, up
+    to a flip at a near-tie (the experts' activations are int8)."""
+    from tests.hf.test_gpt_oss import _mxfp4_checkpoint
+    from tests.hf_reference import assert_greedy_matches_hf_up_to_margin
+
+    quant, ref = tmp_path / "mxfp4", tmp_path / "ref"
+    _mxfp4_checkpoint(moe_dir_of("gpt_oss"), quant, ref)
+    llm = LLM(str(quant), num_kv_blocks=64, block_size=4)
+    runner = llm.engine.runner
+    stack = runner.model.model.decode_stack(runner.kv_caches)
+    assert stack is not None and stack._moes, "gpt-oss with MXFP4 experts takes the one-call stack"
+    n = 2
+    outs = llm.generate(PROMPTS[:n], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert compared and all(same for _, same in compared), compared
+    assert max(rows for rows, _ in compared) == n, "the decodes of all requests run in one call"
+    for prompt, out in zip(PROMPTS[:n], outs, strict=True):
+        assert_greedy_matches_hf_up_to_margin(ref, prompt, out.outputs[0].token_ids, 0.05, str(prompt))

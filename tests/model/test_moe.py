@@ -9,6 +9,7 @@ import torch
 
 from lmserve.checkpoint.registry.moe import moe_shape_from_hf_config
 from lmserve.model.layers.moe import SparseMoE, group_by_expert, route
+from lmserve.model.mxfp4 import Mxfp4Linear
 
 H, I_EXPERT, E, K = 64, 32, 8, 3
 
@@ -179,8 +180,49 @@ def test_mxfp4_experts_match_hf_dequantized(tokens: int) -> None:
     ex = hf.experts
     ours.set_mxfp4_experts(gu_b, gu_s, dn_b, dn_s, ex.gate_up_proj_bias, ex.down_proj_bias)
     assert ours.experts[0].gate_up_proj.blocks.dtype == torch.uint8  # still 4 bits a weight
+    for m in ours.modules():  # float activations, as HF's (the int8 kernel: the test below)
+        if isinstance(m, Mxfp4Linear):
+            m.compute = "weight-only"
     x = torch.randn(1, tokens, H, generator=g)
     torch.testing.assert_close(ours(x[0]), hf(x)[0][0], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+@torch.inference_mode()
+def test_mxfp4_experts_run_the_int8_kernel_for_few_rows(tokens: int) -> None:
+    """Experts given at most 8 rows take the MXFP4 x int8 C kernel (activations int8 per block of 32): the block
+    equals its weight-only self whose few-row projections see their inputs rounded to that grid."""
+    from lmserve import kernels
+    from lmserve.model import quantization as Q
+
+    if not kernels.available():
+        pytest.skip("the MXFP4 kernel needs the C kernels")
+    cfg = _hf_config("gpt_oss")
+    hf = _hf_block("gpt_oss", cfg)
+    g = torch.Generator().manual_seed(6)
+    blocks = [torch.randint(0, 256, (E, r, c // 32, 16), dtype=torch.uint8, generator=g) for r, c in
+              ((2 * I_EXPERT, H), (H, I_EXPERT))]  # fmt: skip
+    scales = [torch.randint(119, 126, b.shape[:3], dtype=torch.uint8, generator=g) for b in blocks]
+    fast, ref = (_ours("gpt_oss", cfg, hf, mxfp4=True) for _ in range(2))
+    for block in (fast, ref):
+        block.set_mxfp4_experts(blocks[0], scales[0], blocks[1], scales[1], hf.experts.gate_up_proj_bias,
+                                hf.experts.down_proj_bias)  # fmt: skip
+    calls: list[int] = []
+    for m in fast.modules():
+        if isinstance(m, Mxfp4Linear):
+            m.register_forward_pre_hook(lambda mod, args: calls.append(mod.fast_path(args[0]) == "mxfp4_kernel"))
+
+    def on_the_grid(mod: Mxfp4Linear, args: tuple) -> tuple:
+        (x,) = args
+        return (Q.fake_quantize_activation_blocks(x),) if x.shape[0] <= kernels.MXFP4_MAX_ROWS else None
+
+    for m in ref.modules():
+        if isinstance(m, Mxfp4Linear):
+            m.compute = "weight-only"
+            m.register_forward_pre_hook(on_the_grid)
+    x = torch.randn(tokens, H, generator=g)
+    torch.testing.assert_close(fast(x), ref(x), rtol=1e-4, atol=1e-4)
+    assert any(calls), "the few-row experts ran on the kernel"
 
 
 def test_bad_expert_tensors_name_the_field() -> None:

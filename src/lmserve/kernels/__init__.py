@@ -29,6 +29,9 @@ from lmserve.kernels.float32 import (
 from lmserve.kernels.float32 import (
     silu_mul as silu_mul,
 )
+from lmserve.kernels.float32 import (
+    swiglu_clamped as swiglu_clamped,
+)
 from lmserve.kernels.library import (
     _I as _I,
 )
@@ -91,6 +94,27 @@ from lmserve.kernels.library import (
 )
 from lmserve.kernels.library import (
     usable as usable,
+)
+from lmserve.kernels.mxfp4 import (
+    MXFP4_ISA_ENV as MXFP4_ISA_ENV,
+)
+from lmserve.kernels.mxfp4 import (
+    MXFP4_ISAS as MXFP4_ISAS,
+)
+from lmserve.kernels.mxfp4 import (
+    MXFP4_MAX_ROWS as MXFP4_MAX_ROWS,
+)
+from lmserve.kernels.mxfp4 import (
+    linear_mxfp4 as linear_mxfp4,
+)
+from lmserve.kernels.mxfp4 import (
+    mxfp4_isa as mxfp4_isa,
+)
+from lmserve.kernels.mxfp4 import (
+    mxfp4_isa_name as mxfp4_isa_name,
+)
+from lmserve.kernels.mxfp4 import (
+    mxfp4_isa_supported as mxfp4_isa_supported,
 )
 from lmserve.kernels.quantized import (
     I4_MAX_ROWS as I4_MAX_ROWS,

@@ -1,16 +1,21 @@
 /* Part of the one kernel library: compiled inside cpu_kernels.c, after the files it #includes before it. */
 /* bfloat16 -> float32 is exact: the bf16 bits are the high half of the float32. */
-/* Each of nq rows of N scores (row maxima in mx) → its softmax in place; zero the nq output rows of D. */
+/* Each of nq rows of N scores (row maxima in mx) → its softmax in place; zero the nq output rows of D. sinks (nq,)
+ * or NULL: a logit per row that joins its softmax's maximum and denominator and reads no value (gpt-oss's attention
+ * sinks: softmax over [scores, sink], the sink's column dropped). */
 static inline __attribute__((always_inline)) void softmax_rows_zero_out(float *scores, const float *mx, int64_t nq,
-                                                                        int64_t N, float *o0, int64_t D) {
+                                                                        int64_t N, float *o0, int64_t D,
+                                                                        const float *sinks) {
     for (int64_t h = 0; h < nq; h++) {
         float *sh = scores + h * N, m = mx[h], tot = 0.f;
+        if (sinks) m = sinks[h] > m ? sinks[h] : m;
 #pragma omp simd reduction(+ : tot)
         for (int64_t t = 0; t < N; t++) {
             float e = exp_f32(sh[t] - m);
             sh[t] = e;
             tot += e;
         }
+        if (sinks) tot += exp_f32(sinks[h] - m);
         float inv = 1.f / tot;
 #pragma omp simd
         for (int64_t t = 0; t < N; t++) sh[t] *= inv;
@@ -109,7 +114,8 @@ static inline __attribute__((always_inline)) float score1_f32(const float *qr, c
  * softmax row and each output head is computed the same whatever range [h0, h1) it is computed in. */
 static void decode_attention_heads(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
                                    int64_t t_begin, int64_t L, float *out, int64_t h0, int64_t h1, int64_t G,
-                                   int64_t D, int64_t block_size, int64_t row, float scale, float *scores) {
+                                   int64_t D, int64_t block_size, int64_t row, float scale, const float *sinks,
+                                   float *scores) {
     int64_t nq = h1 - h0; /* query heads handled here, scores laid out (nq, N) */
     int64_t N = L - t_begin;
     const float *q0 = q + h0 * D;
@@ -166,7 +172,7 @@ static void decode_attention_heads(const float *q, const float *k_cache, const f
             }
         }
     }
-    softmax_rows_zero_out(scores, mx, nq, N, o0, D);
+    softmax_rows_zero_out(scores, mx, nq, N, o0, D, sinks ? sinks + h0 : NULL);
 #ifdef F32_ROWS_AVX512
     if (D % 16 == 0 && D <= 128) { /* each head's output in registers over all tokens: the same FMAs in order */
         for (int64_t h = 0; h < nq; h++) {
@@ -230,12 +236,13 @@ static inline int64_t window_begin(int64_t L, int64_t window) { return window > 
  * q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); block_tables: (B, max_blocks);
  * context_lens: (B,) tokens each query attends to (its own K/V already written); window: 0, or a sliding window
  * (only the last `window` tokens are read: table entries of earlier blocks may be anything, even freed);
- * out: (B, H, D).
+ * sinks: (H,) or NULL, softmax_rows_zero_out's; out: (B, H, D).
  * Query head h reads kv head h / (H / KVH) (GQA). Work items as attention_items splits them (a sequence, a kv
  * head's group of query heads, or a run of query heads); every output is the same whatever the split. */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
                             const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                            int64_t block_size, int64_t max_blocks, float scale, int64_t window, int nthreads) {
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                            const float *sinks, int nthreads) {
     int64_t G = H / KVH;
     int64_t row = KVH * D; /* floats between consecutive tokens of a block */
     int64_t split, per;    /* items per sequence, query heads per item (attention_items) */
@@ -255,7 +262,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                 scores = (float *)malloc(sizeof(float) * cap);
             }
             decode_attention_heads(q + bi * H * D, k_cache, v_cache, block_tables + bi * max_blocks, t_begin, L,
-                                   out + bi * H * D, h0, h1, G, D, block_size, row, scale, scores);
+                                   out + bi * H * D, h0, h1, G, D, block_size, row, scale, sinks, scores);
         }
         free(scores);
     }

@@ -26,6 +26,7 @@
 #include "linear_quant.c"
 #include "kquant.c"
 #include "w4a8.c"
+#include "mxfp4.c"
 #include "moe.c"
 #include "decode_stack.c"
 #include "allreduce.c"

@@ -5,13 +5,14 @@
  *
  * A pure decode step of a few rows spends as long in Python between the kernels above (module calls,
  * argument checks, ctypes, ~9 calls a layer) as in some of the kernels themselves: ~270 us a layer on the
- * benchmark model. decode_stack runs every layer of a plain pre-norm Llama-family decoder (RMSNorm,
- * fused qkv, RoPE, paged attention, o, RMSNorm, gate_up, SiLU*up, down) and the final norm by calling the
- * same kernels in the same order with the same arguments as lmserve/model/llama.py does, so its output is
+ * benchmark model. decode_stack runs every layer of a plain pre-norm Llama-family decoder (RMSNorm, fused qkv,
+ * RoPE, paged attention (with sinks: gpt-oss), o, RMSNorm, gate_up, SiLU*up, down, or a MoE block) and the final
+ * norm by calling the same kernels in the same order with the same arguments as the module path does, so its output is
  * bit-identical to the module path. The Python side (lmserve/model/decode_stack.py) fills the layer
  * descriptions once and checks which models and steps qualify.
  */
-enum { LS_F32 = 0, LS_BF16W = 1, LS_I8 = 2, LS_I4 = 3, LS_I8W = 4, LS_KQ = 5, LS_W4A8 = 6, LS_W5A8 = 7, LS_W8A8 = 8 };
+enum { LS_F32 = 0, LS_BF16W = 1, LS_I8 = 2, LS_I4 = 3, LS_I8W = 4, LS_KQ = 5, LS_W4A8 = 6, LS_W5A8 = 7, LS_W8A8 = 8,
+       LS_MXFP4 = 9 };
 
 /* one projection; every field 8 bytes (the ctypes Structure mirrors it). LS_KQ (GGUF K-quants): scales points at
  * the (G, 3) int64 segment table linear_kq_f32 reads, G its row count. */
@@ -19,7 +20,7 @@ typedef struct {
     int64_t kind, O, K, G;
     const void *w, *scales, *mins, *row_sums;
     const float *bias;
-    int64_t isa; /* LS_W4A8: the W4A8_* path (the Python side resolved it once) */
+    int64_t isa; /* LS_W4A8: the W4A8_* path, LS_MXFP4: the MX_* one (the Python side resolved it once) */
 } ls_linear;
 
 /* A layer's mixture-of-experts block (in place of gate_up / down): SparseMoE's few-row path (ls_moe_run). */
@@ -29,6 +30,8 @@ typedef struct {
     const ls_linear *gate_up, *down;               /* num_experts each */
     const ls_linear *shared_gate_up, *shared_down; /* NULL: no shared expert */
     int64_t *counts;                               /* NULL, or (num_experts,): rows routed to each, added to */
+    int64_t clamped;                               /* 1: gpt-oss's clamped SwiGLU (alpha, limit), 0: SwiGLU */
+    double alpha, limit;
 } ls_moe;
 
 enum { LS_QK_NONE = 0, LS_QK_HEAD = 1, LS_QK_WHOLE = 2 };
@@ -42,6 +45,7 @@ typedef struct {
     int64_t qk_norm;                 /* LS_QK_*: RMSNorm of q and k per head (Qwen3) or over the projection (OLMoE) */
     const float *q_norm, *k_norm;    /* their weights */
     const ls_moe *moe;               /* NULL: the dense MLP (gate_up, down) */
+    const float *sinks;              /* NULL, or (heads,): gpt-oss's attention sinks */
 } ls_layer;
 
 struct ls_lora;      /* the LoRA section at the end of the file */
@@ -81,6 +85,9 @@ static int ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M
         linear_kq_f32(x, (const uint8_t *)l->w, (const int64_t *)l->scales, l->G, l->bias, y, M, l->O, l->K,
                       nthreads);
         break;
+    case LS_MXFP4: /* gpt-oss's experts: w the blocks, scales the e8m0 bytes */
+        return linear_mxfp4_f32(x, (const uint8_t *)l->w, (const uint8_t *)l->scales, l->bias, y, M, l->O, l->K,
+                                (int)l->isa, nthreads);
     case LS_W4A8: /* the W4A8 panels of 4-, 5- and 8-bit codes (GGUF Q5_0 / Q5_1, Q8_0 and the int4 head) */
     case LS_W5A8:
     case LS_W8A8:
@@ -121,7 +128,10 @@ __attribute__((optimize("fp-contract=off"))) static int ls_moe_run(const ls_moe 
         if (e->counts) e->counts[ex] += n;
         for (int64_t r = 0; r < n; r++) memcpy(xg + r * Hd, x + (rows[r] / k) * Hd, sizeof(float) * (size_t)Hd);
         if (ls_linear_run(e->gate_up + ex, xg, gu, n, nthreads)) goto done;
-        silu_mul_f32(gu, act, n, e->inter, nthreads);
+        if (e->clamped)
+            swiglu_clamped_f32(gu, act, n, e->inter, (float)e->alpha, (float)e->limit, nthreads);
+        else
+            silu_mul_f32(gu, act, n, e->inter, nthreads);
         if (ls_linear_run(e->down + ex, act, y, n, nthreads)) goto done;
         for (int64_t r = 0; r < n; r++) {
             const float wt = w[rows[r]], *yr = y + r * Hd;
@@ -218,10 +228,11 @@ int decode_stack(const ls_model *m, const float *h, float *out, const float *cos
             for (int64_t b = 0; b < B; b++) memcpy(q + b * qs, qkv + b * qkvw, sizeof(float) * (size_t)qs);
         if (m->kv_kind < 0)
             paged_decode_attention(q, (const float *)L->k_cache, (const float *)L->v_cache, tables, lens, attn, B, NH,
-                                   KVH, D, m->block_size, max_blocks, scale, L->window, nthreads);
+                                   KVH, D, m->block_size, max_blocks, scale, L->window, L->sinks, nthreads);
         else
             paged_decode_attention_q(q, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables, lens, attn, B, NH,
-                                     KVH, D, m->block_size, max_blocks, scale, L->window, (int)m->kv_kind, nthreads);
+                                     KVH, D, m->block_size, max_blocks, scale, L->window, L->sinks, (int)m->kv_kind,
+                                     nthreads);
         if (ls_linear_run(&L->o, attn, ob, B, nthreads)) goto fail;
         if (m->lora && ls_lora_add(m->lora, l, 1, attn, ob, nthreads)) goto fail;
         if (m->allreduce && (rc = ls_all_reduce(m->allreduce, ob, B * Hd))) goto fail;

@@ -35,6 +35,24 @@ void silu_mul_f32(const float *gu, float *out, int64_t M, int64_t I, int nthread
     for (int64_t m = 0; m < M; m++) silu_mul_row(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
 }
 
+static void swiglu_clamped_row(const float *restrict g, const float *restrict u, float *restrict o, int64_t n,
+                               float alpha, float limit) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float a = g[i] > limit ? limit : g[i]; /* (NaN stays NaN, as torch's clamp) */
+        const float b = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+        o[i] = (b + 1.f) * (a / (1.f + exp_f32(-(a * alpha))));
+    }
+}
+
+/* out[m, i] = (clamp(up, -limit, limit) + 1) * gate * sigmoid(alpha * gate), gate = min(gu[m, i], limit), up =
+ * gu[m, I + i]: gpt-oss's clamped SwiGLU after the fused gate/up product (its experts' rows: gate first). */
+void swiglu_clamped_f32(const float *gu, float *out, int64_t M, int64_t I, float alpha, float limit, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * I > 32768)
+    for (int64_t m = 0; m < M; m++)
+        swiglu_clamped_row(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I, alpha, limit);
+}
+
 /* Rotary embedding (rotate-half convention, as HF Llama) applied in place to the T tokens' query and key
  * heads, then each token's K and V rows copied into the paged caches at slots[t] (flat row = block *
  * block_size + offset). q/k/v rows of token t start at q + t * q_stride (etc.); heads are D apart.

@@ -52,11 +52,13 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, H, D) against K/V caches (num_blocks, block_size, KVH, D) through block_tables (B, max_blocks)
     int64, each row attending to its first context_lens[b] tokens (with a sliding_window W, to the last
     min(W, context_lens[b]) of them: blocks before those are never read, so their table entries may be freed
-    blocks or the -1 sentinel). Returns (B, H, D) float32.
+    blocks or the -1 sentinel). sinks (H,) float32: a logit per head in each softmax's denominator (gpt-oss).
+    Returns (B, H, D) float32.
     The caches are float32, bfloat16, or int8 / float8_e4m3fn with k_scale, v_scale (num_blocks, block_size,
     KVH) float32 (lmserve/model/kv_cache.py); values are converted in registers, never copied."""
     assert L._lib is not None, "kernels not loaded: call available() first"
@@ -70,18 +72,21 @@ def paged_decode_attention(
     assert dk == d and h % kvh == 0 and h <= L.MAX_HEADS, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
     assert block_tables.shape[0] == b and context_lens.shape == (b,), "one block table and length per query"
     assert sliding_window is None or sliding_window > 0, f"sliding_window {sliding_window} must be positive"
+    if sinks is not None:
+        L._check(sinks, "sinks")
+        assert sinks.shape == (h,), f"sinks {tuple(sinks.shape)} for {h} query heads"
     out = torch.empty_like(q)
     args = (block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, block_size)
     window = sliding_window or 0
     if kind < 0:
         L._lib.paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *args, block_tables.shape[1], scale, window,
-            torch.get_num_threads(),
+            L._ptr(sinks), torch.get_num_threads(),
         )  # fmt: skip
     else:
         L._lib.paged_decode_attention_q(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), L._ptr(k_scale), L._ptr(v_scale), *args,
-            block_tables.shape[1], scale, window, kind, torch.get_num_threads(),
+            block_tables.shape[1], scale, window, L._ptr(sinks), kind, torch.get_num_threads(),
         )  # fmt: skip
     return out
 
@@ -138,6 +143,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     assert two_i % 2 == 0, "gate_up must hold gate and up halves"
     out = torch.empty(m, two_i // 2, dtype=torch.float32)
     L._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """(M, 2I) [gate | up] → (M, I) (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit): gpt-oss's
+    experts' activation."""
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    gate_up = gate_up.contiguous()
+    L._check(gate_up, "gate_up")
+    m, two_i = gate_up.shape
+    assert two_i % 2 == 0, "gate_up must hold gate and up halves"
+    out = torch.empty(m, two_i // 2, dtype=torch.float32)
+    L._lib.swiglu_clamped_f32(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2, alpha, limit, torch.get_num_threads())
     return out
 
 

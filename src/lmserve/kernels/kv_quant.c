@@ -118,7 +118,7 @@ void rope_write_kv_q(float *q, int64_t q_stride, float *k, int64_t k_stride, con
 static inline __attribute__((always_inline)) void decode_attention_heads_q(
     const float *q, const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
     const int64_t *table, int64_t t_begin, int64_t L, float *out, int64_t h0, int64_t h1, int64_t G, int64_t KVH,
-    int64_t D, int64_t block_size, float scale, float *scores, int kind) {
+    int64_t D, int64_t block_size, float scale, const float *sinks, float *scores, int kind) {
     int64_t nq = h1 - h0, row = KVH * D, N = L - t_begin;
     const float *q0 = q + h0 * D;
     float *o0 = out + h0 * D;
@@ -150,7 +150,7 @@ static inline __attribute__((always_inline)) void decode_attention_heads_q(
             }
         }
     }
-    softmax_rows_zero_out(scores, mx, nq, N, o0, D);
+    softmax_rows_zero_out(scores, mx, nq, N, o0, D, sinks ? sinks + h0 : NULL);
     for (int64_t t0 = t_begin - t_begin % block_size; t0 < L; t0 += block_size) {
         int64_t slot0 = table[t0 / block_size] * block_size;
         int64_t j0 = t_begin > t0 ? t_begin - t0 : 0;
@@ -169,11 +169,12 @@ static inline __attribute__((always_inline)) void decode_attention_heads_q(
 }
 
 /* paged_decode_attention over a bf16 / int8 / fp8 cache (kind), dequantizing in registers: the same work
- * split and the same arguments (the sliding window included), plus the scale tensors (NULL for bf16). */
+ * split and the same arguments (the sliding window and sinks included), plus the scale tensors (NULL for bf16). */
 void paged_decode_attention_q(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
                               const float *v_scale, const int64_t *block_tables, const int64_t *context_lens,
                               float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                              int64_t max_blocks, float scale, int64_t window, int kind, int nthreads) {
+                              int64_t max_blocks, float scale, int64_t window, const float *sinks, int kind,
+                              int nthreads) {
     int64_t G = H / KVH;
     int64_t split, per;
     attention_items(B, H, KVH, nthreads, &split, &per);
@@ -196,13 +197,13 @@ void paged_decode_attention_q(const float *q, const void *k_cache, const void *v
             float *ob = out + bi * H * D;
             if (kind == KV_BF16)
                 decode_attention_heads_q(qb, k_cache, v_cache, NULL, NULL, table, t0, L, ob, h0, h1, G, KVH, D,
-                                         block_size, scale, scores, KV_BF16);
+                                         block_size, scale, sinks, scores, KV_BF16);
             else if (kind == KV_INT8)
                 decode_attention_heads_q(qb, k_cache, v_cache, k_scale, v_scale, table, t0, L, ob, h0, h1, G, KVH,
-                                         D, block_size, scale, scores, KV_INT8);
+                                         D, block_size, scale, sinks, scores, KV_INT8);
             else
                 decode_attention_heads_q(qb, k_cache, v_cache, k_scale, v_scale, table, t0, L, ob, h0, h1, G, KVH,
-                                         D, block_size, scale, scores, KV_FP8_E4M3);
+                                         D, block_size, scale, sinks, scores, KV_FP8_E4M3);
         }
         free(scores);
     }

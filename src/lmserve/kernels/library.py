@@ -1,6 +1,6 @@
 """The one kernel library: built from the sources on first use, cached, loaded with ctypes, its functions'
 signatures declared; `available()` says whether it loaded. The bindings (float32.py, quantized.py, w4a8.py,
-stack.py, gated_deltanet.py) read `_lib` from here at call time."""
+mxfp4.py, stack.py, gated_deltanet.py) read `_lib` from here at call time."""
 
 from __future__ import annotations
 
@@ -102,17 +102,19 @@ def _load() -> ctypes.CDLL | None:
     lib.linear_bf16w_f32.restype = None
     lib.f32_kernel_max_rows.argtypes, lib.f32_kernel_max_rows.restype = [], ctypes.c_int
     lib.paged_decode_attention.argtypes = [
-        _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int,
+        _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, ctypes.c_int,
     ]  # fmt: skip
     lib.paged_decode_attention.restype = None
     lib.rmsnorm_f32.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
     lib.rmsnorm_f32.restype = None
     lib.silu_mul_f32.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.silu_mul_f32.restype = None
+    lib.swiglu_clamped_f32.argtypes = [_P, _P, _I, _I, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    lib.swiglu_clamped_f32.restype = None
     lib.rope_write_kv_f32.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
     lib.rope_write_kv_f32.restype = None
     lib.paged_decode_attention_q.argtypes = [
-        _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int, ctypes.c_int,
+        _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
     lib.paged_decode_attention_q.restype = None
     lib.rope_write_kv_q.argtypes = [
@@ -121,6 +123,7 @@ def _load() -> ctypes.CDLL | None:
     lib.rope_write_kv_q.restype = None
     _declare_quantized(lib)
     _declare_kquant(lib)
+    _declare_mxfp4(lib)
     lib.decode_stack.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, ctypes.c_int]
     lib.decode_stack.restype = ctypes.c_int
     lib.moe_route_f32.argtypes = [_P, _I, _I, _I, ctypes.c_int, ctypes.c_int, _P, _P]
@@ -202,6 +205,13 @@ def _declare_kquant(lib: ctypes.CDLL) -> None:
     lib.linear_kq_f32.restype = None
     lib.dequant_kq_f32.argtypes = [ctypes.c_int, _P, _P, _I, _I, ctypes.c_int]
     lib.dequant_kq_f32.restype = None
+
+
+def _declare_mxfp4(lib: ctypes.CDLL) -> None:
+    lib.mxfp4_isa_supported.argtypes, lib.mxfp4_isa_supported.restype = [ctypes.c_int], ctypes.c_int
+    lib.mxfp4_isa_best.argtypes, lib.mxfp4_isa_best.restype = [], ctypes.c_int
+    lib.linear_mxfp4_f32.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.linear_mxfp4_f32.restype = ctypes.c_int
 
 
 def cpu_flags() -> set[str]:

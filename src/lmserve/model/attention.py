@@ -178,8 +178,10 @@ class _Spec:
 
     @property
     def kernel_ok(self) -> bool:
-        """The C decode kernel has no soft-capping and no sinks (sliding windows it reads in place)."""
-        return self.logit_softcap is None and self.sinks is None
+        """The C decode kernel has no soft-capping (sliding windows it reads in place, sinks it adds to each
+        softmax: float32 CPU ones)."""
+        s = self.sinks
+        return self.logit_softcap is None and (s is None or (s.dtype == torch.float32 and s.device.type == "cpu"))
 
 
 def _attend(
@@ -236,7 +238,7 @@ def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadat
         # sliding window only the blocks inside it.
         return kernels.paged_decode_attention(
             q, kv_cache.k, kv_cache.v, meta.decode_block_tables, meta.decode_context_lens, spec.scale,
-            kv_cache.k_scale, kv_cache.v_scale, spec.sliding_window,
+            kv_cache.k_scale, kv_cache.v_scale, spec.sliding_window, spec.sinks,
         )  # fmt: skip
     if spec.sliding_window is None:
         tables, mask = meta.decode_block_tables, meta.decode_mask(kv_cache.block_size)

@@ -1,8 +1,8 @@
 """The whole decoder stack of a small pure-decode step in one C call (kernels.decode_stack), bit-identical to the
 module path: the same kernels in the same order, without the Python between them.
 
-DecodeStack.supports: which models (plain pre-norm Llama layout, every projection on its C kernel); .applies: which
-steps (all decodes, at most max_rows). TP all-reduce and LoRA deltas run from C. See docs/cpu_kernels.md.
+DecodeStack.supports: which models (pre-norm Llama layout, MoE blocks, gpt-oss's sinks, every projection on its C
+kernel); .applies: which steps (all decodes, at most max_rows); TP all-reduce, LoRA from C: docs/cpu_kernels.md.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear, kernel_max_rows
 from lmserve.model.layers.moe import ROUTER_KERNEL_MAX_ROWS, SparseMoE
+from lmserve.model.mxfp4 import Mxfp4Linear
 
 # ls_linear.kind in cpu_kernels.c
-_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8}
+_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8,
+          "mxfp4": 9}  # fmt: skip
 _PANEL_KINDS = {4: "w4a8", 5: "w5a8", 8: "w8a8"}  # W4A8 panels by their codes' bits (int4; GGUF Q5_0 / Q5_1; Q8_0)
 W4A8_STACK_MAX_ROWS = 64  # decode rows one call takes when every projection is on W4A8 panels (scratch ~B x 36 KiB)
 
@@ -37,7 +39,7 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("in_norm", "post_norm", "k_cache", "v_cache", "k_scale", "v_scale")]
     _fields_ += [("window", ctypes.c_int64)] + [(n, _Linear) for n in ("qkv", "o", "gate_up", "down")]
-    _fields_ += [("qk_norm", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("q_norm", "k_norm", "moe")]
+    _fields_ += [("qk_norm", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("q_norm", "k_norm", "moe", "sinks")]
 
 
 class _MoE(ctypes.Structure):  # ls_moe: a layer's MoE block
@@ -45,6 +47,7 @@ class _MoE(ctypes.Structure):  # ls_moe: a layer's MoE block
     _fields_ += [(n, ctypes.c_void_p) for n in ("router_w", "router_b", "shared_gate")]
     _fields_ += [(n, ctypes.POINTER(_Linear)) for n in ("gate_up", "down", "shared_gate_up", "shared_down")]
     _fields_ += [("counts", ctypes.c_void_p)]  # SparseMoE.stack_tokens (int64): the expert load the stack routed
+    _fields_ += [("clamped", ctypes.c_int64), ("alpha", ctypes.c_double), ("limit", ctypes.c_double)]  # gpt-oss
 
 
 class MoEDesc:
@@ -68,7 +71,8 @@ class MoEDesc:
             n, spec.top_k, kernels.MOE_SCORINGS[spec.scoring], int(spec.renormalize), experts[0].intermediate_size,
             shared_inter, _ptr(moe.router.weight), _ptr(moe.router.bias),
             _ptr(moe.shared_expert_gate.weight) if self.shared else None, self.gate_up, self.down,
-            *(self.shared or (None, None)), _ptr(moe.stack_tokens),
+            *(self.shared or (None, None)), _ptr(moe.stack_tokens), int(moe.shape.activation == "swiglu_clamped"),
+            moe.shape.swiglu_alpha, moe.shape.swiglu_limit,
         )  # fmt: skip
         self._counts = moe.stack_tokens  # (kept alive with the pointer to it)
 
@@ -79,15 +83,16 @@ class MoEDesc:
 
     @staticmethod
     def supports(moe: torch.nn.Module) -> bool:
-        """Whether the C block computes moe exactly as SparseMoE.forward does on few rows: SwiGLU experts (and
-        shared expert) on their C kernels, float32 CPU router and gate."""
+        """Whether the C block computes moe exactly as SparseMoE.forward does on few rows: SwiGLU / clamped SwiGLU
+        experts (and shared expert) on their C kernels (MXFP4 ones on the MXFP4 x int8 kernel), float32 CPU router
+        and gate."""
         if not isinstance(moe, SparseMoE) or not getattr(moe, "plain", False):
             return False
         gates = [moe.router.weight] + ([moe.shared_expert_gate.weight] if moe.shared_expert is not None else [])
         gates += [moe.router.bias] if moe.router.bias is not None else []
         if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in gates):
             return False
-        return all(isinstance(m, Linear) and _kernel_linear(m) for m in _moe_linears(moe))
+        return all(isinstance(m, (Linear, Mxfp4Linear)) and _kernel_linear(m) for m in _moe_linears(moe))
 
 
 def _moe_linears(moe: SparseMoE) -> list[Linear]:
@@ -148,9 +153,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(m: Linear) -> tuple[_Linear, int]:
+def _linear(m: Linear | Mxfp4Linear) -> tuple[_Linear, int]:
     """m's C description and the most rows its kernel takes in one call."""
     isa = 0
+    if isinstance(m, Mxfp4Linear):  # (w: the 4-bit blocks, scales: the e8m0 bytes; the path resolved now)
+        isa = kernels.MXFP4_ISAS[kernels.mxfp4_isa()]
+        desc = _Linear(_KINDS["mxfp4"], m.out_features, m.in_features, 0, _ptr(m.blocks), _ptr(m.scales), None, None,
+                       _ptr(m.bias), isa)  # fmt: skip
+        return desc, kernels.MXFP4_MAX_ROWS
     if m._w4a8 is not None:  # packed for W4A8: the panels, the path resolved now (kernels.w4a8_isa)
         p = m._w4a8
         w, scales, mins, kind, group, sums = p.codes, p.scales, p.mins, _PANEL_KINDS[p.bits], p.group_size, None
@@ -190,8 +200,10 @@ def _row_tables(model: torch.nn.Module) -> tuple[Any, Any, Any] | None:
     return tuple(t.detach().numpy() for t in tables)
 
 
-def _kernel_linear(m: Linear) -> bool:
+def _kernel_linear(m: Linear | Mxfp4Linear) -> bool:
     """Whether m's few-row input runs through its C kernel on the module path (so the stack computes the same)."""
+    if isinstance(m, Mxfp4Linear):
+        return m.compute == "w4a8" and m.blocks.device.type == "cpu"
     if m._small_m_path is not None:
         return False
     if m.quant_method is None:  # the module path: float32 weights (read from their bf16 copy if rounded)
@@ -238,7 +250,7 @@ class DecodeStack:
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                 _ptr(cache.k), _ptr(cache.v), _ptr(cache.k_scale), _ptr(cache.v_scale),
                 layer.self_attn.sliding_window or 0, *(d for d, _ in descs), qk,
-                _ptr(a.q_norm.weight) if qk else None, _ptr(a.k_norm.weight) if qk else None, moe,
+                _ptr(a.q_norm.weight) if qk else None, _ptr(a.k_norm.weight) if qk else None, moe, _ptr(a.sinks),
             )  # fmt: skip
         cache = kv_caches[0]
         dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, SparseMoE)]
@@ -294,6 +306,8 @@ class DecodeStack:
                 if a.qk_norm_whole and model.tensor_parallel_size > 1:
                     return False
                 norms += [a.q_norm.weight, a.k_norm.weight]
+            if a.sinks is not None:  # (gpt-oss: the attention kernel reads them beside the scores)
+                norms.append(a.sinks)
             if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in norms):
                 return False
         return True

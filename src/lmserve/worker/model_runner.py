@@ -120,6 +120,8 @@ class ModelRunner:
             _log_quantized_kernels(method, w4a8, config.quantization.lm_head)
             if self.device.type == "cpu":
                 release_freed_memory()  # the load's and the repacking's temporary copies (the heap is never trimmed)
+        if mc.moe is not None and mc.moe.mxfp4:
+            _log_mxfp4_experts(self.model)
         self.packed_weight_bytes = 0
         if config.weight_dtype == "bfloat16":
             if not kernels.available():
@@ -370,3 +372,17 @@ def _mxfp4_experts_to_int8w(model: torch.nn.Module) -> None:
     if n:
         logger.info("int8: %d MXFP4 expert projections held as int8w (their exact 8-bit form)", n)
 
+
+def _log_mxfp4_experts(model: torch.nn.Module) -> None:
+    """Which path the MXFP4 expert projections (those --quantization int8 did not turn into int8w) take."""
+    from lmserve.model.mxfp4 import MXFP4_COMPUTE_ENV, Mxfp4Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Mxfp4Linear)]
+    if not layers:
+        return
+    if layers[0].compute == "w4a8" and kernels.available():
+        few = f"1-{kernels.MXFP4_MAX_ROWS} rows {kernels.mxfp4_isa_name(kernels.mxfp4_isa())} (int8 activations)"
+    else:
+        few = "every row count dequantized (weight-only)"
+    logger.info("MXFP4 experts: %d projections in 4 bits; %s; more rows dequantized float32 tiles (%s=%s)",
+                len(layers), few, MXFP4_COMPUTE_ENV, layers[0].compute)  # fmt: skip

@@ -50,12 +50,12 @@ class Attention(nn.Module):
         self.scale, self.logit_softcap = cfg.attn_scale, cfg.attn_logit_softcap
         self.partial_rotary = spec.rope is not None and cfg.rotary_dim is not None and cfg.rotary_dim < self.head_dim
         self.eps = cfg.rms_norm_eps
-        # the layout the C decode stack computes: Llama's (full rotary on every layer), q/k norms allowed
+        # the layout the C decode stack computes: Llama's (full rotary on every layer), q/k norms, o bias and
+        # attention sinks (gpt-oss) allowed
         self.plain = not (
             self.v_norm or self.partial_rotary or spec.rope != "global"
             or self.logit_softcap is not None or spec.kv_source is not None or spec.k_eq_v
             or self.head_dim != cfg.head_dim or self.num_kv_heads != cfg.num_kv_heads
-            or self.sinks is not None or cfg.o_bias
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, step: StepInputs) -> torch.Tensor:

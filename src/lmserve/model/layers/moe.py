@@ -61,8 +61,10 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.act == "silu" and kernels.usable(gate_up):
-            return self.down_proj(kernels.silu_mul(gate_up))
+        if kernels.usable(gate_up):  # (the C decode stack's MoE block calls the same kernels)
+            if self.act == "silu":
+                return self.down_proj(kernels.silu_mul(gate_up))
+            return self.down_proj(kernels.swiglu_clamped(gate_up, self.alpha, self.limit))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.act == "silu":
             return self.down_proj(nn.functional.silu(gate) * up)
@@ -413,13 +415,14 @@ class SparseMoE(nn.Module):
 
 class MoEFeedForward(SparseMoE):
     """The "moe" feed-forward block of a decoder layer (LayerSpec.feed_forward): SparseMoE over the config's
-    MoEShape (ModelConfig.moe). `plain`: the C decode stack can run it (SwiGLU experts on lmserve Linears)."""
+    MoEShape (ModelConfig.moe). `plain`: the C decode stack can run it (SwiGLU or gpt-oss's clamped SwiGLU experts
+    on lmserve Linears or Mxfp4Linears)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer_idx: int) -> None:
         assert cfg.moe is not None, f"layer {layer_idx}: a MoE feed-forward in a config without experts"
         super().__init__(cfg.hidden_size, cfg.moe, mxfp4=cfg.moe.mxfp4)
         # (DecodeStack.supports checks each expert's kernel path when it describes the model)
-        self.plain = cfg.moe.activation == "silu" and not cfg.moe.mxfp4 and self.spec.top_k <= kernels.MOE_MAX_TOP_K
+        self.plain = cfg.moe.activation in ("silu", "swiglu_clamped") and self.spec.top_k <= kernels.MOE_MAX_TOP_K
 
 
 _PER_EXPERT = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj",
