@@ -31,3 +31,4 @@
 #include "allreduce.c"
 #include "lora.c"
 #include "linear_attention.c"
+#include "hybrid_stack.c"
