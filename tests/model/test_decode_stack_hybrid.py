@@ -73,7 +73,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    ("family", "kw", "n"), CASES, ids=[f"{c[0]}-{'-'.join(map(str, c[1].values())) or 'fp32'}-{c[2]}" for c in CASES]
+    ("family", "kw", "n"),
+    CASES,
+    ids=[f"{c[0]}-{'-'.join(f'{k}={v}' for k, v in c[1].items()) or 'fp32'}-{c[2]}" for c in CASES],
 )
 def test_hybrid_models_decode_in_one_call(
     hybrid_dirs: dict[str, Path], compared: list, family: str, kw: dict, n: int
