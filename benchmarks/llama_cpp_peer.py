@@ -55,7 +55,7 @@ base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 def no_sentencepiece(self, *a, **k):
     raise FileNotFoundError("byte-level BPE tokenizer, no sentencepiece model")
 base.TextModel._set_vocab_sentencepiece = no_sentencepiece
-sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}, *{extra!r}]
 runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
@@ -82,10 +82,20 @@ def convert(llama_cpp_dir: Path, model_dir: Path, quantization: str | None, cach
         _run([str(llama_cpp_dir / "build" / "bin" / "llama-quantize"), str(f32), str(out), "Q4_0"], "llama-quantize")
         return out
     tmp = out.with_suffix(".tmp")
-    script = _CONVERT.format(root=str(llama_cpp_dir), model=str(model_dir), out=str(tmp), outtype=kind.lower())
+    extra = ["--no-mtp"] if _hybrid(model_dir) else []  # (the hybrids' converter expects MTP layers otherwise)
+    script = _CONVERT.format(root=str(llama_cpp_dir), model=str(model_dir), out=str(tmp), outtype=kind.lower(),
+                             extra=extra)  # fmt: skip
     _run([sys.executable, "-c", script], "convert_hf_to_gguf.py")
     tmp.replace(out)
     return out
+
+
+def _hybrid(model_dir: Path) -> bool:
+    """Whether model_dir holds a Qwen3.5 / Qwen3-Next checkpoint (converted with --no-mtp, as the issue's peer is)."""
+    import json
+
+    archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    return any(a.startswith(("Qwen3_5", "Qwen3Next")) for a in archs)
 
 
 def quantize(llama_cpp_dir: Path, model_dir: Path, kind: str, cache: Path = CACHE) -> Path:

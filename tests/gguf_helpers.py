@@ -360,3 +360,33 @@ def memory_json(model: Path, capsys: pytest.CaptureFixture[str], *flags: str) ->
     args = parser.parse_args(["memory", "--model", str(model), "--json", *flags])
     assert args.func(args) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def rewrite_gguf(
+    src: Path, out: Path, fields: dict[str, tuple | None] | None = None, drop: tuple[str, ...] = (),
+    add: dict[str, tuple[np.ndarray, object]] | None = None,
+) -> Path:  # fmt: skip
+    """`src` with metadata `fields` (key → (value, gguf value type), or None: left out), tensors `drop` left out and
+    tensors `add` (name → (array, gguf type)) written instead of or beside the file's."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = str(reader.get_field("general.architecture").contents())
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith(f"{arch}.") and key not in (fields or {}):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, value in (fields or {}).items():
+        if value is not None:
+            w.add_key_value(key, *value)
+    for t in reader.tensors:
+        if t.name not in drop and t.name not in (add or {}):
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    for name, (array, qtype) in (add or {}).items():
+        w.add_tensor(name, array, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -34,7 +34,7 @@ def _is_expert(hf_name: str) -> bool:
     return ".experts." in hf_name or ".shared_expert." in hf_name
 
 
-def _stacks(tensors: dict[str, torch.Tensor], arch: str) -> tuple[dict, dict]:
+def expert_stacks(tensors: dict[str, torch.Tensor], arch: str) -> tuple[dict, dict]:
     """HF tensors → (the non-expert ones, {(layer, proj): (E, rows, cols) float32 / MXFP4 pairs, biases}) in the
     converter's layout: gate / up (E, I, H), down (E, H, I), gpt-oss biases split from gate_up's interleaving."""
     rest, stacks, per_expert = {}, {}, {}
@@ -112,7 +112,7 @@ def write_moe_gguf(
     dense_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
     w = gguf.GGUFWriter(str(out), arch)
     _write_metadata(w, cfg, arch)
-    rest, stacks = _stacks(load_file(model_dir / "model.safetensors"), arch)
+    rest, stacks = expert_stacks(load_file(model_dir / "model.safetensors"), arch)
     for name, tensor in sorted(rest.items()):
         array = tensor.float().numpy()
         if arch == "llama" and ".q_proj." in name:
@@ -128,7 +128,7 @@ def write_moe_gguf(
         # (a dense layer among sparse ones, which llama.cpp's qwen*moe graphs lack: llama's dense ffn_* names)
         gguf_stem = name_map.get_name(stem) or dense_map.get_name(stem)
         assert gguf_stem is not None, f"{name}: not in gguf's {arch} tensor name map"
-        _add(w, f"{gguf_stem}.{suffix}", array, qtype)
+        add_tensor(w, f"{gguf_stem}.{suffix}", array, qtype)
     hf_stem = "layers.{}.feed_forward.experts.{}" if arch == "llama" else "model.layers.{}.mlp.experts.{}"
     llama_names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
     for (layer, proj, kind), t in sorted(stacks.items()):
@@ -141,12 +141,12 @@ def write_moe_gguf(
             w.add_tensor(f"{stem}.weight", data.reshape(*data.shape[:2], -1).numpy(),
                          raw_dtype=gguf.GGMLQuantizationType.MXFP4)  # fmt: skip
         elif kind == ".bias":
-            _add(w, f"{stem}.bias", t.float().numpy(), "F32")
+            add_tensor(w, f"{stem}.bias", t.float().numpy(), "F32")
         elif fuse_gate_up and proj == "gate_proj":  # conversion/base.py: cat((gate, up), dim=1)
             fused = torch.cat((t, stacks[(layer, "up_proj", "")]), dim=1).numpy()
-            _add(w, f"blk.{layer}.ffn_gate_up_exps.weight", fused, expert_type)
+            add_tensor(w, f"blk.{layer}.ffn_gate_up_exps.weight", fused, expert_type)
         else:
-            _add(w, f"{stem}.weight", t.numpy(), expert_type)
+            add_tensor(w, f"{stem}.weight", t.numpy(), expert_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -154,7 +154,7 @@ def write_moe_gguf(
     return out
 
 
-def _add(w, name: str, array: np.ndarray, type_name: str) -> None:  # noqa: ANN001
+def add_tensor(w, name: str, array: np.ndarray, type_name: str) -> None:  # noqa: ANN001
     import gguf
 
     array = np.ascontiguousarray(array, dtype=np.float32)

@@ -92,6 +92,7 @@ class Request:
     pooling_state: Any = None
     pooled: list[float] | None = None
     state_slot: int = -1  # a hybrid model's recurrent-state slot while running (core/state_pool.py)
+    decode_snapshot: Any = None  # the BlockKey of its latest decode-time state snapshot (core/state_snapshots.py)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

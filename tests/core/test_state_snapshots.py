@@ -140,10 +140,10 @@ def test_hit_is_cut_to_the_longest_block_with_a_snapshot() -> None:
 
 def test_no_snapshot_means_no_hit_and_a_whole_prompt_snapshots_its_last_full_block() -> None:
     s, worker = make_scheduler(num_snapshots=4, budget=64), FakeStateWorker()
-    a = list(range(100, 118))  # 18 tokens in one step: one snapshot, at 16
+    a = list(range(100, 118))  # 18 tokens in one step: one snapshot, at 16 (and its decode's at 20)
     s.add_request(make_request("a", a))
     drain(s, worker)
-    assert s.state_snapshots.num_cached == 1
+    assert s.state_snapshots.num_cached == 2
     s.add_request(make_request("b", a[:15] + [9, 9, 9]))  # KV hits 3 blocks (12 tokens), no snapshot there
     out = step(s, worker)
     assert worker.starts[0] == 0 and out.scheduled[0].state_restore == NO_SNAPSHOT
@@ -152,6 +152,28 @@ def test_no_snapshot_means_no_hit_and_a_whole_prompt_snapshots_its_last_full_blo
     s.add_request(make_request("c", a + [1]))  # a's 16 first tokens and its snapshot: hit 16, 3 tokens computed
     out = step(s, worker)
     assert worker.starts[0] == 16 and s.prefix_cache_hits_total == 16
+
+
+def test_a_follow_up_turn_hits_the_output_through_the_latest_decode_snapshot() -> None:
+    """A's decode tokens that complete a block snapshot the state after them, the request keeping only its latest:
+    a follow-up prompt holding A's prompt and output hits through that block; A's prompt snapshot stays too."""
+    s, worker = make_scheduler(num_snapshots=4, budget=64), FakeStateWorker()
+    a = make_request("a", list(range(100, 110)), max_tokens=9)  # 10 + 9 tokens: blocks end at 12 and 16 in decode
+    s.add_request(a)
+    saves = []
+    while s.has_unfinished_requests():
+        saves += [x.state_save.position for x in step(s, worker).scheduled if x.state_save is not None]
+    assert saves == [8, 12, 16] and s.state_snapshots.num_cached == 2, "the prompt's at 8, the decode's latest"
+    assert a.decode_snapshot is not None
+    b = make_request("b", a.all_token_ids + [1, 2])
+    s.add_request(b)
+    step(s, worker)
+    assert worker.starts == [16] and b.num_cached_tokens == 16
+    c = make_request("c", a.all_token_ids[:14] + [3, 3, 3])  # 12 was released: back to the prompt's 8
+    s.add_request(c)
+    step(s, worker)
+    assert worker.starts[-1] == 8
+    drain(s, worker)
 
 
 def test_a_hybrid_without_snapshots_and_static_joiners_take_no_hit() -> None:

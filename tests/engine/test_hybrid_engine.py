@@ -114,6 +114,20 @@ def test_pools_from_a_budget_are_the_ledgers_to_the_byte(qwen3_5_dir: Path) -> N
     assert config.scheduler.max_num_seqs == slots == llm.engine.scheduler.state_slots.num_slots
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_snapshots_beside_explicit_blocks_take_an_eighth(qwen3_5_dir: Path, max_num_seqs: int) -> None:
+    """num_kv_blocks given: a slot per max_num_seqs, and the snapshots (unless sized) 1/8 of the three pools
+    together (at least one), not one per sequence on top."""
+    config = EngineArgs(model=str(qwen3_5_dir), num_kv_blocks=8, max_num_seqs=max_num_seqs).create_engine_config()
+    cache = config.cache
+    state, kv = cache.state_bytes_per_sequence, cache.kv_bytes_per_token
+    assert (cache.num_blocks, cache.num_state_slots) == (8, max_num_seqs)
+    total = 8 * cache.block_size * kv + (max_num_seqs + cache.num_state_snapshots) * state
+    assert cache.num_state_snapshots >= 1
+    assert cache.num_state_snapshots == 1 or cache.num_state_snapshots * state <= total / 8
+    assert (cache.num_state_snapshots + 1) * state > total / 8
+
+
 def test_metrics_count_the_slots_held(qwen3_5_dir: Path) -> None:
     """get_metrics() and the /metrics exposition: state slots held by the running requests, and in all."""
     from prometheus_client.parser import text_string_to_metric_families

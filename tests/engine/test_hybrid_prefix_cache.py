@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve import LLM, SamplingParams
+from lmserve import LLM, RequestOutput, SamplingParams
 from lmserve.checkpoint.shape import load_model_shape
 from lmserve.config.engine import EngineArgs
 from lmserve.memory import ledger as memory
@@ -26,17 +26,28 @@ MAX_TOKENS = 8
 def run_in_turn(llm: LLM, model_dir: Path, prompts: list[str]) -> tuple[list[list[int]], list[int]]:
     """Each prompt after the one before has finished (so its snapshots are kept), its greedy tokens checked against
     HF's; returns (the prompts' token ids, their cached tokens)."""
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     ids, cached = [], []
     for prompt in prompts:
-        (out,) = llm.generate([prompt], params, use_tqdm=False)
-        assert out.outputs[0].token_ids == hf_greedy(model_dir, out.prompt_token_ids, MAX_TOKENS), prompt
+        out = turn(llm, model_dir, prompt)
         ids.append(out.prompt_token_ids)
         cached.append(out.num_cached_tokens)
     scheduler = llm.engine.scheduler
     scheduler.state_slots.check_invariants(set())
     scheduler.state_snapshots.check_invariants()
     return ids, cached
+
+
+def turn(llm: LLM, model_dir: Path, prompt: str | list[int]) -> RequestOutput:
+    """One request run to the end, its greedy tokens checked against HF's."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(model_dir, out.prompt_token_ids, MAX_TOKENS), prompt
+    return out
+
+
+def follow_up(llm: LLM, out: RequestOutput, text: str) -> list[int]:
+    """The next turn's prompt: the last one's prompt and output, then text."""
+    return out.prompt_token_ids + list(out.outputs[0].token_ids) + llm.get_tokenizer().encode(text)
 
 
 def common(a: list[int], b: list[int]) -> int:
@@ -125,13 +136,32 @@ def test_one_snapshot_slot_evicts_and_never_restores_a_stale_state(hybrid_dirs: 
     llm = LLM(str(model_dir), num_kv_blocks=96, block_size=4, state_snapshot_memory_gib=state / 2**30)
     assert llm.engine.config.cache.num_state_snapshots == 1
     assert llm.engine.runner.state_cache.snapshot_nbytes == state
-    other = PROMPTS[0] * 4  # shares nothing with the stem: its snapshot takes the one slot
-    longer = SHARING[1] + "\n\n    def run(self):"
+    other = PROMPTS[0] * 4  # shares nothing with the stem: its snapshots take the one slot
     ids, cached = run_in_turn(llm, model_dir, [STEM, other])
     probe = Request("probe", ids[0] + [1], SamplingParams(max_tokens=1), max_tokens=1)
     assert llm.engine.kv.num_ram_hit_blocks(probe) == len(ids[0]) // 4, "the stem's KV blocks are cached, not its state"
-    more_ids, more = run_in_turn(llm, model_dir, [SHARING[1], longer])
-    assert cached + more == [0, 0, 0, whole_prompt_hits(more_ids)[1]] and more[1] >= 44, cached + more
+    first = turn(llm, model_dir, SHARING[1])
+    longer = turn(llm, model_dir, follow_up(llm, first, "\n\n    def run(self):"))  # the last snapshot: first's
+    last_boundary = (len(first.prompt_token_ids) + MAX_TOKENS - 1) // 4 * 4
+    assert cached + [first.num_cached_tokens, longer.num_cached_tokens] == [0, 0, 0, last_boundary], cached
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow)])
+def test_a_follow_up_turn_hits_through_the_output(hybrid_dirs: dict[str, Path], kind: str) -> None:
+    """A chat's next turn (the last prompt, its output, a new message) hits up to the last block the output completed:
+    the decode saved the state there. Greedy tokens equal HF's; the decode's earlier snapshots were released."""
+    model_dir = hybrid_dirs[kind]
+    llm = LLM(str(model_dir), num_kv_blocks=96, block_size=4)
+    first = turn(llm, model_dir, STEM)
+    saves = llm.engine.scheduler.state_snapshots.num_saves_total
+    assert saves == 1 + MAX_TOKENS // 4, "the prompt's last full block, then each block its output completed"
+    assert llm.engine.scheduler.state_snapshots.num_cached == 2, "the prompt's and the output's latest"
+    second = turn(llm, model_dir, follow_up(llm, first, "\n        pass"))
+    assert second.num_cached_tokens == (len(first.prompt_token_ids) + MAX_TOKENS - 1) // 4 * 4
+    assert second.num_cached_tokens > len(first.prompt_token_ids)
+    third = turn(llm, model_dir, follow_up(llm, second, "\n    return None"))
+    assert third.num_cached_tokens == (len(second.prompt_token_ids) + MAX_TOKENS - 1) // 4 * 4
+    llm.engine.scheduler.state_snapshots.check_invariants()
 
 
 def test_zero_snapshot_memory_turns_prefix_caching_off(hybrid_dirs: dict[str, Path]) -> None:

@@ -9,7 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from safetensors.torch import load_file
 
@@ -18,7 +17,7 @@ from lmserve import LLM, SamplingParams
 from lmserve.checkpoint import gguf as lm_gguf
 from lmserve.checkpoint.registry.family import LayerSpec
 from lmserve.config.model import ModelConfig
-from tests.gguf_helpers import GGUF_ARCH, dequantized_hf_model, memory_json, write_gguf
+from tests.gguf_helpers import GGUF_ARCH, dequantized_hf_model, memory_json, rewrite_gguf, write_gguf
 from tests.hf_reference import assert_greedy_matches_hf_up_to_margin, hf_greedy
 
 PROMPTS = ["The capital of France is", "def fib(n):", "床前明月光，疑是地上霜。"]
@@ -47,29 +46,6 @@ def _layers(model: Any) -> list[LayerSpec]:
         replace(s, head_dim=s.head_dim or model.head_dim, num_kv_heads=s.num_kv_heads or model.num_kv_heads)
         for s in model.layers
     ]
-
-
-def _rewrite(src: Path, out: Path, fields: dict[str, tuple | None] | None = None, drop: tuple[str, ...] = ()) -> Path:
-    """`src` with metadata `fields` (key → (value, gguf value type), or None: left out) and tensors `drop` left
-    out."""
-    reader = gguf.GGUFReader(str(src))
-    arch = str(reader.get_field("general.architecture").contents())
-    w = gguf.GGUFWriter(str(out), arch)
-    for key, field in reader.fields.items():
-        if key.startswith(f"{arch}.") and key not in (fields or {}):
-            sub = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub)
-    for key, value in (fields or {}).items():
-        if value is not None:
-            w.add_key_value(key, *value)
-    for t in reader.tensors:
-        if t.name not in drop:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 # ---- the reader's names: the inverse of gguf's own table (the converter's) --------------------------------
@@ -155,14 +131,14 @@ def test_memory_cli_counts_the_gguf_as_its_hf_model(
 
 def test_gemma4_with_experts_is_refused_naming_them(model_dirs: dict[str, Path], gguf_dir: Path) -> None:
     file = write_gguf(model_dirs["gemma4"], gguf_dir / "gemma4-base.gguf")
-    moe = _rewrite(file, gguf_dir / "gemma4-moe.gguf", {"gemma4.expert_count": (4, gguf.GGUFValueType.UINT32)})
+    moe = rewrite_gguf(file, gguf_dir / "gemma4-moe.gguf", {"gemma4.expert_count": (4, gguf.GGUFValueType.UINT32)})
     with pytest.raises(ValueError, match=r"gemma4 with experts .* is not supported"):
         LLM(str(moe), tokenizer=str(model_dirs["gemma4"]), num_kv_blocks=64)
 
 
 def test_gemma4_without_rope_freqs_is_refused(model_dirs: dict[str, Path], gguf_dir: Path) -> None:
     file = write_gguf(model_dirs["gemma4"], gguf_dir / "gemma4-base2.gguf")
-    cut = _rewrite(file, gguf_dir / "gemma4-norope.gguf", drop=("rope_freqs.weight",))
+    cut = rewrite_gguf(file, gguf_dir / "gemma4-norope.gguf", drop=("rope_freqs.weight",))
     with pytest.raises(ValueError, match=r"gemma4 has no rope_freqs tensor"):
         lm_gguf.GGUFCheckpoint(cut).hf_config()
 
@@ -174,7 +150,9 @@ def test_olmo3_window_pattern_as_a_period(
     """llama.cpp's other spelling of the pattern: every n-th layer global (n = 4 when the key is absent)."""
     file = write_gguf(model_dirs["olmo3"], gguf_dir / "olmo3-base.gguf")
     value = None if pattern is None else (pattern, gguf.GGUFValueType.UINT32)
-    out = _rewrite(file, gguf_dir / f"olmo3-period-{pattern}.gguf", {"olmo2.attention.sliding_window_pattern": value})
+    out = rewrite_gguf(
+        file, gguf_dir / f"olmo3-period-{pattern}.gguf", {"olmo2.attention.sliding_window_pattern": value}
+    )
     cfg = lm_gguf.GGUFCheckpoint(out).hf_config()
     assert cfg["architectures"] == ["Olmo3ForCausalLM"]
     assert cfg["layer_types"] == ["sliding_attention" if s else "full_attention" for s in sliding]

@@ -48,7 +48,7 @@ def test_bfloat16_state_halves_the_ledger_and_stays_close_to_hf(hybrid_dirs: dic
     cache = llm.engine.runner.state_cache
     assert cache.layers[0].ssm.dtype == cache.layers[0].ssm_snapshots.dtype == torch.bfloat16
     assert cache.nbytes == bf16.num_state_slots * bf16.state_bytes_per_sequence
-    assert cache.snapshot_nbytes == bf16.num_state_snapshots * bf16.state_bytes_per_sequence
+    assert cache.snapshot_nbytes == llm.engine.config.cache.num_state_snapshots * bf16.state_bytes_per_sequence
     error = max_error(llm, model_dir)
     reference = max_error(LLM(str(model_dir), **kwargs), model_dir)
     assert reference < 2e-4, "float32: HF's tolerance"

@@ -86,15 +86,17 @@ def test_stack_is_bit_identical_to_the_module_path(
 
 
 def test_rows_beyond_the_kernels_take_the_module_path(model_dirs: dict[str, Path], compared: list) -> None:
-    """int8 W8A8 projections take their C kernel for at most I8_MAX_ROWS rows: one more decode runs layer by layer.
-    float32 takes up to kernels.f32_max_rows() (8 with AVX-512), int4 up to I4_MAX_ROWS."""
-    llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64, quantization="int8")
+    """int8 W8A8 projections take their C kernel for at most kernels.i8_kernel_rows() rows (8 with VNNI, 64 with
+    AVX2 alone): one more decode runs layer by layer. float32 takes up to kernels.f32_max_rows() (8 with AVX-512),
+    int4 up to I4_MAX_ROWS."""
+    llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=128, quantization="int8")
     runner = llm.engine.runner
-    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] for i in range(kernels.I8_MAX_ROWS + 1)]
+    rows = kernels.i8_kernel_rows()
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] for i in range(rows + 1)]
     llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
     stack = runner.model.model.decode_stack(runner.kv_caches)
-    assert stack is not None and stack.max_rows == kernels.I8_MAX_ROWS
-    assert compared == [], f"no step of {kernels.I8_MAX_ROWS + 1} decodes may take the stack"
+    assert stack is not None and stack.max_rows == rows
+    assert compared == [], f"no step of {rows + 1} decodes may take the stack"
     fp32_llm = LLM(str(model_dirs["llama-gqa"]), num_kv_blocks=64)  # kept alive: collecting an LLM closes its engine
     fp32 = fp32_llm.engine.runner
     assert fp32.model.model.decode_stack(fp32.kv_caches).max_rows == kernels.f32_max_rows()

@@ -124,6 +124,8 @@ def test_steps_with_state_saves_or_chunks_take_the_module_path() -> None:
     assert hybrid_stack.takes_step(meta, 2)
     meta.linear = LinearAttentionMetadata(slots, 2, saves={0: (4, 0)})
     assert not hybrid_stack.takes_step(meta, 2)
+    meta.linear = LinearAttentionMetadata(slots, 2, decode_saves=[(1, 0)])
+    assert not hybrid_stack.takes_step(meta, 2)
     meta.linear = LinearAttentionMetadata(slots, 2, prefills=[(2, 5, 0, True)])
     assert not hybrid_stack.takes_step(meta, 2)
     meta.linear = None

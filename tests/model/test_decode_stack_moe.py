@@ -13,7 +13,7 @@ import torch
 from lmserve import LLM, SamplingParams, kernels
 from lmserve.checkpoint.registry.moe import RouterSpec
 from lmserve.model.decode_stack import MoEDesc
-from lmserve.model.layers.moe import SparseMoE, route
+from lmserve.model.layers.moe import ROUTER_KERNEL_MAX_ROWS, SparseMoE, route
 from tests.hf_reference import hf_greedy
 from tests.model.test_decode_stack import compared  # noqa: F401 (the fixture)
 from tests.model.test_moe import _hf_block, _hf_config, _ours
@@ -118,3 +118,27 @@ def test_moe_models_decode_in_one_call(moe_dir_of, compared: list, family: str, 
     if not kw:
         for prompt, out in zip(PROMPTS[:n], outs, strict=True):
             assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, 10), prompt
+
+
+def test_long_prefills_run_through_the_c_block(moe_dir_of) -> None:  # noqa: ANN001
+    """With the stack built, a prefill of more than ROUTER_KERNEL_MAX_ROWS tokens runs each MoE block through its C
+    description in runs of its rows (W4A8 experts: 64), every routed row counted; the greedy tokens equal the
+    torch path's on the same prompt."""
+    llm = LLM(str(moe_dir_of("qwen3_moe")), num_kv_blocks=128, block_size=4, quantization="int4",
+              enable_prefix_caching=False)  # fmt: skip
+    runner = llm.engine.runner
+    assert runner.model.model.decode_stack(runner.kv_caches) is not None
+    moes = [layer.mlp for layer in runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moes and all(m.prefill_block is not None and m.prefill_block.rows == ROUTER_KERNEL_MAX_ROWS for m in moes)
+    prompt = [(i * 37) % 500 + 3 for i in range(150)]
+    before = [m.stack_tokens.sum().item() for m in moes]
+    (first,) = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    k = moes[0].spec.top_k
+    assert [m.stack_tokens.sum().item() - b for m, b in zip(moes, before, strict=True)] == [150 * k] * len(moes)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    (c_path,) = llm.generate([prompt], params, use_tqdm=False)
+    for m in moes:
+        m.prefill_block = None
+    (torch_path,) = llm.generate([prompt], params, use_tqdm=False)
+    assert c_path.outputs[0].token_ids == torch_path.outputs[0].token_ids
+    assert c_path.outputs[0].token_ids[0] == first.outputs[0].token_ids[0]

@@ -61,10 +61,24 @@ def test_int8_kernel_exact_in_int32(m: int, k: int, o: int) -> None:
     assert torch.equal(xq, ref_q) and torch.equal(xs, ref_s), "activation quantization differs from torch"
     expected = _int8_reference(x, qw, s)
     assert torch.equal(kernels.linear_i8(x, qw, s, Q.int8_row_sums(qw), None), expected)
-    # the batched path (torch._int_mm) is the same arithmetic
+    # the batched paths (torch._int_mm; float32 GEMMs of the codes where the CPU has no VNNI) are the same arithmetic
     assert torch.equal(Q.int8_linear(xq, xs, qw, s, None), expected)
+    assert torch.equal(Q.int8_linear(xq, xs, qw, s, None, use_int_mm=False), expected)
     bias = torch.randn(o)
     torch.testing.assert_close(kernels.linear_i8(x, qw, s, Q.int8_row_sums(qw), bias), expected + bias)
+
+
+@pytest.mark.parametrize("k", [1, 1000, Q.INT8_FLOAT_K, Q.INT8_FLOAT_K + 1, 2500])
+def test_int8_mm_in_float32_is_exact(k: int) -> None:
+    """The float32 GEMMs of int8 codes equal torch._int_mm to the bit, at the extreme codes too (sums up to
+    128 * 127 * K: past 2**24 once K > 1,032, where the chunks must add in int32)."""
+    torch.manual_seed(k)
+    xq = torch.randint(-127, 128, (17, k), dtype=torch.int8)
+    w = torch.randint(-128, 128, (1200, k), dtype=torch.int8)
+    assert torch.equal(Q.int8_mm(xq, w, use_int_mm=False), Q.int8_mm(xq, w, use_int_mm=True))
+    xq[:4], w[:3] = -127, -128  # the largest sums: every product 16,256
+    w[3:6] = 127
+    assert torch.equal(Q.int8_mm(xq, w, use_int_mm=False), Q.int8_mm(xq, w, use_int_mm=True))
 
 
 @needs_kernels
@@ -253,16 +267,18 @@ def test_gguf_block_linear_paths_agree(type_name: str, kernels_on: bool) -> None
 @needs_kernels
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_linear_paths_agree(method: str) -> None:
-    """The few-row kernel (1-8 rows) and the batched path of one quantized Linear compute the same model."""
+    """The few-row kernel (1-8 rows; int8: kernels.i8_kernel_rows()) and the batched path of one quantized Linear
+    compute the same model."""
     torch.manual_seed(1)
     lin = Linear(128, 48, bias=True)
     lin.quantize(method, 32)
     assert lin.weight is None and lin.qweight.dtype == (torch.int8 if method == "int8" else torch.uint8)
-    x = torch.randn(12, 128)
+    n = kernels.i8_kernel_rows() + 4 if method == "int8" else 12
+    x = torch.randn(n, 128)
     assert lin.fast_path(x[:1]) == f"{method}_kernel"
     assert lin.fast_path(x) == ("int8_gemm" if method == "int8" else "int4_dequant")
     batched = lin(x)
-    rows = torch.cat([lin(x[i : i + 1]) for i in range(12)])
+    rows = torch.cat([lin(x[i : i + 1]) for i in range(n)])
     torch.testing.assert_close(rows, batched, atol=1e-5, rtol=1e-5)
     xr = Q.fake_quantize_activations(x) if method == "int8" else x
     torch.testing.assert_close(batched, xr @ lin.dequantized_weight().t() + lin.bias, atol=1e-4, rtol=1e-5)
@@ -430,7 +446,7 @@ def test_int8_quantizes_the_lm_head_and_keeps_a_tied_embedding_float32(llama_dir
     assert head.quant_method == "int8" and head.weight is None and head.qweight.dtype == torch.int8
     assert embed.dtype == torch.float32
     torch.testing.assert_close(head.dequantized_weight(), embed, atol=float(head.scales.max()) / 2 + 1e-7, rtol=0)
-    rows = kernels.I8_MAX_ROWS + 1
+    rows = kernels.i8_kernel_rows() + 1
     hidden = torch.randn(rows, model.config.hidden_size)
     assert head.fast_path(hidden[:1]) == "int8_kernel" or not kernels.available()
     assert head.fast_path(hidden[: rows - 1]) == "int8_kernel" or not kernels.available()

@@ -169,7 +169,7 @@ class GGUFCheckpoint:
         if self.architecture not in GGUF_ARCHITECTURES and self.architecture not in gguf_moe.MOE_ARCHITECTURES:
             raise ValueError(
                 f"GGUF architecture {self.architecture!r} in {self.path.name} is not supported; "
-                f"supported: {', '.join([*GGUF_ARCHITECTURES, *gguf_moe.MOE_ARCHITECTURES])}"
+                f"supported: {', '.join(dict.fromkeys([*GGUF_ARCHITECTURES, *gguf_moe.MOE_ARCHITECTURES]))}"
             )
         self._by_name = {t.name: t for t in self._reader.tensors}
         self.moe = gguf_moe.moe_architecture(self.architecture, self.field)  # (HF architecture, model_type) or None
@@ -231,15 +231,15 @@ class GGUFCheckpoint:
         out = []
         for t in self._reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            if gguf_moe.expert_stack(t.name) is not None:  # one view per expert, each keeping the stack's type
-                for name, hf_name, part_shape, raw in gguf_moe.split_expert_stack(t.name, shape, t.data):
-                    out.append(GGUFTensor(name, hf_name, t.tensor_type.name, part_shape, raw, None))
-                continue
             if t.name.rpartition(".")[0] in self.spec.config_tensors:
                 continue  # (read into the config)
             block = t.name.split(".")[1] if t.name.startswith("blk.") else ""
             if self.spec.trunk_key and block.isdigit() and int(block) >= trunk:
                 continue  # (a block after the trunk: the MTP head, not served, as an HF checkpoint's mtp.*)
+            parts = self.spec.parts(cfg, t.name, shape, t.data)  # (an expert stack's views, a fused tensor's parts)
+            if parts is not None:
+                out += [GGUFTensor(name, hf, t.tensor_type.name, s, raw, None) for name, hf, s, raw in parts]
+                continue
             hf_name = hf_tensor_name(t.name, self.spec)
             unpermute = None
             if permuted:

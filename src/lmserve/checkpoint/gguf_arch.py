@@ -11,12 +11,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from lmserve.checkpoint import gguf_moe
 from lmserve.checkpoint.gguf_hybrid import (
+    HYBRID_ARCHITECTURES,
     QWEN35_LAYER_TENSORS,
     QWEN35_UNSUFFIXED,
+    Part,
     Transform,
-    qwen35_config,
-    qwen35_transform,
+    hybrid_config,
+    hybrid_split,
+    hybrid_transform,
 )
 
 
@@ -46,6 +50,15 @@ class GGUFArch:
     # (the family's HF config, HF name) -> the float transform undoing the converter's, or None
     transform: Callable[[dict[str, Any], str], Transform | None] | None = None
     trunk_key: str | None = None  # metadata key counting blocks after the trunk not served (an MTP head)
+    # (the family's HF config, GGUF name, shape, raw) -> the parts of a tensor the converter fused, or None
+    split: Callable[[dict[str, Any], str, tuple[int, ...], np.ndarray], list[Part] | None] | None = None
+
+    def parts(self, cfg: dict[str, Any], name: str, shape: tuple[int, ...], raw: np.ndarray) -> list[Part] | None:
+        """(GGUF name, HF name, shape, raw) of each part a tensor is read as (an expert stack's per-expert views, a
+        fused tensor's parts: each keeps the file's type), or None for a tensor read whole."""
+        if gguf_moe.expert_stack(name) is not None:
+            return gguf_moe.split_expert_stack(name, shape, raw)
+        return self.split(cfg, name, shape, raw) if self.split else None
 
 
 # OLMo 2 / Gemma: norms on the sublayer outputs (gguf's ATTN_POST_NORM / FFN_POST_NORM)
@@ -185,13 +198,11 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         config_tensors=("rope_freqs",),
         config=gemma4_config,
     ),
-    "qwen35": GGUFArch(
-        "Qwen3_5ForCausalLM",
-        layer_tensors=QWEN35_LAYER_TENSORS,
-        unsuffixed=QWEN35_UNSUFFIXED,
-        config=qwen35_config,
-        partial_rotary=True,
-        transform=qwen35_transform,
-        trunk_key="nextn_predict_layers",
-    ),
 }
+# the hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): one table, their differences in gguf_hybrid.py's hooks
+GGUF_ARCHS.update(
+    (arch, GGUFArch(hf_arch, layer_tensors=QWEN35_LAYER_TENSORS, unsuffixed=QWEN35_UNSUFFIXED, config=hybrid_config,
+                    partial_rotary=True, transform=hybrid_transform, trunk_key="nextn_predict_layers",
+                    split=hybrid_split))
+    for arch, (hf_arch, _) in HYBRID_ARCHITECTURES.items()
+)  # fmt: skip

@@ -1,7 +1,8 @@
-"""GGUF `qwen35` (Qwen3.5, dense) as data for checkpoint/gguf_arch.py: the Gated DeltaNet tensor names and metadata,
-and the inverse of what llama.cpp's converter does to them (V heads reordered from grouped-by-K-head to tiled,
-A_log stored as -exp(A_log), dt_bias as ssm_dt.bias, the conv kernel squeezed, 1 added to the (1 + w) norms), so the
-HF-named weights the hybrid layers read come back. The multi-token-prediction blocks after the trunk are skipped."""
+"""GGUF hybrid files as data for checkpoint/gguf_arch.py: `qwen35` (Qwen3.5), `qwen35moe` (Qwen3.5-MoE) and
+`qwen3next` (Qwen3-Next; their experts are gguf_moe.py's). The Gated DeltaNet tensor names and metadata, and the
+inverse of what llama.cpp's converter does to them (Qwen3.5's V heads reordered from grouped-by-K-head to tiled, A_log
+stored as -exp(A_log), dt_bias as ssm_dt.bias, the conv kernel squeezed, 1 added to the (1 + w) norms; Qwen3-Next's
+in_proj_ba split back into b and a), so the HF-named weights the hybrid layers read come back. MTP blocks skipped."""
 
 from __future__ import annotations
 
@@ -10,7 +11,19 @@ from typing import Any
 
 import numpy as np
 
+from lmserve.checkpoint.gguf_moe import MOE_ARCHITECTURES
+
 Transform = Callable[[np.ndarray], np.ndarray]
+# (GGUF name, HF name, row-major shape, raw rows) of a part of a tensor the converter fused
+Part = tuple[str, str, tuple[int, ...], np.ndarray]
+
+# GGUF `general.architecture` → (HF architecture, model_type)
+HYBRID_ARCHITECTURES = {
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    **{arch: MOE_ARCHITECTURES[arch] for arch in ("qwen35moe", "qwen3next")},
+}
+# the model types whose converter tiles the V heads (_LinearAttentionVReorderBase); Qwen3NextModel keeps HF's order
+TILED_V_HEADS = ("qwen3_5_text", "qwen3_5_moe_text")
 
 QWEN35_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
@@ -25,11 +38,19 @@ QWEN35_LAYER_TENSORS = {
     "ssm_out": "linear_attn.out_proj",
 }
 QWEN35_UNSUFFIXED = ("dt_bias", "A_log")
+# what a layer needs (suffixed as in the file): a linear-attention one (and Qwen3.5's b / a or Qwen3-Next's fused ba),
+# a full-attention one, a sparse one's routed experts beyond its router and down stack
+LINEAR_TENSORS = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a",
+                  "ssm_norm.weight", "ssm_out.weight")  # fmt: skip
+BETA_ALPHA = ("ssm_beta.weight", "ssm_alpha.weight")
+FULL_ATTENTION_TENSORS = tuple(f"attn_{p}.weight" for p in ("q", "k", "v", "output", "q_norm", "k_norm"))
+EXPERT_GATE_UP = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 
 
-def qwen35_config(meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+def hybrid_config(meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """The trunk's layers (block_count less nextn_predict_layers), linear / full layers from recurrent_layers (else
-    every full_attention_interval-th full), the Gated DeltaNet shape from the ssm keys, partial rotary."""
+    every full_attention_interval-th full), the Gated DeltaNet shape from the ssm keys, partial rotary; a
+    ValueError naming the first tensor a layer of the trunk lacks."""
 
     def get(key: str, default: Any = None) -> Any:
         return meta.field(f"{meta.architecture}.{key}", default)
@@ -49,15 +70,39 @@ def qwen35_config(meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     rotary = int(get("rope.dimension_count", head_dim))
     out = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")}
+    hf_arch, model_type = HYBRID_ARCHITECTURES[meta.architecture]
+    if "mlp_only_layers" in cfg:  # (gguf_moe's, over every block: the trunk's only)
+        out["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < n]
     out.update(
-        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", num_hidden_layers=n, head_dim=head_dim,
+        architectures=[hf_arch], model_type=model_type, num_hidden_layers=n, head_dim=head_dim,
         linear_num_key_heads=num_k, linear_num_value_heads=num_v, linear_key_head_dim=int(get("ssm.state_size")),
         linear_value_head_dim=inner // num_v, linear_conv_kernel_dim=int(get("ssm.conv_kernel")),
         layer_types=["linear_attention" if lin else "full_attention" for lin in linear],
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0)),
                          "partial_rotary_factor": rotary / head_dim},
     )  # fmt: skip
+    _check_layers(meta, out)
     return out
+
+
+def _check_layers(meta: Any, cfg: dict[str, Any]) -> None:
+    """ValueError naming the first tensor llama.cpp's loader requires that a trunk layer lacks."""
+    linear = [*LINEAR_TENSORS, *(["ssm_ba.weight"] if cfg["model_type"] == "qwen3_next" else BETA_ALPHA)]
+    dense = set(cfg.get("mlp_only_layers", ())) if "num_experts" in cfg else set(range(len(cfg["layer_types"])))
+    shared = ["ffn_gate_inp_shexp.weight", *(f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down"))]
+    for i, layer_type in enumerate(cfg["layer_types"]):
+        needed = ["attn_norm.weight", "post_attention_norm.weight"]
+        needed += linear if layer_type == "linear_attention" else FULL_ATTENTION_TENSORS
+        if i in dense:
+            needed += [f"ffn_{p}.weight" for p in ("gate", "up", "down")]
+        else:
+            fused = meta.raw_tensor(f"blk.{i}.ffn_gate_up_exps.weight") is not None
+            needed += ["ffn_gate_inp.weight", "ffn_down_exps.weight", *(() if fused else EXPERT_GATE_UP)]
+            needed += shared if cfg.get("shared_expert_intermediate_size") else []
+        missing = next((f"blk.{i}.{t}" for t in needed if meta.raw_tensor(f"blk.{i}.{t}") is None), None)
+        if missing is not None:
+            raise ValueError(f"GGUF file: tensor {missing!r} is missing ({meta.architecture} layer {i}, a "
+                             f"{layer_type.replace('_', ' ')} layer, needs it)")  # fmt: skip
 
 
 def _tiled_to_grouped(x: np.ndarray, axis: int, num_k: int, per_k: int, width: int) -> np.ndarray:
@@ -68,7 +113,7 @@ def _tiled_to_grouped(x: np.ndarray, axis: int, num_k: int, per_k: int, width: i
     return np.swapaxes(tiled, axis, axis + 1).reshape(shape)
 
 
-def qwen35_transform(cfg: dict[str, Any], hf_name: str) -> Transform | None:
+def hybrid_transform(cfg: dict[str, Any], hf_name: str) -> Transform | None:
     """The float transform that gives tensor `hf_name` back as HF saved it (None: as it is in the file)."""
     stem = hf_name.removesuffix(".weight")
     if stem.endswith("norm") and not stem.endswith("linear_attn.norm"):
@@ -77,7 +122,7 @@ def qwen35_transform(cfg: dict[str, Any], hf_name: str) -> Transform | None:
         return None
     num_k, num_v = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     k_dim, v_dim = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
-    per_k, qk = num_v // num_k, 2 * num_k * k_dim
+    per_k, qk = num_v // num_k if cfg["model_type"] in TILED_V_HEADS else 1, 2 * num_k * k_dim
     part = stem.rpartition(".")[2]
 
     def heads(x: np.ndarray, axis: int = 0, width: int = 1) -> np.ndarray:
@@ -97,3 +142,20 @@ def qwen35_transform(cfg: dict[str, Any], hf_name: str) -> Transform | None:
         "out_proj": lambda w: heads(w, 1, v_dim),
     }
     return transforms.get(part)
+
+
+def hybrid_split(cfg: dict[str, Any], gguf_name: str, shape: tuple[int, ...], raw: np.ndarray) -> list[Part] | None:
+    """Qwen3-Next's `blk.N.ssm_ba` (HF's in_proj_ba, stored as it is: per K head its V heads' b rows, then their a
+    rows) as in_proj_b and in_proj_a, V heads grouped by K head as Qwen3.5's: the file's rows (blocks for a
+    quantized type) regrouped, each part keeping the type. None for any other tensor."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] != "ssm_ba" or parts[3] != "weight":
+        return None
+    num_k, num_v = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    if len(shape) != 2 or shape[0] != 2 * num_v:
+        raise ValueError(f"GGUF tensor {gguf_name!r}: shape {shape}, expected ({2 * num_v}, hidden): b and a rows "
+                         f"of {num_v} value heads (ssm.time_step_rank)")  # fmt: skip
+    rows = raw.reshape(num_k, 2, num_v // num_k, -1)
+    layer = f"model.layers.{parts[1]}.linear_attn"
+    return [(f"{gguf_name}[{p}]", f"{layer}.in_proj_{p}.weight", (num_v, shape[1]), rows[:, i].reshape(num_v, -1))
+            for i, p in enumerate("ba")]  # fmt: skip

@@ -1,7 +1,8 @@
 """GGUF mixture-of-experts files as llama.cpp's converter writes them (qwen3moe, qwen2moe, llama with experts =
-Mixtral, olmoe, gpt-oss): their metadata → the HF config's MoE fields, the 3-D `blk.N.ffn_*_exps` stacks split into
-per-expert views of the file's bytes (nothing copied, so each expert keeps its type), the routers and shared
-experts' names, and ggml's block_mxfp4 → HF's MXFP4 `_blocks` / `_scales`. Numpy only; gguf.py calls it.
+Mixtral, olmoe, gpt-oss, and the hybrids qwen35moe / qwen3next, whose other layers are gguf_hybrid.py's): their
+metadata → the HF config's MoE fields, the 3-D `blk.N.ffn_*_exps` stacks split into per-expert views of the file's
+bytes (nothing copied, so each expert keeps its type), the routers and shared experts' names, and ggml's block_mxfp4
+→ HF's MXFP4 `_blocks` / `_scales`. Numpy only; gguf.py calls it.
 """
 
 from __future__ import annotations
@@ -17,14 +18,19 @@ MOE_ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # llama.cpp's graphs (src/models/*.cpp, build_moe_ffn's norm_w): whether the top-k weights are renormalised, unless
 # the file says (`{arch}.expert_weights_norm`); Mixtral always renormalises, gpt-oss softmaxes over the k chosen
-RENORMALIZE = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
+RENORMALIZE = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "qwen3next": True}  # (qwen35moe: HF's always does)
 # the families whose HF config places dense layers among the sparse ones (mlp_only_layers): a layer without a
 # router there is dense; in the others every layer has one
-DENSE_LAYERS_ALLOWED = ("qwen3moe", "qwen2moe")
+DENSE_LAYERS_ALLOWED = ("qwen3moe", "qwen2moe", "qwen3next")
+# the HF families with Qwen's MoE fields (moe_intermediate_size, mlp_only_layers), and those with a shared expert
+QWEN_MOE_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
+SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 GATING_SOFTMAX = 1  # gguf.ExpertGatingFuncType.SOFTMAX
 
 # per-layer GGUF tensor stem → HF name under `model.layers.N.` (the MoE layouts' names beyond gguf.LAYER_TENSOR_NAMES)
@@ -131,7 +137,7 @@ def moe_hf_config(
         cfg["num_local_experts"] = num_experts
     else:
         cfg["num_experts"] = num_experts
-    if model_type in ("qwen3_moe", "qwen2_moe"):
+    if model_type in QWEN_MOE_TYPES:
         cfg["moe_intermediate_size"] = width
         cfg["mlp_only_layers"], cfg["decoder_sparse_step"] = dense, 1
         cfg.setdefault("intermediate_size", width)  # (the dense layers' width: `{arch}.feed_forward_length`)
@@ -140,7 +146,7 @@ def moe_hf_config(
     if arch in RENORMALIZE:
         norm = field(f"{arch}.expert_weights_norm")
         cfg["norm_topk_prob"] = RENORMALIZE[arch] if norm is None else bool(norm)
-    if model_type == "qwen2_moe":
+    if model_type in SHARED_EXPERT_TYPES:
         shared = field(f"{arch}.expert_shared_feed_forward_length")
         gate = tensors.get(f"blk.{next(i for i in range(layers) if i not in dense)}.ffn_gate_shexp.weight")
         if shared is None and gate is None:

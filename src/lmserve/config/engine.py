@@ -432,8 +432,8 @@ class EngineArgs:
 
     def _hybrid_pools(self, kv_bytes_per_token: int, state_bytes: int) -> tuple[int, int, int]:
         """(KV blocks, state slots, state snapshots): num_kv_blocks as given with a slot per max_num_seqs and the
-        snapshots on top, else all from the budget (memory.state_snapshot_split, then hybrid_pool_split, as
-        `lmserve memory` reports)."""
+        snapshots on top (by default 1/8 of the three), else all from the budget (memory.state_snapshot_split, then
+        hybrid_pool_split, as `lmserve memory` reports)."""
         from lmserve.memory import ledger as memory
         gib = self.state_snapshot_memory_gib
         if gib is not None and (isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 <= gib < math.inf):
@@ -443,8 +443,10 @@ class EngineArgs:
             raise ValueError(f"state_snapshot_memory_gib={gib} cannot hold one state snapshot ({state_bytes} bytes)")
         if self.num_kv_blocks is not None:
             check_positive("num_kv_blocks", self.num_kv_blocks)
-            num = self.max_num_seqs if snapshot_bytes is None else snapshot_bytes // state_bytes
-            return self.num_kv_blocks, self.max_num_seqs, num
+            if snapshot_bytes is None:  # 1/8 of all three pools, as from a budget
+                pools = self.num_kv_blocks * self.block_size * kv_bytes_per_token + self.max_num_seqs * state_bytes
+                snapshot_bytes = max(state_bytes, pools // (memory.DEFAULT_STATE_SNAPSHOT_SHARE - 1))
+            return self.num_kv_blocks, self.max_num_seqs, snapshot_bytes // state_bytes
         budget_bytes = self._budget_bytes()
         num_snapshots, left = memory.state_snapshot_split(budget_bytes, state_bytes, snapshot_bytes)
         num_blocks, num_slots = memory.hybrid_pool_split(

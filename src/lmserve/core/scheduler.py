@@ -15,7 +15,7 @@ from lmserve.core.kv_cache_manager import KVCacheManager
 from lmserve.core.lora_slots import NO_SLOT, LoRASlotTable
 from lmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from lmserve.core.state_pool import NO_STATE_SLOT, StateSlotPool
-from lmserve.core.state_snapshots import NO_SNAPSHOT, StateSnapshotPool, plan_save
+from lmserve.core.state_snapshots import NO_SNAPSHOT, StateSnapshotPool, plan_decode_save, plan_save
 from lmserve.request import FinishReason, Request, RequestStatus
 
 FINISHED = RequestStatus.FINISHED
@@ -202,8 +202,11 @@ class Scheduler:
                 break
             ids = [b.block_id for b in table] if emit_block_ids else []
             scheduled.append(ScheduledRequest(request, num_new, ids, len(spec)))
-            if snapshots is not None and num_new > 1:
-                scheduled[-1].state_save = plan_save(snapshots, request, num_new, block_size)
+            if snapshots is not None:
+                scheduled[-1].state_save = (
+                    plan_save(snapshots, request, num_new, block_size) if num_new > 1
+                    else plan_decode_save(snapshots, request, block_size)
+                )  # fmt: skip
             # _share_in_step has something to do only for a step that completes a block (most decodes do not)
             if share and (computed + num_new) // block_size > computed // block_size:
                 self._share_in_step(request, num_new)

@@ -66,6 +66,12 @@ class StateSnapshotPool:
         self._pending[key] = slot
         return slot
 
+    def release(self, key: BlockKey) -> None:
+        """Forget the registered snapshot under key, if it is still kept (its slot becomes free)."""
+        slot = self._index.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
     def commit(self) -> None:
         """The step that wrote the reserved snapshots has run: they become findable."""
         for key, slot in self._pending.items():
@@ -100,3 +106,24 @@ def plan_save(pool: StateSnapshotPool, request: Request, num_new: int, block_siz
     key = block_key(request.block_hashes[i - 1] if i else root, tokens[i * block_size : num_blocks * block_size])
     slot = pool.reserve(key)
     return None if slot == NO_SNAPSHOT else StateSave(num_blocks * block_size, slot)
+
+
+def plan_decode_save(pool: StateSnapshotPool, request: Request, block_size: int) -> StateSave | None:
+    """The snapshot a decode token takes when it completes a block: the state after it, so a follow-up turn whose
+    prompt holds this output hits that far. A request keeps only its latest one (the one before is released), so
+    long generations do not push the prompts' snapshots out of the LRU."""
+    end = request.num_computed_tokens + 1
+    if end % block_size or end > len(request.all_token_ids):
+        return None
+    tokens = request.all_token_ids
+    root = root_hash(request.lora_int_id)
+    request.block_hashes = hash_blocks(tokens, block_size, request.block_hashes, root)
+    i = end // block_size - 1
+    key = block_key(request.block_hashes[i - 1] if i else root, tokens[i * block_size : end])
+    slot = pool.reserve(key)
+    if slot == NO_SNAPSHOT:
+        return None
+    if request.decode_snapshot is not None:
+        pool.release(request.decode_snapshot)
+    request.decode_snapshot = key
+    return StateSave(end, slot)

@@ -135,6 +135,12 @@ from lmserve.kernels.quantized import (
     force_kquant_portable as force_kquant_portable,
 )
 from lmserve.kernels.quantized import (
+    i8_kernel_rows as i8_kernel_rows,
+)
+from lmserve.kernels.quantized import (
+    int8_dot_instructions as int8_dot_instructions,
+)
+from lmserve.kernels.quantized import (
     kquant_kernel_name as kquant_kernel_name,
 )
 from lmserve.kernels.quantized import (

@@ -25,12 +25,15 @@
  *                      they are in the file): w = q * scale, x float32; per group the float sum of q * x,
  *                      then one multiply by its scale. dequant_i8w_f32: the float32 matrix.
  */
-/* Which int8 dot-product instruction linear_i8_f32 was compiled with: 2 AVX512-VNNI, 1 AVX-VNNI, 0 none. */
+/* Which int8 dot-product instructions linear_i8_f32 was compiled with: 2 AVX512-VNNI, 1 AVX-VNNI, -1 AVX2's
+ * vpmaddubsw (no VNNI), 0 none (the portable loop). */
 int i8_kernel_isa(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 2;
 #elif defined(__AVXVNNI__)
     return 1;
+#elif defined(__AVX2__)
+    return -1;
 #else
     return 0;
 #endif
@@ -130,6 +133,30 @@ static inline __attribute__((always_inline)) void dot_i8_rows(const uint8_t *xu,
         s[m] = _mm_cvtsi128_si32(h);
     }
     (void)xq;
+#elif defined(__AVX2__)
+    /* no VNNI: |w| (unsigned) times x carrying w's sign, pairs summed to int16 by vpmaddubsw (at most
+     * 2 * 128 * 127 < 2^15: x is within +-127, so never saturating), then to int32 by vpmaddwd: exact */
+    (void)xu;
+    (void)xt;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[I8_MAX_ROWS];
+    for (int m = 0; m < N; m++) acc[m] = _mm256_setzero_si256();
+    for (; i + 32 <= K; i += 32) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
+        const __m256i wa = _mm256_abs_epi8(wv);
+        for (int m = 0; m < N; m++) {
+            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + m * K + i)), wv);
+            acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), ones));
+        }
+    }
+    for (int m = 0; m < N; m++) {
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[m]), _mm256_extracti128_si256(acc[m], 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+        s[m] = _mm_cvtsi128_si32(h);
+        for (int64_t j = i; j < K; j++) s[m] += (int32_t)xq[m * K + j] * (int32_t)w[j];
+    }
+    i = K;
 #else
     (void)xu;
     (void)xt;

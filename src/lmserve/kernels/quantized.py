@@ -10,7 +10,8 @@ from lmserve.kernels.w4a8 import w4a8_isa, w4a8_isa_name
 
 I4_MAX_ROWS = 8  # rows linear_i4 takes in one pass over the weights (I4_MAX_ROWS in the C source)
 I8_MAX_ROWS = 8  # rows linear_i8 serves in one pass over the weights (I8_MAX_ROWS in the C source)
-I8_KERNEL_NAMES = {2: "AVX512-VNNI (vpdpbusd, 512-bit)", 1: "AVX-VNNI (vpdpbusd, 256-bit)", 0: "portable C (no VNNI)"}
+I8_KERNEL_NAMES = {2: "AVX512-VNNI (vpdpbusd, 512-bit)", 1: "AVX-VNNI (vpdpbusd, 256-bit)",
+                   -1: "AVX2 (vpmaddubsw, no VNNI)", 0: "portable C (no VNNI)"}
 
 
 def quantized_kernel_names() -> dict[str, str]:
@@ -22,6 +23,18 @@ def quantized_kernel_names() -> dict[str, str]:
         "int8w": "AVX-512" if L._lib.i4_kernel_isa() else "portable C",  # compiled with the int4 kernel's paths
         "w4a8": w4a8_isa_name(w4a8_isa()),
     }
+
+
+def i8_kernel_rows() -> int:
+    """The most rows Linear gives linear_i8 (and the decode stack takes) before the batched path (int8_mm) is
+    faster: I8_MAX_ROWS with VNNI (oneDNN's _int_mm then), 64 with AVX2's vpmaddubsw, 16 for the portable loop."""
+    isa = L._lib.i8_kernel_isa() if L._lib is not None else 1
+    return I8_MAX_ROWS if isa > 0 else 64 if isa < 0 else 16
+
+
+def int8_dot_instructions() -> bool:
+    """Whether the CPU has int8 dot-product instructions (VNNI): what makes torch._int_mm fast (oneDNN)."""
+    return L._lib is not None and L._lib.i8_kernel_isa() > 0
 
 
 def quantize_rows_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

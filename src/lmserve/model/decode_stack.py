@@ -18,7 +18,7 @@ from lmserve.model import hybrid_stack as hybrid
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.layers import Linear
-from lmserve.model.layers.moe import SparseMoE
+from lmserve.model.layers.moe import ROUTER_KERNEL_MAX_ROWS, SparseMoE
 from lmserve.model.stack_linear import W4A8_STACK_MAX_ROWS, LinearDesc, linear_desc, on_kernel, ptr
 
 __all__ = ["W4A8_STACK_MAX_ROWS", "DecodeStack", "DecodeStackDispatch", "MoEDesc"]
@@ -189,6 +189,8 @@ class DecodeStack:
             if isinstance(layer.mlp, SparseMoE):  # (no gate_up / down: zeroed descriptions the C never reads)
                 self._moes.append(MoEDesc(layer.mlp))
                 moe = ctypes.addressof(self._moes[-1].struct)
+                if self._moes[-1].rows >= ROUTER_KERNEL_MAX_ROWS:  # (long prefills run through it: SparseMoE.forward)
+                    layer.mlp.prefill_block = self._moes[-1]
                 descs += [(LinearDesc(), self._moes[-1].rows)] * 2
             else:
                 descs += [linear_desc(layer.mlp.gate_up_proj), linear_desc(layer.mlp.down_proj)]
@@ -440,3 +442,6 @@ class DecodeStackDispatch:
 
     def reset_decode_stack(self) -> None:
         self._decode_stack = self._decode_stack_checked = self._decode_stack_caches = None
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.prefill_block = None

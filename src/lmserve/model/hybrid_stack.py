@@ -83,11 +83,12 @@ class GDNDesc:
 
 def takes_step(meta: AttentionMetadata, rows: int) -> bool:
     """Whether a step's state metadata lets the stack run its linear-attention layers: every one of its rows a
-    decode on its own slot, no prefill chunk and no prefix-cache state snapshot saved (those: the torch path)."""
+    decode on its own slot, no prefill chunk and no prefix-cache state snapshot saved, by a chunk or after a decode
+    token (those steps: the torch path)."""
     lin = meta.linear
     return (
         lin is not None and lin.num_decode_tokens == rows and not lin.prefills and not lin.saves
-        and lin.decode_slots is not None and lin.decode_slots.shape == (rows,)
+        and not lin.decode_saves and lin.decode_slots is not None and lin.decode_slots.shape == (rows,)
     )  # fmt: skip
 
 

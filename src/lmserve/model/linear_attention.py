@@ -67,6 +67,8 @@ class LinearAttentionMetadata:
     fresh_decode_slots: torch.Tensor | None = None
     # prefix caching: chunk index -> (its rows before a block boundary, snapshot slot): the state there is saved
     saves: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # prefix caching: (decode row, snapshot slot) of decode tokens that complete a block: the state after them
+    decode_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 def step_metadata(
@@ -77,6 +79,7 @@ def step_metadata(
     slots = [s.request.state_slot for s in decodes]
     assert all(slot >= 0 for slot in slots), "a decode row of a request holding no state slot"
     fresh = [s.request.state_slot for s in decodes if s.start == 0]
+    decode_saves = [(row, s.state_save.slot) for row, s in enumerate(decodes) if s.state_save is not None]
     chunks, saves = [], {}
     for s in prefills:
         row = first_row[s.request.request_id]
@@ -88,7 +91,7 @@ def step_metadata(
         chunks.append((row, row + s.num_new_tokens, s.request.state_slot, s.start == 0))
     decode_slots = torch.tensor(slots, dtype=torch.long, device=device) if slots else None
     fresh_slots = torch.tensor(fresh, dtype=torch.long, device=device) if fresh else None
-    return LinearAttentionMetadata(decode_slots, len(slots), chunks, fresh_slots, saves)
+    return LinearAttentionMetadata(decode_slots, len(slots), chunks, fresh_slots, saves, decode_saves)
 
 
 # ---- the convolution ----------------------------------------------------------------------------------------------
@@ -263,17 +266,19 @@ class GatedDeltaNet(nn.Module):
         # float32 CPU operands: the decode rows' gates, conv, delta rule and gated norm in one C call (the decode
         # stack's), the gated norm of the rest on torch
         in_c = nd > 0 and self.c_decode(x, conv_state, ssm_state)
-        if in_c and nd == n:
-            return self.out_proj(self._decode_c(mixed[:nd], z[:nd], b[:nd], a[:nd], conv_state, ssm_state, meta))
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        core = torch.empty(n, d.num_v_heads, d.v_dim, dtype=torch.float32, device=x.device)
         decoded = None
         if in_c:
             decoded = self._decode_c(mixed[:nd], z[:nd], b[:nd], a[:nd], conv_state, ssm_state, meta)
-        elif nd:
+            self._save_decodes(conv_state, ssm_state, meta, snapshots)
+            if nd == n:
+                return self.out_proj(decoded)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        core = torch.empty(n, d.num_v_heads, d.v_dim, dtype=torch.float32, device=x.device)
+        if nd and not in_c:
             slots = self._decode_slots(conv_state, ssm_state, meta)
             core[:nd] = self._decode(mixed[:nd], g[:nd], beta[:nd], weight, conv_state, ssm_state, slots)
+            self._save_decodes(conv_state, ssm_state, meta, snapshots)
         for i, (start, end, slot, fresh) in enumerate(meta.prefills):
             save = meta.saves.get(i)
             # a snapshot at a block boundary inside the chunk: the chunk runs as two pieces, the state saved between
@@ -308,6 +313,17 @@ class GatedDeltaNet(nn.Module):
             conv_state[meta.fresh_decode_slots] = 0.0
             ssm_state[meta.fresh_decode_slots] = 0.0
         return slots
+
+    @staticmethod
+    def _save_decodes(
+        conv_state: torch.Tensor, ssm_state: torch.Tensor, meta: LinearAttentionMetadata,
+        snapshots: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:  # fmt: skip
+        """The state after each decode token that completes a block, into its snapshot (meta.decode_saves)."""
+        for row, snapshot in meta.decode_saves:
+            assert snapshots is not None and meta.decode_slots is not None, "a state save without snapshot tensors"
+            slot = int(meta.decode_slots[row])
+            snapshots[0][snapshot], snapshots[1][snapshot] = conv_state[slot], ssm_state[slot]
 
     def _decode_c(
         self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,

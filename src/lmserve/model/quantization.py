@@ -49,13 +49,40 @@ def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * s[:, None]).reshape(x.shape).to(x.dtype)
 
 
+INT8_FLOAT_K = 1024  # K a float32 GEMM of int8 codes sums exactly: |partial sums| <= 128 * 128 * 1024 = 2**24
+INT8_FLOAT_TILE = 2 * 2**20  # bytes of float32 weight rows converted per GEMM call (they stay in cache)
+
+
+def int8_mm(xq: torch.Tensor, qweight: torch.Tensor, use_int_mm: bool) -> torch.Tensor:
+    """xq (M, K) int8 times qweight (O, K) int8 transposed, summed exactly in int32 and returned as float32 (M, O).
+    use_int_mm: torch._int_mm (oneDNN int8, fast with VNNI / AMX); else float32 GEMMs over K chunks of INT8_FLOAT_K,
+    whose every partial sum is an integer below 2**24 and so exact (without VNNI, _int_mm runs ~10x slower)."""
+    if use_int_mm:
+        return torch._int_mm(xq, qweight.t()).float()
+    m, k = xq.shape
+    o = qweight.shape[0]
+    rows = max(1, INT8_FLOAT_TILE // (4 * min(k, INT8_FLOAT_K)))
+    out = torch.empty(m, o, dtype=torch.float32)
+    acc = torch.zeros(m, o, dtype=torch.int32) if k > INT8_FLOAT_K else None  # chunks add up in int32
+    for c in range(0, k, INT8_FLOAT_K):
+        xf = xq[:, c : c + INT8_FLOAT_K].float()
+        for r in range(0, o, rows):
+            torch.mm(xf, qweight[r : r + rows, c : c + INT8_FLOAT_K].float().t(), out=out[:, r : r + rows])
+        if acc is not None:
+            acc += out.to(torch.int32)
+    return out if acc is None else acc.float()
+
+
 def int8_linear(
-    xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    use_int_mm: bool = True,
 ) -> torch.Tensor:
-    """Quantized rows (xq, xs) times int8 weights: torch._int_mm (oneDNN int8: AMX / VNNI where the CPU has
-    them), exact in int32, then one scale per element."""
-    acc = torch._int_mm(xq, qweight.t())
-    y = acc.float() * (xs[:, None] * scales[None, :])
+    """Quantized rows (xq, xs) times int8 weights (int8_mm, exact in int32), then one scale per element."""
+    y = int8_mm(xq, qweight, use_int_mm) * (xs[:, None] * scales[None, :])
     return y + bias if bias is not None else y
 
 

@@ -15,7 +15,6 @@ from lmserve.model.attention import MAX_DECODE_RUN, AttentionMetadata, PrefillSe
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.kv_pool import KVPoolMemory, pool_tensors
 from lmserve.model.layers import (
-    I8_KERNEL_MAX_ROWS,
     choose_small_m_paths,
     pack_linear_weights,
     pack_w4a8_weights,
@@ -68,12 +67,16 @@ def _log_quantized_kernels(method: str, w4a8_layers: int = 0, lm_head: str | Non
             decode = "none (dequantized tiles)"
         else:
             decode = kernels.quantized_kernel_names()[layout]
-        batched = "torch._int_mm (oneDNN int8)" if layout == "int8" else "dequantize + float32 GEMM"
-        rows = I8_KERNEL_MAX_ROWS if layout == "int8" else kernels.I4_MAX_ROWS
+        batched = "dequantize + float32 GEMM"
+        if layout == "int8":  # (no VNNI: exact float32 GEMMs of the int8 codes, model/quantization.int8_mm)
+            on_int_mm = not kernels.available() or kernels.int8_dot_instructions()
+            batched = "torch._int_mm (oneDNN int8)" if on_int_mm else "float32 GEMMs of the int8 codes (exact)"
+        rows = kernels.i8_kernel_rows() if layout == "int8" else kernels.I4_MAX_ROWS
         logger.info("%s weights: 1-%d row kernel %s; batched rows %s; CPU flags %s", layout, rows, decode, batched,
                     relevant or "none")
     if method == "int8" and not flags & {"avx512_vnni", "avx_vnni"}:
-        logger.warning("int8: this CPU has no VNNI instructions; the int8 kernels run a portable (slower) loop")
+        loop = kernels.quantized_kernel_names()["int8"] if kernels.available() else "PyTorch ops"
+        logger.warning("int8: this CPU has no VNNI instructions; the int8 kernels run %s", loop)
 
 
 def _log_bf16_compute() -> None:

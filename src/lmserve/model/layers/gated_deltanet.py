@@ -22,8 +22,10 @@ class LinearAttention(GatedDeltaNet):
         assert lin is not None, f"layer {layer_idx} is linear attention but the config has no linear_* fields"
         dims = LinearAttentionDims(cfg.hidden_size, lin.num_k_heads, lin.num_v_heads, lin.k_dim, lin.v_dim,
                                    lin.conv_kernel, cfg.rms_norm_eps)  # fmt: skip
-        # Qwen3-Next's checkpoints fuse the input projections (in_proj_qkvz, in_proj_ba), Qwen3.5's do not
-        super().__init__(dims, Linear, fused=cfg.family == "qwen3_next")
+        # Qwen3-Next's HF checkpoints fuse the input projections (in_proj_qkvz, in_proj_ba), Qwen3.5's do not, nor
+        # does a GGUF file (llama.cpp's converter splits qkvz into qkv and z; checkpoint/gguf_hybrid.py splits ba)
+        fused = cfg.family == "qwen3_next" and not cfg.path.endswith(".gguf")
+        super().__init__(dims, Linear, fused=fused)
         self.layer_idx = layer_idx
 
     def forward(self, x: torch.Tensor, cache: Any, step: StepInputs) -> torch.Tensor:

@@ -17,7 +17,7 @@ from lmserve.model import gguf_blocks
 from lmserve.model import quantization as quant
 from lmserve.model.layers.embedding import Embedding
 
-I8_KERNEL_MAX_ROWS = kernels.I8_MAX_ROWS  # int8 W8A8: rows the VNNI kernel serves in one pass over the weights
+I8_KERNEL_MAX_ROWS = kernels.I8_MAX_ROWS  # int8 W8A8: rows the C kernel serves in one pass over the weights
 PACK_HINT_ROWS = 32  # batch size oneDNN lays the packed weights out for (any row count works)
 SMALL_M_ENV = "LMSERVE_SMALL_M_LINEAR"  # few-row (decode) linears: auto (measured per weight shape) | kernel | torch
 SMALL_M_MODES = ("auto", "kernel", "torch")
@@ -184,7 +184,7 @@ class Linear(nn.Linear):
     def fast_path(self, x: torch.Tensor) -> str | None:
         """Which CPU fast path forward(x) takes: "kernel", "onednn", or None for nn.Linear's. Both fast
         paths return float32 (they only exist for float32 weights and inputs). Quantized weights:
-        "int8_kernel" / "int4_kernel" (C, few rows, weights streamed once), "int8_gemm" (torch._int_mm),
+        "int8_kernel" / "int4_kernel" (C, few rows, weights streamed once), "int8_gemm" (quantization.int8_mm),
         "int4_dequant" (weights dequantized, then the float32 GEMM), "w4a8" (int4 packed by pack_w4a8: the W4A8
         kernels for every row count); GGUF Q8_0 blocks: "int8w_kernel" / "int8w_dequant" likewise, GGUF K-quants
         "kquant_kernel" / "kquant_dequant"."""
@@ -225,7 +225,8 @@ class Linear(nn.Linear):
             return kernels.linear_i8(x, self.qweight, self.scales, self._row_sums, self.bias)
         if path == "int8_gemm":
             xq, xs = kernels.quantize_rows_i8(x) if kernels.usable(x) else quant.quantize_activations(x)
-            return quant.int8_linear(xq, xs, self.qweight, self.scales, self.bias)
+            use_int_mm = not kernels.usable(x) or kernels.int8_dot_instructions()
+            return quant.int8_linear(xq, xs, self.qweight, self.scales, self.bias, use_int_mm)
         if path == "int4_kernel":
             return kernels.linear_i4(x, self.qweight, self.scales, self.bias, self.mins)
         if path == "w4a8":
@@ -268,7 +269,7 @@ class Linear(nn.Linear):
 def kernel_max_rows(m: Linear) -> int:
     """The most rows of input m's C decode kernel takes in one pass over its weights (0: no kernel)."""
     if m.quant_method == "int8":
-        return I8_KERNEL_MAX_ROWS if kernels.available() else 0
+        return kernels.i8_kernel_rows() if kernels.available() else 0
     if m.quant_method == "kquant":
         return kernels.KQ_MAX_ROWS if kernels.available() else 0
     if m.quant_method is not None:

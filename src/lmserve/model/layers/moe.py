@@ -8,6 +8,7 @@ MoEFeedForward is the decoder's "moe" feed-forward kind. See docs/moe.md.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,8 +75,8 @@ class SparseMoE(nn.Module):
     """Router → the top-k experts of each token, run grouped by expert (one pass over each chosen expert's
     weights: a decode step reads only the chosen experts), weighted by the router and summed into each token's
     row; plus, when the shape has one, the shared expert scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
-    `expert_counts` holds the last forward's rows per expert (a list of num_experts ints), `tokens_total` their sum
-    over every call, the C decode stack's included (the expert load /metrics shows)."""
+    `expert_counts` holds the last torch-path forward's rows per expert (a list of num_experts ints), `tokens_total`
+    the rows of every call, the C decode stack's and prefill_block's included (the expert load /metrics shows)."""
 
     def __init__(self, hidden_size: int, shape: MoEShape, mxfp4: bool = False) -> None:
         super().__init__()
@@ -93,6 +94,9 @@ class SparseMoE(nn.Module):
         self.stack_tokens = torch.zeros(self.spec.num_experts, dtype=torch.int64, device="cpu")  # (not meta)
         # tensor parallelism (model/parallel.py): this rank's slice of every expert's width is what load_tensor keeps
         self.tp_rank, self.tp_size = 0, 1
+        # the decode stack's C description of this block (model/decode_stack.MoEDesc) while one is built: a prefill
+        # of more than ROUTER_KERNEL_MAX_ROWS rows runs through it in runs of its rows (no Python per expert)
+        self.prefill_block: Any = None
 
     def kernel_rows(self, x: torch.Tensor) -> bool:
         """Whether x's rows route through the C router (kernels.moe_route, the decode stack's MoE block's) and the
@@ -105,6 +109,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.hidden_size, f"MoE input {tuple(x.shape)}"
+        block = self.prefill_block
+        if block is not None and x.shape[0] > ROUTER_KERNEL_MAX_ROWS and kernels.usable(x):
+            # (each row as the C block computes it alone: the router in C, as for the module path's few rows)
+            return torch.cat([block.run(x[i : i + block.rows]) for i in range(0, x.shape[0], block.rows)])
         few = self.kernel_rows(x)
         if few:  # (C: the experts picked as torch.topk picks them, the weights within float32 rounding of route's)
             logits = kernels.linear(x, self.router.weight, self.router.bias)
