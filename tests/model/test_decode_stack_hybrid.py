@@ -37,25 +37,29 @@ def compared(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool, bool]]:
         stack = self.decode_stack(kv_caches)
         if stack is None or not stack.applies(self.embed_tokens(input_ids), meta):
             return orig(self, input_ids, positions, kv_caches, meta)
-        states = [c for c in kv_caches if hybrid_stack.is_state(c)]
-        before = [(s.conv.clone(), s.ssm.clone()) for s in states]
+        tensors = [t for c in kv_caches if hybrid_stack.is_state(c) for t in _state_tensors(c)]
+        before = [t.clone() for t in tensors]
         out = orig(self, input_ids, positions, kv_caches, meta)
-        after = [(s.conv.clone(), s.ssm.clone()) for s in states]
-        for s, (conv, ssm) in zip(states, before, strict=True):
-            s.conv.copy_(conv)
-            s.ssm.copy_(ssm)
+        after = [t.clone() for t in tensors]
+        for t, b in zip(tensors, before, strict=True):
+            t.copy_(b)
         self._decode_stack = None
         try:
             ref = orig(self, input_ids, positions, kv_caches, meta)
         finally:
             self._decode_stack = stack
-        pairs = zip(after, states, strict=True)
-        same_states = all(torch.equal(c, s.conv) and torch.equal(m, s.ssm) for (c, m), s in pairs)
+        same_states = all(torch.equal(a, t) for a, t in zip(after, tensors, strict=True))
         seen.append((input_ids.shape[0], torch.equal(out, ref), same_states))
         return out
 
     monkeypatch.setattr(DecoderModel, "forward", both)
     return seen
+
+
+def _state_tensors(state) -> list[torch.Tensor]:  # noqa: ANN001
+    """A LayerState's slots and (prefix caching) its snapshots, which decode tokens completing a block write."""
+    snapshots = [t for t in (state.conv_snapshots, state.ssm_snapshots) if t is not None]
+    return [state.conv, state.ssm, *snapshots]
 
 
 # (family, engine options, decode rows): float32 takes kernels.f32_max_rows() rows (2 without AVX-512); the fourth
@@ -116,16 +120,16 @@ def test_bfloat16_state_keeps_the_module_path(hybrid_dirs: dict[str, Path]) -> N
     assert runner.model.model.decode_stack(runner.kv_caches) is None
 
 
-def test_steps_with_state_saves_or_chunks_take_the_module_path() -> None:
-    """A decode step takes the stack only when its state metadata has every row on a slot, nothing else."""
+def test_steps_with_chunks_or_chunk_saves_take_the_module_path() -> None:
+    """A decode step takes the stack when its state metadata has every row on a slot: no chunk, no chunk's save."""
     slots = torch.tensor([3, 1], dtype=torch.int64)
     meta = AttentionMetadata(slot_mapping=torch.zeros(2, dtype=torch.int64), num_decode_tokens=2)
     meta.linear = LinearAttentionMetadata(slots, 2)
     assert hybrid_stack.takes_step(meta, 2)
     meta.linear = LinearAttentionMetadata(slots, 2, saves={0: (4, 0)})
     assert not hybrid_stack.takes_step(meta, 2)
-    meta.linear = LinearAttentionMetadata(slots, 2, decode_saves=[(1, 0)])
-    assert not hybrid_stack.takes_step(meta, 2)
+    meta.linear = LinearAttentionMetadata(slots, 2, decode_saves=[(1, 0)])  # (saved after the call: end_step)
+    assert hybrid_stack.takes_step(meta, 2)
     meta.linear = LinearAttentionMetadata(slots, 2, prefills=[(2, 5, 0, True)])
     assert not hybrid_stack.takes_step(meta, 2)
     meta.linear = None

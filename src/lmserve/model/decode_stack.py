@@ -360,6 +360,8 @@ class DecodeStack:
             )  # fmt: skip
         finally:
             self._model.lora = self._model.state_slots = None
+        if state_slots is not None and rc == 0:
+            hybrid.end_step(meta, self._gdns)
         assert rc != -1, "decode_stack: out of memory for its scratch buffers"
         if rc != 0:
             assert self._all_reduce is not None, f"decode_stack: return {rc} without an all-reduce"

@@ -83,12 +83,11 @@ class GDNDesc:
 
 def takes_step(meta: AttentionMetadata, rows: int) -> bool:
     """Whether a step's state metadata lets the stack run its linear-attention layers: every one of its rows a
-    decode on its own slot, no prefill chunk and no prefix-cache state snapshot saved, by a chunk or after a decode
-    token (those steps: the torch path)."""
+    decode on its own slot, no prefill chunk (nor a chunk's state snapshot: those steps take the torch path)."""
     lin = meta.linear
     return (
         lin is not None and lin.num_decode_tokens == rows and not lin.prefills and not lin.saves
-        and not lin.decode_saves and lin.decode_slots is not None and lin.decode_slots.shape == (rows,)
+        and lin.decode_slots is not None and lin.decode_slots.shape == (rows,)
     )  # fmt: skip
 
 
@@ -104,3 +103,14 @@ def begin_step(meta: AttentionMetadata, gdns: list[GDNDesc]) -> torch.Tensor:
     slots = lin.decode_slots
     assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.device.type == "cpu", "state slots"
     return slots
+
+
+def end_step(meta: AttentionMetadata, gdns: list[GDNDesc]) -> None:
+    """The prefix cache's snapshots of decode rows that completed a block (meta.linear.decode_saves), taken from
+    their slots after the stack's call: what GatedDeltaNet.forward copies after each layer's decode, as no later
+    layer of the step touches that layer's state."""
+    lin = meta.linear
+    for row, snapshot in lin.decode_saves:
+        slot = int(lin.decode_slots[row])
+        for gdn in gdns:
+            gdn.state.save(slot, snapshot)
