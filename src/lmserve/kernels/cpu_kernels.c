@@ -32,3 +32,4 @@
 #include "allreduce.c"
 #include "lora.c"
 #include "linear_attention.c"
+#include "hybrid_stack.c"

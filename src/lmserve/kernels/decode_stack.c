@@ -35,6 +35,9 @@ typedef struct {
 } ls_moe;
 
 enum { LS_QK_NONE = 0, LS_QK_HEAD = 1, LS_QK_WHOLE = 2 };
+/* ls_layer.mixer: Llama's attention, or a hybrid's gated attention / Gated DeltaNet (hybrid_stack.c) */
+enum { LS_MIX_ATTENTION = 0, LS_MIX_GATED = 1, LS_MIX_LINEAR = 2 };
+struct ls_gdn; /* a Gated DeltaNet layer's description (hybrid_stack.c) */
 
 typedef struct {
     const float *in_norm, *post_norm;
@@ -46,6 +49,8 @@ typedef struct {
     const float *q_norm, *k_norm;    /* their weights */
     const ls_moe *moe;               /* NULL: the dense MLP (gate_up, down) */
     const float *sinks;              /* NULL, or (heads,): gpt-oss's attention sinks */
+    int64_t mixer;                   /* LS_MIX_*; gated: qkv is q_proj's (query, gate) per head, then k, v */
+    const struct ls_gdn *gdn;        /* LS_MIX_LINEAR: the layer (qkv, o and the caches unused) */
 } ls_layer;
 
 struct ls_lora;      /* the LoRA section at the end of the file */
@@ -63,7 +68,16 @@ typedef struct {
     const struct ls_lora *lora;           /* NULL: no LoRA row in the step */
     const struct ls_allreduce *allreduce; /* NULL: one rank; else the sum after o and down (tensor parallel) */
     const ls_linear *head;                /* NULL: none; else the LM head, run on the final norm when asked */
+    int64_t rotary_dim;                   /* cos / sin row width: head_dim, or a gated layer's partial rotary */
+    const int64_t *state_slots;           /* (B,): each row's state slot in the Gated DeltaNet layers (or NULL) */
 } ls_model;
+
+/* hybrid_stack.c: the scratch floats per row its layers need; ob (B, hidden) = layer L's mixer (gated attention or
+ * Gated DeltaNet) on x. Returns 0, or -1 without scratch memory. */
+static int64_t ls_hybrid_scratch(const ls_model *m);
+static int ls_hybrid_mixer(const ls_model *m, const ls_layer *L, const float *x, float *ob, const float *cos,
+                           const float *sin, const int64_t *slots, const int64_t *tables, const int64_t *lens,
+                           int64_t B, int64_t max_blocks, float *scratch, int nthreads);
 
 /* y (B, O) += the LoRA delta of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l for x (B, K); -1: no memory */
 static int ls_lora_add(const struct ls_lora *lora, int64_t l, int p, const float *x, float *y, int nthreads);
@@ -193,13 +207,14 @@ int decode_stack(const ls_model *m, const float *h, float *out, const float *cos
     const int64_t Hd = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->inter;
     const int64_t qs = NH * D, kvs = KVH * D, qkvw = qs + 2 * kvs;
     const float eps = (float)m->eps, scale = (float)m->scale;
-    const int64_t n = B * (4 * Hd + qkvw + 2 * qs + 3 * I + kvs);
+    const int64_t n = B * (4 * Hd + qkvw + 2 * qs + 3 * I + kvs + ls_hybrid_scratch(m));
     float *buf = (float *)malloc(sizeof(float) * (size_t)n);
     if (!buf) return -1;
     int rc = -1;
     float *res = buf, *x = res + B * Hd, *hb = x + B * Hd, *ob = hb + B * Hd, *qkv = ob + B * Hd;
     float *q = qkv + B * qkvw, *attn = q + B * qs, *gu = attn + B * qs, *act = gu + 2 * B * I;
     float *kn = act + B * I; /* k normed (q normed goes to q) */
+    float *hyb = kn + B * kvs; /* the hybrid layers' scratch */
     for (int64_t l = 0; l < m->num_layers; l++) {
         const ls_layer *L = m->layers + l;
         if (l == 0) { /* the residual stream starts as the embeddings */
@@ -208,33 +223,40 @@ int decode_stack(const ls_model *m, const float *h, float *out, const float *cos
         } else {
             rmsnorm_f32(hb, res, L->in_norm, x, B, Hd, eps, nthreads);
         }
-        if (ls_linear_run(&L->qkv, x, qkv, B, nthreads)) goto fail;
-        if (m->lora && ls_lora_add(m->lora, l, 0, x, qkv, nthreads)) goto fail;
-        /* q / k rows: in qkv (token stride qkvw), or normed into q / kn (strides qs / kvs) */
-        float *qp = qkv, *kp = qkv + qs;
-        int64_t qst = qkvw, kst = qkvw;
-        if (L->qk_norm) {
-            ls_qk_norm(L->qk_norm, qkv, qkvw, q, B, qs, D, L->q_norm, eps, nthreads);
-            ls_qk_norm(L->qk_norm, qkv + qs, qkvw, kn, B, kvs, D, L->k_norm, eps, nthreads);
-            qp = q, kp = kn, qst = qs, kst = kvs;
+        if (L->mixer != LS_MIX_ATTENTION) { /* a hybrid's layer (no LoRA, one rank: the engine refuses both) */
+            if (ls_hybrid_mixer(m, L, x, ob, cos, sin, slots, tables, lens, B, max_blocks, hyb, nthreads)) {
+                rc = -1;
+                goto fail;
+            }
+        } else {
+            if (ls_linear_run(&L->qkv, x, qkv, B, nthreads)) goto fail;
+            if (m->lora && ls_lora_add(m->lora, l, 0, x, qkv, nthreads)) goto fail;
+            /* q / k rows: in qkv (token stride qkvw), or normed into q / kn (strides qs / kvs) */
+            float *qp = qkv, *kp = qkv + qs;
+            int64_t qst = qkvw, kst = qkvw;
+            if (L->qk_norm) {
+                ls_qk_norm(L->qk_norm, qkv, qkvw, q, B, qs, D, L->q_norm, eps, nthreads);
+                ls_qk_norm(L->qk_norm, qkv + qs, qkvw, kn, B, kvs, D, L->k_norm, eps, nthreads);
+                qp = q, kp = kn, qst = qs, kst = kvs;
+            }
+            if (m->kv_kind < 0)
+                rope_write_kv_f32(qp, qst, kp, kst, qkv + qs + kvs, qkvw, cos, sin, (float *)L->k_cache,
+                                  (float *)L->v_cache, slots, B, NH, KVH, D, nthreads);
+            else
+                rope_write_kv_q(qp, qst, kp, kst, qkv + qs + kvs, qkvw, cos, sin, L->k_cache, L->v_cache, L->k_scale,
+                                L->v_scale, slots, B, NH, KVH, D, (int)m->kv_kind, nthreads);
+            if (!L->qk_norm)
+                for (int64_t b = 0; b < B; b++) memcpy(q + b * qs, qkv + b * qkvw, sizeof(float) * (size_t)qs);
+            if (m->kv_kind < 0)
+                paged_decode_attention(q, (const float *)L->k_cache, (const float *)L->v_cache, tables, lens, attn, B,
+                                       NH, KVH, D, m->block_size, max_blocks, scale, L->window, L->sinks, nthreads);
+            else
+                paged_decode_attention_q(q, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables, lens, attn, B,
+                                         NH, KVH, D, m->block_size, max_blocks, scale, L->window, L->sinks,
+                                         (int)m->kv_kind, nthreads);
+            if (ls_linear_run(&L->o, attn, ob, B, nthreads)) goto fail;
+            if (m->lora && ls_lora_add(m->lora, l, 1, attn, ob, nthreads)) goto fail;
         }
-        if (m->kv_kind < 0)
-            rope_write_kv_f32(qp, qst, kp, kst, qkv + qs + kvs, qkvw, cos, sin, (float *)L->k_cache,
-                              (float *)L->v_cache, slots, B, NH, KVH, D, nthreads);
-        else
-            rope_write_kv_q(qp, qst, kp, kst, qkv + qs + kvs, qkvw, cos, sin, L->k_cache, L->v_cache, L->k_scale,
-                            L->v_scale, slots, B, NH, KVH, D, (int)m->kv_kind, nthreads);
-        if (!L->qk_norm)
-            for (int64_t b = 0; b < B; b++) memcpy(q + b * qs, qkv + b * qkvw, sizeof(float) * (size_t)qs);
-        if (m->kv_kind < 0)
-            paged_decode_attention(q, (const float *)L->k_cache, (const float *)L->v_cache, tables, lens, attn, B, NH,
-                                   KVH, D, m->block_size, max_blocks, scale, L->window, L->sinks, nthreads);
-        else
-            paged_decode_attention_q(q, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables, lens, attn, B, NH,
-                                     KVH, D, m->block_size, max_blocks, scale, L->window, L->sinks, (int)m->kv_kind,
-                                     nthreads);
-        if (ls_linear_run(&L->o, attn, ob, B, nthreads)) goto fail;
-        if (m->lora && ls_lora_add(m->lora, l, 1, attn, ob, nthreads)) goto fail;
         if (m->allreduce && (rc = ls_all_reduce(m->allreduce, ob, B * Hd))) goto fail;
         rmsnorm_f32(ob, res, L->post_norm, x, B, Hd, eps, nthreads);
         if (L->moe) {

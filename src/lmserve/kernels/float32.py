@@ -178,7 +178,8 @@ def rope_write_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Rotate q (T, H, D) and k (T, KVH, D) in place (rotate-half RoPE with cos/sin (T, D)), then write
+    """Rotate q (T, H, D) and k (T, KVH, D) in place (rotate-half RoPE with cos/sin (T, D), or partial rotary
+    with cos/sin (T, R), R < D: the first R dimensions of each head turn, as rotary.apply_rotary), then write
     k and v rows into the caches (num_blocks, block_size, KVH, D) at slot_mapping (T,) int64: float32 as is,
     bfloat16 rounded to nearest even, int8 / float8_e4m3fn quantized per row with its scale written to
     k_scale / v_scale (the bytes model/kv_cache.quantize produces)."""
@@ -190,11 +191,20 @@ def rope_write_kv(
     kind = _kv_kind(k_cache, v_cache, k_scale, v_scale)
     for c, n in ((cos, "cos"), (sin, "sin")):
         L._check(c, n)
-    assert cos.shape == sin.shape == (t, d), f"cos/sin must be ({t}, {d}), got {tuple(cos.shape)}"
+    rd = cos.shape[-1]
+    assert cos.shape == sin.shape == (t, rd) and 0 < rd <= d and rd % 2 == 0, (
+        f"cos/sin must be ({t}, R), R even and at most {d}, got {tuple(cos.shape)}"
+    )
     assert k_cache.shape[2:] == (kvh, d), "cache layout (blocks, size, KVH, D)"
     L._check(slot_mapping, "slot_mapping", torch.int64)
     assert slot_mapping.shape == (t,), "one slot per token"
     rows = (q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, cos.data_ptr(), sin.data_ptr())
+    if rd < d:  # (partial rotary: Qwen3.5 / Qwen3-Next's gated attention)
+        L._lib.rope_partial_write_kv(
+            *rows, rd, k_cache.data_ptr(), v_cache.data_ptr(), L._ptr(k_scale), L._ptr(v_scale),
+            slot_mapping.data_ptr(), t, h, kvh, d, kind, torch.get_num_threads(),
+        )  # fmt: skip
+        return
     if kind < 0:
         L._lib.rope_write_kv_f32(
             *rows, k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), t, h, kvh, d,

@@ -121,6 +121,10 @@ def _load() -> ctypes.CDLL | None:
         _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
     lib.rope_write_kv_q.restype = None
+    lib.rope_partial_write_kv.argtypes = [
+        _P, _I, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    lib.rope_partial_write_kv.restype = None
     _declare_quantized(lib)
     _declare_kquant(lib)
     _declare_mxfp4(lib)

@@ -1,9 +1,9 @@
 """The whole decoder stack of a small pure-decode step in one C call (kernels.decode_stack), bit-identical to the
 module path: the same kernels in the same order, without the Python between them.
 
-DecodeStack.supports: which models (pre-norm Llama layout, MoE blocks, gpt-oss's sinks, every projection on its C
-kernel); .applies: which steps (all decodes, at most max_rows); TP all-reduce, LoRA from C: docs/cpu_kernels.md.
-"""
+DecodeStack.supports: which models (Llama's pre-norm layout, gpt-oss's sinks too, or a hybrid's layers,
+model/hybrid_stack.py; every projection on its C kernel); .applies: which steps (all decodes, at most max_rows).
+TP all-reduce and LoRA deltas run from C. See docs/cpu_kernels.md."""
 
 from __future__ import annotations
 
@@ -14,38 +14,28 @@ import torch
 
 from lmserve import kernels
 from lmserve.distributed.shm_allreduce import ShmAllReduce
-from lmserve.model import quantization as quant
+from lmserve.model import hybrid_stack as hybrid
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
-from lmserve.model.layers import Linear, kernel_max_rows
+from lmserve.model.layers import Linear
 from lmserve.model.layers.moe import ROUTER_KERNEL_MAX_ROWS, SparseMoE
 from lmserve.model.mxfp4 import Mxfp4Linear
+from lmserve.model.stack_linear import W4A8_STACK_MAX_ROWS, LinearDesc, linear_desc, on_kernel, ptr
 
-# ls_linear.kind in cpu_kernels.c
-_KINDS = {"float32": 0, "bf16w": 1, "int8": 2, "int4": 3, "int8w": 4, "kquant": 5, "w4a8": 6, "w5a8": 7, "w8a8": 8,
-          "mxfp4": 9}  # fmt: skip
-_PANEL_KINDS = {4: "w4a8", 5: "w5a8", 8: "w8a8"}  # W4A8 panels by their codes' bits (int4; GGUF Q5_0 / Q5_1; Q8_0)
-W4A8_STACK_MAX_ROWS = 64  # decode rows one call takes when every projection is on W4A8 panels (scratch ~B x 36 KiB)
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = (
-        [(n, ctypes.c_int64) for n in ("kind", "O", "K", "G")]
-        + [(n, ctypes.c_void_p) for n in ("w", "scales", "mins", "row_sums", "bias")]
-        + [("isa", ctypes.c_int64)]
-    )
+__all__ = ["W4A8_STACK_MAX_ROWS", "DecodeStack", "DecodeStackDispatch", "MoEDesc"]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("in_norm", "post_norm", "k_cache", "v_cache", "k_scale", "v_scale")]
-    _fields_ += [("window", ctypes.c_int64)] + [(n, _Linear) for n in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("window", ctypes.c_int64)] + [(n, LinearDesc) for n in ("qkv", "o", "gate_up", "down")]
     _fields_ += [("qk_norm", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("q_norm", "k_norm", "moe", "sinks")]
+    _fields_ += [("mixer", ctypes.c_int64), ("gdn", ctypes.c_void_p)]  # hybrid_stack.ATTENTION / ...; a _GDN
 
 
 class _MoE(ctypes.Structure):  # ls_moe: a layer's MoE block
     _fields_ = [(n, ctypes.c_int64) for n in ("num_experts", "top_k", "scoring", "renormalize", "inter", "shared")]
     _fields_ += [(n, ctypes.c_void_p) for n in ("router_w", "router_b", "shared_gate")]
-    _fields_ += [(n, ctypes.POINTER(_Linear)) for n in ("gate_up", "down", "shared_gate_up", "shared_down")]
+    _fields_ += [(n, ctypes.POINTER(LinearDesc)) for n in ("gate_up", "down", "shared_gate_up", "shared_down")]
     _fields_ += [("counts", ctypes.c_void_p)]  # SparseMoE.stack_tokens (int64): the expert load the stack routed
     _fields_ += [("clamped", ctypes.c_int64), ("alpha", ctypes.c_double), ("limit", ctypes.c_double)]  # gpt-oss
 
@@ -57,21 +47,21 @@ class MoEDesc:
     def __init__(self, moe: SparseMoE) -> None:
         spec, experts = moe.spec, list(moe.experts)
         n = len(experts)
-        descs = [(_linear(ex.gate_up_proj), _linear(ex.down_proj)) for ex in experts]
-        self.gate_up = (_Linear * n)(*(g for (g, _), _ in descs))
-        self.down = (_Linear * n)(*(d for _, (d, _) in descs))
+        descs = [(linear_desc(ex.gate_up_proj), linear_desc(ex.down_proj)) for ex in experts]
+        self.gate_up = (LinearDesc * n)(*(g for (g, _), _ in descs))
+        self.down = (LinearDesc * n)(*(d for _, (d, _) in descs))
         self.rows = min(r for pair in descs for _, r in pair)
         self.shared = None
         shared_inter = 0
         if moe.shared_expert is not None:
-            (sg, r1), (sd, r2) = _linear(moe.shared_expert.gate_up_proj), _linear(moe.shared_expert.down_proj)
-            self.shared = ((_Linear * 1)(sg), (_Linear * 1)(sd))
+            (sg, r1), (sd, r2) = linear_desc(moe.shared_expert.gate_up_proj), linear_desc(moe.shared_expert.down_proj)
+            self.shared = ((LinearDesc * 1)(sg), (LinearDesc * 1)(sd))
             self.rows, shared_inter = min(self.rows, r1, r2), moe.shared_expert.intermediate_size
         self.struct = _MoE(
             n, spec.top_k, kernels.MOE_SCORINGS[spec.scoring], int(spec.renormalize), experts[0].intermediate_size,
-            shared_inter, _ptr(moe.router.weight), _ptr(moe.router.bias),
-            _ptr(moe.shared_expert_gate.weight) if self.shared else None, self.gate_up, self.down,
-            *(self.shared or (None, None)), _ptr(moe.stack_tokens), int(moe.shape.activation == "swiglu_clamped"),
+            shared_inter, ptr(moe.router.weight), ptr(moe.router.bias),
+            ptr(moe.shared_expert_gate.weight) if self.shared else None, self.gate_up, self.down,
+            *(self.shared or (None, None)), ptr(moe.stack_tokens), int(moe.shape.activation == "swiglu_clamped"),
             moe.shape.swiglu_alpha, moe.shape.swiglu_limit,
         )  # fmt: skip
         self._counts = moe.stack_tokens  # (kept alive with the pointer to it)
@@ -92,7 +82,7 @@ class MoEDesc:
         gates += [moe.router.bias] if moe.router.bias is not None else []
         if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in gates):
             return False
-        return all(isinstance(m, (Linear, Mxfp4Linear)) and _kernel_linear(m) for m in _moe_linears(moe))
+        return all(isinstance(m, (Linear, Mxfp4Linear)) and on_kernel(m) for m in _moe_linears(moe))
 
 
 def _moe_linears(moe: SparseMoE) -> list[Linear]:
@@ -111,7 +101,8 @@ class _Model(ctypes.Structure):
     _fields_ += [("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
     _fields_ += [("lora", ctypes.c_void_p)]  # NULL, or a _LoRA for a step with LoRA rows
     _fields_ += [("allreduce", ctypes.c_void_p)]  # NULL, or a tensor-parallel rank's ShmAllReduce.desc
-    _fields_ += [("head", ctypes.c_void_p)]  # NULL, or a _Linear: the LM head run after the final norm
+    _fields_ += [("head", ctypes.c_void_p)]  # NULL, or a LinearDesc: the LM head run after the final norm
+    _fields_ += [("rotary_dim", ctypes.c_int64), ("state_slots", ctypes.c_void_p)]  # cos / sin width; (B,) int64
 
 
 class _LoRALinear(ctypes.Structure):  # ls_lora_linear: one projection's slot-stacked A, B and columns in use
@@ -149,42 +140,6 @@ class _LoRADesc:
         self.struct = _LoRA(self.linears, None, 0)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _linear(m: Linear | Mxfp4Linear) -> tuple[_Linear, int]:
-    """m's C description and the most rows its kernel takes in one call."""
-    isa = 0
-    if isinstance(m, Mxfp4Linear):  # (w: the 4-bit blocks, scales: the e8m0 bytes; the path resolved now)
-        isa = kernels.MXFP4_ISAS[kernels.mxfp4_isa()]
-        desc = _Linear(_KINDS["mxfp4"], m.out_features, m.in_features, 0, _ptr(m.blocks), _ptr(m.scales), None, None,
-                       _ptr(m.bias), isa)  # fmt: skip
-        return desc, kernels.MXFP4_MAX_ROWS
-    if m._w4a8 is not None:  # packed for W4A8: the panels, the path resolved now (kernels.w4a8_isa)
-        p = m._w4a8
-        w, scales, mins, kind, group, sums = p.codes, p.scales, p.mins, _PANEL_KINDS[p.bits], p.group_size, None
-        isa = kernels.W4A8_ISAS[kernels.w4a8_isa()]
-    elif m.quant_method is None:
-        bf16 = m._weight_bf16 is not None
-        w, kind = (m._weight_bf16 if bf16 else m.weight), ("bf16w" if bf16 else "float32")
-        scales = mins = sums = None
-        group = 0
-    elif m.quant_method == "kquant":  # (GGUF K-quants: `scales` points at the segment table, G counts its rows)
-        w, scales, mins, sums, kind = m.qweight, m._kq_table, None, None, "kquant"
-        group = m._kq_table.shape[0]
-    else:
-        w, scales, mins, kind = m.qweight, m.scales, m.mins, m.quant_method
-        group, sums = (0 if kind == "int8" else m.in_features // m.scales.shape[1]), None
-        if kind == "int8":
-            if m._row_sums is None:
-                m._row_sums = quant.int8_row_sums(m.qweight)
-            sums = m._row_sums
-    desc = _Linear(_KINDS[kind], m.out_features, m.in_features, group, _ptr(w), _ptr(scales), _ptr(mins), _ptr(sums),
-                   _ptr(m.bias), isa)  # fmt: skip
-    return desc, W4A8_STACK_MAX_ROWS if m._w4a8 is not None else kernel_max_rows(m)
-
-
 def _row_tables(model: torch.nn.Module) -> tuple[Any, Any, Any] | None:
     """numpy views of model's (a DecoderModel) token embedding and rotary cos / sin tables, when a decode step's
     rows are plain copies of their rows (float32 CPU tables, no embedding scale, no quantized embedding, no hook on
@@ -200,18 +155,9 @@ def _row_tables(model: torch.nn.Module) -> tuple[Any, Any, Any] | None:
     return tuple(t.detach().numpy() for t in tables)
 
 
-def _kernel_linear(m: Linear | Mxfp4Linear) -> bool:
-    """Whether m's few-row input runs through its C kernel on the module path (so the stack computes the same)."""
-    if isinstance(m, Mxfp4Linear):
-        return m.compute == "w4a8" and m.blocks.device.type == "cpu"
-    if m._small_m_path is not None:
-        return False
-    if m.quant_method is None:  # the module path: float32 weights (read from their bf16 copy if rounded)
-        w = m._weight_bf16 if m._weight_bf16 is not None else m.weight
-        return m.weight.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-    if m._w4a8 is not None:
-        return True  # the panels are CPU tensors
-    return m.quant_method in _KINDS and m.qweight.device.type == "cpu"
+def _first_attention(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The first attention mixer of model's layers (a hybrid's first layers are linear attention), else None."""
+    return next((layer.mixer for layer in model.layers if hybrid.mixer_kind(layer) != hybrid.LINEAR), None)
 
 
 class DecodeStack:
@@ -230,36 +176,45 @@ class DecodeStack:
         applies to the final norm in the same call, when its few-row input runs through its C kernel (the same
         kernel on the same arguments as Linear.forward: the same logits) and the step has at most head_rows rows."""
         layers = list(model.layers)
-        attn = layers[0].self_attn
+        attn = _first_attention(model)
         self._layers = (_Layer * len(layers))()
         self._moes: list[MoEDesc] = []  # (kept alive with the pointers to them)
+        self._gdns: list[hybrid.GDNDesc] = []  # a hybrid's Gated DeltaNet layers, likewise
         self.max_rows = max(kernels.I4_MAX_ROWS, W4A8_STACK_MAX_ROWS)
         for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            descs = [_linear(m) for m in self.layer_linears(layer)]
+            kind, gdn, a = hybrid.mixer_kind(layer), None, layer.mixer
+            if kind == hybrid.LINEAR:  # (no qkv / o, no KV cache: the layer's own description holds its state)
+                self._gdns.append(hybrid.GDNDesc(a, cache))
+                gdn = ctypes.addressof(self._gdns[-1].struct)
+                descs = [(LinearDesc(), self._gdns[-1].rows)] * 2
+            else:
+                descs = [linear_desc(m) for m in (a.qkv_proj, a.o_proj)]
             moe = None
             if isinstance(layer.mlp, SparseMoE):  # (no gate_up / down: zeroed descriptions the C never reads)
                 self._moes.append(MoEDesc(layer.mlp))
                 moe = ctypes.addressof(self._moes[-1].struct)
                 if self._moes[-1].rows >= ROUTER_KERNEL_MAX_ROWS:  # (long prefills run through it: SparseMoE.forward)
                     layer.mlp.prefill_block = self._moes[-1]
-                descs += [(_Linear(), self._moes[-1].rows)] * 2
+                descs += [(LinearDesc(), self._moes[-1].rows)] * 2
+            else:
+                descs += [linear_desc(layer.mlp.gate_up_proj), linear_desc(layer.mlp.down_proj)]
             self.max_rows = min(self.max_rows, *(rows for _, rows in descs))
-            a = layer.self_attn
-            qk = 1 if a.qk_norm else 2 if a.qk_norm_whole else 0
+            qk = 0 if gdn else 1 if a.qk_norm else 2 if a.qk_norm_whole else 0
+            kv = (None,) * 4 if gdn else (ptr(cache.k), ptr(cache.v), ptr(cache.k_scale), ptr(cache.v_scale))
             self._layers[i] = _Layer(
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                _ptr(cache.k), _ptr(cache.v), _ptr(cache.k_scale), _ptr(cache.v_scale),
-                layer.self_attn.sliding_window or 0, *(d for d, _ in descs), qk,
-                _ptr(a.q_norm.weight) if qk else None, _ptr(a.k_norm.weight) if qk else None, moe, _ptr(a.sinks),
+                ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight), *kv,
+                0 if gdn else a.sliding_window or 0, *(d for d, _ in descs), qk,
+                ptr(a.q_norm.weight) if qk else None, ptr(a.k_norm.weight) if qk else None, moe,
+                None if gdn else ptr(getattr(a, "sinks", None)), kind, gdn,
             )  # fmt: skip
-        cache = kv_caches[0]
+        cache = next(c for c in kv_caches if isinstance(c, KVCache))
         dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, SparseMoE)]
         inter = max((mlp.intermediate_size for mlp in dense), default=0)  # (DenseMLP.plain: one width)
         self._model = _Model(
             len(layers), model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
             inter, cache.block_size, kernels.KV_CACHE_DTYPES[cache.k.dtype],
             model.norm.eps, attn.head_dim**-0.5 if attn.scale is None else attn.scale, self._layers,
-            _ptr(model.norm.weight),
+            ptr(model.norm.weight), None, None, None, model.rotary.cos.shape[-1],
         )  # fmt: skip
         self._kv_caches = kv_caches  # the pointers above stay valid while these live
         self._all_reduce = all_reduce
@@ -271,42 +226,49 @@ class DecodeStack:
         self._tables = _row_tables(model)
         self.step_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # (out, logits) of the last run's head
         self.head_rows = 0  # steps of up to this many rows can have the LM head's logits too (0: none)
-        if head is not None and _kernel_linear(head):
-            self._head, rows = _linear(head)
+        if head is not None and on_kernel(head):
+            self._head, rows = linear_desc(head)
             self.head_rows, self._vocab = min(rows, self.max_rows), head.out_features
             self._model.head = ctypes.addressof(self._head)
 
     @staticmethod
-    def cache_key(kv_caches: list[KVCache]) -> tuple[int, ...]:
-        return tuple(c.k.data_ptr() for c in kv_caches)
+    def cache_key(kv_caches: list[Any]) -> tuple[int, ...]:
+        return tuple(c.k.data_ptr() if isinstance(c, KVCache) else c.conv.data_ptr() for c in kv_caches)
 
     @staticmethod
     def layer_linears(layer: torch.nn.Module) -> tuple[Linear, ...]:
-        """qkv, o, and the dense MLP's gate_up, down (a MoE layer: qkv, o; its block is a MoEDesc)."""
-        a, mlp = layer.self_attn, layer.mlp
-        if isinstance(mlp, SparseMoE):
-            return a.qkv_proj, a.o_proj
-        return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+        """qkv, o (a Gated DeltaNet layer: its input projections and out_proj), and the dense MLP's gate_up, down (a
+        MoE layer: none; its block is a MoEDesc)."""
+        mixer, mlp = hybrid.mixer_linears(layer.mixer), layer.mlp
+        return mixer if isinstance(mlp, SparseMoE) else (*mixer, mlp.gate_up_proj, mlp.down_proj)
 
     @staticmethod
     def supports_layout(model: torch.nn.Module) -> bool:
         """Whether model (a DecoderModel) has the plain pre-norm layout the C stack computes, kernels loaded: every
-        layer Llama's (DecoderLayer.stack_plain; a block kind with no C path keeps the whole model on torch)."""
+        layer Llama's or a hybrid's gated / linear attention one (DecoderLayer.stack_plain, .stack_hybrid; a block
+        kind with no C path keeps the whole model on torch)."""
         if not kernels.available() or model.rotary_local is not None or len(model.layers) == 0:
             return False
-        if not all(layer.stack_plain for layer in model.layers):
+        if not all(layer.stack_plain or layer.stack_hybrid for layer in model.layers):
             return False
-        attn = model.layers[0].self_attn
-        if attn.num_heads > kernels.MAX_HEADS or attn.head_dim % 2 or model.norm.weight.dtype != torch.float32:
+        hybrid_model = any(layer.stack_hybrid for layer in model.layers)
+        if hybrid_model and model.tensor_parallel_size > 1:  # (the engine refuses it: the state is not sharded)
+            return False
+        attn, rotary = _first_attention(model), model.rotary.cos.shape[-1]
+        if attn is None or attn.num_heads > kernels.MAX_HEADS or attn.head_dim % 2 or rotary % 2:
+            return False
+        if model.norm.weight.dtype != torch.float32 or rotary > attn.head_dim:
             return False
         for layer in model.layers:
-            a = layer.self_attn
+            a = layer.mixer
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if a.qk_norm or a.qk_norm_whole:  # (a whole-projection norm spans the heads of every rank)
+            # (a Gated DeltaNet layer's tensors: hybrid.supports_linear_attention; a whole-projection q/k norm spans
+            # the heads of every rank)
+            if hybrid.mixer_kind(layer) != hybrid.LINEAR and (a.qk_norm or a.qk_norm_whole):
                 if a.qk_norm_whole and model.tensor_parallel_size > 1:
                     return False
                 norms += [a.q_norm.weight, a.k_norm.weight]
-            if a.sinks is not None:  # (gpt-oss: the attention kernel reads them beside the scores)
+            if getattr(a, "sinks", None) is not None:  # (gpt-oss: the attention kernel reads them beside the scores)
                 norms.append(a.sinks)
             if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in norms):
                 return False
@@ -319,17 +281,24 @@ class DecodeStack:
         if not DecodeStack.supports_layout(model):
             return False
         for layer, cache in zip(model.layers, kv_caches, strict=True):
-            if cache.k.dtype not in kernels.KV_CACHE_DTYPES or cache.k.device.type != "cpu":
+            if hybrid.mixer_kind(layer) == hybrid.LINEAR:
+                if not hybrid.supports_linear_attention(layer.mixer, cache):
+                    return False
+            elif not isinstance(cache, KVCache) or cache.k.dtype not in kernels.KV_CACHE_DTYPES:
                 return False
-            if not all(_kernel_linear(m) for m in DecodeStack.layer_linears(layer)):
+            elif cache.k.device.type != "cpu":
+                return False
+            if not all(on_kernel(m) for m in DecodeStack.layer_linears(layer)):
                 return False
             if isinstance(layer.mlp, SparseMoE) and not MoEDesc.supports(layer.mlp):
                 return False
         return True
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Whether a step of num_tokens tokens with this metadata is a pure decode of at most max_rows tokens."""
-        return not meta.prefills and meta.num_decode_tokens == num_tokens and 0 < num_tokens <= self.max_rows
+        """Whether a step of num_tokens tokens with this metadata is a pure decode of at most max_rows tokens (a
+        hybrid's: every row on its own state slot, no state snapshot saved)."""
+        decode = not meta.prefills and meta.num_decode_tokens == num_tokens and 0 < num_tokens <= self.max_rows
+        return decode and (not self._gdns or hybrid.takes_step(meta, num_tokens))
 
     def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step (embeddings h, its metadata) is a pure decode of at most max_rows tokens."""
@@ -357,7 +326,7 @@ class DecodeStack:
         """Whether the stack adds the LoRA deltas of hooks (a lora.layers.LoRAHooks) itself, with the hooks'
         arithmetic: float32 CPU slots on the C kernel (LoRALinear.kernel) and runs the kernel takes."""
         runs_fit = all(end - start <= kernels.LORA_MAX_ROWS for _, start, end in hooks.groups)
-        return runs_fit and self._lora_desc(hooks).ok
+        return runs_fit and not self._gdns and self._lora_desc(hooks).ok  # (no LoRA for hybrids: the engine refuses)
 
     def run(
         self,
@@ -389,13 +358,17 @@ class DecodeStack:
             assert 0 <= int(groups[:, 0].min()) and int(groups[:, 0].max()) < desc.max_loras, "LoRA slots in range"
             desc.struct.groups, desc.struct.num_groups = groups.data_ptr(), groups.shape[0]
             self._model.lora = ctypes.addressof(desc.struct)
+        state_slots = hybrid.begin_step(meta, self._gdns) if self._gdns else None
+        self._model.state_slots = None if state_slots is None else state_slots.data_ptr()
         try:
             rc = kernels.decode_stack(
                 ctypes.byref(self._model), h, out, cos, sin, meta.slot_mapping, meta.decode_block_tables,
                 meta.decode_context_lens, logits,
             )  # fmt: skip
         finally:
-            self._model.lora = None
+            self._model.lora = self._model.state_slots = None
+        if state_slots is not None and rc == 0:
+            hybrid.end_step(meta, self._gdns)
         assert rc != -1, "decode_stack: out of memory for its scratch buffers"
         if rc != 0:
             assert self._all_reduce is not None, f"decode_stack: return {rc} without an all-reduce"
@@ -423,8 +396,8 @@ class DecodeStackDispatch:
         """The C description of this decoder over kv_caches, when DecodeStack.supports it (built once per
         set of caches; reset_decode_stack() after changing weights or their kernel paths). A tensor-parallel
         rank has one when its group's all-reduce is the shared memory's, which the C stack calls itself."""
-        if not self._stack_possible() or not all(isinstance(c, KVCache) for c in kv_caches):
-            return None  # (a hybrid's linear-attention layers hold recurrent state, not KV: the torch path)
+        if not self._stack_possible() or not all(isinstance(c, KVCache) or hybrid.is_state(c) for c in kv_caches):
+            return None
         if kv_caches is self._decode_stack_caches:  # (the runner passes the same list every step)
             return self._decode_stack
         self._decode_stack_caches = kv_caches

@@ -53,6 +53,10 @@ class DecoderLayer(nn.Module):
         # what the C decode stack computes: Llama's layer (anything else: the torch path for the whole model)
         self.stack_plain = cfg.norm_layout == "pre" and plain_mixer and spec.feed_forward in ("dense", "moe")
         self.stack_plain = self.stack_plain and self.mlp.plain and not self.per_layer_input
+        # a hybrid's gated or linear attention layer, pre-norm with a plain feed-forward: the stack's hybrid kinds
+        ffn = cfg.norm_layout == "pre" and spec.feed_forward in ("dense", "moe") and self.mlp.plain
+        hybrid = spec.mixer in ("gated_attention", "linear_attention")
+        self.stack_hybrid = hybrid and ffn and not self.per_layer_input
 
     @property
     def mixer(self) -> nn.Module:

@@ -259,23 +259,26 @@ class GatedDeltaNet(nn.Module):
         are this layer's state tensors, read and written at each sequence's slot; snapshots: the prefix cache's
         tensors of the same shapes, written where meta.saves says. Returns (T, hidden)."""
         d = self.dims
+        n = x.shape[0]
         mixed, z, b, a = self.project(x)  # mixed: (T, conv_dim), q k v before the conv
+        weight = self.conv1d.weight[:, 0]
+        nd = meta.num_decode_tokens
+        # float32 CPU operands: the decode rows' gates, conv, delta rule and gated norm in one C call (the decode
+        # stack's), the gated norm of the rest on torch
+        in_c = nd > 0 and self.c_decode(x, conv_state, ssm_state)
+        decoded = None
+        if in_c:
+            decoded = self._decode_c(mixed[:nd], z[:nd], b[:nd], a[:nd], conv_state, ssm_state, meta)
+            self._save_decodes(conv_state, ssm_state, meta, snapshots)
+            if nd == n:
+                return self.out_proj(decoded)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        weight = self.conv1d.weight[:, 0]
-        core = torch.empty(x.shape[0], d.num_v_heads, d.v_dim, dtype=torch.float32, device=x.device)
-        nd = meta.num_decode_tokens
-        if nd:
-            slots = meta.decode_slots
-            assert slots is not None and slots.shape[0] == nd, "decode rows without their state slots"
-            if meta.fresh_decode_slots is not None:  # a sequence's first token: from a zero state, not the slot's
-                conv_state[meta.fresh_decode_slots] = 0.0
-                ssm_state[meta.fresh_decode_slots] = 0.0
+        core = torch.empty(n, d.num_v_heads, d.v_dim, dtype=torch.float32, device=x.device)
+        if nd and not in_c:
+            slots = self._decode_slots(conv_state, ssm_state, meta)
             core[:nd] = self._decode(mixed[:nd], g[:nd], beta[:nd], weight, conv_state, ssm_state, slots)
-            for row, snapshot in meta.decode_saves:
-                assert snapshots is not None, "a state save without snapshot tensors"
-                slot = int(slots[row])
-                snapshots[0][snapshot], snapshots[1][snapshot] = conv_state[slot], ssm_state[slot]
+            self._save_decodes(conv_state, ssm_state, meta, snapshots)
         for i, (start, end, slot, fresh) in enumerate(meta.prefills):
             save = meta.saves.get(i)
             # a snapshot at a block boundary inside the chunk: the chunk runs as two pieces, the state saved between
@@ -289,18 +292,56 @@ class GatedDeltaNet(nn.Module):
                 if save is not None and b == start + save[0]:
                     assert snapshots is not None, "a state save without snapshot tensors"
                     snapshots[0][save[1]], snapshots[1][save[1]] = conv_state[slot], ssm_state[slot]
-        core = self.norm(core.to(x.dtype), z.view(x.shape[0], d.num_v_heads, d.v_dim))
-        return self.out_proj(core.reshape(x.shape[0], d.value_size))
+        first = nd if decoded is not None else 0  # (the C call normed the decode rows already)
+        normed = self.norm(core[first:].to(x.dtype), z[first:].reshape(n - first, d.num_v_heads, d.v_dim))
+        normed = normed.reshape(n - first, d.value_size)
+        return self.out_proj(normed if decoded is None else torch.cat([decoded, normed]))
+
+    def c_decode(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> bool:
+        """Whether decode rows take gdn_decode_f32: float32 CPU activations, parameters and states (a bfloat16 state
+        cache or 16-bit compute keep the torch path), the kernels loaded."""
+        params = (self.A_log, self.dt_bias, self.conv1d.weight, self.norm.weight)
+        states = conv_state.is_contiguous() and ssm_state.is_contiguous()
+        return states and gdn_kernels.usable(x, conv_state, ssm_state, *params)
+
+    @staticmethod
+    def _decode_slots(conv_state: torch.Tensor, ssm_state: torch.Tensor, meta: LinearAttentionMetadata) -> torch.Tensor:
+        """The decode rows' state slots, those of sequences at their first token zeroed (not the slot's old state)."""
+        slots = meta.decode_slots
+        assert slots is not None and slots.shape[0] == meta.num_decode_tokens, "decode rows without their state slots"
+        if meta.fresh_decode_slots is not None:
+            conv_state[meta.fresh_decode_slots] = 0.0
+            ssm_state[meta.fresh_decode_slots] = 0.0
+        return slots
+
+    @staticmethod
+    def _save_decodes(
+        conv_state: torch.Tensor, ssm_state: torch.Tensor, meta: LinearAttentionMetadata,
+        snapshots: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:  # fmt: skip
+        """The state after each decode token that completes a block, into its snapshot (meta.decode_saves)."""
+        for row, snapshot in meta.decode_saves:
+            assert snapshots is not None and meta.decode_slots is not None, "a state save without snapshot tensors"
+            slot = int(meta.decode_slots[row])
+            snapshots[0][snapshot], snapshots[1][snapshot] = conv_state[slot], ssm_state[slot]
+
+    def _decode_c(
+        self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
+        ssm_state: torch.Tensor, meta: LinearAttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        """The decode rows through gdn_decode_f32: (nd, value_size), the gated norm's output."""
+        d = self.dims
+        slots = self._decode_slots(conv_state, ssm_state, meta)
+        return gdn_kernels.decode(
+            mixed, z, b, a, self.A_log, self.dt_bias, self.conv1d.weight[:, 0], self.norm.weight, self.norm.eps,
+            conv_state, ssm_state, slots, d.num_k_heads, d.k_dim,
+        )  # fmt: skip
 
     def _decode(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
         conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """One token per sequence: the C step when the operands are float32 CPU tensors, else the torch path."""
-        d = self.dims
-        if gdn_kernels.usable(mixed, conv_state, ssm_state, weight) and conv_state.is_contiguous():
-            conv_out = gdn_kernels.conv_decode(mixed, conv_state, slots, weight)
-            return gdn_kernels.recurrent_decode(conv_out, g, beta, ssm_state, slots, d.num_k_heads, d.k_dim, d.v_dim)
+        """One token per sequence on torch (16-bit compute or a bfloat16 state; else _decode_c)."""
         conv_out, window = conv1d_decode(mixed, conv_state[slots], weight)
         conv_state[slots] = window.to(conv_state.dtype)  # (16-bit compute: the state stays float32)
         q, k, v = self._split(conv_out)

@@ -2,7 +2,8 @@
 A new kind is a class here taking (cfg, spec, layer_idx): a token mixer has `checkpoint_name` (its HF module
 name) and forward(x, cache, step) → (T, hidden), where cache is kv_caches[layer] (per-request state rides in it,
 looked up by step.meta); a feed-forward has forward(x). Register it below and name it in the family's LayerSpecs;
-the C decode stack then stands aside for the whole model (DecoderLayer.stack_plain), the torch path runs it."""
+the C decode stack then stands aside for the whole model (DecoderLayer.stack_plain / stack_hybrid), the torch
+path runs it."""
 
 from lmserve.model.layers.attention import Attention
 from lmserve.model.layers.embedding import Embedding
