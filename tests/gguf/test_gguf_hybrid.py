@@ -141,10 +141,13 @@ def test_quantized_gguf_matches_hf_on_its_weights(
         assert lm_gguf.resident_weight_bytes(ckpt, 4, False)[0] == _weight_bytes(plain)
 
 
-def test_mxfp4_experts_stay_4_bit_and_match_hf(hybrid_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_mxfp4_experts_stay_4_bit_and_match_hf(hybrid_dirs: dict[str, Path], tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """llama-quantize's MXFP4_MOE layout (MXFP4 expert stacks, Q8_0 elsewhere): the experts hold the file's 4-bit
-    codes (lmserve's MXFP4 experts), and the engine matches HF holding gguf's dequantization of the file."""
-    from lmserve.model.mxfp4 import Mxfp4Linear
+    codes (lmserve's MXFP4 experts), and the engine (weight-only: float activations, the MXFP4 experts too) matches
+    HF holding gguf's dequantization of the file."""
+    from lmserve.model.mxfp4 import MXFP4_COMPUTE_ENV, Mxfp4Linear
+
+    monkeypatch.setenv(MXFP4_COMPUTE_ENV, "weight-only")
 
     model_dir = hybrid_dirs["qwen3_5_moe"]
     file = write_hybrid_gguf(model_dir, tmp_path / "mxfp4.gguf", "Q8_0", expert_type="MXFP4")
