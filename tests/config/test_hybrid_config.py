@@ -40,7 +40,9 @@ def test_budget_split_is_the_ledgers() -> None:
     assert snapshots == budget // 8 // state  # the prefix cache's state snapshots: 1/8 of the budget by default
     assert (blocks, slots) == memory.hybrid_pool_split(budget - snapshots * state, 16, kv, state, 256)
     assert slots < 256 and blocks * 16 * kv + (slots + snapshots) * state <= budget
-    assert EngineArgs(model="unused", num_kv_blocks=64, max_num_seqs=5)._hybrid_pools(kv, state) == (64, 5, 5)
+    # explicit blocks: a slot per sequence, the snapshots 1/8 of the three pools (at least one)
+    assert EngineArgs(model="unused", num_kv_blocks=64, max_num_seqs=5)._hybrid_pools(kv, state) == (64, 5, 1)
+    assert EngineArgs(model="unused", num_kv_blocks=64, max_num_seqs=40)._hybrid_pools(kv, state) == (64, 40, 5)
     sized = EngineArgs(model="unused", kv_cache_memory_gib=0.05, state_snapshot_memory_gib=0.01)
     assert sized._hybrid_pools(kv, state)[2] == int(0.01 * 2**30) // state
     off = EngineArgs(model="unused", num_kv_blocks=64, enable_prefix_caching=False)

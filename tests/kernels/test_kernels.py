@@ -204,21 +204,25 @@ def test_paged_decode_attention_same_bits_in_every_layout(heads: int, kv_heads: 
         assert torch.equal(out, outs[0][: out.shape[0]]), "attention bits depend on the cache layout or threads"
 
 
+def _filled_cache(num_blocks: int, kv_dtype: str, g: torch.Generator) -> tuple:
+    """A KV cache of num_blocks blocks of 4 tokens (2 KV heads of 16) every slot written with random rows, and its
+    keys and values dequantized: (cache, k_ref, v_ref)."""
+    from lmserve.model.kv_cache import KVCache, dequantize
+
+    cache = KVCache.allocate(num_blocks, 4, 2, 16, kv_dtype, torch.device("cpu"))
+    rows = torch.randn(2, num_blocks * 4, 2, 16, generator=g)
+    cache.write(rows[0], rows[1], torch.arange(num_blocks * 4))
+    return cache, dequantize(cache.k, cache.k_scale, torch.float32), dequantize(cache.v, cache.v_scale, torch.float32)
+
+
 @pytest.mark.parametrize("window", [1, 3, 4, 9, 64])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
 def test_paged_decode_attention_reads_only_the_window(window: int, kv_dtype: str) -> None:
     """With a sliding window the kernel starts at the first block inside it: table entries before that block are
     -1 here (a freed block's sentinel), which would crash or corrupt a kernel that read them."""
-    from lmserve.model.kv_cache import KVCache, dequantize
-
     g = torch.Generator().manual_seed(window)
-    block_size, heads, kv_heads, head_dim, num_blocks = 4, 8, 2, 16, 128
-    cache = KVCache.allocate(num_blocks, block_size, kv_heads, head_dim, kv_dtype, torch.device("cpu"))
-    slots = torch.arange(num_blocks * block_size)
-    rows = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=g)
-    cache.write(rows[0], rows[1], slots)
-    k_ref = dequantize(cache.k, cache.k_scale, torch.float32)
-    v_ref = dequantize(cache.v, cache.v_scale, torch.float32)
+    block_size, heads, head_dim, num_blocks = 4, 8, 16, 128
+    cache, k_ref, v_ref = _filled_cache(num_blocks, kv_dtype, g)
     lens = torch.tensor([1, 4, 5, 37, 2, 16, 9, 30, 3, 8, 21], dtype=torch.long)
     batch, max_blocks = len(lens), -(-int(lens.max()) // block_size)
     tables = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).contiguous()
@@ -237,16 +241,9 @@ def test_paged_decode_attention_reads_only_the_window(window: int, kv_dtype: str
 def test_paged_decode_attention_with_sinks(window: int | None, kv_dtype: str) -> None:
     """gpt-oss's attention sinks: each head's logit joins its softmax's maximum and denominator and reads no value;
     one sink far above every score (nearly all the weight goes to it), one far below (plain attention)."""
-    from lmserve.model.kv_cache import KVCache, dequantize
-
     g = torch.Generator().manual_seed(11)
-    block_size, heads, kv_heads, head_dim, num_blocks = 4, 8, 2, 16, 64
-    cache = KVCache.allocate(num_blocks, block_size, kv_heads, head_dim, kv_dtype, torch.device("cpu"))
-    slots = torch.arange(num_blocks * block_size)
-    rows = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=g)
-    cache.write(rows[0], rows[1], slots)
-    k_ref = dequantize(cache.k, cache.k_scale, torch.float32)
-    v_ref = dequantize(cache.v, cache.v_scale, torch.float32)
+    block_size, heads, head_dim, num_blocks = 4, 8, 16, 64
+    cache, k_ref, v_ref = _filled_cache(num_blocks, kv_dtype, g)
     lens = torch.tensor([1, 6, 37, 13], dtype=torch.long)
     batch, max_blocks = len(lens), -(-int(lens.max()) // block_size)
     tables = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).contiguous()

@@ -134,28 +134,28 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """(M, 2I) [gate | up] → (M, I) silu(gate) * up."""
+def _gated(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up contiguous and checked, the (M, I) output) for a [gate | up] activation kernel."""
     assert L._lib is not None, "kernels not loaded: call available() first"
     gate_up = gate_up.contiguous()
     L._check(gate_up, "gate_up")
     m, two_i = gate_up.shape
     assert two_i % 2 == 0, "gate_up must hold gate and up halves"
-    out = torch.empty(m, two_i // 2, dtype=torch.float32)
-    L._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
+    return gate_up, torch.empty(m, two_i // 2, dtype=torch.float32)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(M, 2I) [gate | up] → (M, I) silu(gate) * up."""
+    gate_up, out = _gated(gate_up)
+    L._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), *out.shape, torch.get_num_threads())
     return out
 
 
 def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """(M, 2I) [gate | up] → (M, I) (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit): gpt-oss's
     experts' activation."""
-    assert L._lib is not None, "kernels not loaded: call available() first"
-    gate_up = gate_up.contiguous()
-    L._check(gate_up, "gate_up")
-    m, two_i = gate_up.shape
-    assert two_i % 2 == 0, "gate_up must hold gate and up halves"
-    out = torch.empty(m, two_i // 2, dtype=torch.float32)
-    L._lib.swiglu_clamped_f32(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2, alpha, limit, torch.get_num_threads())
+    gate_up, out = _gated(gate_up)
+    L._lib.swiglu_clamped_f32(gate_up.data_ptr(), out.data_ptr(), *out.shape, alpha, limit, torch.get_num_threads())
     return out
 
 
