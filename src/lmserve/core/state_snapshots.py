@@ -100,11 +100,7 @@ def plan_save(pool: StateSnapshotPool, request: Request, num_new: int, block_siz
     num_blocks = min(start + num_new, len(tokens) - 1) // block_size
     if num_new < 2 or num_blocks * block_size <= start:
         return None
-    root = root_hash(request.lora_int_id)
-    request.block_hashes = hash_blocks(tokens, block_size, request.block_hashes, root)
-    i = num_blocks - 1
-    key = block_key(request.block_hashes[i - 1] if i else root, tokens[i * block_size : num_blocks * block_size])
-    slot = pool.reserve(key)
+    slot = pool.reserve(_boundary_key(request, num_blocks, block_size))
     return None if slot == NO_SNAPSHOT else StateSave(num_blocks * block_size, slot)
 
 
@@ -115,11 +111,7 @@ def plan_decode_save(pool: StateSnapshotPool, request: Request, block_size: int)
     end = request.num_computed_tokens + 1
     if end % block_size or end > len(request.all_token_ids):
         return None
-    tokens = request.all_token_ids
-    root = root_hash(request.lora_int_id)
-    request.block_hashes = hash_blocks(tokens, block_size, request.block_hashes, root)
-    i = end // block_size - 1
-    key = block_key(request.block_hashes[i - 1] if i else root, tokens[i * block_size : end])
+    key = _boundary_key(request, end // block_size, block_size)
     slot = pool.reserve(key)
     if slot == NO_SNAPSHOT:
         return None
@@ -127,3 +119,13 @@ def plan_decode_save(pool: StateSnapshotPool, request: Request, block_size: int)
         pool.release(request.decode_snapshot)
     request.decode_snapshot = key
     return StateSave(end, slot)
+
+
+def _boundary_key(request: Request, num_blocks: int, block_size: int) -> BlockKey:
+    """The prefix-cache key of the request's block num_blocks - 1 (its chained parent hash and its tokens): the
+    key a snapshot of the state after its first num_blocks blocks is kept under."""
+    tokens = request.all_token_ids
+    root = root_hash(request.lora_int_id)
+    request.block_hashes = hash_blocks(tokens, block_size, request.block_hashes, root)
+    i = num_blocks - 1
+    return block_key(request.block_hashes[i - 1] if i else root, tokens[i * block_size : num_blocks * block_size])

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lmserve.kernels import library as L
@@ -25,16 +27,21 @@ def quantized_kernel_names() -> dict[str, str]:
     }
 
 
+@functools.cache
+def _i8_isa(lib: object) -> int:
+    return lib.i8_kernel_isa()  # (fixed when the library was compiled: asked once, not on every forward)
+
+
 def i8_kernel_rows() -> int:
     """The most rows Linear gives linear_i8 (and the decode stack takes) before the batched path (int8_mm) is
     faster: I8_MAX_ROWS with VNNI (oneDNN's _int_mm then), 64 with AVX2's vpmaddubsw, 16 for the portable loop."""
-    isa = L._lib.i8_kernel_isa() if L._lib is not None else 1
+    isa = _i8_isa(L._lib) if L._lib is not None else 1
     return I8_MAX_ROWS if isa > 0 else 64 if isa < 0 else 16
 
 
 def int8_dot_instructions() -> bool:
     """Whether the CPU has int8 dot-product instructions (VNNI): what makes torch._int_mm fast (oneDNN)."""
-    return L._lib is not None and L._lib.i8_kernel_isa() > 0
+    return L._lib is not None and _i8_isa(L._lib) > 0
 
 
 def quantize_rows_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

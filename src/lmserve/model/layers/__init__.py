@@ -11,7 +11,6 @@ from lmserve.model.layers.gated_attention import GatedAttention
 from lmserve.model.layers.gated_deltanet import LinearAttention
 from lmserve.model.layers.linear import (
     DEQUANT_TILE_BYTES,
-    I8_KERNEL_MAX_ROWS,
     SMALL_M_ENV,
     Linear,
     choose_small_m_paths,
@@ -36,7 +35,7 @@ FEED_FORWARDS: dict[str, type] = {"dense": DenseMLP, "moe": MoEFeedForward}
 
 __all__ = [
     "GatedAttention", "LinearAttention", "MoEFeedForward", "SparseMoE",
-    "DEQUANT_TILE_BYTES", "FEED_FORWARDS", "I8_KERNEL_MAX_ROWS", "SMALL_M_ENV", "TOKEN_MIXERS", "Attention",
+    "DEQUANT_TILE_BYTES", "FEED_FORWARDS", "SMALL_M_ENV", "TOKEN_MIXERS", "Attention",
     "DenseMLP", "Embedding", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary",
     "choose_small_m_paths", "kernel_max_rows", "onednn_packing_available", "pack_linear_weights",
     "pack_w4a8_weights", "quantizable_linears", "quantize_linear_weights", "rope_inv_freq",

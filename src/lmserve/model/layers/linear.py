@@ -17,7 +17,6 @@ from lmserve.model import gguf_blocks
 from lmserve.model import quantization as quant
 from lmserve.model.layers.embedding import Embedding
 
-I8_KERNEL_MAX_ROWS = kernels.I8_MAX_ROWS  # int8 W8A8: rows the C kernel serves in one pass over the weights
 PACK_HINT_ROWS = 32  # batch size oneDNN lays the packed weights out for (any row count works)
 SMALL_M_ENV = "LMSERVE_SMALL_M_LINEAR"  # few-row (decode) linears: auto (measured per weight shape) | kernel | torch
 SMALL_M_MODES = ("auto", "kernel", "torch")
