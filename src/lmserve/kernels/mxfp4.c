@@ -78,17 +78,12 @@ static void mx_quantize_row(const float *x, const mx_act *a, int64_t m) {
             continue;
         }
         const float *xb = x + 32 * b;
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) {
-            float v = fabsf(xb[i]);
-            amax = v > amax ? v : amax;
-        }
-        float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        float id;
+        const float db = q8_block_scale(xb, &id); /* (w4a8.c's grid: the same codes as W4A8's activations) */
         int32_t s = 0;
         for (int i = 0; i < 32; i++) {
-            float v = nearbyintf(xb[i] * id);
-            v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-            q[(i & 1) * 16 + i / 2] = (int8_t)v;
+            const int8_t v = q8_code(xb[i], id);
+            q[(i & 1) * 16 + i / 2] = v;
             s += (int32_t)v;
         }
         a->d[r] = db;

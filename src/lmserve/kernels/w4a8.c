@@ -114,23 +114,35 @@ static inline int64_t w4a8_ai(const w4a8_act *a, int64_t m, int64_t b) {
     return ((m / a->R) * a->NB + b) * a->R + m % a->R;
 }
 
+/* A block of 32 activations' int8 step (max|x| / 127) and its inverse in *inv (0 for an all-zero block). */
+static inline float q8_block_scale(const float *xb, float *inv) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) {
+        float v = fabsf(xb[i]);
+        amax = v > amax ? v : amax;
+    }
+    float db = amax / 127.f;
+    *inv = db != 0.f ? 1.f / db : 0.f;
+    return db;
+}
+
+/* x's int8 code on a block's grid (inv: q8_block_scale's), rounded to nearest even and clamped to +-127. */
+static inline int8_t q8_code(float x, float inv) {
+    float r = nearbyintf(x * inv);
+    return (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+}
+
 static void w4a8_quantize_row(const float *x, const w4a8_act *a, int64_t m, int32_t off) {
     for (int64_t b = 0; b < a->NB; b++) {
         const float *xb = x + 32 * b;
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) {
-            float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-        }
-        float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        float id;
+        const float db = q8_block_scale(xb, &id);
         const int64_t ai = w4a8_ai(a, m, b);
         int8_t *q = a->q + 32 * ai;
         int32_t s = 0;
         for (int i = 0; i < 32; i++) {
-            float r = nearbyintf(xb[i] * id);
-            r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-            q[i] = (int8_t)r;
-            s += (int32_t)r;
+            q[i] = q8_code(xb[i], id);
+            s += (int32_t)q[i];
         }
         a->d[ai] = db;
         a->corr[ai] = -off * s;
