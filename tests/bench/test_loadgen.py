@@ -91,8 +91,9 @@ class FakeServer:
             while sent < n:
                 k = min(per_chunk, n - sent)
                 sent += k
-                text = " w" * k
-                choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if sent == n else None}
+                text = "" if mode == "held_back" and sent % 2 else " w" * k  # (odd tokens: text not yet whole)
+                last = sent == n and mode != "held_back"  # held_back: llama.cpp's separate closing chunk
+                choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
                 choice.update({"delta": {"content": text}} if chat else {"text": text})
                 chunk: dict[str, Any] = {"choices": [choice]}
                 if mode == "token_ids":
@@ -105,8 +106,12 @@ class FakeServer:
                     return resp
                 if sent < n:
                     await asyncio.sleep(GAP_S)
-            if mode != "no_usage":
-                usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}
+            usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}
+            if mode == "held_back":
+                closing = {"index": 0, "finish_reason": "length"}
+                closing.update({"delta": {}} if chat else {"text": ""})
+                await self.send(resp, {"choices": [closing], "usage": usage})
+            elif mode != "no_usage":
                 await self.send(resp, {"choices": [], "usage": usage})
             await resp.write(b"data: [DONE]\n\n")
         finally:
@@ -186,6 +191,20 @@ def test_multi_token_chunks(mode: str, chunk_source: str):
         assert len(lat.itls_s) == 4
         if mode == "multi":  # the first chunk's second token came with it; the next chunks' gaps split in two
             assert lat.itls_s[0] == 0.0 and lat.itls_s[1] == lat.itls_s[2]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_a_chunk_per_token_without_text_then_a_closing_chunk(endpoint: str):
+    """llama.cpp streams a chunk for every token, empty while its text is held back, then a closing chunk with
+    finish_reason and usage: every token chunk counts once (spreading the tokens over the chunks with text
+    instead moved the first and last token and shrank TPOT)."""
+    _, _, records = run_against_fake(reqs(1, 5), endpoint=endpoint, extra_body={"fake_mode": "held_back"})
+    (r,) = records
+    assert r.success and r.num_output_tokens == 5 and r.chunk_num_tokens == [1] * 5
+    assert r.chunk_tokens_source == "one_per_chunk" and r.generated_text == " w w"
+    lat = request_latency(r)
+    assert FIRST_DELAY_S <= lat.ttft_from_send_s < FIRST_DELAY_S + 0.25
+    assert len(lat.itls_s) == 4 and all(GAP_S * 0.9 <= x < GAP_S + 0.25 for x in lat.itls_s)
 
 
 def test_chat_role_chunk_is_not_the_first_token():

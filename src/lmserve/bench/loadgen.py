@@ -361,6 +361,7 @@ class _Chunk:
     t_s: float
     text: str
     role_only: bool  # a chat chunk announcing the role, carrying no token
+    closing: bool  # finish_reason set, no text, no token ids: may close the stream without a token (llama.cpp)
     num_token_ids: int | None  # len(choices[0].token_ids) when the server sends ids
     cum_completion_tokens: int | None  # usage.completion_tokens on a chunk with choices (continuous stats)
 
@@ -391,7 +392,8 @@ def _parse_events(raw: RawResponse, is_chat: bool) -> tuple[list[_Chunk], dict[s
                 text = c.get("text") or ""
             ids = c.get("token_ids")
             cum = u.get("completion_tokens") if isinstance(u, dict) else None
-            chunks.append(_Chunk(t_s, text, role_only, len(ids) if isinstance(ids, list) else None, cum))
+            closing = c.get("finish_reason") is not None and not text and not ids
+            chunks.append(_Chunk(t_s, text, role_only, closing, len(ids) if isinstance(ids, list) else None, cum))
         if isinstance(u, dict):
             usage = u
     return chunks, usage, None
@@ -415,7 +417,8 @@ def finalize(raw: RawResponse, req: BenchRequest, is_chat: bool, tokenizer: Any 
     Output token count: usage.completion_tokens when present, else the tokenizer on the whole text, else
     the number of non-empty chunks. Per-chunk counts, most exact first: cumulative usage on every chunk
     (vLLM's continuous_usage_stats), token_ids on the chunks, one per chunk when the number of chunks with
-    text (or of all chunks but a chat role chunk) equals the output token count, else the total spread
+    text (or of all chunks but a chat role chunk, and but a closing chunk with only finish_reason, as
+    llama.cpp streams a token whose text is still held back) equals the output token count, else the total spread
     over the chunks in proportion to their tokenized text.
     """
     rec = RequestRecord(
@@ -459,11 +462,15 @@ def finalize(raw: RawResponse, req: BenchRequest, is_chat: bool, tokenizer: Any 
     if counts is None or sum(counts) != total:
         with_text = sum(1 for c in chunks if c.text)
         candidates = sum(1 for c in chunks if not c.role_only)
+        closed = bool(chunks) and chunks[-1].closing  # a last chunk with only finish_reason (and usage)
         if with_text == total:
             counts = [1 if c.text else 0 for c in chunks]
             rec.chunk_tokens_source = "one_per_chunk"
         elif candidates == total:  # some tokens produced no text yet (e.g. half a UTF-8 character)
             counts = [0 if c.role_only else 1 for c in chunks]
+            rec.chunk_tokens_source = "one_per_chunk"
+        elif closed and candidates - 1 == total:  # llama.cpp: a chunk per token, text or not, then the closing one
+            counts = [0 if c.role_only else 1 for c in chunks[:-1]] + [0]
             rec.chunk_tokens_source = "one_per_chunk"
         else:
             if tokenizer is not None:
