@@ -96,6 +96,22 @@ def test_every_path_and_row_count_gives_the_same_bits(o: int, k: int, group: int
         assert torch.equal(kernels.linear_w4a8(x[rows], packed, None, best), runs[best][rows])
 
 
+@pytest.mark.parametrize("mins", [False, True])
+def test_many_products_in_one_call_give_each_ones_bits(mins: bool) -> None:
+    """linear_w4a8_many (one region over several products: a layer's input projections, a token's experts) equals
+    one linear_w4a8 call each, bit for bit: shared and distinct x, a panel tail, an empty product, groups 32 / 128."""
+    k = 256
+    shapes = [(40, 32), (8, 128), (17, 32), (64, 128), (5, 32)]
+    ws = [Q.pack_w4a8(*_weights(o, k, g, mins, seed=o + g)) for o, g in shapes]
+    shared = torch.randn(3, k)
+    xs = [shared, shared, torch.randn(9, k), torch.randn(0, k), torch.randn(1, k)]
+    biases = [torch.randn(o) if i % 2 else None for i, (o, _) in enumerate(shapes)]
+    for isa in [i for i in ISAS if kernels.w4a8_isa_supported(i)]:
+        many = kernels.linear_w4a8_many(xs, ws, biases, isa)
+        for x, w, b, y in zip(xs, ws, biases, many, strict=True):
+            assert torch.equal(y, kernels.linear_w4a8(x, w, b, isa)), isa
+
+
 def test_isa_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernels.w4a8_isa_supported("scalar")
     best = kernels.w4a8_isa()

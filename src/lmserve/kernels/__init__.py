@@ -234,6 +234,9 @@ from lmserve.kernels.w4a8 import (
     linear_w4a8 as linear_w4a8,
 )
 from lmserve.kernels.w4a8 import (
+    linear_w4a8_many as linear_w4a8_many,
+)
+from lmserve.kernels.w4a8 import (
     w4a8_isa as w4a8_isa,
 )
 from lmserve.kernels.w4a8 import (

@@ -115,6 +115,34 @@ static int ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M
     return 0;
 }
 
+/* ys[i] (Ms[i], O) = ls[i] of xs[i] for n projections: one linear_w4a8_multi_f32 region when all are W4A8 panels
+ * of one kind, K, path and mins-ness (the same bits as one call each), else ls_linear_run each. Returns as it. */
+static int ls_linear_run_many(const ls_linear *const *ls, const float *const *xs, float *const *ys, const int64_t *Ms,
+                              int64_t n, int nthreads) {
+    int multi = n > 1;
+    for (int64_t i = 0; multi && i < n; i++) {
+        const ls_linear *l = ls[i];
+        multi = (l->kind == LS_W4A8 || l->kind == LS_W5A8 || l->kind == LS_W8A8) && l->kind == ls[0]->kind &&
+                l->K == ls[0]->K && l->isa == ls[0]->isa && (l->mins != NULL) == (ls[0]->mins != NULL);
+    }
+    if (!multi) {
+        for (int64_t i = 0; i < n; i++)
+            if (Ms[i] && ls_linear_run(ls[i], xs[i], ys[i], Ms[i], nthreads)) return -1;
+        return 0;
+    }
+    w4a8_job *jobs = (w4a8_job *)malloc(sizeof(w4a8_job) * (size_t)n);
+    if (!jobs) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const ls_linear *l = ls[i];
+        jobs[i] = (w4a8_job){xs[i], (const uint8_t *)l->w, (const uint16_t *)l->scales, (const uint16_t *)l->mins,
+                             l->bias, ys[i], Ms[i], l->O, l->G};
+    }
+    const int bits = ls[0]->kind == LS_W4A8 ? 4 : ls[0]->kind == LS_W5A8 ? 5 : 8;
+    const int rc = linear_w4a8_multi_f32(jobs, n, ls[0]->K, bits, (int)ls[0]->isa, nthreads);
+    free(jobs);
+    return rc;
+}
+
 /* out (B, Hd) = the MoE block of x (B, Hd) as SparseMoE.forward computes it on few rows (model/layers/moe.py): the
  * router's logits by linear_f32, moe_route_f32, each chosen expert once on its rows (token order) through the same
  * kernels as its Linears, its output times the router weight into the row's (token, slot), each token's k slots
@@ -122,36 +150,47 @@ static int ls_linear_run(const ls_linear *l, const float *x, float *y, int64_t M
  * every product and sum on its own. Returns 0, or -1 when the scratch could not be allocated. */
 __attribute__((optimize("fp-contract=off"))) static int ls_moe_run(const ls_moe *e, const float *x, float *out,
                                                                     int64_t B, int64_t Hd, int nthreads) {
-    const int64_t E = e->num_experts, k = e->top_k, S = e->shared_inter;
-    const int64_t W = e->inter > S ? e->inter : S;
-    const size_t nf = (size_t)(B * E + B * k + 2 * B * Hd + 3 * B * W + B * k * Hd + B);
+    const int64_t E = e->num_experts, k = e->top_k, S = e->shared_inter, I = e->inter, Bk = B * k;
+    const int64_t W = I > S ? I : S;
+    const size_t nf = (size_t)(B * E + Bk + 2 * Bk * Hd + 3 * Bk * W + Bk * Hd + B);
     float *buf = (float *)malloc(sizeof(float) * nf);
-    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * B * k));
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * Bk + 2 * E));
+    /* per chosen expert: its weights, rows' inputs and outputs (one region over all experts when they allow it) */
+    const ls_linear **lin = (const ls_linear **)malloc(sizeof(void *) * (size_t)(2 * E));
+    const float **xs = (const float **)malloc(sizeof(void *) * (size_t)(2 * E));
+    float **ys = (float **)malloc(sizeof(void *) * (size_t)(2 * E));
     int rc = -1;
-    if (!buf || !ids) goto done;
-    float *logits = buf, *w = logits + B * E, *xg = w + B * k, *gu = xg + B * Hd, *act = gu + 2 * B * W;
-    float *y = act + B * W, *slots = y + B * Hd, *g = slots + B * k * Hd;
-    int64_t *rows = ids + B * k;
+    if (!buf || !ids || !lin || !xs || !ys) goto done;
+    float *logits = buf, *w = logits + B * E, *xg = w + Bk, *gu = xg + Bk * Hd, *act = gu + 2 * Bk * W;
+    float *y = act + Bk * W, *slots = y + Bk * Hd, *g = slots + Bk * Hd;
+    int64_t *rows = ids + Bk, *chosen = rows + Bk, *ns = chosen + E, na = 0;
     linear_f32(x, e->router_w, e->router_b, logits, B, E, Hd, nthreads);
     if (moe_route_f32(logits, B, E, k, (int)e->scoring, (int)e->renormalize, w, ids)) goto done;
+    int64_t nr = 0; /* rows[]: every (token, slot), grouped by expert in ascending id, token order within */
     for (int64_t ex = 0; ex < E; ex++) {
         int64_t n = 0;
-        for (int64_t r = 0; r < B * k; r++)
-            if (ids[r] == ex) rows[n++] = r; /* (token, slot) in token order: a token picks an expert once */
+        for (int64_t r = 0; r < Bk; r++)
+            if (ids[r] == ex) rows[nr + n++] = r; /* a token picks an expert once */
         if (!n) continue;
         if (e->counts) e->counts[ex] += n;
-        for (int64_t r = 0; r < n; r++) memcpy(xg + r * Hd, x + (rows[r] / k) * Hd, sizeof(float) * (size_t)Hd);
-        if (ls_linear_run(e->gate_up + ex, xg, gu, n, nthreads)) goto done;
-        if (e->clamped)
-            swiglu_clamped_f32(gu, act, n, e->inter, (float)e->alpha, (float)e->limit, nthreads);
-        else
-            silu_mul_f32(gu, act, n, e->inter, nthreads);
-        if (ls_linear_run(e->down + ex, act, y, n, nthreads)) goto done;
-        for (int64_t r = 0; r < n; r++) {
-            const float wt = w[rows[r]], *yr = y + r * Hd;
-            float *s = slots + rows[r] * Hd;
-            for (int64_t i = 0; i < Hd; i++) s[i] = yr[i] * wt;
-        }
+        chosen[na] = ex, ns[na++] = n;
+        nr += n;
+    }
+    for (int64_t r = 0; r < Bk; r++) memcpy(xg + r * Hd, x + (rows[r] / k) * Hd, sizeof(float) * (size_t)Hd);
+    for (int64_t a = 0, r0 = 0; a < na; r0 += ns[a++]) {
+        lin[a] = e->gate_up + chosen[a], xs[a] = xg + r0 * Hd, ys[a] = gu + r0 * 2 * I;
+        lin[na + a] = e->down + chosen[a], xs[na + a] = act + r0 * I, ys[na + a] = y + r0 * Hd;
+    }
+    if (ls_linear_run_many(lin, xs, ys, ns, na, nthreads)) goto done;
+    if (e->clamped) /* (row by row: every expert's rows in one call are the same bits as a call each) */
+        swiglu_clamped_f32(gu, act, Bk, I, (float)e->alpha, (float)e->limit, nthreads);
+    else
+        silu_mul_f32(gu, act, Bk, I, nthreads);
+    if (ls_linear_run_many(lin + na, xs + na, ys + na, ns, na, nthreads)) goto done;
+    for (int64_t r = 0; r < Bk; r++) {
+        const float wt = w[rows[r]], *yr = y + r * Hd;
+        float *s = slots + rows[r] * Hd;
+        for (int64_t i = 0; i < Hd; i++) s[i] = yr[i] * wt;
     }
     for (int64_t t = 0; t < B; t++) {
         float *o = out + t * Hd;
@@ -177,6 +216,9 @@ __attribute__((optimize("fp-contract=off"))) static int ls_moe_run(const ls_moe 
 done:
     free(buf);
     free(ids);
+    free(lin);
+    free(xs);
+    free(ys);
     return rc;
 }
 

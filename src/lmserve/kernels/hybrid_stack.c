@@ -55,7 +55,8 @@ __attribute__((optimize("fp-contract=off"))) int gdn_decode_f32(
             for (int64_t i = 0; i < V; i++) ss += c[i] * c[i];
             const float inv = 1.f / sqrtf(ss / (float)V + eps);
             float *o = out + (r * Hv + h) * V;
-            for (int64_t i = 0; i < V; i++) o[i] = (norm_w[i] * (c[i] * inv)) * (zr[i] / (1.f + expf(-zr[i])));
+#pragma omp simd
+            for (int64_t i = 0; i < V; i++) o[i] = (norm_w[i] * (c[i] * inv)) * (zr[i] / (1.f + exp_f32(-zr[i])));
         }
     free(buf);
     return 0;
@@ -173,17 +174,20 @@ static int ls_linear_attention(const ls_model *m, const ls_layer *L, const float
     const int64_t C = 2 * Hk * K + vs;
     float *mixed = buf, *z = mixed + B * C, *b = z + B * vs, *a = b + B * Hv, *tmp = a + B * Hv;
     float *core = tmp + B * (C + vs);
-    if (g->fused) { /* one product each, then its rows put in Qwen3.5's order (an exact gather, as index_select) */
-        if (ls_linear_run(&g->in[0], x, tmp, B, nthreads)) return -1;
+    /* the input projections of x in one region where their kernels allow it (ls_linear_run_many) */
+    const ls_linear *in[4] = {&g->in[0], &g->in[1], &g->in[2], &g->in[3]};
+    const float *xs[4] = {x, x, x, x};
+    const int64_t Ms[4] = {B, B, B, B};
+    if (g->fused) { /* qkvz into tmp, ba into core (free until the delta rule), then in Qwen3.5's order (gathers) */
+        float *outs[2] = {tmp, core};
+        if (ls_linear_run_many(in, xs, outs, Ms, 2, nthreads)) return -1;
         ls_gather_cols(tmp, C + vs, g->qkvz_order, mixed, B, C);
         ls_gather_cols(tmp, C + vs, g->qkvz_order + C, z, B, vs);
-        if (ls_linear_run(&g->in[1], x, tmp, B, nthreads)) return -1;
-        ls_gather_cols(tmp, 2 * Hv, g->ba_order, b, B, Hv);
-        ls_gather_cols(tmp, 2 * Hv, g->ba_order + Hv, a, B, Hv);
+        ls_gather_cols(core, 2 * Hv, g->ba_order, b, B, Hv);
+        ls_gather_cols(core, 2 * Hv, g->ba_order + Hv, a, B, Hv);
     } else {
         float *outs[4] = {mixed, z, b, a};
-        for (int i = 0; i < 4; i++)
-            if (ls_linear_run(&g->in[i], x, outs[i], B, nthreads)) return -1;
+        if (ls_linear_run_many(in, xs, outs, Ms, 4, nthreads)) return -1;
     }
     if (gdn_decode_f32(mixed, C, z, vs, b, Hv, a, Hv, g->A_log, g->dt_bias, g->conv_w, g->norm_w, (float)g->eps,
                        g->conv_state, g->ssm, m->state_slots, core, B, Hk, Hv, K, V, g->conv_kernel, nthreads))

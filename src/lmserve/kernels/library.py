@@ -200,6 +200,8 @@ def _declare_quantized(lib: ctypes.CDLL) -> None:
     lib.w4a8_quantize_rows.restype = None
     lib.linear_w4a8_f32.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.linear_w4a8_f32.restype = ctypes.c_int
+    lib.linear_w4a8_multi_f32.argtypes = [_P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.linear_w4a8_multi_f32.restype = ctypes.c_int
 
 
 def _declare_kquant(lib: ctypes.CDLL) -> None:

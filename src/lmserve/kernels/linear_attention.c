@@ -12,6 +12,7 @@ void gdn_conv_decode_f32(const float *x, float *conv_state, const int64_t *slots
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (B * C > 16384)
     for (int64_t b = 0; b < B; b++) {
         float *win = conv_state + slots[b] * C * (W - 1);
+        float *o = out + b * C;
         for (int64_t c = 0; c < C; c++) {
             float *w_c = win + c * (W - 1);
             const float *k_c = weight + c * W;
@@ -21,8 +22,10 @@ void gdn_conv_decode_f32(const float *x, float *conv_state, const int64_t *slots
             acc += xv * k_c[W - 1];
             for (int64_t j = 0; j + 1 < W - 1; j++) w_c[j] = w_c[j + 1];
             w_c[W - 2] = xv;
-            out[b * C + c] = acc / (1.f + expf(-acc));
+            o[c] = acc;
         }
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) o[c] = o[c] / (1.f + exp_f32(-o[c])); /* silu, vectorized (exp_f32) */
     }
 }
 

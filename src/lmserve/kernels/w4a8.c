@@ -471,4 +471,83 @@ int linear_w4a8_f32(const float *x, const uint8_t *pc, const uint16_t *ps, const
     free(buf);
     return 0;
 }
+/* One product of linear_w4a8_multi_f32: y (M, O) = x (M, K) times a packed weight (linear_w4a8_f32's arguments). */
+typedef struct {
+    const float *x;
+    const uint8_t *pc;
+    const uint16_t *ps, *pm;
+    const float *b;
+    float *y;
+    int64_t M, O, G;
+} w4a8_job;
+
+/* n linear_w4a8_f32 products of one K, bits and isa (all with mins or none) in one parallel region: each job's x
+ * quantized (a job with the previous job's x and M shares its activations), then every job's panels split over
+ * the threads together, so a few small products (a layer's input projections, a token's chosen experts) cost
+ * one fork and one join and balance over the threads as one. The same bits as n linear_w4a8_f32 calls. Returns
+ * 0, or -1 as linear_w4a8_f32 (no y written). */
+int linear_w4a8_multi_f32(const w4a8_job *jobs, int64_t n, int64_t K, int bits, int isa, int nthreads) {
+    if (!w4a8_isa_supported(isa) || (bits != 4 && bits != 5 && bits != 8) || n < 1) return -1;
+    const int has_mins = jobs[0].pm != NULL;
+    for (int64_t j = 0; j < n; j++)
+        if ((jobs[j].pm != NULL) != has_mins || (bits == 8 && jobs[j].pm)) return -1;
+    const int64_t NB = K / 32;
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * n + 1)); /* panel prefix; act index; offset */
+    w4a8_act *acts = (w4a8_act *)malloc(sizeof(w4a8_act) * (size_t)n);
+    if (!first || !acts) {
+        free(first);
+        free(acts);
+        return -1;
+    }
+    int64_t *act_of = first + n + 1, *act_at = act_of + n, bytes = 0, na = 0;
+    first[0] = 0;
+    for (int64_t j = 0; j < n; j++) {
+        first[j + 1] = first[j] + (jobs[j].O + W4A8_PANEL - 1) / W4A8_PANEL;
+        if (j > 0 && jobs[j].x == jobs[j - 1].x && jobs[j].M == jobs[j - 1].M) {
+            act_of[j] = act_of[j - 1];
+            continue;
+        }
+        const int64_t M = jobs[j].M, R = M < W4A8_MR ? (M ? M : 1) : W4A8_MR, Mp = (M + R - 1) / R * R;
+        act_of[j] = na;
+        act_at[na] = bytes;
+        acts[na++] = (w4a8_act){NULL, NULL, NULL, NULL, R, NB, bits};
+        bytes += Mp * K + Mp * NB * 12;
+    }
+    char *buf = (char *)malloc((size_t)(bytes ? bytes : 1));
+    if (!buf) {
+        free(first);
+        free(acts);
+        return -1;
+    }
+    const int32_t off = bits == 8 ? (isa == W4A8_AVX2 ? 0 : 128) : has_mins ? 0 : bits == 5 ? 16 : 8;
+    for (int64_t j = 0, a = 0; j < n; j++) {
+        if (act_of[j] != a) continue; /* (a job sharing the previous one's activations) */
+        const int64_t M = jobs[j].M, R = acts[a].R, Mp = (M + R - 1) / R * R;
+        char *p = buf + act_at[a];
+        acts[a].q = (int8_t *)p;
+        acts[a].d = (float *)(p + Mp * K);
+        acts[a].ds = (float *)(p + Mp * K + 4 * Mp * NB);
+        acts[a].corr = (int32_t *)(p + Mp * K + 8 * Mp * NB);
+        w4a8_quantize(jobs[j].x, acts + a, M, off, nthreads);
+        a++;
+    }
+    const w4a8_panel_fn fn = w4a8_panel_for(isa);
+    const int64_t P = first[n];
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t p = 0; p < P; p++) {
+        int64_t j = 0;
+        while (first[j + 1] <= p) j++;
+        const w4a8_job *J = jobs + j;
+        const int64_t lp = p - first[j], NG = K / J->G, M = J->M;
+        const uint8_t *pcp = J->pc + lp * NB * 64 * bits;
+        const uint16_t *psp = J->ps + lp * NG * W4A8_PANEL, *pmp = J->pm ? J->pm + lp * NG * W4A8_PANEL : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += W4A8_MR)
+            fn(acts + act_of[j], m0, M - m0 < W4A8_MR ? M - m0 : W4A8_MR, pcp, psp, pmp, J->b, J->y, J->O,
+               lp * W4A8_PANEL, K, J->G);
+    }
+    free(buf);
+    free(first);
+    free(acts);
+    return 0;
+}
 /* ========================================= end of W4A8 int4 kernels ======================================== */

@@ -3,6 +3,7 @@ on the packed layout of lmserve.model.quantization.pack_w4a8; the instruction se
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
@@ -97,3 +98,41 @@ def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | N
     )  # fmt: skip
     assert rc == 0, "linear_w4a8_f32: out of memory for the activation scratch"
     return y
+
+
+class _Job(ctypes.Structure):
+    """w4a8_job in kernels/w4a8.c: one product of linear_w4a8_multi_f32."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in ("x", "pc", "ps", "pm", "b", "y")] + [
+        (n, ctypes.c_int64) for n in ("M", "O", "G")
+    ]
+
+
+def linear_w4a8_many(
+    xs: list[torch.Tensor], ws: list[Any], biases: list[torch.Tensor | None], isa: str | None = None
+) -> list[torch.Tensor]:
+    """linear_w4a8(xs[i], ws[i], biases[i]) for every i in one call of the kernel (one parallel region over all
+    the products, as the decode stack runs a layer's input projections and a token's experts): the same bits.
+    The weights share in_features, bits and mins-ness."""
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    assert xs and len(xs) == len(ws) == len(biases), "one x, weight and bias per product"
+    w0 = ws[0]
+    assert all(w.in_features == w0.in_features and w.bits == w0.bits for w in ws), "one K and bits for all"
+    assert all((w.mins is None) == (w0.mins is None) for w in ws), "mins on all weights or on none"
+    xs = [x.contiguous() for x in xs]
+    ys = [torch.empty(x.shape[0], w.out_features) for x, w in zip(xs, ws, strict=True)]
+    for x, w, b in zip(xs, ws, biases, strict=True):
+        L._check(x, "x")
+        assert x.shape[1] == w.in_features, f"x has {x.shape[1]} features, weight expects {w.in_features}"
+        if b is not None:
+            L._check(b, "bias")
+    jobs = (_Job * len(xs))(*[
+        _Job(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), L._ptr(w.mins), L._ptr(b), y.data_ptr(),
+             x.shape[0], w.out_features, w.group_size)
+        for x, w, b, y in zip(xs, ws, biases, ys, strict=True)
+    ])  # fmt: skip
+    rc = L._lib.linear_w4a8_multi_f32(
+        ctypes.addressof(jobs), len(xs), w0.in_features, w0.bits, W4A8_ISAS[w4a8_isa(isa)], torch.get_num_threads()
+    )
+    assert rc == 0, "linear_w4a8_multi_f32: out of memory, or operands it refuses"
+    return ys
