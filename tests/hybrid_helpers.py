@@ -27,21 +27,23 @@ MAX_TOKENS = 20  # HF's reference is computed once per prompt, this long (tests 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-def hf_model_of(kind: str) -> torch.nn.Module:
+def hf_model_of(kind: str, **overrides: object) -> torch.nn.Module:
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
     from transformers.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
+    common = {**COMMON, **overrides}
     if kind == "qwen3_5":
-        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**COMMON))
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common))
     if kind == "qwen3_next":  # a dense layer (mlp_only_layers) beside the sparse ones
-        return Qwen3NextForCausalLM(Qwen3NextConfig(**COMMON, **MOE, mlp_only_layers=[1], norm_topk_prob=True))
-    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**COMMON, **MOE))
+        return Qwen3NextForCausalLM(Qwen3NextConfig(**common, **MOE, mlp_only_layers=[1], norm_topk_prob=True))
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**common, **MOE))
 
 
-def build(out: Path, tokenizer_dir: Path, kind: str, seed: int = 0) -> Path:
+def build(out: Path, tokenizer_dir: Path, kind: str, seed: int = 0, **overrides: object) -> Path:
+    """A tiny random `kind` checkpoint (config keys `overrides` over COMMON) with the tokenizer's files."""
     torch.manual_seed(seed)
-    model = hf_model_of(kind)
+    model = hf_model_of(kind, **overrides)
     with torch.no_grad():
         for name, p in model.named_parameters():  # HF's init leaves the norms at 0 / 1 and A_log uniform: perturb all
             p.copy_(torch.randn_like(p) * (0.05 if "norm" in name else 0.2))

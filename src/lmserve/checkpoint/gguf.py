@@ -18,6 +18,7 @@ import numpy as np
 
 from lmserve.checkpoint import gguf_moe
 from lmserve.checkpoint.gguf_arch import GGUF_ARCHS, GGUFArch
+from lmserve.checkpoint.gguf_hybrid import REORDERED_PROJECTIONS, Reorder, block_order, moved
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks, run by the K
 KEPT_TYPES = BLOCK32_TYPES + KQUANT_TYPES  # what the CPU float32 path keeps as it is in the file
 # HF weights of the decoder's Linear layers (the ones a quantized layout can hold), and the parts the model
 # fuses into one matrix (loader.STACKED_PARAMS): those are kept as blocks only when every part has one type.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *REORDERED_PROJECTIONS)
 FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -96,6 +97,7 @@ class GGUFTensor:
     raw: np.ndarray  # memory-mapped: the element array (F32/F16) or the row-major block bytes
     unpermute_heads: int | None  # q/k of a permuted architecture: the head count to undo it with
     transform: Callable[[np.ndarray], np.ndarray] | None = None  # undoes a converter's float transform (gguf_arch)
+    reorder: Reorder | None = None  # (axis, index) undoing rows / columns the converter moved: whole blocks move
 
     @property
     def num_bytes(self) -> int:
@@ -105,7 +107,15 @@ class GGUFTensor:
         """The raw data, rows in HF order (block bytes for quantized types: one row of blocks per row)."""
         assert self.transform is None, f"{self.gguf_name}: a transformed tensor is dequantized, never kept as blocks"
         data = self.raw.reshape(self.shape[0], -1) if self.raw.ndim > 1 else self.raw
-        return _unpermute(data, self.unpermute_heads) if self.unpermute_heads else data
+        data = _unpermute(data, self.unpermute_heads) if self.unpermute_heads else data
+        if self.reorder is None:
+            return data
+        axis, index = self.reorder
+        if axis == 0:
+            return data[index]
+        blocks = block_order(index, _block_size(self.type_name))
+        assert blocks is not None, f"{self.gguf_name}: its column order splits {self.type_name} blocks"
+        return data.reshape(data.shape[0], len(blocks), -1)[:, blocks].reshape(data.shape[0], -1)
 
     def to_numpy(self) -> np.ndarray:
         """The weights in HF layout: F32/F16 as stored, anything else dequantized to float32 by gguf."""
@@ -123,7 +133,15 @@ class GGUFTensor:
                     f"cannot dequantize; supported: F32, F16, BF16 and gguf's quantized types"
                 ) from None
         values = _unpermute(values, self.unpermute_heads) if self.unpermute_heads else values
+        values = moved(values, self.reorder)
         return self.transform(values) if self.transform else values
+
+
+def _block_size(type_name: str) -> int:
+    """Weights per GGML block of the type (1 for F32 / F16 / BF16)."""
+    import gguf
+
+    return int(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0])
 
 
 def _unpermute(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -247,8 +265,8 @@ class GGUFCheckpoint:
                     unpermute = num_heads
                 elif ".attn_k." in t.name:
                     unpermute = num_kv_heads
-            transform = self.spec.transform(cfg, hf_name) if self.spec.transform else None
-            out.append(GGUFTensor(t.name, hf_name, t.tensor_type.name, shape, t.data, unpermute, transform))
+            moves = self.spec.moves(cfg, hf_name, _block_size(t.tensor_type.name))  # (float transform, reorder)
+            out.append(GGUFTensor(t.name, hf_name, t.tensor_type.name, shape, t.data, unpermute, *moves))
         return out
 
     def bytes_by_type(self) -> dict[str, tuple[int, int, int]]:
@@ -349,8 +367,8 @@ def kept_quantized(checkpoint: GGUFCheckpoint, tie_word_embeddings: bool) -> dic
     kept = {}
     for name, t in tensors.items():
         parts = name.split(".")
-        if t.type_name not in KEPT_TYPES or parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
-            continue
+        if t.type_name not in KEPT_TYPES or parts[-1] != "weight" or parts[-2] not in PROJECTIONS or t.transform:
+            continue  # (a tensor moved as floats is dequantized)
         siblings = fused_siblings(tensors, name)
         kinds = {None if s is None else "K" if s.type_name in KQUANT_TYPES else s.type_name for s in siblings}
         if kinds in ({t.type_name}, {"K"}) or frozenset(kinds) in MIXED_BLOCK32:  # one type, a mix held as one

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,10 +18,14 @@ from lmserve.checkpoint.gguf_hybrid import (
     QWEN35_LAYER_TENSORS,
     QWEN35_UNSUFFIXED,
     Part,
+    Reorder,
     Transform,
+    block_order,
     hybrid_config,
+    hybrid_reorder,
     hybrid_split,
     hybrid_transform,
+    moved,
 )
 
 
@@ -49,9 +54,22 @@ class GGUFArch:
     partial_rotary: bool = False  # rope.dimension_count below the head width is the config's (its hook reads it)
     # (the family's HF config, HF name) -> the float transform undoing the converter's, or None
     transform: Callable[[dict[str, Any], str], Transform | None] | None = None
+    # (the family's HF config, HF name) -> (axis, index) of the rows / columns the converter moved, or None: applied
+    # to the file's blocks where whole blocks move (the tensor keeps its type), else as a float transform
+    reorder: Callable[[dict[str, Any], str], Reorder | None] | None = None
     trunk_key: str | None = None  # metadata key counting blocks after the trunk not served (an MTP head)
     # (the family's HF config, GGUF name, shape, raw) -> the parts of a tensor the converter fused, or None
     split: Callable[[dict[str, Any], str, tuple[int, ...], np.ndarray], list[Part] | None] | None = None
+
+    def moves(self, cfg: dict[str, Any], hf_name: str, block_size: int) -> tuple[Transform | None, Reorder | None]:
+        """(float transform, reorder) undoing the converter's moves of tensor `hf_name`: a reorder of columns in runs
+        narrower than the type's blocks (`block_size` weights) comes back as a float transform (dequantized)."""
+        transform = self.transform(cfg, hf_name) if self.transform else None
+        reorder = self.reorder(cfg, hf_name) if self.reorder else None
+        if reorder is None or reorder[0] == 0 or block_order(reorder[1], block_size) is not None:
+            return transform, reorder  # (rows: a GGUF row is whole blocks)
+        assert transform is None, f"{hf_name}: a float transform and a reorder"
+        return partial(moved, order=reorder), None
 
     def parts(self, cfg: dict[str, Any], name: str, shape: tuple[int, ...], raw: np.ndarray) -> list[Part] | None:
         """(GGUF name, HF name, shape, raw) of each part a tensor is read as (an expert stack's per-expert views, a
@@ -202,7 +220,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
 # the hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): one table, their differences in gguf_hybrid.py's hooks
 GGUF_ARCHS.update(
     (arch, GGUFArch(hf_arch, layer_tensors=QWEN35_LAYER_TENSORS, unsuffixed=QWEN35_UNSUFFIXED, config=hybrid_config,
-                    partial_rotary=True, transform=hybrid_transform, trunk_key="nextn_predict_layers",
-                    split=hybrid_split))
+                    partial_rotary=True, transform=hybrid_transform, reorder=hybrid_reorder,
+                    trunk_key="nextn_predict_layers", split=hybrid_split))
     for arch, (hf_arch, _) in HYBRID_ARCHITECTURES.items()
 )  # fmt: skip

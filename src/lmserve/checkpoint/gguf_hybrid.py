@@ -16,6 +16,8 @@ from lmserve.checkpoint.gguf_moe import MOE_ARCHITECTURES
 Transform = Callable[[np.ndarray], np.ndarray]
 # (GGUF name, HF name, row-major shape, raw rows) of a part of a tensor the converter fused
 Part = tuple[str, str, tuple[int, ...], np.ndarray]
+# (axis, index): HF's tensor is the file's with its rows (axis 0) or columns (axis 1) taken in `index` order
+Reorder = tuple[int, np.ndarray]
 
 # GGUF `general.architecture` → (HF architecture, model_type)
 HYBRID_ARCHITECTURES = {
@@ -45,6 +47,8 @@ LINEAR_TENSORS = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "s
 BETA_ALPHA = ("ssm_beta.weight", "ssm_alpha.weight")
 FULL_ATTENTION_TENSORS = tuple(f"attn_{p}.weight" for p in ("q", "k", "v", "output", "q_norm", "k_norm"))
 EXPERT_GATE_UP = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
+# the Gated DeltaNet Linears whose V-head reorder the reader applies to the file's data (blocks kept, gguf.py)
+REORDERED_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 def hybrid_config(meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -113,33 +117,65 @@ def _tiled_to_grouped(x: np.ndarray, axis: int, num_k: int, per_k: int, width: i
     return np.swapaxes(tiled, axis, axis + 1).reshape(shape)
 
 
+def _v_head_order(cfg: dict[str, Any], part: str) -> Reorder | None:
+    """(axis, index) undoing the converter's V-head reorder of Gated DeltaNet tensor `part`: HF's tensor is the
+    file's taken in `index` order along `axis` (rows, or out_proj's columns); None where nothing moved."""
+    num_k, num_v = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    if cfg["model_type"] not in TILED_V_HEADS or num_v == num_k:
+        return None
+    per_k, v_dim, qk = num_v // num_k, int(cfg["linear_value_head_dim"]), 2 * num_k * int(cfg["linear_key_head_dim"])
+
+    def heads(width: int) -> np.ndarray:
+        return _tiled_to_grouped(np.arange(num_v * width), 0, num_k, per_k, width)
+
+    orders = {
+        "in_proj_qkv": (0, np.concatenate([np.arange(qk), qk + heads(v_dim)])),  # q and k channels first, then v
+        "conv1d": (0, np.concatenate([np.arange(qk), qk + heads(v_dim)])),
+        "in_proj_z": (0, heads(v_dim)),
+        **{p: (0, heads(1)) for p in ("in_proj_b", "in_proj_a", "dt_bias", "A_log")},
+        "out_proj": (1, heads(v_dim)),
+    }
+    return orders.get(part)
+
+
+def moved(x: np.ndarray, order: Reorder | None) -> np.ndarray:
+    """`x` with its rows or columns taken in `order` (as floats)."""
+    return x if order is None else np.take(x, order[1], axis=order[0])
+
+
+def block_order(index: np.ndarray, block: int) -> np.ndarray | None:
+    """The order of `block`-wide runs of an element order that moves only whole runs (None when it splits one)."""
+    if len(index) % block:
+        return None
+    runs = index.reshape(-1, block)
+    if np.any(runs[:, 0] % block) or np.any(runs != runs[:, :1] + np.arange(block)):
+        return None
+    return runs[:, 0] // block
+
+
+def hybrid_reorder(cfg: dict[str, Any], hf_name: str) -> Reorder | None:
+    """The V-head reorder of a Gated DeltaNet projection (in_proj_qkv / z / b / a, out_proj) as (axis, index): whole
+    rows or columns move, so the reader applies it to the file's blocks too (GGUFTensor.reorder). None otherwise."""
+    stem = hf_name.removesuffix(".weight")
+    if ".linear_attn." not in hf_name or stem.rpartition(".")[2] not in REORDERED_PROJECTIONS:
+        return None
+    return _v_head_order(cfg, stem.rpartition(".")[2])
+
+
 def hybrid_transform(cfg: dict[str, Any], hf_name: str) -> Transform | None:
-    """The float transform that gives tensor `hf_name` back as HF saved it (None: as it is in the file)."""
+    """The float transform that gives tensor `hf_name` back as HF saved it (None: as it is in the file, or moved by
+    hybrid_reorder): the norms' w - 1, and the small float32 tensors dt_bias, A_log and conv1d."""
     stem = hf_name.removesuffix(".weight")
     if stem.endswith("norm") and not stem.endswith("linear_attn.norm"):
         return lambda w: w - np.float32(1.0)  # (exact: the converter's w + 1 lies in [0.5, 2])
     if ".linear_attn." not in hf_name:
         return None
-    num_k, num_v = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
-    k_dim, v_dim = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
-    per_k, qk = num_v // num_k if cfg["model_type"] in TILED_V_HEADS else 1, 2 * num_k * k_dim
     part = stem.rpartition(".")[2]
-
-    def heads(x: np.ndarray, axis: int = 0, width: int = 1) -> np.ndarray:
-        return x if per_k == 1 else _tiled_to_grouped(x, axis, num_k, per_k, width)
-
-    def v_rows(x: np.ndarray) -> np.ndarray:  # q and k channels first, then v
-        return np.concatenate([x[:qk], heads(x[qk:], 0, v_dim)])
-
+    order = _v_head_order(cfg, part)
     transforms: dict[str, Transform] = {
-        "in_proj_qkv": v_rows,
-        "in_proj_z": lambda w: heads(w, 0, v_dim),
-        "in_proj_b": heads,
-        "in_proj_a": heads,
-        "dt_bias": heads,
-        "A_log": lambda a: np.log(-heads(a).astype(np.float64)).astype(np.float32),
-        "conv1d": lambda w: v_rows(w)[:, None, :],  # (channels, kernel) → HF's (channels, 1, kernel)
-        "out_proj": lambda w: heads(w, 1, v_dim),
+        "dt_bias": lambda b: moved(b, order),
+        "A_log": lambda a: np.log(-moved(a, order).astype(np.float64)).astype(np.float32),
+        "conv1d": lambda w: moved(w, order)[:, None, :],  # (channels, kernel) → HF's (channels, 1, kernel)
     }
     return transforms.get(part)
 
