@@ -442,35 +442,6 @@ static w4a8_panel_fn w4a8_panel_for(int isa) {
     return w4a8_panel_scalar;
 }
 
-/* y (M, O) = x (M, K) float32 times the packed weight (layout above: bits 4, 5, or 8 for the W8A8 blocks; K a
- * multiple of G, G of 32), with x quantized here per row per block of 32; b (O,) or NULL; isa a path
- * w4a8_isa_supported accepts (the caller checks). Any M: rows in runs of W4A8_MR per panel, panels split over the
- * threads. Returns 0, or -1 when the activation scratch could not be allocated, isa is not runnable or bits is
- * neither 4 nor 8 (y untouched). */
-int linear_w4a8_f32(const float *x, const uint8_t *pc, const uint16_t *ps, const uint16_t *pm, const float *b,
-                    float *y, int64_t M, int64_t O, int64_t K, int64_t G, int bits, int isa, int nthreads) {
-    if (!w4a8_isa_supported(isa) || (bits != 4 && bits != 5 && bits != 8) || (bits == 8 && pm)) return -1;
-    const int64_t NB = K / 32, P = (O + W4A8_PANEL - 1) / W4A8_PANEL, NG = K / G;
-    const int64_t R = M < W4A8_MR ? M : W4A8_MR, Mp = (M + R - 1) / R * R; /* rows padded to whole chunks */
-    char *buf = (char *)malloc((size_t)(Mp * K + Mp * NB * 12));
-    if (!buf) return -1;
-    const w4a8_act a = {(int8_t *)buf, (float *)(buf + Mp * K), (float *)(buf + Mp * K + 4 * Mp * NB),
-                        (int32_t *)(buf + Mp * K + 8 * Mp * NB), R, NB, bits};
-    /* the codes' offset the block sums correct: 8 (symmetric nibbles), 16 (symmetric 5-bit codes), 0 (with mins),
-     * 128 (8-bit; 0 on AVX2, whose sign trick multiplies the signed weights themselves) */
-    const int32_t off = bits == 8 ? (isa == W4A8_AVX2 ? 0 : 128) : pm ? 0 : bits == 5 ? 16 : 8;
-    w4a8_quantize(x, &a, M, off, nthreads);
-    const w4a8_panel_fn fn = w4a8_panel_for(isa);
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t p = 0; p < P; p++) {
-        const uint8_t *pcp = pc + p * NB * 64 * bits;
-        const uint16_t *psp = ps + p * NG * W4A8_PANEL, *pmp = pm ? pm + p * NG * W4A8_PANEL : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += W4A8_MR)
-            fn(&a, m0, M - m0 < W4A8_MR ? M - m0 : W4A8_MR, pcp, psp, pmp, b, y, O, p * W4A8_PANEL, K, G);
-    }
-    free(buf);
-    return 0;
-}
 /* One product of linear_w4a8_multi_f32: y (M, O) = x (M, K) times a packed weight (linear_w4a8_f32's arguments). */
 typedef struct {
     const float *x;
@@ -519,6 +490,8 @@ int linear_w4a8_multi_f32(const w4a8_job *jobs, int64_t n, int64_t K, int bits, 
         free(acts);
         return -1;
     }
+    /* the codes' offset the block sums correct: 8 (symmetric nibbles), 16 (symmetric 5-bit codes), 0 (with mins),
+     * 128 (8-bit; 0 on AVX2, whose sign trick multiplies the signed weights themselves) */
     const int32_t off = bits == 8 ? (isa == W4A8_AVX2 ? 0 : 128) : has_mins ? 0 : bits == 5 ? 16 : 8;
     for (int64_t j = 0, a = 0; j < n; j++) {
         if (act_of[j] != a) continue; /* (a job sharing the previous one's activations) */
@@ -549,5 +522,15 @@ int linear_w4a8_multi_f32(const w4a8_job *jobs, int64_t n, int64_t K, int bits, 
     free(first);
     free(acts);
     return 0;
+}
+/* y (M, O) = x (M, K) float32 times the packed weight (layout above: bits 4, 5, or 8 for the W8A8 blocks; K a
+ * multiple of G, G of 32), with x quantized here per row per block of 32; b (O,) or NULL; isa a path
+ * w4a8_isa_supported accepts (the caller checks). Any M: rows in runs of W4A8_MR per panel, panels split over the
+ * threads. Returns 0, or -1 when the activation scratch could not be allocated, isa is not runnable or bits is
+ * neither 4 nor 8 (y untouched). One job of linear_w4a8_multi_f32. */
+int linear_w4a8_f32(const float *x, const uint8_t *pc, const uint16_t *ps, const uint16_t *pm, const float *b,
+                    float *y, int64_t M, int64_t O, int64_t K, int64_t G, int bits, int isa, int nthreads) {
+    const w4a8_job job = {x, pc, ps, pm, b, y, M, O, G};
+    return linear_w4a8_multi_f32(&job, 1, K, bits, isa, nthreads);
 }
 /* ========================================= end of W4A8 int4 kernels ======================================== */

@@ -68,17 +68,11 @@ def w4a8_quantize_rows(x: torch.Tensor, offset: int = 8) -> tuple[torch.Tensor, 
     return q, d, corr, ds
 
 
-def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | None = None) -> torch.Tensor:
-    """W4A8 for any number of rows: x (M, K) float32 quantized inside per row per block of 32; w a
-    lmserve.model.quantization.W4A8Weights (the packed int4 panels, 5-bit ones (GGUF Q5_0 / Q5_1), or 8-bit ones:
-    W8A8 blocks); bias (O,) or None;
-    isa as w4a8_isa. Returns (M, O) float32."""
-    assert L._lib is not None, "kernels not loaded: call available() first"
-    x = x.contiguous()
+def _check_operands(x: torch.Tensor, w: Any, bias: torch.Tensor | None) -> None:
+    """x (M, K) contiguous float32, w's packed panels for K inputs, bias (O,) or None: what the kernels read."""
     L._check(x, "x")
-    m, k = x.shape
+    k, o = x.shape[1], w.out_features
     assert k == w.in_features, f"x has {k} features, weight expects {w.in_features}"
-    o = w.out_features
     L._check(w.codes, "codes", torch.uint8)
     L._check(w.scales, "scales", torch.float16)
     assert w.codes.shape == (-(-o // 16), k // 32, w.bits, 64), f"codes {tuple(w.codes.shape)} for ({o}, {k})"
@@ -89,6 +83,18 @@ def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | N
         assert w.mins.shape == w.scales.shape, f"mins {tuple(w.mins.shape)} vs scales {tuple(w.scales.shape)}"
     if bias is not None:
         L._check(bias, "bias")
+
+
+def linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None, isa: str | None = None) -> torch.Tensor:
+    """W4A8 for any number of rows: x (M, K) float32 quantized inside per row per block of 32; w a
+    lmserve.model.quantization.W4A8Weights (the packed int4 panels, 5-bit ones (GGUF Q5_0 / Q5_1), or 8-bit ones:
+    W8A8 blocks); bias (O,) or None;
+    isa as w4a8_isa. Returns (M, O) float32."""
+    assert L._lib is not None, "kernels not loaded: call available() first"
+    x = x.contiguous()
+    _check_operands(x, w, bias)
+    m, k = x.shape
+    o = w.out_features
     y = torch.empty(m, o, dtype=torch.float32)
     if m == 0:
         return y
@@ -122,10 +128,7 @@ def linear_w4a8_many(
     xs = [x.contiguous() for x in xs]
     ys = [torch.empty(x.shape[0], w.out_features) for x, w in zip(xs, ws, strict=True)]
     for x, w, b in zip(xs, ws, biases, strict=True):
-        L._check(x, "x")
-        assert x.shape[1] == w.in_features, f"x has {x.shape[1]} features, weight expects {w.in_features}"
-        if b is not None:
-            L._check(b, "bias")
+        _check_operands(x, w, b)
     jobs = (_Job * len(xs))(*[
         _Job(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), L._ptr(w.mins), L._ptr(b), y.data_ptr(),
              x.shape[0], w.out_features, w.group_size)
