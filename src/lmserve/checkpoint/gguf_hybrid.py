@@ -128,9 +128,10 @@ def _v_head_order(cfg: dict[str, Any], part: str) -> Reorder | None:
     def heads(width: int) -> np.ndarray:
         return _tiled_to_grouped(np.arange(num_v * width), 0, num_k, per_k, width)
 
+    channels = (0, np.concatenate([np.arange(qk), qk + heads(v_dim)]))  # q and k channels first, then v
     orders = {
-        "in_proj_qkv": (0, np.concatenate([np.arange(qk), qk + heads(v_dim)])),  # q and k channels first, then v
-        "conv1d": (0, np.concatenate([np.arange(qk), qk + heads(v_dim)])),
+        "in_proj_qkv": channels,
+        "conv1d": channels,
         "in_proj_z": (0, heads(v_dim)),
         **{p: (0, heads(1)) for p in ("in_proj_b", "in_proj_a", "dt_bias", "A_log")},
         "out_proj": (1, heads(v_dim)),
